@@ -1,0 +1,45 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   create .venv, install, run the planning demo on its embedded defaults
+#   make test   create .venv, install, run the tests
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Extra pip arguments for torch, e.g. TORCH_PIP_ARGS="--index-url <your CPU wheel index>".
+TORCH_PIP_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: demo test install bench lint clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	@# torch first, pinned: where no CUDA is present the CPU build (found offline through pip's
+	@# find-links here); where CUDA is present the default build plus the gpu extra (flash-attn).
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  echo "CUDA found: installing torch==2.13.0 and the gpu extra"; \
+	  $(BIN)/pip install $(TORCH_PIP_ARGS) torch==2.13.0 && \
+	  $(BIN)/pip install -e '.[dev]' && \
+	  ($(BIN)/pip install --no-build-isolation -e '.[gpu]' || echo "flash-attn did not install: the PyTorch attention path will be used"); \
+	else \
+	  echo "no CUDA: installing the CPU build of torch==2.13.0"; \
+	  $(BIN)/pip install $(TORCH_PIP_ARGS) torch==2.13.0 && \
+	  $(BIN)/pip install -e '.[dev]'; \
+	fi
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/workbench demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python bench/planners.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check workbench widgets tests bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info
