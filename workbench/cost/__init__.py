@@ -1,0 +1,310 @@
+"""The cost model the planners use: time and memory of a sequence on an SP group of degree d.
+
+Time of one sequence of ``s`` tokens on a group of ``d`` GPUs (whole model, ms)::
+
+    compute(s, d) = (A*s^2 + B*s) / d                 # fitted per-layer curves x layers
+    ulysses(s, d) = passes * layers * bytes(s, d) / all_to_all_bw(d)
+        bytes(s, d) = dtype * (s/d) * (2*hidden + 2*kv_dim_eff) * (d-1)/d   # q, k, v, o; each rank
+                                                                            # sends (d-1)/d of its share
+    ring(s, d)    = max(0, passes * layers * p2p_bytes(s, d) / p2p_bw(d) - A*s^2/d)   # overlapped
+                                                                                      # with attention
+
+``passes`` is 2 (forward and backward), 3 with full recomputation. A group's time in a micro-step
+is the sum of its sequences' times plus ``group_overhead_ms(d)`` (the fitted constant ``c``: one
+packed call per layer). A group fits when the sum of its sequences' ``memory(s, d)`` is at most
+``memory_budget_gb`` (usable GPU memory less model states). After the last micro-step all ranks
+all-reduce gradients: ``grad_sync_ms``.
+
+Pure numpy: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from workbench.specs import ClusterSpec, ComputeCurve, HardwareProfile, ModelSpec
+
+__all__ = ["CostModel", "STRATEGIES", "InfeasibleError"]
+
+STRATEGIES = ("ulysses", "ring")
+
+
+class InfeasibleError(ValueError):
+    """A sequence (or a batch) that no group of the cluster can hold."""
+
+
+def _interp_bw(table: dict[int, float], d: int) -> float:
+    """Bandwidth for group size ``d``: log-log interpolation between measured sizes, clamped."""
+    keys = sorted(table)
+    if d in table:
+        return table[d]
+    if d <= keys[0]:
+        return table[keys[0]]
+    if d >= keys[-1]:
+        return table[keys[-1]]
+    for lo, hi in zip(keys, keys[1:]):
+        if lo < d < hi:
+            t = (math.log(d) - math.log(lo)) / (math.log(hi) - math.log(lo))
+            return math.exp(math.log(table[lo]) * (1 - t) + math.log(table[hi]) * t)
+    raise AssertionError("unreachable")
+
+
+def _quadratic_coeff(m: ModelSpec) -> float:
+    # attention scores and values: FLOPs per sequence grow as s^2 * hidden per layer
+    return m.layers * m.hidden
+
+
+def _linear_coeff(m: ModelSpec) -> float:
+    # dense matmuls: FLOPs per token grow with the block parameters and the output head
+    return m.layers * m.layer_params() + m.vocab * m.hidden
+
+
+def activation_bytes_per_token(model: ModelSpec, recompute: bool = False) -> float:
+    """Analytic activation memory per token of the whole model (bytes), Llama block with a
+    flash-style attention (no s^2 buffers). Per block the backward pass keeps: the block input
+    and normed input, q, k, v, the attention output, the second norm's input and output, the
+    gate and up projections, their SwiGLU product and activation (``6h + 2*kv_dim + 4*ffn``
+    elements); plus fp32 logits. With full recomputation only each block's input stays, plus one
+    block's working set while it is recomputed."""
+    per_layer = model.dtype_bytes * (6 * model.hidden + 2 * model.kv_dim + 4 * model.ffn)
+    logits = 4 * model.vocab
+    if recompute:
+        return model.layers * model.dtype_bytes * model.hidden + per_layer + logits
+    return model.layers * per_layer + logits
+
+
+@dataclass(frozen=True)
+class _Fit:
+    A: float  # ms per token^2, whole model, forward+backward (+recompute)
+    B: float  # ms per token
+    C: float  # ms per packed call (group and micro-step)
+    act_bytes: float  # per token, whole model
+
+
+class CostModel:
+    """Time and memory of sequences on SP groups, for one model on one cluster and profile.
+
+    ``time`` and ``memory`` are vectorised over lengths. Raises ValueError when the model states
+    alone do not fit the GPU, or on an unknown strategy.
+    """
+
+    def __init__(
+        self,
+        profile: HardwareProfile,
+        model: ModelSpec,
+        cluster: ClusterSpec,
+        *,
+        strategy: str = "ulysses",
+        recompute: bool = False,
+    ) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        self.profile = profile
+        self.model = model
+        self.cluster = cluster
+        self.strategy = strategy
+        self.recompute = bool(recompute)
+        self._fit = self._fit_for_model()
+        self.memory_budget_gb = cluster.usable_memory_gb - cluster.model_state_gb(model)
+        if self.memory_budget_gb <= 0:
+            raise ValueError(
+                f"model {model.name} needs {cluster.model_state_gb(model):.1f} GB per GPU of parameters, gradients "
+                f"and optimizer states (ZeRO-{cluster.zero_stage} over {cluster.num_gpus} GPUs) but only "
+                f"{cluster.usable_memory_gb:.1f} GB are usable; use ZeRO-3, more GPUs or GPUs with more memory"
+            )
+        self.degrees = tuple(d for d in cluster.degrees if self.degree_supported(d))
+        if not self.degrees:
+            raise ValueError(
+                f"no candidate degree in {list(cluster.degrees)} works with {strategy} for model {model.name} "
+                f"({model.heads} heads, {model.kv_heads} KV heads); try --strategy ring"
+            )
+
+    # ---- fitting the profile to the model ------------------------------------------------
+    def _fit_for_model(self) -> _Fit:
+        p, m = self.profile, self.model
+        fwd, bwd, act_mb = p.forward, p.backward, p.activation_mb_per_token
+        ref = m if p.model == m.name else _reference_model(p.model)
+        passes_f = 2.0 if self.recompute else 1.0  # recomputation runs the forward again
+
+        def tot(curve: ComputeCurve, n: float) -> tuple[float, float, float]:
+            return curve.a * n, curve.b * n, curve.c * n
+
+        af, bf, cf = tot(fwd, ref.layers)
+        ab, bb, cb = tot(bwd, ref.layers)
+        A = passes_f * af + ab
+        B = passes_f * bf + bb
+        C = passes_f * cf + cb
+        if ref is not m:
+            # scale by FLOPs: quadratic (attention) and linear (dense) parts separately
+            A *= _quadratic_coeff(m) / _quadratic_coeff(ref)
+            B *= _linear_coeff(m) / _linear_coeff(ref)
+            C *= m.layers / ref.layers
+        if act_mb is not None and p.model == m.name:
+            act = act_mb * 1e6
+            if self.recompute:
+                act *= activation_bytes_per_token(m, True) / activation_bytes_per_token(m, False)
+        else:
+            act = activation_bytes_per_token(m, self.recompute)
+        return _Fit(A=A, B=B, C=C, act_bytes=act)
+
+    # ---- degrees ---------------------------------------------------------------------------
+    def degree_supported(self, d: int) -> bool:
+        """Whether the strategy can run a group of degree ``d`` at all (ignoring memory).
+
+        Ulysses scatters heads: d must divide the query heads, and the KV heads must split over d
+        or be replicated to d (d a multiple of kv_heads). Ring has no head limit.
+        """
+        if d == 1 or self.strategy == "ring":
+            return True
+        m = self.model
+        return m.heads % d == 0 and (m.kv_heads % d == 0 or d % m.kv_heads == 0)
+
+    def degree_limit_reason(self, d: int) -> str:
+        """Why degree ``d`` is unsupported (empty when it is supported)."""
+        if self.degree_supported(d):
+            return ""
+        return (f"Ulysses degree {d} does not divide the {self.model.heads} attention heads of {self.model.name}; "
+                f"use --strategy ring or degrees up to {max(self.degrees)}")
+
+    # ---- per-sequence costs -------------------------------------------------------------------
+    def compute_ms(self, lengths, degree: int) -> np.ndarray:
+        """Compute time (ms) of each sequence on a group of ``degree``, without communication."""
+        s = np.asarray(lengths, dtype=np.float64)
+        f = self._fit
+        return (f.A * s * s + f.B * s) / degree
+
+    def comm_ms(self, lengths, degree: int) -> np.ndarray:
+        """Exposed communication time (ms) of each sequence inside its SP group."""
+        s = np.asarray(lengths, dtype=np.float64)
+        d = int(degree)
+        if d == 1:
+            return np.zeros_like(s)
+        m, p = self.model, self.profile
+        passes = 3.0 if self.recompute else 2.0
+        if self.strategy == "ulysses":
+            kv_eff = max(m.kv_heads, d) * m.head_dim  # KV replicated when d exceeds the KV heads
+            per_layer = m.dtype_bytes * (s / d) * (2 * m.hidden + 2 * kv_eff) * (d - 1) / d
+            return passes * m.layers * per_layer / (_interp_bw(p.all_to_all_gbps, d) * 1e9) * 1e3
+        # ring: every rank passes its K/V block d-1 times forward; backward passes K/V and dK/dV
+        ring_passes = (passes - 1) + 2.0
+        per_layer = m.dtype_bytes * (s / d) * 2 * m.kv_dim * (d - 1)
+        table = p.p2p_gbps or p.all_to_all_gbps
+        comm = ring_passes * m.layers * per_layer / (_interp_bw(table, d) * 1e9) * 1e3
+        attn = self._fit.A * s * s / d
+        return np.maximum(0.0, comm - attn)
+
+    def time(self, lengths, degree: int) -> np.ndarray:
+        """Time (ms) of each sequence on a group of ``degree``: compute plus exposed communication.
+        The group's fixed cost per micro-step is ``group_overhead_ms(degree)``, not included."""
+        return self.compute_ms(lengths, degree) + self.comm_ms(lengths, degree)
+
+    def memory(self, lengths, degree: int) -> np.ndarray:
+        """Activation memory (GB per GPU) of each sequence on a group of ``degree``."""
+        s = np.asarray(lengths, dtype=np.float64)
+        return self._fit.act_bytes * s / degree / 1e9
+
+    def work(self, lengths, degree: int) -> np.ndarray:
+        """GPU-time (ms x GPUs) of each sequence on ``degree``: ``degree * time``."""
+        return degree * self.time(lengths, degree)
+
+    def group_overhead_ms(self, degree: int) -> float:
+        """Fixed time a group pays once per micro-step (the fitted constant c of every layer)."""
+        return self._fit.C
+
+    @property
+    def activation_bytes_per_token(self) -> float:
+        return self._fit.act_bytes
+
+    def tokens_per_gpu(self) -> float:
+        """How many tokens of activations one GPU holds within the budget."""
+        return self.memory_budget_gb * 1e9 / self._fit.act_bytes
+
+    def grad_sync_ms(self, num_ranks: int | None = None) -> float:
+        """Data-parallel gradient all-reduce after the last micro-step (ring: 2(n-1)/n of the bf16
+        gradient bytes at the profile's bus bandwidth). 0 when the profile has no all-reduce figures
+        or on one rank."""
+        n = num_ranks or self.cluster.num_gpus
+        if n <= 1 or not self.profile.allreduce_gbps:
+            return 0.0
+        grad_bytes = 2.0 * self.model.params()
+        return 2 * (n - 1) / n * grad_bytes / (_interp_bw(self.profile.allreduce_gbps, n) * 1e9) * 1e3
+
+    # ---- feasibility ----------------------------------------------------------------------------
+    def min_degree(self, lengths) -> np.ndarray:
+        """Smallest supported degree whose memory holds each sequence alone (0 where none does)."""
+        s = np.asarray(lengths, dtype=np.float64)
+        out = np.zeros(s.shape, dtype=np.int64)
+        for d in sorted(self.degrees, reverse=True):
+            ok = self.memory(s, d) <= self.memory_budget_gb
+            out[ok] = d
+        return out
+
+    def check_feasible(self, lengths) -> None:
+        """Raise InfeasibleError naming the first sequence no group can hold, the memory it needs
+        and the smallest degree that would hold it."""
+        s = np.asarray(lengths, dtype=np.int64)
+        md = self.min_degree(s)
+        bad = np.flatnonzero(md == 0)
+        if bad.size == 0:
+            return
+        i = int(bad[0])
+        raise InfeasibleError(self.infeasible_message(i, int(s[i])) +
+                              (f" ({bad.size - 1} more sequence(s) too long as well)" if bad.size > 1 else ""))
+
+    def infeasible_message(self, index: int, length: int) -> str:
+        """One line saying why sequence ``index`` of ``length`` tokens fits no group."""
+        need_total = self.memory([length], 1)[0]
+        d_need = math.ceil(need_total / self.memory_budget_gb)
+        d_pow2 = 1 << max(0, (d_need - 1).bit_length())
+        gpus = self.cluster.num_gpus
+        msg = (f"sequence {index} ({length:,} tokens) needs {need_total:,.1f} GB of activations, so degree "
+               f"{d_pow2} on {self.cluster.gpu_memory_gb:g} GB GPUs ({self.memory_budget_gb:.1f} GB per GPU for "
+               f"activations)")
+        if d_pow2 > gpus:
+            msg += f"; the cluster has {gpus} GPUs"
+        elif not self.degree_supported(d_pow2):
+            msg += f"; {self.degree_limit_reason(d_pow2)}"
+        else:
+            msg += f"; candidate degrees are {list(self.degrees)}"
+        return msg + ". Lower --max-len, add GPUs, or use --recompute"
+
+    # ---- reporting ----------------------------------------------------------------------------------
+    def table(self, lengths, degrees=None) -> dict:
+        """The cost model as plain data (the ``workbench cost --json`` shape)."""
+        degrees = list(degrees) if degrees else list(self.cluster.degrees)
+        rows = []
+        for s in lengths:
+            for d in degrees:
+                supported = self.degree_supported(d) and d <= self.cluster.num_gpus
+                mem = float(self.memory([s], d)[0])
+                rows.append({
+                    "length": int(s),
+                    "degree": int(d),
+                    "time_ms": float(self.time([s], d)[0]) if supported else None,
+                    "memory_gb": mem,
+                    "feasible": bool(supported and mem <= self.memory_budget_gb),
+                })
+        return {
+            "rows": rows,
+            "group_overhead_ms": {str(d): self.group_overhead_ms(d) for d in degrees},
+            "memory_budget_gb": self.memory_budget_gb,
+            "grad_sync_ms": self.grad_sync_ms(),
+            "strategy": self.strategy,
+            "recompute": self.recompute,
+            "model": self.model.name,
+            "profile": self.profile.name,
+            "profile_kind": self.profile.provenance.get("kind"),
+        }
+
+
+def _reference_model(name: str) -> ModelSpec:
+    from workbench.specs import get_model
+
+    try:
+        return get_model(name)
+    except ValueError:
+        raise ValueError(f"the profile was measured on model {name!r}, which is not a preset, so it cannot be "
+                         f"scaled to another model; profile the model you plan for") from None

@@ -1,0 +1,338 @@
+"""The Plan of one training step, its timeline, its lower bound, and ``validate``.
+
+A Plan is a list of micro-steps; each micro-step partitions (some of) the ranks into SP groups
+``(degree, ranks)`` and gives each group the indices of the sequences it runs. Groups are aligned
+blocks of consecutive ranks: a group of degree d holds ranks ``[k*d, (k+1)*d)``.
+
+Timing semantics (the same the runtime has): a rank runs its micro-steps in order, and a group
+starts when all its ranks have finished their previous micro-step; there is no global barrier
+between micro-steps. After the last micro-step every rank joins the gradient all-reduce. So
+``makespan = max over ranks of its finish time + grad_sync``. For a static layout this is the
+slowest replica's sum of micro-batches; for a plan that changes groups between micro-steps a rank
+may wait for the ranks of its next group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from workbench.cost import CostModel
+
+__all__ = [
+    "Group",
+    "MicroStep",
+    "Plan",
+    "PlanError",
+    "build_plan",
+    "timeline",
+    "lower_bound_ms",
+    "validate",
+    "plan_from_dict",
+]
+
+STATUSES = ("optimal", "feasible", "heuristic", "fallback")
+
+
+class PlanError(ValueError):
+    """A plan that breaks a rule: overlapping ranks, missing sequences, memory overflow..."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Group:
+    """One SP group in one micro-step."""
+
+    degree: int
+    ranks: tuple[int, ...]
+    sequences: tuple[int, ...]
+    """Indices into the step's batch."""
+    lengths: tuple[int, ...]
+    time_ms: float
+    """Predicted time: group overhead + sum of the sequences' times."""
+    memory_gb: float
+    """Predicted activation memory per GPU."""
+
+    def to_dict(self) -> dict:
+        return {"degree": self.degree, "ranks": list(self.ranks), "sequences": list(self.sequences),
+                "lengths": list(self.lengths), "time_ms": self.time_ms, "memory_gb": self.memory_gb}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MicroStep:
+    groups: tuple[Group, ...]
+
+    def to_dict(self) -> dict:
+        return {"groups": [g.to_dict() for g in self.groups]}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """One step's plan; plain data (``to_dict``) that the CLI prints and panels draw."""
+
+    planner: str
+    status: str
+    """``optimal`` (proved), ``feasible`` (solver stopped at its limit), ``heuristic`` (a
+    baseline or greedy rule: no optimality claim), ``fallback`` (a solver failed; see reason)."""
+    makespan_ms: float
+    lower_bound_ms: float
+    solve_seconds: float
+    micro_steps: tuple[MicroStep, ...]
+    num_gpus: int
+    grad_sync_ms: float = 0.0
+    memory_budget_gb: float = math.inf
+    batch_id: str | None = None
+    reason: str = ""
+    """Why the status is what it is (e.g. why a solver fell back)."""
+    stats: dict = field(default_factory=dict)
+    """Planner-specific figures (buckets, solver bound, iterations...)."""
+
+    @property
+    def gap(self) -> float:
+        """makespan / lower bound - 1."""
+        return self.makespan_ms / self.lower_bound_ms - 1.0 if self.lower_bound_ms > 0 else 0.0
+
+    @property
+    def num_sequences(self) -> int:
+        return sum(len(g.sequences) for m in self.micro_steps for g in m.groups)
+
+    def with_batch(self, batch_id: str | None) -> "Plan":
+        """The same plan tagged with the id of the batch it was made for."""
+        return dataclasses.replace(self, batch_id=batch_id)
+
+    def to_dict(self) -> dict:
+        return {
+            "planner": self.planner,
+            "status": self.status,
+            "makespan_ms": self.makespan_ms,
+            "lower_bound_ms": self.lower_bound_ms,
+            "gap": self.gap,
+            "solve_seconds": self.solve_seconds,
+            "num_gpus": self.num_gpus,
+            "grad_sync_ms": self.grad_sync_ms,
+            "memory_budget_gb": self.memory_budget_gb if math.isfinite(self.memory_budget_gb) else None,
+            "batch_id": self.batch_id,
+            "reason": self.reason,
+            "stats": self.stats,
+            "micro_steps": [m.to_dict() for m in self.micro_steps],
+        }
+
+
+def plan_from_dict(d: Mapping[str, Any]) -> Plan:
+    """Rebuild a Plan from ``Plan.to_dict()`` output (e.g. a line of plans.jsonl)."""
+    try:
+        micro = tuple(
+            MicroStep(groups=tuple(
+                Group(degree=int(g["degree"]), ranks=tuple(int(r) for r in g["ranks"]),
+                      sequences=tuple(int(i) for i in g["sequences"]), lengths=tuple(int(x) for x in g["lengths"]),
+                      time_ms=float(g["time_ms"]), memory_gb=float(g["memory_gb"]))
+                for g in m["groups"]))
+            for m in d["micro_steps"])
+        budget = d.get("memory_budget_gb")
+        return Plan(planner=str(d["planner"]), status=str(d["status"]), makespan_ms=float(d["makespan_ms"]),
+                    lower_bound_ms=float(d["lower_bound_ms"]), solve_seconds=float(d["solve_seconds"]),
+                    micro_steps=micro, num_gpus=int(d["num_gpus"]), grad_sync_ms=float(d.get("grad_sync_ms", 0.0)),
+                    memory_budget_gb=math.inf if budget is None else float(budget), batch_id=d.get("batch_id"),
+                    reason=str(d.get("reason", "")), stats=dict(d.get("stats", {})))
+    except (KeyError, TypeError, ValueError) as e:
+        raise PlanError(f"not a plan: {e!r} (expected the shape of `workbench plan --json`)") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# building plans from an assignment
+# ----------------------------------------------------------------------------------------------
+
+GroupSpec = tuple[int, Sequence[int]]  # (degree, sequence indices)
+
+
+def group_time(cost: CostModel, lengths: np.ndarray, degree: int, seqs: Sequence[int]) -> float:
+    """Predicted time of one group: its fixed overhead plus its sequences' times."""
+    if len(seqs) == 0:
+        return 0.0
+    return cost.group_overhead_ms(degree) + float(cost.time(lengths[list(seqs)], degree).sum())
+
+
+def group_memory(cost: CostModel, lengths: np.ndarray, degree: int, seqs: Sequence[int]) -> float:
+    """Predicted activation memory per GPU of one group."""
+    if len(seqs) == 0:
+        return 0.0
+    return float(cost.memory(lengths[list(seqs)], degree).sum())
+
+
+def build_plan(
+    planner: str,
+    micro_steps: Iterable[Iterable[GroupSpec]],
+    lengths,
+    cost: CostModel,
+    *,
+    status: str = "heuristic",
+    solve_seconds: float = 0.0,
+    reason: str = "",
+    stats: dict | None = None,
+    blocks: Iterable[Iterable[int]] | None = None,
+    lower_bound: float | None = None,
+) -> Plan:
+    """Turn an assignment ``[[(degree, [seq, ...]), ...] per micro-step]`` into a Plan.
+
+    Ranks are placed per micro-step, larger degrees first; each group takes the free aligned block
+    whose ranks are ready earliest (so heavy work lands on ranks that finished early), unless
+    ``blocks`` fixes the block index of every group (static layouts keep their replicas). Empty
+    groups are dropped. Raises PlanError when a micro-step's groups need more ranks than exist.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    n = cost.cluster.num_gpus
+    ready = np.zeros(n)
+    out: list[MicroStep] = []
+    fixed = [list(b) for b in blocks] if blocks is not None else None
+    for m, groups in enumerate(micro_steps):
+        groups = [(int(d), list(s)) for d, s in groups]
+        fixed_m = fixed[m] if fixed is not None else None
+        if fixed_m is not None and len(fixed_m) != len(groups):
+            raise PlanError(f"micro-step {m}: {len(groups)} groups but {len(fixed_m)} fixed blocks")
+        need = sum(d for d, s in groups if s)
+        if need > n:
+            raise PlanError(f"micro-step {m}: groups need {need} ranks but the cluster has {n}")
+        timed = [(d, s, group_time(cost, lengths, d, s), k) for k, (d, s) in enumerate(groups) if s]
+        timed.sort(key=lambda x: (-x[0], -x[2]))
+        used = np.zeros(n, dtype=bool)
+        placed: list[Group] = []
+        for d, s, t, k in timed:
+            if fixed_m is not None:
+                b = fixed_m[k]
+                if not 0 <= b < n // d or used[b * d:(b + 1) * d].any():
+                    raise PlanError(f"micro-step {m}: fixed block {b} of degree {d} is taken or out of range")
+            else:
+                block_ready = ready[: (n // d) * d].reshape(-1, d).max(axis=1)
+                block_used = used[: (n // d) * d].reshape(-1, d).any(axis=1)
+                block_ready = np.where(block_used, np.inf, block_ready)
+                b = int(np.argmin(block_ready))
+                if not math.isfinite(block_ready[b]):
+                    raise PlanError(f"micro-step {m}: no free aligned block of degree {d} left")
+            lo, hi = b * d, (b + 1) * d
+            used[lo:hi] = True
+            start = ready[lo:hi].max()
+            ready[lo:hi] = start + t
+            placed.append(Group(degree=d, ranks=tuple(range(lo, hi)), sequences=tuple(int(i) for i in s),
+                                lengths=tuple(int(lengths[i]) for i in s), time_ms=t,
+                                memory_gb=group_memory(cost, lengths, d, s)))
+        placed.sort(key=lambda g: g.ranks[0])
+        if placed:
+            out.append(MicroStep(groups=tuple(placed)))
+    grad = cost.grad_sync_ms()
+    makespan = float(ready.max()) + grad if out else grad
+    lb = lower_bound_ms(lengths, cost) if lower_bound is None else lower_bound
+    return Plan(planner=planner, status=status, makespan_ms=makespan, lower_bound_ms=lb,
+                solve_seconds=solve_seconds, micro_steps=tuple(out), num_gpus=n, grad_sync_ms=grad,
+                memory_budget_gb=cost.memory_budget_gb, reason=reason, stats=dict(stats or {}))
+
+
+def timeline(plan: Plan) -> dict:
+    """Replay a plan's groups on its ranks: per group start/end, per rank busy and finish times.
+
+    Returns plain data: ``{"groups": [{micro_step, degree, ranks, start_ms, end_ms}], "rank_busy_ms",
+    "rank_finish_ms", "compute_end_ms", "makespan_ms"}`` (the makespan includes the gradient sync).
+    """
+    n = plan.num_gpus
+    ready = np.zeros(n)
+    busy = np.zeros(n)
+    rows = []
+    for m, ms in enumerate(plan.micro_steps):
+        for g in sorted(ms.groups, key=lambda g: (-g.degree, -g.time_ms)):
+            r = list(g.ranks)
+            start = float(ready[r].max())
+            ready[r] = start + g.time_ms
+            busy[r] += g.time_ms
+            rows.append({"micro_step": m, "degree": g.degree, "ranks": [r[0], r[-1]], "start_ms": start,
+                         "end_ms": start + g.time_ms, "sequences": len(g.sequences)})
+    end = float(ready.max()) if rows else 0.0
+    return {"groups": rows, "rank_busy_ms": busy.tolist(), "rank_finish_ms": ready.tolist(),
+            "compute_end_ms": end, "makespan_ms": end + plan.grad_sync_ms}
+
+
+def lower_bound_ms(lengths, cost: CostModel) -> float:
+    """A bound no plan can beat (perfectly divided work), in ms, gradient sync included.
+
+    Every GPU's finish time is at least its busy time, so the makespan is at least the total
+    GPU-time over N. A sequence costs at least ``min_d d*time(s, d)`` GPU-ms over the degrees
+    that hold it; each GPU-slot (a GPU taking part in a micro-step) pays the group overhead and
+    holds at most the memory budget, so there are at least ``sum(activations)/budget`` slots. And
+    the makespan is at least the longest single sequence on its best degree.
+    Raises InfeasibleError when a sequence fits no group.
+    """
+    s = np.asarray(lengths, dtype=np.int64)
+    if s.size == 0:
+        return cost.grad_sync_ms()
+    cost.check_feasible(s)
+    n = cost.cluster.num_gpus
+    best_work = np.full(s.shape, np.inf)
+    best_single = np.full(s.shape, np.inf)
+    for d in cost.degrees:
+        ok = cost.memory(s, d) <= cost.memory_budget_gb
+        t = cost.time(s, d) + cost.group_overhead_ms(d)
+        best_work = np.where(ok, np.minimum(best_work, d * cost.time(s, d)), best_work)
+        best_single = np.where(ok, np.minimum(best_single, t), best_single)
+    slots = max(1.0, float(cost.memory(s, 1).sum()) / cost.memory_budget_gb)
+    c = min(cost.group_overhead_ms(d) for d in cost.degrees)
+    lb_work = (float(best_work.sum()) + slots * c) / n
+    return max(lb_work, float(best_single.max())) + cost.grad_sync_ms()
+
+
+def validate(plan: Plan, lengths, cluster, cost: CostModel | None = None, *, rtol: float = 1e-6) -> None:
+    """Check a plan against its batch and cluster; raise PlanError saying what is wrong and where.
+
+    Checks: the plan is for ``cluster.num_gpus`` ranks; every group is an aligned block of
+    consecutive ranks whose size is its degree (a candidate degree); no rank is in two groups of a
+    micro-step; no group is empty; every sequence of the batch runs exactly once and the lengths
+    match; each group's memory fits the budget (recomputed with ``cost`` when given); the lower
+    bound does not exceed the makespan.
+    """
+    s = np.asarray(lengths, dtype=np.int64)
+    n = cluster.num_gpus
+    if plan.num_gpus != n:
+        raise PlanError(f"plan is for {plan.num_gpus} ranks but the cluster has {n}")
+    seen = np.zeros(s.size, dtype=np.int64)
+    budget = cost.memory_budget_gb if cost is not None else plan.memory_budget_gb
+    for m, ms in enumerate(plan.micro_steps):
+        taken: dict[int, int] = {}
+        for gi, g in enumerate(ms.groups):
+            where = f"micro-step {m}, group {gi} (degree {g.degree}, ranks {g.ranks[0] if g.ranks else '?'}..)"
+            if g.degree not in cluster.degrees:
+                raise PlanError(f"{where}: degree {g.degree} is not a candidate degree {list(cluster.degrees)}")
+            if len(g.ranks) != g.degree:
+                raise PlanError(f"{where}: has {len(g.ranks)} ranks, not {g.degree}")
+            lo = g.ranks[0]
+            if tuple(g.ranks) != tuple(range(lo, lo + g.degree)) or lo % g.degree != 0:
+                raise PlanError(f"{where}: ranks {list(g.ranks)} are not an aligned block of {g.degree} "
+                                f"consecutive ranks starting at a multiple of {g.degree}")
+            if lo + g.degree > n or lo < 0:
+                raise PlanError(f"{where}: ranks go beyond the cluster's {n} ranks")
+            for r in g.ranks:
+                if r in taken:
+                    raise PlanError(f"{where}: rank {r} is also in group {taken[r]} of this micro-step")
+                taken[r] = gi
+            if not g.sequences:
+                raise PlanError(f"{where}: has no sequences")
+            if len(g.lengths) != len(g.sequences):
+                raise PlanError(f"{where}: {len(g.sequences)} sequences but {len(g.lengths)} lengths")
+            for i, ln in zip(g.sequences, g.lengths):
+                if not 0 <= i < s.size:
+                    raise PlanError(f"{where}: sequence index {i} is outside the batch of {s.size}")
+                if int(s[i]) != int(ln):
+                    raise PlanError(f"{where}: sequence {i} has length {s[i]} in the batch but {ln} in the plan")
+                seen[i] += 1
+            mem = g.memory_gb if cost is None else float(cost.memory(s[list(g.sequences)], g.degree).sum())
+            if mem > budget * (1 + rtol):
+                raise PlanError(f"{where}: needs {mem:.2f} GB per GPU of activations but the budget is {budget:.2f} GB")
+    missing = np.flatnonzero(seen == 0)
+    if missing.size:
+        raise PlanError(f"sequence(s) {missing[:10].tolist()}{'...' if missing.size > 10 else ''} are in no group "
+                        f"({missing.size} of {s.size} missing)")
+    dup = np.flatnonzero(seen > 1)
+    if dup.size:
+        raise PlanError(f"sequence {int(dup[0])} runs {int(seen[dup[0]])} times ({dup.size} duplicated)")
+    if plan.lower_bound_ms > plan.makespan_ms * (1 + rtol):
+        raise PlanError(f"lower bound {plan.lower_bound_ms:.3f} ms exceeds the makespan {plan.makespan_ms:.3f} ms: "
+                        f"the bound or the plan's timing is wrong")

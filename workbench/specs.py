@@ -1,0 +1,417 @@
+"""Plain, validated descriptions of what is being planned: the model, the cluster, the hardware.
+
+Every spec is a frozen keyword-only dataclass that checks itself in ``__post_init__`` (raising
+``ValueError`` that says what is wrong and how to fix it) and round-trips through JSON with
+``to_dict`` / ``from_dict``. Nothing here imports torch or ipywidgets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = [
+    "ModelSpec",
+    "ClusterSpec",
+    "ComputeCurve",
+    "HardwareProfile",
+    "MODEL_PRESETS",
+    "get_model",
+    "load_profile",
+    "list_profiles",
+    "spec_from_dict",
+]
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _positive_int(owner: str, name: str, value: Any) -> None:
+    _require(
+        isinstance(value, int) and not isinstance(value, bool) and value > 0,
+        f"{owner}.{name} must be a positive integer, got {value!r}",
+    )
+
+
+class _JsonMixin:
+    """to_dict / from_dict / to_json / from_json shared by the specs."""
+
+    def to_dict(self) -> dict:
+        """Return a plain, JSON-serialisable dict of every field."""
+        out = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            if isinstance(v, _JsonMixin):
+                v = v.to_dict()
+            elif isinstance(v, tuple):
+                v = list(v)
+            elif isinstance(v, Mapping):
+                v = {str(k): (x.to_dict() if isinstance(x, _JsonMixin) else x) for k, x in v.items()}
+            out[f.name] = v
+        return out
+
+    def to_json(self, **kw) -> str:
+        """Return the spec as a JSON string."""
+        return json.dumps(self.to_dict(), **kw)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]):
+        """Build the spec from a dict; raises ValueError naming unknown or missing fields."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{cls.__name__}: expected a JSON object, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(data) - names)
+        _require(not unknown, f"{cls.__name__}: unknown field(s) {unknown}; known fields are {sorted(names)}")
+        kwargs = dict(data)
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            conv = f.metadata.get("from_json") if f.metadata else None
+            if conv is not None and f.name in kwargs:
+                kwargs[f.name] = conv(kwargs[f.name])
+        try:
+            return cls(**kwargs)
+        except TypeError as e:  # a missing required field
+            raise ValueError(f"{cls.__name__}: {e}") from None
+
+    @classmethod
+    def from_json(cls, text: str):
+        """Build the spec from a JSON string."""
+        return cls.from_dict(json.loads(text))
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec(_JsonMixin):
+    """A Llama-style decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU."""
+
+    name: str
+    """Preset or user name; used to match a hardware profile measured on this model."""
+    layers: int
+    """Number of transformer blocks."""
+    hidden: int
+    """Model width; must be divisible by ``heads``."""
+    heads: int
+    """Query heads. Ulysses sequence parallelism of degree d needs d to divide this."""
+    kv_heads: int
+    """Key/value heads (grouped-query attention); must divide ``heads``."""
+    ffn: int
+    """SwiGLU inner width."""
+    vocab: int
+    """Vocabulary size (256 for the byte-level tiny model)."""
+    max_context: int = 131072
+    """Longest sequence the model is trained on (rotary tables are built this long)."""
+    dtype_bytes: int = 2
+    """Bytes per activation/parameter element in compute (2 for bf16, 4 for fp32)."""
+    tied_embeddings: bool = False
+    """Whether the output head shares the input embedding matrix."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.name, str) and self.name, "ModelSpec.name must be a non-empty string")
+        for n in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_context", "dtype_bytes"):
+            _positive_int("ModelSpec", n, getattr(self, n))
+        _require(
+            self.hidden % self.heads == 0,
+            f"ModelSpec {self.name}: hidden ({self.hidden}) must be divisible by heads ({self.heads})",
+        )
+        _require(
+            self.heads % self.kv_heads == 0,
+            f"ModelSpec {self.name}: heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})",
+        )
+        _require(self.dtype_bytes in (1, 2, 4, 8), f"ModelSpec.dtype_bytes must be 1, 2, 4 or 8, got {self.dtype_bytes}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_params(self) -> int:
+        """Parameters in one block (attention, MLP, two norms)."""
+        h = self.hidden
+        attn = h * h + 2 * h * self.kv_dim + h * h  # q, k, v, o
+        mlp = 3 * h * self.ffn  # gate, up, down
+        return attn + mlp + 2 * h
+
+    def params(self) -> int:
+        """Total parameter count."""
+        emb = self.vocab * self.hidden
+        head = 0 if self.tied_embeddings else self.vocab * self.hidden
+        return emb + head + self.layers * self.layer_params() + self.hidden
+
+    def flops_per_token(self, seq_len: float) -> float:
+        """Training FLOPs per token (forward + backward = 3x forward) at a given sequence length.
+
+        Matrix multiplies count 2 FLOPs per multiply-add; causal attention scores and values add
+        2 * 2 * s * hidden / 2 per layer and token in the forward pass.
+        """
+        dense = 2 * (self.layers * self.layer_params() + self.vocab * self.hidden)
+        attn = self.layers * 2 * seq_len * self.hidden  # causal: half of 4*s*h
+        return 3.0 * (dense + attn)
+
+
+def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, ctx: int) -> ModelSpec:
+    return ModelSpec(name=name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv, ffn=ffn, vocab=vocab, max_context=ctx)
+
+
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    # byte-level toy model that trains on a CPU in seconds (fp32 on CPU)
+    "tiny": ModelSpec(name="tiny", layers=2, hidden=64, heads=4, kv_heads=2, ffn=172, vocab=256,
+                      max_context=16384, dtype_bytes=4),
+    # Llama-3.2-1B shape
+    "1b": _llama("1b", 16, 2048, 32, 8, 8192, 128256, 131072),
+    # Llama-2-7B shape (multi-head attention, as FlexSP's GPT-7B)
+    "7b": _llama("7b", 32, 4096, 32, 32, 11008, 32000, 393216),
+    # Llama-2-13B shape
+    "13b": _llama("13b", 40, 5120, 40, 40, 13824, 32000, 393216),
+    # LLaMA-30B (33B) shape
+    "30b": _llama("30b", 60, 6656, 52, 52, 17920, 32000, 393216),
+    # Llama-2-70B shape, grouped-query attention with 8 KV heads
+    "70b": _llama("70b", 80, 8192, 64, 8, 28672, 32000, 393216),
+}
+
+
+def get_model(name: str) -> ModelSpec:
+    """Return the preset ``name``; raises ValueError listing the presets when unknown."""
+    key = name.lower()
+    if key not in MODEL_PRESETS:
+        raise ValueError(f"unknown model {name!r}; presets are {', '.join(MODEL_PRESETS)}")
+    return MODEL_PRESETS[key]
+
+
+# --------------------------------------------------------------------------------------------
+# Cluster
+# --------------------------------------------------------------------------------------------
+
+
+def _powers_of_two_upto(n: int) -> tuple[int, ...]:
+    out, d = [], 1
+    while d <= n:
+        out.append(d)
+        d *= 2
+    return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterSpec(_JsonMixin):
+    """The GPUs a step is planned for."""
+
+    num_gpus: int
+    """Total ranks (GPUs)."""
+    gpus_per_node: int = 8
+    """Ranks per node; groups no larger than this never straddle nodes."""
+    gpu_memory_gb: float = 40.0
+    """Memory of one GPU in GB (1e9 bytes)."""
+    usable_memory_fraction: float = 0.7
+    """Share of GPU memory the planner may fill (FlexSP ran 28 GB of a 40 GB A100: 0.7); the rest
+    covers allocator fragmentation, communication buffers and kernels' workspace."""
+    degrees: tuple[int, ...] = ()
+    """Candidate sequence-parallel degrees, each dividing the next (default: powers of two up to
+    ``num_gpus``)."""
+    zero_stage: int = 3
+    """ZeRO stage of the model states sharding over all ranks (0, 1, 2 or 3)."""
+
+    def __post_init__(self) -> None:
+        _positive_int("ClusterSpec", "num_gpus", self.num_gpus)
+        _positive_int("ClusterSpec", "gpus_per_node", self.gpus_per_node)
+        _require(
+            self.num_gpus % self.gpus_per_node == 0 or self.num_gpus < self.gpus_per_node,
+            f"ClusterSpec: num_gpus ({self.num_gpus}) must be a multiple of gpus_per_node ({self.gpus_per_node}) "
+            f"or fit in one node; pass --gpus-per-node to match your machines",
+        )
+        _require(
+            isinstance(self.gpu_memory_gb, (int, float)) and self.gpu_memory_gb > 0,
+            f"ClusterSpec.gpu_memory_gb must be positive, got {self.gpu_memory_gb!r}",
+        )
+        _require(
+            0 < self.usable_memory_fraction <= 1,
+            f"ClusterSpec.usable_memory_fraction must be in (0, 1], got {self.usable_memory_fraction!r}",
+        )
+        _require(self.zero_stage in (0, 1, 2, 3), f"ClusterSpec.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        degrees = tuple(int(d) for d in self.degrees) if self.degrees else _powers_of_two_upto(self.num_gpus)
+        object.__setattr__(self, "degrees", tuple(sorted(set(degrees))))
+        for d in self.degrees:
+            _require(
+                1 <= d <= self.num_gpus,
+                f"ClusterSpec: degree {d} is outside 1..num_gpus ({self.num_gpus}); drop it from degrees",
+            )
+            _require(
+                self.gpus_per_node % d == 0 or d % self.gpus_per_node == 0,
+                f"ClusterSpec: degree {d} neither divides nor is a multiple of gpus_per_node ({self.gpus_per_node}), "
+                f"so its aligned groups would straddle nodes; use powers of two",
+            )
+        for lo, hi in zip(self.degrees, self.degrees[1:]):
+            _require(
+                hi % lo == 0,
+                f"ClusterSpec: degrees {list(self.degrees)} must each divide the next ({lo} does not divide {hi}) "
+                f"so that aligned groups of every mix pack without gaps; use powers of two",
+            )
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.num_gpus // self.gpus_per_node)
+
+    @property
+    def usable_memory_gb(self) -> float:
+        return self.gpu_memory_gb * self.usable_memory_fraction
+
+    def model_state_gb(self, model: ModelSpec) -> float:
+        """Per-GPU memory of parameters, gradients and Adam states (16 bytes/parameter in mixed
+        precision) under this ZeRO stage sharded over all ranks (FlexSP's formula)."""
+        n = self.num_gpus
+        share = {0: 1.0, 1: 6 / 8 / n + 2 / 8, 2: 7 / 8 / n + 1 / 8, 3: 1.0 / n}[self.zero_stage]
+        return 16.0 * model.params() * share / 1e9
+
+
+# --------------------------------------------------------------------------------------------
+# Hardware profile
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ComputeCurve(_JsonMixin):
+    """Time in ms of one transformer layer on one GPU for a packed call: ``a*s^2 + b*s`` per
+    sequence of ``s`` tokens (the whole sequence's work, before division by the SP degree) plus
+    ``c`` once per call (launch and fixed costs, paid once per group and micro-step)."""
+
+    a: float
+    b: float
+    c: float = 0.0
+
+    def __post_init__(self) -> None:
+        for n in ("a", "b", "c"):
+            v = getattr(self, n)
+            _require(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0,
+                     f"ComputeCurve.{n} must be a finite number >= 0, got {v!r}")
+
+
+def _curve(v: Any) -> ComputeCurve:
+    return v if isinstance(v, ComputeCurve) else ComputeCurve.from_dict(v)
+
+
+def _bw_table(v: Any) -> dict[int, float]:
+    if not isinstance(v, Mapping):
+        raise ValueError(f"bandwidth table must be an object {{group size: GB/s}}, got {v!r}")
+    out = {}
+    for k, x in v.items():
+        try:
+            kk = int(k)
+        except (TypeError, ValueError):
+            raise ValueError(f"bandwidth table key {k!r} is not a group size (an integer)") from None
+        _require(kk >= 1, f"bandwidth table key {kk} must be >= 1")
+        _require(isinstance(x, (int, float)) and x > 0, f"bandwidth for group size {kk} must be > 0 GB/s, got {x!r}")
+        out[kk] = float(x)
+    return dict(sorted(out.items()))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HardwareProfile(_JsonMixin):
+    """What a cost model needs to know about a machine, measured or taken from a reference."""
+
+    name: str
+    """Short name, e.g. ``a100-40g-flexsp``."""
+    gpu: str
+    """GPU model, e.g. ``A100-SXM4-40GB``."""
+    model: str
+    """Name of the model the compute curves were measured on; other models are scaled from it
+    by their per-layer FLOPs."""
+    forward: ComputeCurve = field(metadata={"from_json": _curve})
+    """Per-layer forward time curve (ms)."""
+    backward: ComputeCurve = field(metadata={"from_json": _curve})
+    """Per-layer backward time curve (ms)."""
+    all_to_all_gbps: dict = field(default_factory=dict, metadata={"from_json": _bw_table})
+    """Per-GPU all-to-all bandwidth in GB/s by group size (Ulysses)."""
+    p2p_gbps: dict = field(default_factory=dict, metadata={"from_json": _bw_table})
+    """Per-GPU point-to-point bandwidth in GB/s by ring size (ring attention)."""
+    allreduce_gbps: dict = field(default_factory=dict, metadata={"from_json": _bw_table})
+    """All-reduce bus bandwidth in GB/s by group size (data-parallel gradient sync)."""
+    activation_mb_per_token: float | None = None
+    """Activation memory of the whole ``model`` per token in MB (1e6 bytes), measured; None to
+    estimate it from the model's shape."""
+    gpu_memory_gb: float = 40.0
+    """Memory of the profiled GPU (GB)."""
+    provenance: dict = field(default_factory=dict)
+    """Where the figures come from: ``{"kind": "measured"|"reference"|"estimate", "source": ..., ...}``."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.name, str) and self.name, "HardwareProfile.name must be a non-empty string")
+        object.__setattr__(self, "forward", _curve(self.forward))
+        object.__setattr__(self, "backward", _curve(self.backward))
+        for n in ("all_to_all_gbps", "p2p_gbps", "allreduce_gbps"):
+            object.__setattr__(self, n, _bw_table(getattr(self, n)))
+        _require(bool(self.all_to_all_gbps), f"HardwareProfile {self.name}: all_to_all_gbps is empty; "
+                                             f"give at least one {{group size: GB/s}} entry")
+        if self.activation_mb_per_token is not None:
+            _require(self.activation_mb_per_token > 0,
+                     f"HardwareProfile {self.name}: activation_mb_per_token must be > 0 or null")
+        _require(self.gpu_memory_gb > 0, f"HardwareProfile {self.name}: gpu_memory_gb must be > 0")
+        kind = self.provenance.get("kind") if isinstance(self.provenance, Mapping) else None
+        _require(kind in ("measured", "reference", "estimate"),
+                 f"HardwareProfile {self.name}: provenance.kind must be 'measured', 'reference' or 'estimate', "
+                 f"got {kind!r}; say where the figures come from")
+
+    @property
+    def is_estimate(self) -> bool:
+        return self.provenance.get("kind") == "estimate"
+
+    def save(self, path: str | Path) -> Path:
+        """Write the profile as JSON (atomically) and return the path."""
+        from workbench.util import write_json_atomic
+
+        return write_json_atomic(path, self.to_dict())
+
+
+_PROFILE_PACKAGE = "workbench.profile"
+
+
+def list_profiles() -> list[str]:
+    """Names of the shipped reference profiles."""
+    root = resources.files(_PROFILE_PACKAGE) / "reference"
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
+
+
+def load_profile(name_or_path: str | Path) -> HardwareProfile:
+    """Load a shipped profile by name or a profile JSON file by path.
+
+    Raises ValueError when neither exists or the file is not a valid profile (naming the file).
+    """
+    p = Path(name_or_path)
+    if p.suffix == ".json" or p.exists():
+        if not p.exists():
+            raise ValueError(f"profile file {p} does not exist; shipped profiles are {', '.join(list_profiles())}")
+        text = p.read_text()
+        where = str(p)
+    else:
+        res = resources.files(_PROFILE_PACKAGE) / "reference" / f"{name_or_path}.json"
+        if not res.is_file():
+            raise ValueError(
+                f"unknown profile {str(name_or_path)!r}: not a file and not a shipped profile "
+                f"({', '.join(list_profiles())}); run `workbench profile --out PATH` to measure one"
+            )
+        text = res.read_text()
+        where = f"shipped profile {name_or_path}"
+    try:
+        return HardwareProfile.from_dict(json.loads(text))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e})") from None
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def spec_from_dict(kind: str, data: Mapping[str, Any]):
+    """Build a ``model``, ``cluster`` or ``profile`` spec from a dict."""
+    cls = {"model": ModelSpec, "cluster": ClusterSpec, "profile": HardwareProfile}.get(kind)
+    if cls is None:
+        raise ValueError(f"unknown spec kind {kind!r}; expected model, cluster or profile")
+    return cls.from_dict(data)

@@ -1,0 +1,58 @@
+"""Small I/O helpers shared by the CLI, the run store and the profiler: atomic JSON writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def _json_default(o: Any):
+    # numpy scalars and arrays appear in results; keep the files plain JSON
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    if hasattr(o, "to_dict"):
+        return o.to_dict()
+    raise TypeError(f"not JSON-serialisable: {type(o).__name__}")
+
+
+def dumps(obj: Any, **kw) -> str:
+    """JSON text of ``obj``, converting numpy values and objects with ``to_dict``."""
+    return json.dumps(obj, default=_json_default, **kw)
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file and a rename, so readers never see a
+    half-written file. Returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return path
+
+
+def write_json_atomic(path: str | Path, obj: Any, indent: int | None = 2) -> Path:
+    """Write ``obj`` as JSON atomically; returns the path."""
+    return write_text_atomic(path, dumps(obj, indent=indent) + "\n")
+
+
+def append_jsonl(path: str | Path, obj: Any) -> None:
+    """Append one JSON line (a single write call, so concurrent appenders do not interleave lines)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = dumps(obj) + "\n"
+    with open(path, "a") as f:
+        f.write(line)
