@@ -63,7 +63,7 @@ def _static_assignment(s: np.ndarray, cost: CostModel, degree: int):
     mem_load = np.zeros(replicas)
     share: list[list[int]] = [[] for _ in range(replicas)]
     for i in np.argsort(-t, kind="stable"):
-        est = load + t[i] + c * (np.ceil((mem_load + mem[i]) / budget) - np.ceil(mem_load / budget))
+        est = load + t[i] + c * np.ceil((mem_load + mem[i]) / budget - 1e-9)
         r = int(np.argmin(est))
         share[r].append(int(i))
         load[r] += t[i]

@@ -1,0 +1,94 @@
+import json
+
+import pytest
+
+from workbench.specs import ClusterSpec, HardwareProfile, ModelSpec, get_model, list_profiles, load_profile
+
+
+def test_presets_round_trip_json():
+    for name in ("tiny", "1b", "7b", "13b", "30b", "70b"):
+        m = get_model(name)
+        assert ModelSpec.from_json(m.to_json()) == m
+
+
+def test_7b_parameter_count_by_hand():
+    m = get_model("7b")
+    h, f, v, L = 4096, 11008, 32000, 32
+    per_layer = 4 * h * h + 3 * h * f + 2 * h
+    assert m.params() == 2 * v * h + L * per_layer + h  # untied embeddings, final norm
+    assert 6.7e9 < m.params() < 6.8e9
+
+
+def test_70b_uses_grouped_query_attention():
+    m = get_model("70b")
+    assert m.kv_heads == 8 and m.heads == 64 and m.kv_dim == 1024
+
+
+def test_cluster_defaults_and_round_trip():
+    c = ClusterSpec(num_gpus=64)
+    assert c.degrees == (1, 2, 4, 8, 16, 32, 64)
+    assert ClusterSpec.from_json(c.to_json()) == c
+    # ZeRO shares (FlexSP): 16 bytes/param x share
+    m = get_model("7b")
+    assert c.model_state_gb(m) == pytest.approx(16 * m.params() / 64 / 1e9)
+    c2 = ClusterSpec(num_gpus=64, zero_stage=2)
+    assert c2.model_state_gb(m) == pytest.approx(16 * m.params() * (7 / 8 / 64 + 1 / 8) / 1e9)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_gpus=0), "num_gpus must be a positive integer"),
+    (dict(num_gpus=12, gpus_per_node=8), "multiple of gpus_per_node"),
+    (dict(num_gpus=8, degrees=(1, 3)), "straddle nodes|divide"),
+    (dict(num_gpus=8, degrees=(1, 16)), "outside 1..num_gpus"),
+    (dict(num_gpus=8, zero_stage=4), "zero_stage"),
+    (dict(num_gpus=8, usable_memory_fraction=1.5), "usable_memory_fraction"),
+])
+def test_cluster_rejects_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ClusterSpec(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(hidden=100, heads=3), "divisible by heads"),
+    (dict(kv_heads=3), "multiple of kv_heads"),
+    (dict(layers=-1), "layers must be a positive integer"),
+])
+def test_model_rejects_bad_values(kwargs, match):
+    base = dict(name="m", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256)
+    base.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        ModelSpec(**base)
+
+
+def test_unknown_model_lists_presets():
+    with pytest.raises(ValueError, match="presets are tiny, 1b, 7b"):
+        get_model("8x7b")
+
+
+def test_profiles_ship_with_provenance_and_round_trip(tmp_path):
+    assert {"a100-40g-flexsp", "h100-80g"} <= set(list_profiles())
+    a = load_profile("a100-40g-flexsp")
+    assert a.provenance["kind"] == "reference" and "FlexSP" in a.provenance["source"]
+    h = load_profile("h100-80g")
+    assert h.is_estimate and "ESTIMATE" in h.provenance["source"]
+    path = a.save(tmp_path / "p.json")
+    assert load_profile(path) == a
+    assert HardwareProfile.from_dict(json.loads(path.read_text())) == a
+
+
+def test_profile_errors_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="unknown profile 'nope'"):
+        load_profile("nope")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json: not valid JSON"):
+        load_profile(bad)
+    d = load_profile("a100-40g-flexsp").to_dict()
+    d["provenance"] = {}
+    (tmp_path / "noprov.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="provenance.kind"):
+        load_profile(tmp_path / "noprov.json")
+    d = load_profile("a100-40g-flexsp").to_dict()
+    d["bogus"] = 1
+    with pytest.raises(ValueError, match="unknown field"):
+        HardwareProfile.from_dict(d)
