@@ -6,10 +6,10 @@
 - ``static-max``: static with the smallest degree that holds the max context, as those users set it.
 - ``best-static``: the best static degree for this batch.
 - ``min-degree``: each sequence on the smallest degree its memory needs (Megatron's dynamic
-  context parallelism), groups packed greedily.
-- ``greedy``: heterogeneous groups; sequences are spread over the fewest micro-steps that hold
-  them, then, longest first, each goes to the least-loaded group that can hold it, or opens a new
-  group sized to finish within the micro-step's lower bound.
+  context parallelism), scheduled longest first onto the group that finishes it first.
+- ``greedy``: heterogeneous groups by longest-first list scheduling (``list_schedule``): each
+  sequence joins the least-loaded group that can hold it or opens a new group, choosing its degree
+  to finish within the lower bound at the least extra GPU-time.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from workbench.solve.options import PlanOptions
 from workbench.solve.plan import Plan, build_plan
 
 __all__ = ["plan_static", "plan_static_max", "plan_best_static", "plan_min_degree", "plan_greedy",
-           "static_max_degree", "pack_best_fit"]
+           "static_max_degree", "pack_best_fit", "list_schedule"]
 
 
 def pack_best_fit(sizes: np.ndarray, capacity: float, order=None) -> list[list[int]]:
@@ -152,41 +152,14 @@ def _with_time(p: Plan, seconds: float) -> Plan:
 
 
 def plan_min_degree(lengths, cost: CostModel, opts: PlanOptions) -> Plan:
-    """Each sequence on its minimum degree; groups of each degree packed micro-step by micro-step:
-    a sequence opens a new group while ranks are free, else joins the least-loaded group of its
-    degree with memory room, else waits for the next micro-step."""
+    """Each sequence on the smallest degree its memory needs (Megatron's dynamic context
+    parallelism), scheduled longest first onto whichever group of that degree finishes it first."""
     t0 = time.perf_counter()
     s = np.asarray(lengths, dtype=np.int64)
     cost.check_feasible(s)
-    n = cost.cluster.num_gpus
     deg = cost.min_degree(s)
-    budget = cost.memory_budget_gb
-    t = np.array([cost.time([s[i]], int(deg[i]))[0] for i in range(s.size)]) if s.size else np.zeros(0)
-    mem = np.array([cost.memory([s[i]], int(deg[i]))[0] for i in range(s.size)]) if s.size else np.zeros(0)
-    remaining = list(np.lexsort((-t, -deg)))  # larger degrees first, then longer
-    micro = []
-    while remaining:
-        opts.check_cancel()
-        free = n
-        groups: list[list] = []  # [degree, seqs, load, mem]
-        left = []
-        for i in remaining:
-            d = int(deg[i])
-            if free >= d:
-                groups.append([d, [int(i)], t[i], mem[i]])
-                free -= d
-                continue
-            cand = [g for g in groups if g[0] == d and g[3] + mem[i] <= budget * (1 + 1e-9)]
-            if cand:
-                g = min(cand, key=lambda g: g[2])
-                g[1].append(int(i))
-                g[2] += t[i]
-                g[3] += mem[i]
-            else:
-                left.append(i)
-        micro.append([(g[0], g[1]) for g in groups])
-        remaining = left
-    return build_plan("min-degree", micro, s, cost, solve_seconds=time.perf_counter() - t0)
+    micro, blocks = list_schedule(s, cost, lambda i: (int(deg[i]),), target=None, opts=opts)
+    return build_plan("min-degree", micro, s, cost, blocks=blocks, solve_seconds=time.perf_counter() - t0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -203,105 +176,126 @@ def _best_work(s: np.ndarray, cost: CostModel) -> np.ndarray:
     return best
 
 
-def _greedy_micro_step(idx: list[int], s: np.ndarray, cost: CostModel, work: np.ndarray):
-    """Groups for one micro-step's sequences; returns (groups, deferred sequence indices)."""
+def list_schedule(s: np.ndarray, cost: CostModel, allowed, *, target: float | None, opts: PlanOptions | None = None):
+    """Longest-first list scheduling of sequences onto SP groups with the exact timeline.
+
+    Each sequence (by GPU-time, longest first) either joins an *extendable* group (the last group
+    on each of its ranks, so lengthening it delays nothing else) with memory room, or opens a new
+    group of an allowed degree on the aligned block whose ranks are free earliest. With a
+    ``target`` (ms), among the options that finish by it the one adding the least GPU-time wins
+    (communication, fixed overhead and ranks left waiting all count); otherwise, or without a
+    target, the earliest finish wins. A rank's groups run in micro-step order, so the timeline
+    this models is exactly the one ``build_plan`` replays with the returned fixed blocks.
+
+    ``allowed(i)`` gives the degrees sequence i may use. Returns ``(micro_steps, blocks)`` for
+    ``build_plan``.
+    """
     n = cost.cluster.num_gpus
-    budget = cost.memory_budget_gb
-    c = cost.group_overhead_ms(1)
+    budget = cost.memory_budget_gb * (1 + 1e-9)
     degrees = list(cost.degrees)
-    if not idx:
-        return [], []
-    single = {d: cost.time(s[idx], d) for d in degrees}
-    memd = {d: cost.memory(s[idx], d) for d in degrees}
-    pos = {i: k for k, i in enumerate(idx)}
-    target = max(float(work[idx].sum()) / n + c,
-                 max(min((single[d][k] + c) for d in degrees if memd[d][k] <= budget) for k in range(len(idx))))
-    groups: list[list] = []  # [degree, seqs, load, mem]
-    free = n
-    deferred = []
-    order = sorted(idx, key=lambda i: -work[i])
-    for i in order:
-        k = pos[i]
-        fits = [d for d in degrees if memd[d][k] <= budget * (1 + 1e-9)]
-        # best existing group
-        best_g, best_load = None, math.inf
-        for g in groups:
-            d = g[0]
-            if d in fits and g[3] + memd[d][k] <= budget * (1 + 1e-9):
-                load = g[2] + single[d][k]
-                if load < best_load:
-                    best_g, best_load = g, load
-        # smallest new group that finishes within the target, else the largest that fits the free ranks
-        new_d = None
-        opening = [d for d in fits if d <= free]
-        if opening:
-            within = [d for d in opening if c + single[d][k] <= target]
-            new_d = min(within) if within else max(opening)
-        if best_g is not None and (best_load <= target or new_d is None or best_load <= c + single[new_d][k]):
-            best_g[1].append(i)
-            best_g[2] = best_load
-            best_g[3] += memd[best_g[0]][k]
-        elif new_d is not None:
-            groups.append([new_d, [i], c + single[new_d][k], memd[new_d][k]])
-            free -= new_d
-        else:
-            deferred.append(i)
-    # spare ranks: widen the slowest groups while that shortens them
-    improved = True
-    while improved and free > 0:
-        improved = False
-        g = max(groups, key=lambda g: g[2])
-        d2 = g[0] * 2
-        if d2 in degrees and free >= g[0]:
-            new_load = c + float(cost.time(s[g[1]], d2).sum())
-            if new_load < g[2]:
-                free -= g[0]
-                g[0], g[2] = d2, new_load
-                g[3] = float(cost.memory(s[g[1]], d2).sum())
-                improved = True
-    return [(g[0], g[1]) for g in groups], deferred
-
-
-def greedy_assignment(s: np.ndarray, cost: CostModel, micro_steps: int) -> list[list[tuple[int, list[int]]]]:
-    """Greedy groups for ``micro_steps`` micro-steps (more are added if sequences do not fit)."""
+    times = {d: cost.time(s, d) for d in degrees}
+    mems = {d: cost.memory(s, d) for d in degrees}
+    over = {d: cost.group_overhead_ms(d) for d in degrees}
     work = _best_work(s, cost)
-    act = cost.memory(s, 1)
-    cap = cost.cluster.num_gpus * cost.memory_budget_gb
-    buckets: list[list[int]] = [[] for _ in range(micro_steps)]
-    wload = np.zeros(micro_steps)
-    mload = np.zeros(micro_steps)
-    for i in np.argsort(-work, kind="stable"):
-        # least work first among micro-steps with memory room; long sequences spread out
-        room = mload + act[i] <= cap
-        cand = np.where(room, wload, np.inf)
-        m = int(np.argmin(cand)) if np.isfinite(cand).any() else int(np.argmin(mload))
-        buckets[m].append(int(i))
-        wload[m] += work[i]
-        mload[m] += act[i]
-    out = []
-    carry: list[int] = []
-    m = 0
-    while m < len(buckets) or carry:
-        idx = (buckets[m] if m < len(buckets) else []) + carry
-        groups, carry = _greedy_micro_step(idx, s, cost, work)
-        if not groups and carry:
-            raise InfeasibleError(cost.infeasible_message(carry[0], int(s[carry[0]])))
-        out.append(groups)
-        m += 1
-    return out
+    k = s.size
+    ready = np.zeros(n)
+    last = np.full(n, -1, dtype=np.int64)  # last group on each rank
+    next_ms = np.zeros(n, dtype=np.int64)  # micro-steps each rank has joined
+    g_deg = np.zeros(k, dtype=np.int64)
+    g_end = np.zeros(k)
+    g_mem = np.zeros(k)
+    g_open = np.zeros(k, dtype=bool)
+    g_block = np.zeros(k, dtype=np.int64)
+    g_ms = np.zeros(k, dtype=np.int64)
+    g_seqs: list[list[int]] = []
+    ng = 0
+    for step, i in enumerate(np.argsort(-work, kind="stable")):
+        if opts is not None and step % 256 == 0:
+            opts.check_cancel()
+        best = None  # (finish, added work, kind, degree, group or block, start)
+        for d in allowed(i):
+            t_i, m_i = times[d][i], mems[d][i]
+            if m_i > budget:
+                continue
+            # join an extendable group of this degree
+            if ng:
+                ok = g_open[:ng] & (g_deg[:ng] == d) & (g_mem[:ng] + m_i <= budget)
+                if ok.any():
+                    cand = np.flatnonzero(ok)
+                    g = int(cand[np.argmin(g_end[cand])])
+                    opt = (g_end[g] + t_i, d * t_i, "join", d, g, 0.0)
+                    best = _better(opt, best, target)
+            # open a new group on the block free earliest
+            if n // d:
+                blocks = ready[: (n // d) * d].reshape(-1, d)
+                bmax = blocks.max(axis=1)
+                b = int(np.argmin(bmax))
+                start = float(bmax[b])
+                wait = d * start - float(blocks[b].sum())
+                opt = (start + over[d] + t_i, d * (over[d] + t_i) + wait, "open", d, b, start)
+                best = _better(opt, best, target)
+        if best is None:
+            raise InfeasibleError(cost.infeasible_message(int(i), int(s[i])))
+        finish, _, kind, d, where, start = best
+        if kind == "join":
+            g = where
+            g_seqs[g].append(int(i))
+            g_end[g] = finish
+            g_mem[g] += mems[d][i]
+            lo, hi = g_block[g] * d, (g_block[g] + 1) * d
+            ready[lo:hi] = finish
+        else:
+            lo, hi = where * d, (where + 1) * d
+            prev = np.unique(last[lo:hi])
+            g_open[prev[prev >= 0]] = False
+            g = ng
+            ng += 1
+            g_deg[g], g_end[g], g_mem[g], g_open[g], g_block[g] = d, finish, mems[d][i], True, where
+            g_ms[g] = int(next_ms[lo:hi].max())
+            next_ms[lo:hi] = g_ms[g] + 1
+            last[lo:hi] = g
+            ready[lo:hi] = finish
+            g_seqs.append([int(i)])
+    steps = int(g_ms[:ng].max()) + 1 if ng else 0
+    micro: list[list] = [[] for _ in range(steps)]
+    blks: list[list[int]] = [[] for _ in range(steps)]
+    for g in range(ng):
+        micro[g_ms[g]].append((int(g_deg[g]), g_seqs[g]))
+        blks[g_ms[g]].append(int(g_block[g]))
+    return micro, blks
+
+
+def _better(opt, best, target):
+    """Whether ``opt`` beats ``best`` under the target rule of list_schedule (returns the winner)."""
+    if best is None:
+        return opt
+    if target is not None:
+        a_in, b_in = opt[0] <= target, best[0] <= target
+        if a_in != b_in:
+            return opt if a_in else best
+        if a_in:
+            return opt if (opt[1], opt[0]) < (best[1], best[0]) else best
+    return opt if (opt[0], opt[1]) < (best[0], best[1]) else best
 
 
 def plan_greedy(lengths, cost: CostModel, opts: PlanOptions) -> Plan:
-    """Heterogeneous greedy plan; tries the fewest micro-steps that hold the batch and two more,
-    keeping the fastest."""
+    """Heterogeneous greedy plan: list scheduling over every degree that holds each sequence,
+    aiming at the lower bound (and 5% above it), and over minimum degrees only; the fastest wins,
+    so greedy is never behind min-degree."""
+    from workbench.solve.plan import lower_bound_ms
+
     t0 = time.perf_counter()
     s = np.asarray(lengths, dtype=np.int64)
     cost.check_feasible(s)
-    m_min = max(1, math.ceil(float(cost.memory(s, 1).sum()) / (cost.cluster.num_gpus * cost.memory_budget_gb)))
+    lb = lower_bound_ms(s, cost) - cost.grad_sync_ms()
+    dmin = cost.min_degree(s)
     best: Plan | None = None
-    for m in range(m_min, m_min + 3):
-        opts.check_cancel()
-        p = build_plan("greedy", greedy_assignment(s, cost, m), s, cost)
+    every = lambda i: [d for d in cost.degrees if d >= dmin[i]]  # noqa: E731
+    smallest = lambda i: (int(dmin[i]),)  # noqa: E731
+    for rule, allowed, target in (("target", every, lb), ("target+5%", every, lb * 1.05),
+                                  ("min-degree", smallest, None)):
+        micro, blocks = list_schedule(s, cost, allowed, target=target, opts=opts)
+        p = build_plan("greedy", micro, s, cost, blocks=blocks, stats={"rule": rule})
         if best is None or p.makespan_ms < best.makespan_ms:
             best = p
     assert best is not None
