@@ -169,8 +169,7 @@ class GlobalBatchSampler:
             per = -(-self.n // self.batch_size)
             return divmod(step, per)
         while self._epoch_starts[-1] <= step:
-            e = len(self._epoch_starts) - 1
-            self._epoch_starts.append(self._epoch_starts[-1] + self.batches_in_epoch(e))
+            self._first_step(len(self._epoch_starts))
         e = int(np.searchsorted(self._epoch_starts, step, side="right")) - 1
         return e, step - self._epoch_starts[e]
 
@@ -210,6 +209,7 @@ class GlobalBatchSampler:
         return [self._make(first + k, e, k) for k in range(self.batches_in_epoch(e))]
 
     def _first_step(self, e: int) -> int:
+        """Global step where epoch ``e`` begins (batching by tokens: epochs differ in length)."""
         while len(self._epoch_starts) <= e:
             i = len(self._epoch_starts) - 1
             self._epoch_starts.append(self._epoch_starts[-1] + self.batches_in_epoch(i))

@@ -298,7 +298,9 @@ def load_lengths(
         raise ValueError(f"source must be a string or path, got {type(source).__name__}")
     key = text.strip()
     if not key:
-        raise ValueError(f"empty length source; give one of {', '.join(SOURCE_NAMES)}, a path or a list like '1024,4096'")
+        raise ValueError(
+            f"empty length source; give one of {', '.join(SOURCE_NAMES)}, a path or a list like '1024,4096'"
+        )
     lowered = key.lower()
     ordered = False
     origin: str | None = None
