@@ -187,9 +187,15 @@ def cmd_cost(args) -> int:
     return 0
 
 
-def _resolve_max_len(args, cost) -> int:
+def _is_list_source(text: str) -> bool:
+    return all(part.strip().isdigit() for part in text.split(",")) and "," in text or text.strip().isdigit()
+
+
+def _resolve_max_len(args, cost) -> int | None:
     if args.max_len is not None:
         return args.max_len
+    if _is_list_source(args.lengths):
+        return None  # an explicit batch is planned as given; too long a sequence is an error, not clipped
     m = default_max_len(cost)
     _say(f"max context {m:,} tokens (the largest power of two {cost.cluster.num_gpus} GPUs hold on one group; "
          f"set --max-len to change)")

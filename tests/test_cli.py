@@ -1,0 +1,74 @@
+"""The CLI's stable JSON shapes (DESIGN.md) and its one-line errors, through the real console script."""
+
+import json
+
+import pytest
+
+from conftest import run_cli
+
+A, B, C = 5.128e-6, 0.1840, 629.4  # FlexSP GPT-7B on A100-40G
+
+
+def test_cost_json_shape_and_figures():
+    out = json.loads(run_cli("cost", "--lengths", "8192,65536", "--degrees", "1,2,32", "--json").stdout)
+    assert set(out) >= {"rows", "group_overhead_ms", "memory_budget_gb"}
+    row = next(r for r in out["rows"] if r["length"] == 8192 and r["degree"] == 1)
+    assert row["time_ms"] == pytest.approx(A * 8192 ** 2 + B * 8192)
+    assert row["memory_gb"] == pytest.approx(4.48e6 * 8192 / 1e9)
+    assert row["feasible"] is False  # 36.7 GB > 26.3 GB budget
+    assert out["group_overhead_ms"]["32"] == pytest.approx(C)
+    big = next(r for r in out["rows"] if r["length"] == 65536 and r["degree"] == 32)
+    assert big["feasible"] is True
+
+
+def test_lengths_json_by_hand():
+    out = json.loads(run_cli("lengths", "100,200,300,10000", "--json").stdout)
+    assert out["count"] == 4 and out["tokens"] == 10600 and out["max"] == 10000
+    assert out["p50"] == pytest.approx(250.0)
+    assert out["token_share_over"]["8192"] == pytest.approx(10000 / 10600)
+    assert out["token_share_over"]["32768"] == 0.0
+
+
+def test_plan_json_shape_and_validity():
+    from workbench.cli import build_cost  # noqa: F401  (same cost model the CLI builds)
+
+    out = json.loads(run_cli("plan", "--lengths", "131072,70000,9000,3000,500,500", "--gpus", "64",
+                             "--planner", "greedy", "--json").stdout)
+    for k in ("planner", "status", "makespan_ms", "lower_bound_ms", "solve_seconds", "micro_steps"):
+        assert k in out
+    assert out["planner"] == "greedy" and out["lower_bound_ms"] <= out["makespan_ms"]
+    seqs = sorted(i for m in out["micro_steps"] for g in m["groups"] for i in g["sequences"])
+    assert seqs == list(range(6))
+    g = out["micro_steps"][0]["groups"][0]
+    assert set(g) >= {"degree", "ranks", "sequences", "lengths", "time_ms", "memory_gb"}
+    assert len(g["ranks"]) == g["degree"]
+
+
+def test_simulate_json_shape():
+    out = json.loads(run_cli("simulate", "--lengths", "wikipedia", "--samples", "20000", "--batch-tokens", "400000",
+                             "--gpus", "64", "--planners", "static-max,best-static,greedy", "--steps", "2",
+                             "--quiet", "--json").stdout)
+    for name in ("static-max", "best-static", "greedy"):
+        r = out["planners"][name]
+        assert set(r) >= {"mean_step_ms", "p50_step_ms", "p95_step_ms", "imbalance", "lower_bound_ms"}
+        assert r["lower_bound_ms"] <= r["mean_step_ms"] and r["imbalance"] >= 1.0
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["plan", "--lengths", "912384,100", "--gpus", "16", "--planner", "greedy"],
+     "sequence 0 (912,384 tokens) needs"),
+    (["plan", "--lengths", "wikipedia", "--gpus", "64", "--planner", "greedy"], "give --batch-tokens"),
+    (["plan", "--lengths", "1000,2000", "--planner", "magic"], "unknown planner 'magic'"),
+    (["plan", "--lengths", "1000,2000", "--model", "gpt5"], "unknown model 'gpt5'"),
+    (["plan", "--lengths", "1000,2000", "--profile", "nope"], "unknown profile 'nope'"),
+    (["plan", "--lengths", "1000,2000", "--gpus", "0"], "--gpus must be at least 1"),
+    (["lengths", "/no/such/file.txt"], "/no/such/file.txt"),
+    (["cost", "--lengths", "10,x", "--degrees", "1"], "--lengths must be comma-separated integers"),
+    (["simulate", "--lengths", "1000,2000", "--planners", "greedy,bogus"], "unknown planner 'bogus'"),
+])
+def test_bad_input_is_one_clear_line(args, needle):
+    p = run_cli(*args, check=False)
+    assert p.returncode == 2, p.stderr
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.startswith("workbench")]
+    assert len(lines) == 1 and needle in lines[0], p.stderr
+    assert "Traceback" not in p.stderr
