@@ -69,7 +69,8 @@ def main() -> int:
             for name, r in rows.items():
                 if r["mean_step_ms"] < r["lower_bound_ms"] * (1 - 1e-9):
                     raise SystemExit(f"{fam}/{name}: mean step below the lower bound: the bound or the planner is wrong")
-                vs = lambda b: f"{rows[b]['mean_step_ms'] / r['mean_step_ms']:.2f}x" if b in rows else "-"
+                def vs(b, r=r, rows=rows):
+                    return f"{rows[b]['mean_step_ms'] / r['mean_step_ms']:.2f}x" if b in rows else "-"
                 print(f"| {fam} | {name} | {r['mean_step_ms'] / 1e3:.2f} | {r['ratio_to_lower_bound']:.3f} | "
                       f"{vs('static-max')} | {vs('best-static')} | {r['solve_seconds_p95']:.2f} |")
             for name, err in res.errors.items():

@@ -13,8 +13,8 @@ from workbench.solve.plan import Group, MicroStep, Plan
 
 
 def _plan(groups_per_step, n=4, grad=0.0):
-    ms = tuple(MicroStep(groups=tuple(Group(degree=d, ranks=tuple(r), sequences=tuple(s), lengths=tuple(l),
-                                            time_ms=t, memory_gb=0.0) for d, r, s, l, t in g))
+    ms = tuple(MicroStep(groups=tuple(Group(degree=d, ranks=tuple(r), sequences=tuple(s), lengths=tuple(ln),
+                                            time_ms=t, memory_gb=0.0) for d, r, s, ln, t in g))
                for g in groups_per_step)
     return Plan(planner="hand", status="heuristic", makespan_ms=0.0, lower_bound_ms=0.0, solve_seconds=0.0,
                 micro_steps=ms, num_gpus=n, grad_sync_ms=grad)
