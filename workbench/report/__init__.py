@@ -70,7 +70,7 @@ def step_time_figure(sim: dict, title: str = "Step time by planner"):
                              array=[(r["p95_step_ms"] - r["mean_step_ms"]) / 1e3 for r in rows],
                              arrayminus=[0] * len(rows)),
                 text=[f"{r['mean_step_ms'] / 1e3:.2f}s<br>×{r['ratio_to_lower_bound']:.2f} LB" for r in rows],
-                textposition="outside",
+                textposition="inside", insidetextanchor="middle",  # outside would collide with the p95 whiskers
                 hovertemplate="%{x}: %{y:.2f}s per step<extra></extra>")
     if rows:
         lb = sum(r["lower_bound_ms"] for r in rows) / len(rows) / 1e3
@@ -101,7 +101,8 @@ def plan_timeline_figure(plan: dict, title: str | None = None):
             hovertemplate="micro-step %{customdata[0]}: ranks %{customdata[1]}–%{customdata[2]}, "
                           "%{customdata[3]} sequences<br>%{base:.2f}s + %{x:.2f}s<extra></extra>")
     fig.update_xaxes(title="time (s)")
-    fig.update_yaxes(title="rank", autorange="reversed")
+    n = plan.get("num_gpus") or 1 + max(g["ranks"][1] for g in tl["groups"])
+    fig.update_yaxes(title="rank", range=[n - 0.5, -0.5], tickformat="d", zeroline=False)
     fig.update_layout(barmode="overlay", template="plotly_white", height=420,
                       title=title or f"{plan['planner']}: {plan['makespan_ms'] / 1e3:.2f}s per step "
                                      f"(lower bound {plan['lower_bound_ms'] / 1e3:.2f}s)")

@@ -1,0 +1,231 @@
+"""Measured vs predicted step time of real plans: the tiny model on CPU, gloo ranks under torchrun.
+
+For one long-tailed global batch (a synthetic length family, or the stdlib corpus, clipped to
+``--max-len``), each planner (static-max, best-static, min-degree, greedy, and flexsp / two-stage
+where registered) plans the step against the cost model built from the quick-fit profile
+(``cpu-gloo-tiny``); then every rank runs that plan with the StepExecutor: ``--warmup`` untimed
+steps and ``--steps`` timed ones, round-robin over the planners. A step's time is the slowest rank's (they end together in the
+gradient all-reduce); the table shows its median next to the plan's predicted makespan, and the
+median ratio measured/predicted of the plan's groups (compute per micro-step, without waits).
+
+Memory: activations of the tiny model are ~13 KB/token, so real CPU RAM never binds and every
+planner would run everything on degree 1. By default the per-rank memory is set so that a
+``--max-len`` sequence needs degree 4 (as a 128K sequence does on a GPU): ``--gpu-memory-gb``
+overrides it.
+
+Usage: python bench/runtime.py [--nproc 4] [--lengths wikipedia] [--max-len 4096]
+[--batch-tokens 32768] [--steps 3] [--warmup 1] [--planners a,b] [--gpu-memory-gb G] [--json PATH]
+It launches torchrun itself (argument lists, its own session; killed on --timeout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PLANNERS = ("static-max", "best-static", "min-degree", "greedy", "two-stage", "flexsp")
+
+
+def _args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--lengths", default="wikipedia", help="length family name or 'stdlib'")
+    ap.add_argument("--max-len", type=int, default=4096, help="clip lengths to this (the tiny model's context is 16384)")
+    ap.add_argument("--batch-tokens", type=int, default=32768)
+    ap.add_argument("--samples", type=int, default=20000)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--planners", default=",".join(PLANNERS))
+    ap.add_argument("--profile", default="cpu-gloo-tiny")
+    ap.add_argument("--gpu-memory-gb", type=float, default=None,
+                    help="per-rank memory for the cost model (default: a max-len sequence needs degree nproc)")
+    ap.add_argument("--time-limit", type=float, default=2.0, help="solver time limit (flexsp)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=1200, help="seconds before the torchrun job is killed")
+    ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------------
+# worker (under torchrun)
+# ------------------------------------------------------------------------------------------------
+
+
+def _setup(args):
+    """Rank 0's batch, cost model and plans (planners may not be deterministic: plan once)."""
+    import numpy as np
+
+    from workbench.cost import CostModel
+    from workbench.data import GlobalBatchSampler, load_lengths
+    from workbench.solve import planner_names, run_planner
+    from workbench.specs import ClusterSpec, get_model, load_profile
+
+    model = get_model("tiny")
+    profile = load_profile(args.profile)
+    ls = load_lengths(args.lengths, samples=args.samples, seed=args.seed, max_len=args.max_len, policy="clip")
+    batch = next(iter(GlobalBatchSampler(ls.lengths, batch_tokens=args.batch_tokens, seed=args.seed).take(1)))
+    lengths = [int(x) for x in batch.lengths]
+    n = args.nproc
+    mem = args.gpu_memory_gb
+    if mem is None:
+        # the memory at which a max-len sequence needs degree n (with 25% to spare on n ranks)
+        probe = CostModel(profile, model, ClusterSpec(num_gpus=n, gpus_per_node=n, gpu_memory_gb=1000.0))
+        act_gb = float(probe.memory([args.max_len], n)[0]) * 1.25
+        cluster0 = ClusterSpec(num_gpus=n, gpus_per_node=n, gpu_memory_gb=1.0)
+        mem = (act_gb + cluster0.model_state_gb(model)) / cluster0.usable_memory_fraction
+    cluster = ClusterSpec(num_gpus=n, gpus_per_node=n, gpu_memory_gb=mem)
+    cost = CostModel(profile, model, cluster)
+    known = set(planner_names())
+    plans, errors = {}, {}
+    for name in args.planners.split(","):
+        if name not in known and not name.startswith("static:"):
+            errors[name] = "not registered"
+            continue
+        try:
+            p = run_planner(name, np.asarray(lengths), cost, seed=args.seed, time_limit=args.time_limit,
+                            max_len=args.max_len)
+            plans[name] = p.to_dict()
+        except Exception as e:  # a planner that fails is reported, the others still run
+            errors[name] = f"{type(e).__name__}: {e}"
+    info = {"lengths": lengths, "gpu_memory_gb": mem, "memory_budget_gb": cost.memory_budget_gb,
+            "profile": profile.name, "profile_when": profile.provenance.get("when"),
+            "lower_bound_ms": float(next(iter(plans.values()))["lower_bound_ms"]) if plans else None}
+    return info, plans, errors
+
+
+def _worker(args) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from workbench.runtime import GroupRegistry, StepExecutor, Transformer, select_attention
+    from workbench.solve import plan_from_dict
+    from workbench.specs import get_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    obj = [_setup(args) if rank == 0 else None]
+    dist.broadcast_object_list(obj, src=0)
+    info, plans, errors = obj[0]
+    spec = get_model("tiny")
+    registry = GroupRegistry(world, [d for d in (1, 2, 4, 8, 16) if d <= world])
+    attn, backend = select_attention("torch", "cpu")
+    ex = StepExecutor(Transformer(spec, seed=args.seed), registry, attn)
+    gen = torch.Generator().manual_seed(args.seed)
+    seqs = [torch.randint(0, spec.vocab, (n,), generator=gen) for n in info["lengths"]]
+    # round-robin over the plans, step by step, so that load from elsewhere on the machine hits
+    # every planner alike
+    parsed = {name: plan_from_dict(pd) for name, pd in plans.items()}
+    steps = {name: [] for name in plans}
+    ratios = {name: [] for name in plans}
+    losses = {}
+    for i in range(args.warmup + args.steps):
+        for name, plan in parsed.items():
+            dist.barrier()
+            res = ex.run(plan, seqs)
+            t = torch.tensor([res.measured_ms])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            losses[name] = res.loss
+            if i >= args.warmup:
+                steps[name].append(float(t))
+                ratios[name] += [r.measured_ms / r.predicted_ms for r in res.records if r.degree and r.predicted_ms > 0]
+    rows = {}
+    for name, pd in plans.items():
+        all_ratios = [None] * world
+        dist.all_gather_object(all_ratios, ratios[name])
+        flat = [x for r in all_ratios for x in r]
+        degrees = sorted({g["degree"] for m in pd["micro_steps"] for g in m["groups"]})
+        med = statistics.median(steps[name])
+        rows[name] = {"measured_ms": med, "measured_all_ms": steps[name], "predicted_ms": pd["makespan_ms"],
+                      "ratio": med / pd["makespan_ms"], "group_ratio_median": statistics.median(flat) if flat else None,
+                      "micro_steps": len(pd["micro_steps"]), "degrees": degrees, "loss": losses[name]}
+    if rank == 0:
+        out = {"info": info, "rows": rows, "errors": errors, "world": world, "attention": backend,
+               "threads_per_rank": torch.get_num_threads()}
+        Path(args.worker_out).write_text(json.dumps(out, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# launcher
+# ------------------------------------------------------------------------------------------------
+
+
+def _launch(args, argv) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+               str(Path(__file__).resolve()), *argv, "--worker-out", str(out)]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise SystemExit(f"torchrun did not finish in {args.timeout:.0f} s") from None
+        except KeyboardInterrupt:
+            os.killpg(proc.pid, signal.SIGTERM)
+            raise
+        if rc != 0:
+            raise SystemExit(f"torchrun failed with exit status {rc}")
+        return json.loads(out.read_text())
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _args(argv)
+    if args.worker_out:
+        return _worker(args)
+    t0 = time.perf_counter()
+    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    res = _launch(args, argv)
+    load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    info = res["info"]
+    ls = info["lengths"]
+    print(f"# tiny model, {res['world']} gloo ranks on CPU ({os.cpu_count()} cores, {res['threads_per_rank']} thread "
+          f"each), attention {res['attention']}; profile {info['profile']} (measured {info['profile_when']})")
+    print(f"# batch: {len(ls)} sequences, {sum(ls):,} tokens from '{args.lengths}' clipped to {args.max_len} "
+          f"(max {max(ls)}, median {int(statistics.median(ls))}); per-rank memory {info['gpu_memory_gb']:.3f} GB "
+          f"(activation budget {info['memory_budget_gb'] * 1e3:.1f} MB); median of {args.steps} steps after "
+          f"{args.warmup} warm-up; load average {load0:.1f} before, {load1:.1f} after (other work on the "
+          f"machine inflates measured times)")
+    if info["lower_bound_ms"] is not None:
+        print(f"# lower bound (cost model): {info['lower_bound_ms']:.0f} ms")
+    print()
+    print("| planner | degrees | micro-steps | predicted (ms) | measured (ms) | best step (ms) | measured/predicted | "
+          "group measured/predicted (median) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for name in args.planners.split(","):
+        r = res["rows"].get(name)
+        if r is None:
+            why = res["errors"].get(name, "not run")
+            print(f"| {name} | n/a | | | | | | ({why}) |")
+            continue
+        gr = f"{r['group_ratio_median']:.2f}" if r["group_ratio_median"] is not None else "-"
+        print(f"| {name} | {','.join(map(str, r['degrees']))} | {r['micro_steps']} | {r['predicted_ms']:.0f} | "
+              f"{r['measured_ms']:.0f} | {min(r['measured_all_ms']):.0f} | {r['ratio']:.2f} | {gr} |")
+    print(f"\n# {time.perf_counter() - t0:.0f} s in all", file=sys.stderr)
+    if args.json:
+        from workbench.util import write_json_atomic
+
+        write_json_atomic(args.json, res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

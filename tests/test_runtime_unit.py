@@ -1,0 +1,325 @@
+"""Single-process checks of the runtime: model, varlen attention, shards, plan checks, quick fit.
+
+The multi-process checks (Ulysses, exact gradients) are in test_runtime_dist.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from workbench.cost import CostModel  # noqa: E402
+from workbench.runtime.attention import AttentionUnavailable, select_attention, torch_varlen_attention  # noqa: E402
+from workbench.runtime.groups import GroupRegistry, aligned_blocks  # noqa: E402
+from workbench.runtime.model import Transformer  # noqa: E402
+from workbench.runtime.step import IGNORE, StepExecutor, batch_loss, check_plan, make_shard  # noqa: E402
+from workbench.runtime.ulysses import kv_repeats, shard_layout  # noqa: E402
+from workbench.solve.plan import PlanError, build_plan  # noqa: E402
+from workbench.specs import ClusterSpec, get_model, load_profile  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return get_model("tiny")
+
+
+def _cost(num_gpus: int = 4):
+    return CostModel(load_profile("cpu-gloo-tiny"), get_model("tiny"),
+                     ClusterSpec(num_gpus=num_gpus, gpus_per_node=num_gpus, gpu_memory_gb=4.0))
+
+
+def _cu(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+# ------------------------------------------------------------------------------------------------
+# attention
+# ------------------------------------------------------------------------------------------------
+
+
+def _naive_attention(q, k, v, lengths):
+    """Softmax attention written out: per sequence, explicit causal mask, KV heads repeated."""
+    H, KV = q.shape[1], k.shape[1]
+    outs, lo = [], 0
+    for s in lengths:
+        qi, ki, vi = q[lo:lo + s], k[lo:lo + s], v[lo:lo + s]
+        ki = ki.repeat_interleave(H // KV, dim=1)
+        vi = vi.repeat_interleave(H // KV, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qi, ki) / math.sqrt(q.shape[-1])  # (H, s, s)
+        mask = torch.ones(s, s, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vi))  # (s, H, hd)
+        lo += s
+    return torch.cat(outs)
+
+
+def test_torch_varlen_attention_matches_naive_softmax():
+    lengths = [5, 1, 17, 8]
+    gen = torch.Generator().manual_seed(0)
+    T = sum(lengths)
+    q = torch.randn(T, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(T, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(T, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    out = torch_varlen_attention(q, k, v, _cu(lengths), max(lengths))
+    ref = _naive_attention(q, k, v, lengths)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad((out * g).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * g).sum(), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_torch_varlen_attention_rejects_bad_inputs():
+    q = torch.zeros(6, 3, 4)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        torch_varlen_attention(q, torch.zeros(6, 2, 4), torch.zeros(6, 2, 4), _cu([6]), 6)
+    with pytest.raises(ValueError, match="cu_seqlens ends at 5"):
+        torch_varlen_attention(torch.zeros(6, 2, 4), torch.zeros(6, 2, 4), torch.zeros(6, 2, 4), _cu([5]), 5)
+
+
+def test_select_attention():
+    fn, name = select_attention("torch", "cpu")
+    assert name == "torch" and fn is torch_varlen_attention
+    fn, name = select_attention("auto", "cpu")
+    assert name == "torch"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        select_attention("xformers", "cpu")
+
+
+def test_flash_requested_on_cpu_is_a_clear_error():
+    with pytest.raises(AttentionUnavailable, match="needs a CUDA device.*use --attention torch"):
+        select_attention("flash", "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message where flash-attn cannot run")
+def test_flash_attn_is_imported_lazily():
+    import sys
+
+    import workbench.runtime.attention  # noqa: F401
+
+    assert "flash_attn" not in sys.modules
+
+
+# ------------------------------------------------------------------------------------------------
+# the model
+# ------------------------------------------------------------------------------------------------
+
+
+def test_model_packed_varlen_equals_per_sequence(tiny):
+    model = Transformer(tiny, seed=1).double()
+    gen = torch.Generator().manual_seed(1)
+    lengths = [9, 1, 30, 4]
+    seqs = [torch.randint(0, tiny.vocab, (n,), generator=gen) for n in lengths]
+    packed = make_shard(seqs, 1, 0)
+    out = model(packed.tokens, packed.positions, packed.cu_seqlens, packed.max_seqlen, torch_varlen_attention)
+    assert out.shape == (sum(lengths), tiny.vocab)
+    per = [model(s, torch.arange(len(s)), _cu([len(s)]), len(s), torch_varlen_attention) for s in seqs]
+    torch.testing.assert_close(out, torch.cat(per))
+
+
+def test_model_slice_with_true_positions_equals_whole_sequence_prefix(tiny):
+    """Rotary angles come from the position ids: a prefix computed alone equals the whole
+    sequence's first rows (causality); rotary attention depends only on relative positions, so a
+    uniform shift changes nothing while wrong relative positions do."""
+    model = Transformer(tiny, seed=2).double()
+    s = torch.randint(0, tiny.vocab, (20,), generator=torch.Generator().manual_seed(2))
+    whole = model(s, torch.arange(20), _cu([20]), 20, torch_varlen_attention)
+    prefix = model(s[:7], torch.arange(7), _cu([7]), 7, torch_varlen_attention)
+    torch.testing.assert_close(prefix, whole[:7])
+    shifted = model(s[:7], torch.arange(7) + 5, _cu([7]), 7, torch_varlen_attention)
+    torch.testing.assert_close(shifted, prefix)
+    wrong = model(s[:7], torch.zeros(7, dtype=torch.long), _cu([7]), 7, torch_varlen_attention)
+    assert not torch.allclose(wrong, prefix)
+
+
+def test_model_init_is_seeded_and_independent_of_global_rng(tiny):
+    torch.manual_seed(123)
+    a = Transformer(tiny, seed=5)
+    torch.manual_seed(456)
+    b = Transformer(tiny, seed=5)
+    c = Transformer(tiny, seed=6)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+    assert not torch.equal(a.embed.weight, c.embed.weight)
+
+
+# ------------------------------------------------------------------------------------------------
+# shards and layouts
+# ------------------------------------------------------------------------------------------------
+
+
+def test_shard_layout_by_hand():
+    # lengths 5 and 2 on degree 2: chunks 3 and 1; rank 1 holds positions 3,4,(5) of seq 0 and (1) of seq 1
+    lay = shard_layout([5, 2], 2, 1)
+    assert lay.chunks == (3, 1) and lay.local_tokens == 4
+    assert lay.local_cu_seqlens.tolist() == [0, 3, 4]
+    assert lay.full_cu_seqlens.tolist() == [0, 6, 8]
+    assert lay.full_max_seqlen == 6
+    assert lay.local_positions().tolist() == [3, 4, 5, 1]
+    assert lay.local_valid().tolist() == [True, True, False, True]
+    # gathered rank-major rows: rank0 [s0p0 s0p1 s0p2 s1p0] rank1 [s0p3 s0p4 s0p5 s1p1]
+    assert lay.gather_index.tolist() == [0, 1, 2, 4, 5, 6, 3, 7]
+    assert lay.scatter_index[lay.gather_index].tolist() == list(range(8))
+
+
+def test_shard_layout_errors():
+    with pytest.raises(ValueError, match="not in a group"):
+        shard_layout([4], 2, 2)
+    with pytest.raises(ValueError, match="positive length"):
+        shard_layout([4, 0], 2, 0)
+
+
+def test_make_shard_by_hand():
+    s0 = torch.tensor([10, 11, 12, 13, 14])
+    s1 = torch.tensor([20, 21])
+    r0 = make_shard([s0, s1], 2, 0)
+    r1 = make_shard([s0, s1], 2, 1)
+    assert r0.tokens.tolist() == [10, 11, 12, 20]
+    assert r0.labels.tolist() == [11, 12, 13, 21]
+    assert r0.positions.tolist() == [0, 1, 2, 0]
+    assert r1.tokens.tolist() == [13, 14, 0, 21]
+    assert r1.labels.tolist() == [14, IGNORE, IGNORE, IGNORE]
+    assert r1.positions.tolist() == [3, 4, 5, 1]
+    assert (r0.real_tokens, r1.real_tokens) == (4, 3)
+    assert r0.targets + r1.targets == 4 + 1
+    whole = make_shard([s0, s1], 1, 0)
+    assert whole.tokens.tolist() == [10, 11, 12, 13, 14, 20, 21]
+    assert whole.cu_seqlens.tolist() == [0, 5, 7] and whole.max_seqlen == 5
+
+
+def test_sequence_shorter_than_degree():
+    sh = [make_shard([torch.tensor([7, 8])], 4, r) for r in range(4)]
+    assert [s.tokens.tolist() for s in sh] == [[7], [8], [0], [0]]
+    assert [s.real_tokens for s in sh] == [1, 1, 0, 0]
+    assert sum(s.targets for s in sh) == 1
+
+
+def test_kv_repeats():
+    assert kv_repeats(2, 2) == 1 and kv_repeats(2, 4) == 2 and kv_repeats(8, 2) == 1
+    with pytest.raises(ValueError, match="neither divides"):
+        kv_repeats(3, 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# plan checks
+# ------------------------------------------------------------------------------------------------
+
+
+def test_check_plan_accepts_a_good_plan():
+    lengths = [30, 7, 12, 3]
+    plan = build_plan("hand", [[(2, [0, 1]), (1, [2]), (1, [3])]], lengths, _cost())
+    check_plan(plan, lengths, 4, [1, 2, 4], max_context=16384, heads=4, kv_heads=2)
+
+
+def test_check_plan_world_size_mismatch():
+    lengths = [30, 7]
+    plan = build_plan("hand", [[(2, [0, 1])]], lengths, _cost())
+    with pytest.raises(PlanError, match="plan is for 4 ranks but this run has 2"):
+        check_plan(plan, lengths, 2)
+
+
+def test_check_plan_sequence_longer_than_context(tiny):
+    lengths = [tiny.max_context + 1, 7]
+    plan = build_plan("hand", [[(4, [0]), ], [(1, [1])]], lengths, _cost())
+    with pytest.raises(PlanError, match=r"sequence 0 has 16,385 tokens but the model's context is 16,384"):
+        check_plan(plan, lengths, 4, max_context=tiny.max_context)
+
+
+def test_check_plan_other_errors():
+    lengths = [30, 7, 12]
+    plan = build_plan("hand", [[(2, [0, 1]), (1, [2])]], lengths, _cost())
+    with pytest.raises(PlanError, match="sequence 1 has 8 tokens but the plan says 7"):
+        check_plan(plan, [30, 8, 12], 4)
+    with pytest.raises(PlanError, match="sequence 3 runs 0 times"):
+        check_plan(plan, lengths + [5], 4)
+    with pytest.raises(PlanError, match="degree 2 has no process groups"):
+        check_plan(plan, lengths, 4, [1, 4])
+    with pytest.raises(PlanError, match="empty"):
+        check_plan(plan, [30, 0, 12], 4)
+    with pytest.raises(PlanError, match="Ulysses degree 2 does not fit"):
+        check_plan(plan, lengths, 4, heads=3, kv_heads=1)
+
+
+def test_executor_checks_before_running(tiny):
+    """One process, world size 1: a 4-rank plan is refused with the world-size message."""
+    model = Transformer(tiny, seed=0)
+    ex = StepExecutor(model, GroupRegistry(1, [1]), torch_varlen_attention)
+    seqs = [torch.randint(0, tiny.vocab, (n,)) for n in (5, 9)]
+    plan = build_plan("hand", [[(2, [0, 1])]], [5, 9], _cost())
+    with pytest.raises(PlanError, match="world size"):
+        ex.run(plan, seqs)
+
+
+def test_single_process_step_equals_batch_loss(tiny):
+    """World size 1, two micro-steps of degree 1: gradient accumulation equals the full batch."""
+    model, ref = Transformer(tiny, seed=4).double(), Transformer(tiny, seed=4).double()
+    ex = StepExecutor(model, GroupRegistry(1, [1]), torch_varlen_attention)
+    gen = torch.Generator().manual_seed(4)
+    lengths = [11, 3, 25]
+    seqs = [torch.randint(0, tiny.vocab, (n,), generator=gen) for n in lengths]
+    plan = build_plan("hand", [[(1, [0, 2])], [(1, [1])]], lengths, _cost(1))
+    res = ex.run(plan, seqs)
+    loss = batch_loss(ref, seqs, torch_varlen_attention)
+    loss.backward()
+    assert res.loss == pytest.approx(loss.item(), rel=1e-12)
+    assert res.targets == sum(lengths) - 3 and len(res.records) == 2
+    assert res.predicted_ms == pytest.approx(plan.makespan_ms)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_group_registry_single_process():
+    assert aligned_blocks(4, 2) == [(0, 1), (2, 3)]
+    reg = GroupRegistry(1, [1])
+    assert reg.get([0]) is None and [0] in reg
+    with pytest.raises(ValueError, match="outside 1..1"):
+        GroupRegistry(1, [2])
+
+
+# ------------------------------------------------------------------------------------------------
+# quick fit
+# ------------------------------------------------------------------------------------------------
+
+
+def test_nnls_and_fit_curve_recover_a_known_curve():
+    from workbench.runtime.quickfit import fit_curve, nnls
+
+    packs = [(64,), (256,), (1024,), (64,) * 8, (512, 256)]
+    a, b, c = 2e-6, 0.01, 1.5
+    t = [a * sum(s * s for s in p) + b * sum(p) + c for p in packs]
+    curve = fit_curve(packs, t)
+    assert curve.a == pytest.approx(a, rel=1e-6) and curve.b == pytest.approx(b, rel=1e-6)
+    assert curve.c == pytest.approx(c, rel=1e-6)
+    # a negative unconstrained solution is clipped to zero
+    import numpy as np
+
+    w = nnls(np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]]), np.array([3.0, 2.0, 1.0]))
+    assert (w >= 0).all() and w[1] == 0
+
+
+def test_quickfit_tiny_returns_a_measured_profile(tiny):
+    from workbench.runtime.quickfit import quickfit
+
+    prof = quickfit(tiny, packs=[(16,), (64,), (128,), (16, 16, 16)], warmup=0, reps=1)
+    assert prof.provenance["kind"] == "measured" and prof.provenance["method"] == "quickfit"
+    assert prof.provenance["collectives"] == "estimate"
+    assert prof.model == "tiny" and prof.activation_mb_per_token > 0
+    assert prof.forward.a >= 0 and prof.backward.b >= 0
+    CostModel(prof, tiny, ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=4.0))
+
+
+def test_shipped_cpu_profile_loads(tiny):
+    from workbench.specs import list_profiles
+
+    assert "cpu-gloo-tiny" in list_profiles()
+    prof = load_profile("cpu-gloo-tiny")
+    assert prof.provenance["kind"] == "measured" and prof.provenance["method"] == "quickfit"
+    assert prof.model == "tiny" and prof.provenance["when"]
+    cost = _cost()
+    assert cost.time([1024], 1)[0] > cost.time([1024], 4)[0] > 0

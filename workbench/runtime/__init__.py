@@ -1,0 +1,34 @@
+"""The torch runtime: run Plans on real processes (torchrun; gloo on CPU, NCCL on CUDA).
+
+- ``model``: a Llama-style decoder on packed varlen sequences; attention is a callable handed in.
+- ``attention``: causal varlen attention, flash-attn (CUDA, lazy import) or PyTorch SDPA;
+  ``select_attention(name, device)``.
+- ``ulysses``: the sequence <-> head all-to-all (autograd), ``shard_layout``, ``UlyssesAttention``.
+- ``groups``: ``GroupRegistry`` - every aligned (degree, block) process group, made once.
+- ``step``: ``StepExecutor(model, registry, attn).run(plan, sequences) -> StepResult``;
+  ``make_shard``, ``check_plan``, ``MicroStepRecord``.
+- ``quickfit``: measure this machine and fit a ``HardwareProfile``.
+
+Everything here imports torch; the planning side (``workbench.solve``, ``cost``, ``specs``) never does.
+"""
+
+from workbench.runtime.attention import AttentionUnavailable, select_attention, torch_varlen_attention
+from workbench.runtime.groups import GroupRegistry, aligned_blocks
+from workbench.runtime.model import Transformer
+from workbench.runtime.step import (
+    IGNORE,
+    LocalShard,
+    MicroStepRecord,
+    StepExecutor,
+    StepResult,
+    batch_loss,
+    check_plan,
+    make_shard,
+)
+from workbench.runtime.ulysses import ShardLayout, UlyssesAttention, shard_layout
+
+__all__ = [
+    "AttentionUnavailable", "select_attention", "torch_varlen_attention", "GroupRegistry", "aligned_blocks",
+    "Transformer", "IGNORE", "LocalShard", "MicroStepRecord", "StepExecutor", "StepResult", "batch_loss",
+    "check_plan", "make_shard", "ShardLayout", "UlyssesAttention", "shard_layout",
+]

@@ -1,0 +1,164 @@
+"""A Llama-style decoder on packed variable-length sequences, readable top to bottom.
+
+Order: RMSNorm -> rotary embeddings -> grouped-query attention -> SwiGLU MLP -> block -> model.
+Sized by a ``ModelSpec``. The model knows nothing about distribution: attention is a callable
+handed to ``forward``, ``attn(q, k, v, cu_seqlens, max_seqlen) -> out`` on packed tensors
+``(total_tokens, heads, head_dim)`` (the flash-attn varlen convention), so the same module runs
+single-process attention or Ulysses sequence parallelism without knowing which.
+
+Inputs are packed: token ids ``(T,)`` of several sequences back to back, their true position ids
+``(T,)`` (a rank holding the middle slice of a sequence passes that slice's positions), and
+``cu_seqlens`` ``(n+1,)`` int32, the cumulative sequence lengths. Rotary angles are computed from
+the position ids, so a slice gets exactly the rotations it would get in the whole sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workbench.specs import ModelSpec
+
+__all__ = ["RMSNorm", "rotary_cos_sin", "apply_rotary", "Attention", "MLP", "Block", "Transformer",
+           "AttentionFn", "ROPE_BASE"]
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+"""``attn(q (T, H, hd), k (T, KV, hd), v (T, KV, hd), cu_seqlens (n+1,) int32, max_seqlen) -> (T, H, hd)``,
+causal within each packed sequence."""
+
+ROPE_BASE = 10000.0
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned scale (no bias, no mean subtraction)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # at least fp32 for the statistics
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)  # (T, C)
+        return xf.type_as(x) * self.weight
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, base: float = ROPE_BASE,
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables for explicit position ids: returns ``(cos, sin)``, each ``(T, head_dim // 2)``.
+
+    Computed per token from its position, so the same position gives the same rotation wherever
+    the token sits in a packed shard."""
+    half = head_dim // 2
+    ft = torch.promote_types(dtype, torch.float32)  # angles in fp32 (fp64 for an fp64 model)
+    inv_freq = 1.0 / (base ** (torch.arange(0, half, device=positions.device, dtype=ft) / half))  # (hd/2,)
+    angles = positions.to(ft)[:, None] * inv_freq[None, :]  # (T, hd/2)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of every head (Llama's rotate-half convention). x: (T, h, hd)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]  # (T, h, hd/2) each
+    c, s = cos[:, None, :], sin[:, None, :]  # (T, 1, hd/2)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)  # (T, h, hd)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention: ``heads`` query heads share ``kv_heads`` key/value heads.
+    The attention kernel itself (and any communication around it) is the ``attn`` callable."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = spec.heads, spec.kv_heads, spec.head_dim
+        self.q_proj = nn.Linear(spec.hidden, spec.heads * spec.head_dim, bias=False)
+        self.k_proj = nn.Linear(spec.hidden, spec.kv_heads * spec.head_dim, bias=False)
+        self.v_proj = nn.Linear(spec.hidden, spec.kv_heads * spec.head_dim, bias=False)
+        self.o_proj = nn.Linear(spec.heads * spec.head_dim, spec.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
+                max_seqlen: int, attn: AttentionFn) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.heads, self.head_dim)  # (T, H, hd)
+        k = self.k_proj(x).view(T, self.kv_heads, self.head_dim)  # (T, KV, hd)
+        v = self.v_proj(x).view(T, self.kv_heads, self.head_dim)  # (T, KV, hd)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = attn(q, k, v, cu_seqlens, max_seqlen)  # (T, H, hd)
+        return self.o_proj(y.reshape(T, self.heads * self.head_dim))  # (T, C)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gate = nn.Linear(spec.hidden, spec.ffn, bias=False)
+        self.up = nn.Linear(spec.hidden, spec.ffn, bias=False)
+        self.down = nn.Linear(spec.ffn, spec.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))  # (T, C)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: attention and MLP, each with a residual."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(spec.hidden)
+        self.attn = Attention(spec)
+        self.mlp_norm = RMSNorm(spec.hidden)
+        self.mlp = MLP(spec)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
+                max_seqlen: int, attn: AttentionFn) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cu_seqlens, max_seqlen, attn)  # (T, C)
+        return x + self.mlp(self.mlp_norm(x))  # (T, C)
+
+
+class Transformer(nn.Module):
+    """The decoder: embedding, ``spec.layers`` blocks, final norm, output head.
+
+    ``forward(tokens, positions, cu_seqlens, max_seqlen, attn)`` returns logits ``(T, vocab)``.
+    Weights are initialised from ``seed`` (normal, std 0.02; output projections of each block
+    scaled by 1/sqrt(2*layers) as in GPT-2), independent of the global RNG, so every rank builds
+    the same replica.
+    """
+
+    def __init__(self, spec: ModelSpec, *, seed: int = 0) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed = nn.Embedding(spec.vocab, spec.hidden)
+        self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.layers))
+        self.norm = RMSNorm(spec.hidden)
+        self.head = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        if spec.tied_embeddings:
+            self.head.weight = self.embed.weight
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """Initialise every weight from ``seed`` (same seed, same weights, on any rank)."""
+        gen = torch.Generator().manual_seed(int(seed))
+        out_std = 0.02 / (2 * self.spec.layers) ** 0.5
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                std = out_std if name.endswith(("o_proj.weight", "down.weight")) else 0.02
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                max_seqlen: int, attn: AttentionFn) -> torch.Tensor:
+        x = self.embed(tokens)  # (T, C)
+        cos, sin = rotary_cos_sin(positions, self.spec.head_dim, dtype=x.dtype)  # (T, hd/2) each
+        for block in self.blocks:
+            x = block(x, cos, sin, cu_seqlens, max_seqlen, attn)  # (T, C)
+        return self.head(self.norm(x))  # (T, vocab)
+
+    def num_params(self) -> int:
+        """Distinct parameters (a tied head counted once)."""
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,684 @@
+"""The trainer: one process per rank under torchrun, executing a planner's plan every step.
+
+    python -m torch.distributed.run --standalone --nproc-per-node N \\
+        -m workbench.runtime.train --run-dir runs/<id>
+
+Reads ``<run-dir>/spec.json`` (``workbench.launch.spec.TrainSpec``), then every step:
+
+1. every rank draws the same global batch (``GlobalBatchSampler``, deterministic from the seed);
+2. rank 0 plans it (one step ahead with ``workbench.solve.ahead.PlanAhead`` when that exists) and
+   broadcasts the plan as a dict; a planning error is broadcast instead, so every rank stops;
+3. every rank checks the plan (``check_plan``) before running it: a bad plan fails everywhere
+   at the same point, and no rank waits in a collective for one that gave up;
+4. ``StepExecutor.run`` does the micro-steps and the gradient all-reduce; the optimizer steps.
+
+Artefacts in the run folder: ``plans.jsonl`` (rank 0), ``metrics.jsonl`` (one line per step and
+rank), ``status.json`` (rank 0: running / done / failed, step, error), ``checkpoints/step_<n>.pt``
+(model, optimizer, step, sampler position, RNG; loaded with ``weights_only=True``),
+``ranks/rank<k>.json`` (pid and host of each rank, so a stop can reach every process), and on a
+failure ``failures/rank<k>.json``. A restarted run resumes from its latest checkpoint.
+
+Setup errors (a missing or invalid spec, a bad source, a sequence over the max context under
+policy ``error``...) are collected on every rank *before* the first collective that could block,
+then agreed on with one ``all_gather_object``: every rank stops, rank 0 writes the message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from workbench.launch.spec import CPU_MAX_LEN, DEFAULT_BATCH_TOKENS, SpecError, TrainSpec, read_spec
+from workbench.util import append_jsonl, write_json_atomic
+
+__all__ = ["TokenData", "TrainError", "checkpoint_path", "latest_checkpoint", "load_checkpoint", "main"]
+
+CHECKPOINT_RE = re.compile(r"^step_(\d+)\.pt$")
+CHECKPOINT_FORMAT = 1
+FALLBACK_CPU_PROFILE = "a100-40g-flexsp"
+
+
+class TrainError(RuntimeError):
+    """A run that cannot go on; the message is what status.json and stderr say."""
+
+
+def _say(msg: str) -> None:
+    sys.stderr.write(msg + "\n")  # one write: lines of ranks sharing log.txt do not interleave
+    sys.stderr.flush()
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+# ------------------------------------------------------------------------------------------------
+# data: lengths and token ids
+# ------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=512)
+def _file_bytes(path: str) -> bytes:
+    return Path(path).read_bytes()
+
+
+class TokenData:
+    """Every sequence of a run's length source: ``lengths`` (after the max-context policy) and
+    ``tokens(i)``, its byte-level token ids.
+
+    For ``stdlib`` each sequence is (a clipped or split piece of) one standard-library document.
+    For any other source (family, file, list) sequence ``i`` is a contiguous window of the
+    concatenated stdlib byte stream starting at a place drawn from ``(seed, i)``. Has ``lengths``,
+    ``ordered`` and ``report`` (the ``MaxContextReport``), so it can be handed to
+    ``GlobalBatchSampler`` directly.
+    """
+
+    def __init__(self, source: str, *, max_len: int, policy: str, seed: int, samples: int | None = None,
+                 column: str | None = None) -> None:
+        from workbench.data import load_lengths
+        from workbench.data.corpus import stdlib_documents
+        from workbench.data.source import apply_max_context
+
+        self.source = source
+        self.seed = int(seed)
+        self._docs = stdlib_documents()
+        self._paths = [d.path for d in self._docs]
+        sizes = np.array([d.n_tokens for d in self._docs], dtype=np.int64)
+        self._starts = np.concatenate(([0], np.cumsum(sizes)))  # offsets of the docs in the byte stream
+        self.ordered = False
+        if source.strip().lower() == "stdlib":
+            self.kind = "corpus"
+            idx = np.arange(sizes.size, dtype=np.int64)
+            if samples is not None:  # the same draw as load_lengths("stdlib", samples=..., seed=...)
+                rng = np.random.default_rng(seed)
+                n = idx.size
+                idx = np.sort(rng.choice(n, size=samples, replace=False)) if samples <= n else rng.integers(0, n, samples)
+            raw = sizes[idx]
+            lengths, self.report = apply_max_context(raw, max_len, policy, origin="stdlib corpus")
+            if policy == "split":
+                pieces = -(-raw // max_len)
+                doc = np.repeat(idx, pieces)
+                first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+                offset = (np.arange(doc.size, dtype=np.int64) - first) * max_len
+            elif policy == "drop":
+                doc, offset = idx[raw <= max_len], np.zeros(int((raw <= max_len).sum()), dtype=np.int64)
+            else:  # clip, or error with nothing longer
+                doc, offset = idx, np.zeros(idx.size, dtype=np.int64)
+            # absolute start of every sequence in the byte stream
+            self._seq_start = self._starts[doc] + offset
+        else:
+            self.kind = "windows"
+            ls = load_lengths(source, samples=samples, seed=seed, max_len=max_len, policy=policy, column=column)
+            lengths, self.report, self.ordered = ls.lengths, ls.policy_report, ls.ordered
+            self._seq_start = None
+        self.lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+        self.lengths.flags.writeable = False
+
+    def __len__(self) -> int:
+        return int(self.lengths.size)
+
+    @property
+    def stream_tokens(self) -> int:
+        """Bytes in the concatenated stdlib stream."""
+        return int(self._starts[-1])
+
+    def start(self, i: int) -> int:
+        """Where sequence ``i`` starts in the stdlib byte stream."""
+        if self._seq_start is not None:
+            return int(self._seq_start[i])
+        n = int(self.lengths[i])
+        span = max(1, self.stream_tokens - n + 1)
+        return int(np.random.default_rng([self.seed, 0x70C5, int(i)]).integers(0, span))
+
+    def tokens(self, i: int) -> np.ndarray:
+        """Token ids (int64, 0..255) of sequence ``i``: ``lengths[i]`` bytes from ``start(i)``,
+        wrapping around the end of the stream."""
+        need = int(self.lengths[i])
+        pos = self.start(i) % self.stream_tokens
+        parts: list[np.ndarray] = []
+        while need > 0:
+            k = int(np.searchsorted(self._starts, pos, side="right")) - 1
+            data = _file_bytes(self._paths[k])
+            lo = pos - int(self._starts[k])
+            chunk = np.frombuffer(data, dtype=np.uint8, count=min(need, len(data) - lo), offset=lo)
+            parts.append(chunk)
+            need -= chunk.size
+            pos = (pos + chunk.size) % self.stream_tokens
+        return np.concatenate(parts).astype(np.int64)
+
+    def describe(self) -> str:
+        """One line: how many sequences, how their tokens are made, what the policy did."""
+        what = ("stdlib documents, 1 token per byte" if self.kind == "corpus"
+                else f"{self.source!r} lengths over windows of the stdlib byte stream")
+        text = f"{len(self):,} sequences, {int(self.lengths.sum()):,} tokens ({what})"
+        if self.report is not None:
+            text += "; max context: " + self.report.describe()
+        return text
+
+
+# ------------------------------------------------------------------------------------------------
+# checkpoints
+# ------------------------------------------------------------------------------------------------
+
+
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    """``run_dir/checkpoints/step_<step>.pt`` (``step`` = optimizer steps taken)."""
+    return Path(run_dir) / "checkpoints" / f"step_{int(step)}.pt"
+
+
+def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
+    """``(step, path)`` of the newest checkpoint of a run, or None."""
+    folder = Path(run_dir) / "checkpoints"
+    if not folder.is_dir():
+        return None
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := CHECKPOINT_RE.match(p.name))]
+    return max(found) if found else None
+
+
+def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict:
+    """A checkpoint's state: ``{"format", "step", "model", "optimizer", "sampler", "rng", "spec"}``,
+    read with ``weights_only=True``. Raises TrainError when the file is not a checkpoint."""
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing here
+        raise TrainError(f"checkpoint {path} cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                         f"delete it to resume from an earlier one") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise TrainError(f"{path} is not a workbench checkpoint (format {CHECKPOINT_FORMAT})")
+    return state
+
+
+def _save_checkpoint(path: Path, state: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+# ------------------------------------------------------------------------------------------------
+# set-up
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DistEnv:
+    """What torchrun tells a worker about its place in the world."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @classmethod
+    def from_env(cls) -> "DistEnv":
+        env = os.environ
+        if "RANK" not in env or "WORLD_SIZE" not in env:
+            # a plain `python -m workbench.runtime.train`: a world of one on a local rendezvous
+            env.setdefault("MASTER_ADDR", "127.0.0.1")
+            env.setdefault("MASTER_PORT", str(_free_port()))
+        return cls(rank=int(env.get("RANK", 0)), world_size=int(env.get("WORLD_SIZE", 1)),
+                   local_rank=int(env.get("LOCAL_RANK", 0)),
+                   local_world_size=int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1))))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def resolve_device(spec: TrainSpec | None, env: DistEnv) -> torch.device:
+    """CUDA (this rank's local GPU) when asked for or available under ``auto``, else CPU.
+    Raises TrainError when ``cuda`` is asked for and there is none."""
+    want = spec.device if spec is not None else "auto"
+    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise TrainError("spec.device is 'cuda' but this machine has no CUDA device; use --device cpu or auto")
+    n = torch.cuda.device_count()
+    if env.local_rank >= n:
+        raise TrainError(f"local rank {env.local_rank} has no GPU: this node has {n}; lower --nproc to {n}")
+    return torch.device("cuda", env.local_rank)
+
+
+def _degrees(world: int, per_node: int) -> tuple[int, ...]:
+    """Powers of two up to the world size whose aligned groups do not straddle nodes."""
+    out, d = [], 1
+    while d <= world:
+        if per_node % d == 0 or d % per_node == 0:
+            out.append(d)
+        d *= 2
+    return tuple(out)
+
+
+def resolve_profile(name: str | None, device: torch.device):
+    """``(HardwareProfile, note)``: the named profile, or ``cpu-gloo-tiny`` on CPU (falling back to
+    a100-40g-flexsp, with a note, where it is not shipped) and ``a100-40g-flexsp`` on CUDA."""
+    from workbench.specs import load_profile
+
+    if name:
+        return load_profile(name), ""
+    if device.type == "cpu":
+        try:
+            return load_profile("cpu-gloo-tiny"), ""
+        except ValueError:
+            return (load_profile(FALLBACK_CPU_PROFILE),
+                    f"profile cpu-gloo-tiny is not shipped; predicted times use {FALLBACK_CPU_PROFILE} "
+                    f"(GPU figures: expect no match with measured CPU times)")
+    return load_profile("a100-40g-flexsp"), ""
+
+
+def build_cost(spec: TrainSpec, world: int, per_node: int, device: torch.device, num_gpus: int | None = None):
+    """``(CostModel, note)`` for this run's world (or ``num_gpus`` ranks, a test hook)."""
+    from workbench.cost import CostModel
+    from workbench.specs import ClusterSpec, get_model
+
+    model = get_model(spec.model)
+    profile, note = resolve_profile(spec.profile, device)
+    n = world if num_gpus is None else int(num_gpus)
+    per = per_node if num_gpus is None else min(per_node, n)
+    if n % per:
+        per = n
+    cluster = ClusterSpec(num_gpus=n, gpus_per_node=per, degrees=_degrees(n, per),
+                          gpu_memory_gb=spec.gpu_memory_gb if spec.gpu_memory_gb is not None else profile.gpu_memory_gb)
+    return CostModel(profile, model, cluster), note
+
+
+def resolve_max_len(spec: TrainSpec, cost, device: torch.device) -> int:
+    """The max context: the spec's, or min(model's, 1024) on CPU and the largest power of two the
+    cluster holds on one group (at most the model's) on CUDA. Raises TrainError when the spec's
+    exceeds the model's max context."""
+    ctx = cost.model.max_context
+    if spec.max_len is not None:
+        if spec.max_len > ctx:
+            raise TrainError(f"max_len {spec.max_len:,} exceeds model {cost.model.name}'s max context {ctx:,}; "
+                             f"lower --max-len")
+        return int(spec.max_len)
+    if device.type == "cpu":
+        return min(ctx, CPU_MAX_LEN)
+    cap = min(max(cost.degrees) * cost.tokens_per_gpu(), ctx)
+    return 1 << (int(cap).bit_length() - 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# planning on rank 0
+# ------------------------------------------------------------------------------------------------
+
+
+class RankZeroPlanner:
+    """Plans batches on rank 0: one step ahead with ``PlanAhead`` when available, else inline.
+    ``payload(batch, next_batch)`` returns what is broadcast: ``{"plan": dict, "plan_wait_s"}`` or
+    ``{"error": message}``."""
+
+    def __init__(self, name: str, cost, *, seed: int, time_limit: float, max_len: int, ahead: bool) -> None:
+        self.name, self.cost, self.seed, self.time_limit, self.max_len = name, cost, seed, time_limit, max_len
+        self._ahead = None
+        self.mode = "inline"
+        if ahead:
+            try:
+                from workbench.solve.ahead import PlanAhead
+            except ImportError:
+                PlanAhead = None
+            if PlanAhead is not None:
+                self._ahead = PlanAhead(name, cost, seed=seed, time_limit=time_limit, max_len=max_len)
+                self.mode = "ahead"
+
+    def _inline(self, batch):
+        from workbench.solve import run_planner
+
+        return run_planner(self.name, np.asarray(batch.lengths, dtype=np.int64), self.cost, seed=self.seed,
+                           time_limit=self.time_limit, max_len=self.max_len, batch_id=batch.batch_id)
+
+    def payload(self, batch, next_batch=None) -> dict:
+        t0 = time.perf_counter()
+        try:
+            if self._ahead is not None:
+                self._ahead.submit(batch)  # a no-op when it was submitted as the previous step's next batch
+                if next_batch is not None:
+                    self._ahead.submit(next_batch)  # planned while this step trains
+                plan = self._ahead.get(batch)
+            else:
+                plan = self._inline(batch)
+        except Exception as e:  # noqa: BLE001 - any planning failure stops every rank the same way
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            return {"error": f"planner {self.name} failed on batch {batch.batch_id}: {msg}"}
+        return {"plan": plan.to_dict(), "plan_wait_s": time.perf_counter() - t0}
+
+    def close(self) -> None:
+        if self._ahead is not None:
+            try:
+                self._ahead.close()
+            except Exception:  # noqa: BLE001 - closing a helper thread must not mask the run's result
+                pass
+
+
+# ------------------------------------------------------------------------------------------------
+# the run
+# ------------------------------------------------------------------------------------------------
+
+
+def _parent_watchdog() -> None:
+    """Exit when torchrun (our parent) dies without ending us: an orphan would otherwise wait in
+    a collective until the process-group timeout."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(2.0)
+            if os.getppid() != parent:
+                if os.getpgrp() == os.getpid():
+                    # we lead our own group (torchrun starts each rank in a session of its own):
+                    # take the plan-ahead worker with us
+                    os.killpg(os.getpgrp(), signal.SIGKILL)
+                os._exit(143)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+class Trainer:
+    """One rank's run. ``run()`` returns the process exit status (0 done, 1 failed)."""
+
+    def __init__(self, run_dir: Path, env: DistEnv) -> None:
+        self.run_dir = run_dir
+        self.env = env
+        self.rank = env.rank
+        self.spec: TrainSpec | None = None
+        self.step = 0
+        self.status: dict = {}
+
+    # ---- status and artefacts (rank 0 writes status.json) --------------------------------------
+    def _write_status(self, **fields) -> None:
+        if self.rank != 0 or not self.run_dir.is_dir():
+            return
+        path = self.run_dir / "status.json"
+        if not self.status:
+            try:
+                self.status = json.loads(path.read_text())
+            except (OSError, ValueError):
+                self.status = {}
+        self.status.update(fields, updated=_now())
+        write_json_atomic(path, self.status)
+
+    def _fail(self, msg: str, *, where: str = "") -> int:
+        """Report a failure on this rank (stderr, failures/rank<k>.json; status.json on rank 0)."""
+        _say(f"workbench train: error (rank {self.rank}{', ' + where if where else ''}): {msg}")
+        if self.run_dir.is_dir():
+            try:
+                write_json_atomic(self.run_dir / "failures" / f"rank{self.rank}.json",
+                                  {"rank": self.rank, "step": self.step, "error": msg, "time": _now()})
+            except OSError:
+                pass
+        self._write_status(state="failed", step=self.step, error=msg, finished=_now())
+        return 1
+
+    # ---- phase 1: everything that needs no collective -------------------------------------------
+    def _setup_local(self, device: torch.device) -> None:
+        from workbench.data import GlobalBatchSampler
+        from workbench.runtime.attention import select_attention
+        from workbench.solve import get_planner
+
+        spec = self.spec
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        get_planner(spec.planner)  # an unknown name fails here, on every rank
+        self.cost, self.cost_note = build_cost(spec, self.env.world_size, self.env.local_world_size, device)
+        self.max_len = resolve_max_len(spec, self.cost, device)
+        self.data = TokenData(spec.lengths, max_len=self.max_len, policy=spec.policy, seed=spec.seed,
+                              samples=spec.samples, column=spec.column)
+        bs, bt = spec.batch_size, spec.batch_tokens
+        if bs is None and bt is None and not self.data.ordered:
+            bt = DEFAULT_BATCH_TOKENS
+        if self.data.ordered:
+            bs = bt = None  # an explicit list is the batch itself
+        self.batch_size, self.batch_tokens = bs, bt
+        self.sampler = GlobalBatchSampler(self.data, batch_size=bs, batch_tokens=bt, seed=spec.seed)
+        self.attn, self.attn_name = select_attention(spec.attention, device)
+        if spec.debug.get("plan_num_gpus") is not None:
+            self.plan_cost, _ = build_cost(spec, self.env.world_size, self.env.local_world_size, device,
+                                           num_gpus=int(spec.debug["plan_num_gpus"]))
+        else:
+            self.plan_cost = self.cost
+        self.resume = latest_checkpoint(self.run_dir)
+        self.resume_state = load_checkpoint(self.resume[1]) if self.resume is not None else None
+        if self.resume_state is not None:
+            smp = self.resume_state.get("sampler", {})
+            mine = {"seed": spec.seed, "batch_size": bs, "batch_tokens": bt, "lengths": spec.lengths}
+            diff = {k: (smp.get(k), v) for k, v in mine.items() if smp.get(k) != v}
+            if diff:
+                raise TrainError(f"checkpoint {self.resume[1].name} was written with other data settings "
+                                 f"({', '.join(f'{k}: {a!r} there, {b!r} now' for k, (a, b) in diff.items())}); "
+                                 f"use a new run folder")
+
+    def _agree(self, err: str | None) -> tuple[int, str] | None:
+        """All ranks' setup errors, gathered on every rank: ``(rank, message)`` of the first, or None."""
+        errs: list = [None] * self.env.world_size
+        dist.all_gather_object(errs, err)
+        for r, e in enumerate(errs):
+            if e is not None:
+                return r, e
+        return None
+
+    # ---- the run ----------------------------------------------------------------------------------
+    def run(self) -> int:
+        env = self.env
+        err: str | None = None
+        device = torch.device("cpu")
+        if self.run_dir.is_dir():
+            # where every rank lives, so that a stop can reach processes torchrun put in their own sessions
+            write_json_atomic(self.run_dir / "ranks" / f"rank{self.rank}.json",
+                              {"rank": self.rank, "local_rank": env.local_rank, "pid": os.getpid(),
+                               "host": socket.gethostname(), "started": _now()})
+        try:
+            self.spec = read_spec(self.run_dir)
+        except SpecError as e:
+            err = str(e)
+        try:
+            device = resolve_device(self.spec, env)
+        except TrainError as e:
+            err = err or str(e)
+        if err is None:
+            try:
+                self._setup_local(device)
+            except (TrainError, ValueError, FileNotFoundError, ImportError) as e:
+                err = str(e).splitlines()[0] if str(e) else type(e).__name__
+            except Exception as e:  # noqa: BLE001 - reported, never left to hang the others
+                err = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        # decided the same way on every rank (not from this rank's device, which a failed set-up
+        # may have left on CPU): ranks on different backends would never meet
+        cuda = torch.cuda.is_available() and (self.spec is None or self.spec.device != "cpu")
+        backend = "nccl" if cuda else "gloo"
+        timeout = datetime.timedelta(seconds=self.spec.timeout_s if self.spec is not None else 600.0)
+        try:
+            dist.init_process_group(backend, timeout=timeout, rank=env.rank, world_size=env.world_size)
+        except Exception as e:  # noqa: BLE001
+            return self._fail(f"process group ({backend}) did not start: {e}", where="init")
+        agreed = self._agree(err)
+        if agreed is not None:
+            origin, msg = agreed
+            if self.rank == 0:  # one report of the first error, naming the rank it came from
+                self._fail(msg if origin == 0 else f"rank {origin}: {msg}", where="setup")
+            elif self.rank == origin:
+                self._fail(msg, where="setup")
+            # everybody agreed to stop: nothing is pending, so the group can be torn down cleanly
+            dist.destroy_process_group()
+            return 1
+        try:
+            code = self._train(device, backend)
+        except (TrainError, ValueError) as e:
+            return self._fail(str(e).splitlines()[0] if str(e) else type(e).__name__, where=f"step {self.step}")
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            return self._fail(f"{type(e).__name__}: {e}", where=f"step {self.step}")
+        dist.destroy_process_group()
+        return code
+
+    def _train(self, device: torch.device, backend: str) -> int:
+        from workbench.runtime.groups import GroupRegistry
+        from workbench.runtime.model import Transformer
+        from workbench.runtime.step import StepExecutor, check_plan, peak_memory_mb
+        from workbench.solve import plan_from_dict
+
+        spec, env = self.spec, self.env
+        world = env.world_size
+        model_spec = self.cost.model
+        model = Transformer(model_spec, seed=spec.seed).to(device)
+        params = [p for p in model.parameters() if p.requires_grad]
+        lr = spec.learning_rate
+        if spec.optimizer == "sgd":
+            opt = torch.optim.SGD(params, lr=lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
+        else:
+            opt = torch.optim.AdamW(params, lr=lr, weight_decay=spec.weight_decay)
+        start = 0
+        if self.resume_state is not None:
+            st = self.resume_state
+            model.load_state_dict(st["model"])
+            opt.load_state_dict(st["optimizer"])
+            start = int(st["step"])
+            rng = st.get("rng", {})
+            if "torch" in rng:
+                torch.set_rng_state(rng["torch"])
+            if device.type == "cuda" and "cuda" in rng:
+                torch.cuda.set_rng_state(rng["cuda"], device)
+            self.resume_state = None
+        self.step = start
+        registry = GroupRegistry(world, self.cost.degrees)
+        executor = StepExecutor(model, registry, self.attn, device=device)
+        planner = None
+        if self.rank == 0:
+            planner = RankZeroPlanner(spec.planner, self.plan_cost, seed=spec.seed, time_limit=spec.time_limit,
+                                      max_len=self.max_len, ahead=spec.plan_ahead)
+        resolved = {
+            "world_size": world, "local_world_size": env.local_world_size, "device": device.type, "backend": backend,
+            "attention": self.attn_name, "profile": self.cost.profile.name, "profile_note": self.cost_note,
+            "max_len": self.max_len, "batch_size": self.batch_size, "batch_tokens": self.batch_tokens,
+            "lr": lr, "degrees": list(self.cost.degrees), "planning": planner.mode if planner else None,
+            "data": self.data.describe(), "sampler": self.sampler.describe(),
+            "max_context": self.data.report.to_dict() if self.data.report is not None else None,
+            "params": model_spec.params(),
+        }
+        if self.rank == 0:
+            if self.cost_note:
+                _say(f"workbench train: warning: {self.cost_note}")
+            _say(f"workbench train: {spec.model} ({model_spec.params():,} parameters) on {world} rank(s), {backend}, "
+                 f"{device.type}; {self.data.describe()}; {self.sampler.describe()}; planner {spec.planner} "
+                 f"({resolved['planning']}); profile {self.cost.profile.name}")
+            if start:
+                _say(f"workbench train: resuming from {self.resume[1]} (step {start} of {spec.steps})")
+        self._write_status(state="running", step=start, steps=spec.steps, started=_now(), error=None,
+                           resumed_from=start if start else None, resolved=resolved, pid=os.getpid())
+        sleep_s = float(spec.debug.get("step_sleep_s", 0.0))
+        try:
+            batch = self.sampler.batch(start) if start < spec.steps else None
+            for step in range(start, spec.steps):
+                self.step = step
+                nxt = self.sampler.batch(step + 1) if step + 1 < spec.steps else None
+                payload = [planner.payload(batch, nxt) if planner is not None else None]
+                t_wait = time.perf_counter()
+                dist.broadcast_object_list(payload, src=0)
+                bcast_ms = (time.perf_counter() - t_wait) * 1e3
+                msg = payload[0]
+                if "error" in msg:
+                    raise TrainError(msg["error"])
+                plan = plan_from_dict(msg["plan"])
+                lengths = [int(x) for x in batch.lengths]
+                check_plan(plan, lengths, world, registry.degrees)  # same verdict on every rank
+                if self.rank == 0:
+                    append_jsonl(self.run_dir / "plans.jsonl", {"step": step, "batch_id": batch.batch_id,
+                                                                "plan_wait_s": msg.get("plan_wait_s"),
+                                                                "plan": msg["plan"]})
+                seqs = [torch.from_numpy(self.data.tokens(int(i))) for i in batch.indices]
+                res = executor.run(plan, seqs)
+                t_opt = time.perf_counter()
+                grad_norm = None
+                if spec.grad_clip > 0:
+                    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, spec.grad_clip))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                opt_ms = (time.perf_counter() - t_opt) * 1e3
+                if not math.isfinite(res.loss):
+                    raise TrainError(f"loss is {res.loss} at step {step}; lower --lr or set a gradient clip")
+                peak = max([r.peak_memory_mb for r in res.records] + [peak_memory_mb(device)])
+                append_jsonl(self.run_dir / "metrics.jsonl", {
+                    "step": step, "rank": self.rank, "batch_id": batch.batch_id, "loss": res.loss,
+                    "tokens": sum(r.tokens for r in res.records), "batch_tokens": res.tokens,
+                    "sequences": len(lengths), "targets": res.targets,
+                    "predicted_ms": plan.makespan_ms, "measured_ms": res.measured_ms + opt_ms,
+                    "step_ms": res.measured_ms, "allreduce_ms": res.allreduce_ms, "optimizer_ms": opt_ms,
+                    "broadcast_ms": bcast_ms, "plan_wait_s": msg.get("plan_wait_s"), "planner": plan.planner,
+                    "grad_norm": grad_norm, "lr": lr, "peak_memory_mb": peak, "time": time.time(),
+                    "micro_steps": [r.to_dict() for r in res.records],
+                })
+                done = step + 1
+                self.step = done
+                if spec.checkpoint_every and (done % spec.checkpoint_every == 0 or done == spec.steps):
+                    if self.rank == 0:
+                        self._checkpoint(done, model, opt, device)
+                if self.rank == 0:
+                    print(f"step {done}/{spec.steps} loss {res.loss:.4f} tokens {res.tokens:,} "
+                          f"measured {res.measured_ms + opt_ms:,.0f} ms predicted {plan.makespan_ms:,.0f} ms "
+                          f"({len(plan.micro_steps)} micro-step(s), {plan.planner})", flush=True)
+                    self._write_status(state="running", step=done, loss=res.loss)
+                if sleep_s:
+                    time.sleep(sleep_s)
+                batch = nxt
+            # a checkpoint written by rank 0 is complete before anyone reports done
+            dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
+        finally:
+            if planner is not None:
+                planner.close()
+        self._write_status(state="done", step=self.step, finished=_now())
+        return 0
+
+    def _checkpoint(self, done: int, model, opt, device: torch.device) -> None:
+        rng = {"torch": torch.get_rng_state()}
+        if device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(device)
+        state = {
+            "format": CHECKPOINT_FORMAT, "step": done,
+            "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+            "optimizer": opt.state_dict(),
+            "sampler": {"next_step": done, "seed": self.spec.seed, "batch_size": self.batch_size,
+                        "batch_tokens": self.batch_tokens, "lengths": self.spec.lengths},
+            "rng": rng, "spec": json.dumps(self.spec.to_dict()),
+        }
+        _save_checkpoint(checkpoint_path(self.run_dir, done), state)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of one rank; returns its exit status (0 done, 1 failed, 2 bad arguments)."""
+    p = argparse.ArgumentParser(prog="python -m workbench.runtime.train",
+                                description="one rank of a workbench training run (start it with torchrun)")
+    p.add_argument("--run-dir", required=True, help="the run folder holding spec.json")
+    args = p.parse_args(argv)
+    env = DistEnv.from_env()
+    _parent_watchdog()
+    return Trainer(Path(args.run_dir), env).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
