@@ -154,6 +154,41 @@ def test_lower_bound_never_exceeds_brute_force_optimum():
         assert lower_bound_ms(s, cost) <= opt * (1 + 1e-9)
 
 
+def _classic_bound(s, cost):
+    """max(perfectly divided work at each sequence's cheapest degree, longest sequence alone), by hand."""
+    n = cost.cluster.num_gpus
+    work, alone = [], []
+    for x in s:
+        ok = [d for d in cost.degrees if cost.memory([x], d)[0] <= cost.memory_budget_gb]
+        work.append(min(d * cost.time([x], d)[0] for d in ok))
+        alone.append(min(cost.time([x], d)[0] + cost.group_overhead_ms(d) for d in ok))
+    slots = max(1.0, float(cost.memory(s, 1).sum()) / cost.memory_budget_gb)
+    c = min(cost.group_overhead_ms(d) for d in cost.degrees)
+    return max((sum(work) + slots * c) / n, max(alone)) + cost.grad_sync_ms()
+
+
+def test_lower_bound_is_tighter_than_divided_work_and_still_below_the_optimum():
+    # one long sequence must take a wide (less efficient) group to finish in time: the bound
+    # charges it that group's GPU-time, not its cheapest degree's
+    from workbench.cost import CostModel
+    from workbench.specs import ClusterSpec, get_model, load_profile
+
+    cost = CostModel(load_profile("a100-40g-flexsp"), get_model("1b"), ClusterSpec(num_gpus=4, gpus_per_node=4))
+    rng = np.random.default_rng(1)
+    checked = tighter = 0
+    for _ in range(40):
+        s = np.sort(rng.integers(200, 6000, size=int(rng.integers(1, 6))))
+        s[-1] = int(rng.integers(6000, 40000))
+        opt = _brute_force_single_step(s, cost)
+        if not np.isfinite(opt):
+            continue
+        lb, classic = lower_bound_ms(s, cost), _classic_bound(s, cost)
+        assert classic * (1 - 1e-12) <= lb <= opt * (1 + 1e-9), (s.tolist(), classic, lb, opt)
+        checked += 1
+        tighter += lb > classic * (1 + 1e-6)
+    assert checked >= 30 and tighter >= 1
+
+
 def test_lower_bound_of_one_sequence_by_hand(a100_7b_64):
     s = 131072  # needs degree 32 on 64 A100s; alone it is the bound
     t = a100_7b_64.time([s], 32)[0] + a100_7b_64.group_overhead_ms(32)

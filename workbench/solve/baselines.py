@@ -208,6 +208,7 @@ def list_schedule(s: np.ndarray, cost: CostModel, allowed, *, target: float | No
     g_block = np.zeros(k, dtype=np.int64)
     g_ms = np.zeros(k, dtype=np.int64)
     g_seqs: list[list[int]] = []
+    open_of: dict[int, list[int]] = {d: [] for d in degrees}  # open groups per degree, by index
     ng = 0
     for step, i in enumerate(np.argsort(-work, kind="stable")):
         if opts is not None and step % 256 == 0:
@@ -218,10 +219,10 @@ def list_schedule(s: np.ndarray, cost: CostModel, allowed, *, target: float | No
             if m_i > budget:
                 continue
             # join an extendable group of this degree
-            if ng:
-                ok = g_open[:ng] & (g_deg[:ng] == d) & (g_mem[:ng] + m_i <= budget)
-                if ok.any():
-                    cand = np.flatnonzero(ok)
+            if open_of[d]:
+                cand = np.asarray(open_of[d], dtype=np.int64)
+                cand = cand[g_mem[cand] + m_i <= budget]
+                if cand.size:
                     g = int(cand[np.argmin(g_end[cand])])
                     opt = (g_end[g] + t_i, d * t_i, "join", d, g, 0.0)
                     best = _better(opt, best, target)
@@ -246,8 +247,10 @@ def list_schedule(s: np.ndarray, cost: CostModel, allowed, *, target: float | No
             ready[lo:hi] = finish
         else:
             lo, hi = where * d, (where + 1) * d
-            prev = np.unique(last[lo:hi])
-            g_open[prev[prev >= 0]] = False
+            for q in np.unique(last[lo:hi]):
+                if q >= 0 and g_open[q]:
+                    g_open[q] = False
+                    open_of[int(g_deg[q])].remove(int(q))
             g = ng
             ng += 1
             g_deg[g], g_end[g], g_mem[g], g_open[g], g_block[g] = d, finish, mems[d][i], True, where
@@ -256,6 +259,7 @@ def list_schedule(s: np.ndarray, cost: CostModel, allowed, *, target: float | No
             last[lo:hi] = g
             ready[lo:hi] = finish
             g_seqs.append([int(i)])
+            open_of[d].append(g)
     steps = int(g_ms[:ng].max()) + 1 if ng else 0
     micro: list[list] = [[] for _ in range(steps)]
     blks: list[list[int]] = [[] for _ in range(steps)]

@@ -1018,7 +1018,10 @@ def plan_flexsp(lengths, cost: CostModel, opts: PlanOptions | None = None, *, bu
     """
     opts = opts or PlanOptions()
     t0 = time.perf_counter()
-    deadline = t0 + max(0.05, 0.95 * float(opts.time_limit))
+    # leave ~10% of the limit for building and checking the final plan; stop starting heuristic
+    # candidates at 60% of the rest so that CP-SAT and the timeline refinement get their share
+    deadline = t0 + max(0.05, 0.9 * float(opts.time_limit))
+    cand_deadline = t0 + 0.6 * (deadline - t0)
     s = np.asarray(lengths, dtype=np.int64)
     cost.check_feasible(s)
     lb = lower_bound_ms(s, cost)
@@ -1034,12 +1037,16 @@ def plan_flexsp(lengths, cost: CostModel, opts: PlanOptions | None = None, *, bu
     M0 = min_micro_steps(tab)
     tried: dict[str, float] = {}
     cands: list[tuple[float, int, list[StepResult], Plan]] = []
-    Ms: list = list(range(M0, M0 + 1 + max(0, int(extra_micro_steps))))
-    # also re-plan, micro-step by micro-step, the split of the baselines (it always fits memory)
-    Ms += [(f"{base.planner}-split", base) for base in sorted((static, greedy), key=lambda p: p.makespan_ms)]
+    # the fewest micro-steps first, then the split of the better baseline re-planned micro-step by
+    # micro-step (it always fits memory, so it is the safe candidate), then more micro-steps and
+    # the other baseline's split
+    splits = [(f"{base.planner}-split", base) for base in sorted((static, greedy), key=lambda p: p.makespan_ms)]
+    Ms: list = [M0, splits[0], *range(M0 + 1, M0 + 1 + max(0, int(extra_micro_steps))), splits[1]]
     for k, M in enumerate(Ms):
         opts.check_cancel()
-        if cands and time.perf_counter() > deadline:
+        if time.perf_counter() > cand_deadline:
+            # out of time (the baselines can take it all on huge batches): keep what we have; with
+            # no candidate yet, the best baseline is returned below with the reason
             break
         if isinstance(M, tuple):
             label, base = M
@@ -1052,7 +1059,10 @@ def plan_flexsp(lengths, cost: CostModel, opts: PlanOptions | None = None, *, bu
         steps = []
         for q in (chunks if chunks is not None else _chunks(tab, M)):
             opts.check_cancel()
-            left = max(0.0, deadline - time.perf_counter())
+            left = max(0.0, cand_deadline - time.perf_counter())
+            if left <= 0.0 and (cands or chunks is None):
+                steps = None  # abandoned at the time limit; a baseline split is finished once
+                break
             r = _solve_step(tab, q, bucketing=bucketing, buckets=buckets, time_limit=left / max(1, M),
                             seed=opts.seed, opts=opts, use_cpsat=False)
             if r is None:
@@ -1158,7 +1168,11 @@ def plan_flexsp(lengths, cost: CostModel, opts: PlanOptions | None = None, *, bu
         plan = _replace(solver_plan, status=status, reason=reason)
         stats["source"] = source
     else:
-        if solver_plan is None:
+        if solver_plan is None and not tried:
+            status, reason = "fallback", (f"the baselines (greedy, best static) took the whole {opts.time_limit:g}s "
+                                          f"time limit; returning {baseline.planner}'s plan (raise the time limit "
+                                          f"to let the solver improve on it)")
+        elif solver_plan is None:
             status, reason = "fallback", (f"the solver found no plan within {opts.time_limit:g}s for "
                                           f"{'/'.join(tried) or M0} micro-step(s); returning {baseline.planner}'s plan")
         else:

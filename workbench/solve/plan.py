@@ -253,13 +253,18 @@ def timeline(plan: Plan) -> dict:
 
 
 def lower_bound_ms(lengths, cost: CostModel) -> float:
-    """A bound no plan can beat (perfectly divided work), in ms, gradient sync included.
+    """A bound no plan can beat, in ms, gradient sync included.
 
-    Every GPU's finish time is at least its busy time, so the makespan is at least the total
-    GPU-time over N. A sequence costs at least ``min_d d*time(s, d)`` GPU-ms over the degrees
-    that hold it; each GPU-slot (a GPU taking part in a micro-step) pays the group overhead and
-    holds at most the memory budget, so there are at least ``sum(activations)/budget`` slots. And
-    the makespan is at least the longest single sequence on its best degree.
+    Let T be any plan's compute time (makespan less the gradient sync). Every sequence runs in a
+    group whose time is at least its own ``time(s, d) + overhead(d)``, so it must use a degree d
+    that holds it with ``time(s, d) + overhead(d) <= T``; on that degree it costs at least
+    ``d * time(s, d)`` GPU-ms. Each GPU is busy at most T, so the GPU-time of all sequences (each
+    at its cheapest degree that is fast enough for T), plus one group overhead per GPU-slot (at
+    least ``sum(activations) / budget`` slots, as each holds at most the memory budget), is at
+    most N * T. The bound is the smallest T meeting both conditions. It is at least the classic
+    "perfectly divided work" bound (each sequence at its cheapest degree) and at least the longest
+    single sequence on its fastest degree, and tighter than both when the long sequences must
+    run on wide, less efficient groups to finish in time.
     Raises InfeasibleError when a sequence fits no group.
     """
     s = np.asarray(lengths, dtype=np.int64)
@@ -267,17 +272,40 @@ def lower_bound_ms(lengths, cost: CostModel) -> float:
         return cost.grad_sync_ms()
     cost.check_feasible(s)
     n = cost.cluster.num_gpus
-    best_work = np.full(s.shape, np.inf)
-    best_single = np.full(s.shape, np.inf)
-    for d in cost.degrees:
+    degs = list(cost.degrees)
+    single = np.full((len(degs), s.size), np.inf)  # time(s, d) + overhead(d), inf where d cannot hold s
+    work = np.full((len(degs), s.size), np.inf)  # d * time(s, d)
+    for k, d in enumerate(degs):
         ok = cost.memory(s, d) <= cost.memory_budget_gb
-        t = cost.time(s, d) + cost.group_overhead_ms(d)
-        best_work = np.where(ok, np.minimum(best_work, d * cost.time(s, d)), best_work)
-        best_single = np.where(ok, np.minimum(best_single, t), best_single)
+        t = cost.time(s, d)
+        single[k] = np.where(ok, t + cost.group_overhead_ms(d), np.inf)
+        work[k] = np.where(ok, d * t, np.inf)
     slots = max(1.0, float(cost.memory(s, 1).sum()) / cost.memory_budget_gb)
-    c = min(cost.group_overhead_ms(d) for d in cost.degrees)
-    lb_work = (float(best_work.sum()) + slots * c) / n
-    return max(lb_work, float(best_single.max())) + cost.grad_sync_ms()
+    c = min(cost.group_overhead_ms(d) for d in degs)
+
+    def need(x: float) -> float:
+        """The compute time the GPU-time argument forces when no group may take longer than x."""
+        return (float(np.where(single <= x, work, np.inf).min(axis=0).sum()) + slots * c) / n
+
+    x0 = float(single.min(axis=0).max())  # the longest sequence on its fastest degree
+    # need() only changes where x crosses some single[d, s]; find the first such breakpoint b_i
+    # with need(b_i) <= b_i (need is non-increasing, so this is monotone); the bound lies in
+    # [b_{i-1}, b_i]: it is b_i, or need(b_{i-1}) when that falls inside the interval.
+    b = np.unique(single[np.isfinite(single) & (single >= x0)])
+    lo, hi = 0, b.size  # first index in [lo, hi] whose breakpoint is enough; b.size: none is
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if need(float(b[mid])) <= b[mid]:
+            hi = mid
+        else:
+            lo = mid + 1
+    if lo == 0:
+        t_lb = float(b[0])
+    elif lo == b.size:
+        t_lb = need(float(b[-1]))
+    else:
+        t_lb = min(float(b[lo]), need(float(b[lo - 1])))
+    return t_lb + cost.grad_sync_ms()
 
 
 def validate(plan: Plan, lengths, cluster, cost: CostModel | None = None, *, rtol: float = 1e-6) -> None:
