@@ -8,7 +8,7 @@ step time over the lower bound, and the speedup of flexsp over static-max, best-
 min-degree, greedy and two-stage (ratio of mean step times; n/a when a planner is missing).
 
 Usage: python bench/solver.py [--gpus 8,64,...] [--seqs 128,...] [--families a,b] [--steps K]
-       [--time-limit S|auto] [--quick] [--json PATH]
+       [--time-limit S|auto] [--quick] [--json PATH] [--summary-from JSON]
 ``--time-limit auto`` gives flexsp 1 s up to 64 GPUs x 512 sequences, scaling with the problem
 size up to 8 s at 1024 x 8192 (the baselines' own time counts: greedy alone takes ~5 s there).
 Progress goes to stderr.
@@ -17,6 +17,7 @@ Progress goes to stderr.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -90,6 +91,30 @@ def print_cell(gpus, seqs, rows, all_others):
               f"{st} | {so} |", flush=True)
 
 
+def print_summary(out: dict, all_others) -> None:
+    """One row per (GPUs, sequences) cell over the families: the worst p95 solve time, the range of
+    makespan / LB, and the range of flexsp's speedup over each other planner ("behind" where any
+    family has flexsp more than 0.05% slower)."""
+    print("\n### Summary: one row per cell, ranges over the families\n")
+    head = " | ".join(f"vs {o}" for o in all_others)
+    print(f"| GPUs x seqs | limit (s) | worst p95 solve (s) | makespan / LB | {head} |")
+    print("|---|---:|---:|---:|" + "---:|" * len(all_others))
+    for cell, rows in out.items():
+        if not rows:
+            continue
+        lbr = [r["x_lower_bound"] for r in rows]
+        cols = []
+        for o in all_others:
+            sp = [r["speedup"][o] for r in rows if o in r["speedup"]]
+            if not sp:
+                cols.append("n/a")
+                continue
+            flag = " (behind)" if min(sp) < 1 - 5e-4 else ""
+            cols.append(f"{min(sp):.2f}-{max(sp):.2f}x{flag}")
+        print(f"| {cell.replace('x', ' x ')} | {rows[0]['time_limit']:g} | {max(r['solve_p95'] for r in rows):.2f} | "
+              f"{min(lbr):.3f}-{max(lbr):.3f} | " + " | ".join(cols) + " |", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", default="8,64,256,1024")
@@ -100,7 +125,12 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="8 and 64 GPUs x 128 and 512 sequences, 2 steps")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--summary-from", default=None, metavar="JSON",
+                    help="print the summary table of an earlier run's --json file and exit")
     args = ap.parse_args()
+    if args.summary_from:
+        print_summary(json.loads(Path(args.summary_from).read_text()), list(OTHERS))
+        return 0
     if args.quick:
         args.gpus, args.seqs, args.steps = "8,64", "128,512", 2
     gpus = [int(x) for x in args.gpus.split(",")]
@@ -119,6 +149,8 @@ def main() -> int:
             rows = run_cell(g, n, families, args.steps, args.time_limit, args.seed, others)
             print_cell(g, n, rows, list(OTHERS))
             out[f"{g}x{n}"] = rows
+    if len(out) > 1:
+        print_summary(out, list(OTHERS))
     if args.json:
         from workbench.util import write_json_atomic
 

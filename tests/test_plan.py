@@ -257,3 +257,62 @@ def test_progress_and_cancel(a100_7b_64):
     ev.set()
     with pytest.raises(Cancelled):
         run_planner("best-static", [1000, 2000, 50000], a100_7b_64, cancel=ev)
+
+
+def _brute_force_any_micro_steps(s, cost):
+    """Optimum over every plan on 2 GPUs with degrees {1, 2}, any number of groups per GPU:
+    every set partition of the sequences into groups, every placement of each group (rank 0,
+    rank 1, or both). Groups of degree 2 first, then each rank's own: no rank waits, so the
+    compute time is the busiest rank's load."""
+    assert cost.cluster.num_gpus == 2 and tuple(cost.degrees) == (1, 2)
+    k = len(s)
+    t = {d: cost.time(s, d) for d in (1, 2)}
+    mem = {d: cost.memory(s, d) for d in (1, 2)}
+    c = {d: cost.group_overhead_ms(d) for d in (1, 2)}
+    best = np.inf
+
+    def partitions(items):
+        if not items:
+            yield []
+            return
+        first, rest = items[0], items[1:]
+        for p in partitions(rest):
+            for j in range(len(p)):
+                yield p[:j] + [[first] + p[j]] + p[j + 1:]
+            yield [[first]] + p
+
+    for part in partitions(list(range(k))):
+        for place in itertools.product((0, 1, 2), repeat=len(part)):  # rank 0, rank 1, both
+            load = [0.0, 0.0]
+            ok = True
+            for grp, where in zip(part, place):
+                d = 2 if where == 2 else 1
+                if sum(mem[d][i] for i in grp) > cost.memory_budget_gb:
+                    ok = False
+                    break
+                g_time = c[d] + sum(t[d][i] for i in grp)
+                for r in ((0, 1) if where == 2 else (where,)):
+                    load[r] += g_time
+            if ok:
+                best = min(best, max(load))
+    return best + cost.grad_sync_ms()
+
+
+def test_lower_bound_counts_whole_groups_per_gpu_against_brute_force():
+    # small memory and a large per-group overhead (1B): GPUs must run several groups, and how many
+    # is a whole number; the bound may not exceed the optimum over every multi-group plan, and it
+    # must be tighter than the classic one somewhere
+    from workbench.cost import CostModel
+    from workbench.specs import ClusterSpec, get_model, load_profile
+
+    cost = CostModel(load_profile("a100-40g-flexsp"), get_model("1b"),
+                     ClusterSpec(num_gpus=2, gpus_per_node=2, gpu_memory_gb=24, degrees=(1, 2)))
+    rng = np.random.default_rng(3)
+    tighter = 0
+    for _ in range(12):
+        s = rng.integers(300, 2400, size=int(rng.integers(3, 7)))
+        opt = _brute_force_any_micro_steps(s, cost)
+        lb, classic = lower_bound_ms(s, cost), _classic_bound(s, cost)
+        assert classic * (1 - 1e-12) <= lb <= opt * (1 + 1e-9), (s.tolist(), classic, lb, opt)
+        tighter += lb > classic * (1 + 1e-6)
+    assert tighter >= 1

@@ -305,7 +305,81 @@ def lower_bound_ms(lengths, cost: CostModel) -> float:
         t_lb = need(float(b[-1]))
     else:
         t_lb = min(float(b[lo]), need(float(b[lo - 1])))
+    t_lb = _slot_bound(t_lb, single, work, s, cost, degs)
     return t_lb + cost.grad_sync_ms()
+
+
+def _slot_bound(t0: float, single: np.ndarray, work: np.ndarray, s: np.ndarray, cost: CostModel, degs) -> float:
+    """Raise a compute-time bound ``t0`` by counting each GPU's groups as a whole number.
+
+    A GPU that takes part in k groups in a step is busy at least ``k * c`` with group overheads
+    (c the smallest), so it computes at most ``a_k = T - k c``; its groups hold at most ``k B``
+    activations in all (B the budget), and at most ``a_k / rho`` (every sequence computes at least
+    rho ms per GB it holds, rho the least ratio time / memory over the sequences and the degrees
+    that hold them). Over the N GPUs, a fraction l_k of them with k groups must supply the work W(T)
+    (as in ``lower_bound_ms``) and the activations M (each sequence at its least d x memory), so
+    ``(W, M) / N`` lies under the convex hull of the points ``(a_k, b_k = min(k B, a_k / rho))``.
+    With short sequences only, one group per GPU cannot fill the step and two leave memory unused:
+    the bound sees that where the continuous ``sum(activations) / B`` does not. Smallest T by
+    bisection (feasibility only grows with T).
+    """
+    n = cost.cluster.num_gpus
+    B = float(cost.memory_budget_gb)
+    c = min(float(cost.group_overhead_ms(d)) for d in degs)
+    memd = np.full(work.shape, np.inf)
+    for k, d in enumerate(degs):
+        m = cost.memory(s, d)
+        memd[k] = np.where(np.isfinite(single[k]), d * m, np.inf)
+    M = float(memd.min(axis=0).sum())
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(np.isfinite(single), work / memd, np.inf)
+    rho = float(ratio.min())  # work / (d * memory) = time / memory
+    if not (M > 0 and B > 0 and np.isfinite(rho) and rho > 0):
+        return t0
+
+    def feasible(T: float) -> bool:
+        w = float(np.where(single <= T, work, np.inf).min(axis=0).sum()) / n
+        m = M / n
+        kmax = int(T / (c + rho * B)) + 1 if c + rho * B > 0 else 1
+        ks = np.arange(1, max(1, kmax) + 1, dtype=np.float64)
+        a = np.maximum(T - c * ks, 0.0)
+        bb = np.minimum(ks * B, a / rho)
+        if ((a >= w) & (bb >= m)).any():
+            return True
+        # a mix of GPUs with k and k + 1 groups (the points lie on a concave chain)
+        for j in range(ks.size - 1):
+            lo_l, hi_l = 0.0, 1.0  # weight on point j
+            for p, q, need_ in ((a[j], a[j + 1], w), (bb[j], bb[j + 1], m)):
+                # lam * p + (1 - lam) * q >= need_
+                if p == q:
+                    if p < need_:
+                        lo_l, hi_l = 1.0, 0.0
+                elif p > q:
+                    lo_l = max(lo_l, (need_ - q) / (p - q))
+                else:
+                    hi_l = min(hi_l, (need_ - q) / (p - q))
+            if lo_l <= hi_l:
+                return True
+        return False
+
+    if feasible(t0):
+        return t0
+    lo, hi = t0, max(t0, 1e-9) * 2.0
+    for _ in range(200):
+        if feasible(hi):
+            break
+        lo, hi = hi, hi * 2.0
+    else:
+        return t0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-9 * hi:
+            break
+    return lo  # infeasible, so the optimum lies above it
 
 
 def validate(plan: Plan, lengths, cluster, cost: CostModel | None = None, *, rtol: float = 1e-6) -> None:
