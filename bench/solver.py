@@ -111,7 +111,7 @@ def print_summary(out: dict, all_others) -> None:
                 continue
             flag = " (behind)" if min(sp) < 1 - 5e-4 else ""
             cols.append(f"{min(sp):.2f}-{max(sp):.2f}x{flag}")
-        print(f"| {cell.replace('x', ' x ')} | {rows[0]['time_limit']:g} | {max(r['solve_p95'] for r in rows):.2f} | "
+        print(f"| {cell.replace('x', ' x ')} | {rows[0]['time_limit']:.3g} | {max(r['solve_p95'] for r in rows):.2f} | "
               f"{min(lbr):.3f}-{max(lbr):.3f} | " + " | ".join(cols) + " |", flush=True)
 
 

@@ -96,6 +96,10 @@ def _worker_init(cost_blob: bytes, planner: str, cancel) -> None:
     _W["cost"] = pickle.loads(cost_blob)
     _W["planner"] = resolve_planner(planner)
     _W["cancel"] = cancel
+    if _W["planner"] == "flexsp":
+        from workbench.solve.flexsp import warm_up
+
+        warm_up()  # the one-time OR-Tools import happens before the first batch arrives
 
 
 def _worker_plan(batch_id, lengths: np.ndarray, seed: int, time_limit: float, max_len: int | None) -> Plan:
