@@ -252,6 +252,10 @@ def timeline(plan: Plan) -> dict:
             "compute_end_ms": end, "makespan_ms": end + plan.grad_sync_ms}
 
 
+MAX_GROUPS_PER_GPU = 4096
+"""Beyond this many groups per GPU in one step the slot bound is not computed (it would only be slow)."""
+
+
 def lower_bound_ms(lengths, cost: CostModel) -> float:
     """A bound no plan can beat, in ms, gradient sync included.
 
@@ -264,7 +268,8 @@ def lower_bound_ms(lengths, cost: CostModel) -> float:
     most N * T. The bound is the smallest T meeting both conditions. It is at least the classic
     "perfectly divided work" bound (each sequence at its cheapest degree) and at least the longest
     single sequence on its fastest degree, and tighter than both when the long sequences must
-    run on wide, less efficient groups to finish in time.
+    run on wide, less efficient groups to finish in time. ``_slot_bound`` then raises it further
+    by counting each GPU's groups as a whole number.
     Raises InfeasibleError when a sequence fits no group.
     """
     s = np.asarray(lengths, dtype=np.int64)
@@ -326,6 +331,8 @@ def _slot_bound(t0: float, single: np.ndarray, work: np.ndarray, s: np.ndarray, 
     n = cost.cluster.num_gpus
     B = float(cost.memory_budget_gb)
     c = min(float(cost.group_overhead_ms(d)) for d in degs)
+    if c + B <= 0:
+        return t0
     memd = np.full(work.shape, np.inf)
     for k, d in enumerate(degs):
         m = cost.memory(s, d)
@@ -340,8 +347,10 @@ def _slot_bound(t0: float, single: np.ndarray, work: np.ndarray, s: np.ndarray, 
     def feasible(T: float) -> bool:
         w = float(np.where(single <= T, work, np.inf).min(axis=0).sum()) / n
         m = M / n
-        kmax = int(T / (c + rho * B)) + 1 if c + rho * B > 0 else 1
-        ks = np.arange(1, max(1, kmax) + 1, dtype=np.float64)
+        kmax = int(T / (c + rho * B)) + 1
+        if kmax > MAX_GROUPS_PER_GPU:
+            return True  # too many groups per GPU to enumerate: claim nothing (the bound stays valid)
+        ks = np.arange(1, kmax + 1, dtype=np.float64)
         a = np.maximum(T - c * ks, 0.0)
         bb = np.minimum(ks * B, a / rho)
         if ((a >= w) & (bb >= m)).any():
