@@ -316,6 +316,22 @@ def _heuristic_step_at(tab: _Table, idx: np.ndarray, n_gpus: int, di: np.ndarray
 # ------------------------------------------------------------------------------------------------
 
 
+def _best_swap(tab: _Table, e0: int, mi: np.ndarray, keep: np.ndarray, mload_gs: float, eh: int, members_h,
+               finish_h: float, mload_h: float, budget: float) -> tuple[float, int, int]:
+    """The best swap of an item of the slowest group (degree index e0, items ``mi``; ``keep[i]`` its
+    finish without item i) with an item of group h (degree index eh, finishing at ``finish_h``):
+    ``(later of the two finishes, i, j)``, inf when no swap fits memory."""
+    mj = np.asarray(members_h, dtype=np.int64)
+    a = keep[:, None] + tab.t[e0, mj][None, :]  # the slowest group after the swap
+    b = finish_h - tab.t[eh, mj][None, :] + tab.t[eh, mi][:, None]  # h after the swap
+    ok = (tab.ok[eh, mi][:, None] & tab.ok[e0, mj][None, :]
+          & (mload_gs - tab.mem[e0, mi][:, None] + tab.mem[e0, mj][None, :] <= budget)
+          & (mload_h - tab.mem[eh, mj][None, :] + tab.mem[eh, mi][:, None] <= budget))
+    v = np.where(ok, np.maximum(a, b), np.inf)
+    i, j = np.unravel_index(int(np.argmin(v)), v.shape)
+    return float(v[i, j]), int(i), int(j)
+
+
 def _refine(groups, tab: _Table, n_gpus: int, deadline: float, max_iter: int = 10_000, swap_groups: int = 48):
     """Moves and swaps that lower the slowest group, until none does (or the deadline)."""
     if not groups:
@@ -361,22 +377,13 @@ def _refine(groups, tab: _Table, n_gpus: int, deadline: float, max_iter: int = 1
             # swaps with the least-loaded groups
             best_val, best = math.inf, None
             order = np.argsort(L_arr, kind="stable")[: swap_groups + 1]
-            m_in_gs = tab.mem[e0, mi]
             for h in order:
                 h = int(h)
                 if h == gs:
                     continue
-                mj = np.asarray(members[h], dtype=np.int64)
-                eh = gd[h]
-                a = keep[:, None] + tab.t[e0, mj][None, :]  # gs after swap
-                b = load[h] - tab.t[eh, mj][None, :] + tab.t[eh, mi][:, None]  # h after swap
-                ok = (tab.ok[eh, mi][:, None] & tab.ok[e0, mj][None, :]
-                      & (mload[gs] - m_in_gs[:, None] + tab.mem[e0, mj][None, :] <= budget)
-                      & (mload[h] - tab.mem[eh, mj][None, :] + tab.mem[eh, mi][:, None] <= budget))
-                v = np.where(ok, np.maximum(a, b), np.inf)
-                i, j = np.unravel_index(int(np.argmin(v)), v.shape)
-                if v[i, j] < best_val:
-                    best_val, best = float(v[i, j]), ("swap", h, int(i), int(j))
+                val, i, j = _best_swap(tab, e0, mi, keep, mload[gs], gd[h], members[h], load[h], mload[h], budget)
+                if val < best_val:
+                    best_val, best = val, ("swap", h, i, j)
             if best is None or best_val >= L - eps:
                 break
         kind = best[0]
@@ -906,19 +913,10 @@ def _improve_timeline(plan: Plan, tab: _Table, deadline: float, max_iter: int = 
             if v[j] < best_val:
                 best_val, best = float(v[j]), ("new", e, b, j)
         if best is None:
-            m0 = tab.mem[e0, mi]
             for h in lasts:
-                mj = np.asarray(members[h], dtype=np.int64)
-                eh = gd[h]
-                a = keep[:, None] + tab.t[e0, mj][None, :]
-                bb = end[h] - tab.t[eh, mj][None, :] + tab.t[eh, mi][:, None]
-                ok = (tab.ok[eh, mi][:, None] & tab.ok[e0, mj][None, :]
-                      & (mload[gs] - m0[:, None] + tab.mem[e0, mj][None, :] <= budget)
-                      & (mload[h] - tab.mem[eh, mj][None, :] + tab.mem[eh, mi][:, None] <= budget))
-                v = np.where(ok, np.maximum(a, bb), np.inf)
-                i, j = np.unravel_index(int(np.argmin(v)), v.shape)
-                if v[i, j] < best_val:
-                    best_val, best = float(v[i, j]), ("swap", h, int(i), int(j))
+                val, i, j = _best_swap(tab, e0, mi, keep, mload[gs], gd[h], members[h], end[h], mload[h], budget)
+                if val < best_val:
+                    best_val, best = val, ("swap", h, i, j)
         if best is None:
             break
         improved = True

@@ -280,17 +280,20 @@ def lower_bound_ms(lengths, cost: CostModel) -> float:
     degs = list(cost.degrees)
     single = np.full((len(degs), s.size), np.inf)  # time(s, d) + overhead(d), inf where d cannot hold s
     work = np.full((len(degs), s.size), np.inf)  # d * time(s, d)
+    gpu_mem = np.full((len(degs), s.size), np.inf)  # d * memory(s, d): activations over the group's GPUs
     for k, d in enumerate(degs):
-        ok = cost.memory(s, d) <= cost.memory_budget_gb
+        m = cost.memory(s, d)
+        ok = m <= cost.memory_budget_gb
         t = cost.time(s, d)
         single[k] = np.where(ok, t + cost.group_overhead_ms(d), np.inf)
         work[k] = np.where(ok, d * t, np.inf)
+        gpu_mem[k] = np.where(ok, d * m, np.inf)
     slots = max(1.0, float(cost.memory(s, 1).sum()) / cost.memory_budget_gb)
     c = min(cost.group_overhead_ms(d) for d in degs)
 
     def need(x: float) -> float:
         """The compute time the GPU-time argument forces when no group may take longer than x."""
-        return (float(np.where(single <= x, work, np.inf).min(axis=0).sum()) + slots * c) / n
+        return (_least_work(single, work, x) + slots * c) / n
 
     x0 = float(single.min(axis=0).max())  # the longest sequence on its fastest degree
     # need() only changes where x crosses some single[d, s]; find the first such breakpoint b_i
@@ -310,11 +313,16 @@ def lower_bound_ms(lengths, cost: CostModel) -> float:
         t_lb = need(float(b[-1]))
     else:
         t_lb = min(float(b[lo]), need(float(b[lo - 1])))
-    t_lb = _slot_bound(t_lb, single, work, s, cost, degs)
+    t_lb = _slot_bound(t_lb, single, work, gpu_mem, cost)
     return t_lb + cost.grad_sync_ms()
 
 
-def _slot_bound(t0: float, single: np.ndarray, work: np.ndarray, s: np.ndarray, cost: CostModel, degs) -> float:
+def _least_work(single: np.ndarray, work: np.ndarray, x: float) -> float:
+    """GPU-time of all sequences, each on its cheapest degree whose group alone takes at most x."""
+    return float(np.where(single <= x, work, np.inf).min(axis=0).sum())
+
+
+def _slot_bound(t0: float, single: np.ndarray, work: np.ndarray, gpu_mem: np.ndarray, cost: CostModel) -> float:
     """Raise a compute-time bound ``t0`` by counting each GPU's groups as a whole number.
 
     A GPU that takes part in k groups in a step is busy at least ``k * c`` with group overheads
@@ -330,22 +338,18 @@ def _slot_bound(t0: float, single: np.ndarray, work: np.ndarray, s: np.ndarray, 
     """
     n = cost.cluster.num_gpus
     B = float(cost.memory_budget_gb)
-    c = min(float(cost.group_overhead_ms(d)) for d in degs)
+    c = min(float(cost.group_overhead_ms(d)) for d in cost.degrees)
     if c + B <= 0:
         return t0
-    memd = np.full(work.shape, np.inf)
-    for k, d in enumerate(degs):
-        m = cost.memory(s, d)
-        memd[k] = np.where(np.isfinite(single[k]), d * m, np.inf)
-    M = float(memd.min(axis=0).sum())
+    M = float(gpu_mem.min(axis=0).sum())
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where(np.isfinite(single), work / memd, np.inf)
+        ratio = np.where(np.isfinite(single), work / gpu_mem, np.inf)
     rho = float(ratio.min())  # work / (d * memory) = time / memory
     if not (M > 0 and B > 0 and np.isfinite(rho) and rho > 0):
         return t0
 
     def feasible(T: float) -> bool:
-        w = float(np.where(single <= T, work, np.inf).min(axis=0).sum()) / n
+        w = _least_work(single, work, T) / n
         m = M / n
         kmax = int(T / (c + rho * B)) + 1
         if kmax > MAX_GROUPS_PER_GPU:
