@@ -1,42 +1,56 @@
-"""``workbench`` command line: lengths, cost, plan, simulate, demo, train.
+"""``workbench`` command line: lengths, cost, plan, simulate, demo, train, runs.
 
-The shapes printed with ``--json`` are the stable interface of DESIGN.md. Bad input exits with
-status 2 and one line on stderr saying what was wrong and how to fix it.
+Thin: it parses, builds a :class:`~workbench.scenario.Scenario` (or a run), calls the library and
+prints. The shapes printed with ``--json`` are the stable interface of DESIGN.md (strict JSON).
+Bad input exits with status 2 and one line on stderr saying what was wrong and how to fix it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import signal
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
+from workbench.scenario import DEFAULT_PLANNERS, Scenario
+from workbench.simulate import summary_table
 from workbench.util import dumps
 
 DEFAULT_MODEL = "7b"
 DEFAULT_PROFILE = "a100-40g-flexsp"
 DEFAULT_GPUS = 64
-DEFAULT_PLANNERS = ("static-max", "best-static", "min-degree", "greedy", "two-stage", "flexsp")
+
+# Scenario fields as the CLI names them, so that a Scenario error speaks in flags
+_FLAGS = {"num_gpus": "--gpus", "gpus_per_node": "--gpus-per-node", "gpu_memory_gb": "--gpu-memory",
+          "memory_fraction": "--memory-fraction", "zero_stage": "--zero-stage", "source": "--lengths",
+          "max_len": "--max-len", "batch_tokens": "--batch-tokens", "batch_size": "--batch-size",
+          "time_limit": "--time-limit", "samples": "--samples", "seed": "--seed", "policy": "--policy",
+          "model": "--model", "profile": "--profile", "planner": "--planner", "degrees": "--degrees"}
 
 
 class CliError(Exception):
     """Bad input found by the CLI itself."""
 
 
-def _int_list(text: str, what: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise CliError(f"{what} must be comma-separated integers, got {text!r}") from None
-    if not out:
-        raise CliError(f"{what} is empty")
-    return out
-
-
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def _flagged(msg: str) -> str:
+    """A Scenario message with its field names replaced by the CLI's flags."""
+    return re.sub(r"Scenario\.(\w+)", lambda m: _FLAGS.get(m.group(1), m.group(1)), msg)
+
+
+def _positive_list(text: str, what: str) -> list[int]:
+    from workbench.data import parse_length_list
+
+    try:
+        return [int(x) for x in parse_length_list(text)]
+    except ValueError as e:
+        raise CliError(f"{what}: {str(e).split(': ', 1)[-1]}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -44,17 +58,37 @@ def _say(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (v > 0 and v < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return v
+
+
 def _add_data_args(p: argparse.ArgumentParser, source_flag: bool) -> None:
     if source_flag:
         p.add_argument("--lengths", required=True, metavar="SOURCE",
                        help="family name (wikipedia, commoncrawl, github, byted, uniform, lognormal, stdlib), "
                             "a file, or a comma-separated list of lengths taken in order as the whole batch")
-    p.add_argument("--max-len", type=int, default=None, metavar="N",
+    p.add_argument("--max-len", type=_positive_int, default=None, metavar="N",
                    help="max context; longer sequences are handled by --policy (plan/simulate default: the "
                         "largest power of two the cluster can hold, at most the model's max context)")
     p.add_argument("--policy", default="clip", choices=["clip", "split", "drop", "error"],
                    help="what to do with sequences over --max-len (default clip; always reported)")
-    p.add_argument("--samples", type=int, default=None, metavar="N",
+    p.add_argument("--samples", type=_positive_int, default=None, metavar="N",
                    help="sequences to generate from a family or draw from a file (default: family 100000, file all)")
     p.add_argument("--seed", type=int, default=0, help="seeds data sampling and planners")
     p.add_argument("--column", default=None, help="CSV/Parquet/JSONL/dataset column holding lengths or text")
@@ -64,8 +98,8 @@ def _add_data_args(p: argparse.ArgumentParser, source_flag: bool) -> None:
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", type=int, default=DEFAULT_GPUS, metavar="N", help=f"GPUs (default {DEFAULT_GPUS})")
-    p.add_argument("--gpus-per-node", type=int, default=8, metavar="G", help="GPUs per node (default 8)")
-    p.add_argument("--gpu-memory", type=float, default=None, metavar="GB",
+    p.add_argument("--gpus-per-node", type=_positive_int, default=8, metavar="G", help="GPUs per node (default 8)")
+    p.add_argument("--gpu-memory", type=_positive_float, default=None, metavar="GB",
                    help="memory per GPU in GB (default: the profile's GPU)")
     p.add_argument("--memory-fraction", type=float, default=0.7,
                    help="share of GPU memory plans may fill (default 0.7, as FlexSP's 28 of 40 GB)")
@@ -80,74 +114,60 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
 
 def _add_batch_args(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--batch-tokens", type=int, default=None, metavar="T", help="global batch by token budget")
-    g.add_argument("--batch-size", type=int, default=None, metavar="B", help="global batch by sequence count")
-    p.add_argument("--time-limit", type=float, default=1.0, metavar="S", help="solver time limit per step (s)")
+    g.add_argument("--batch-tokens", type=_positive_int, default=None, metavar="T", help="global batch by token budget")
+    g.add_argument("--batch-size", type=_positive_int, default=None, metavar="B", help="global batch by sequence count")
+    p.add_argument("--time-limit", type=_positive_float, default=1.0, metavar="S", help="solver time limit per step (s)")
 
 
-def build_cost(args):
-    """The CostModel the CLI options describe."""
-    from workbench.cost import CostModel
-    from workbench.specs import ClusterSpec, get_model, load_profile
-
-    model = get_model(args.model)
-    profile = load_profile(args.profile)
-    if args.gpus < 1:
+def scenario_from_args(args, **extra) -> Scenario:
+    """The Scenario the parsed options describe (planning commands). Raises CliError in flags."""
+    if getattr(args, "gpus", 1) < 1:
         raise CliError(f"--gpus must be at least 1, got {args.gpus}")
-    cluster = ClusterSpec(num_gpus=args.gpus, gpus_per_node=min(args.gpus_per_node, args.gpus),
-                          gpu_memory_gb=args.gpu_memory if args.gpu_memory is not None else profile.gpu_memory_gb,
-                          usable_memory_fraction=args.memory_fraction, zero_stage=args.zero_stage)
-    return CostModel(profile, model, cluster, strategy=args.strategy, recompute=args.recompute)
+    fields = dict(model=args.model, profile=args.profile, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+                  gpu_memory_gb=args.gpu_memory, memory_fraction=args.memory_fraction, zero_stage=args.zero_stage,
+                  strategy=args.strategy, recompute=args.recompute)
+    if hasattr(args, "policy"):
+        fields.update(source=getattr(args, "source", None) or args.lengths, samples=args.samples, seed=args.seed,
+                      column=args.column, tokenizer=args.tokenizer, max_len=args.max_len, policy=args.policy)
+    if hasattr(args, "batch_tokens"):
+        fields.update(batch_tokens=args.batch_tokens, batch_size=args.batch_size, time_limit=args.time_limit)
+    fields.update(extra)
+    try:
+        sc = Scenario(**{k: v for k, v in fields.items() if v is not None})
+        sc.cost()  # a cluster that cannot hold the model states fails here, in one line
+    except ValueError as e:
+        raise CliError(_flagged(str(e))) from None
+    return sc
 
 
-def default_max_len(cost) -> int:
-    """The largest power of two the cluster can hold on one group, at most the model's context."""
-    cap = max(cost.degrees) * cost.tokens_per_gpu()
-    cap = min(cap, cost.model.max_context)
-    return 1 << (int(cap).bit_length() - 1)
-
-
-def load_source(args, max_len: int | None):
-    """The LengthSet of ``args.lengths`` (or ``args.source``) with the max-context policy applied."""
-    from workbench.data import load_lengths
-
-    src = getattr(args, "source", None) or args.lengths
-    ls = load_lengths(src, samples=args.samples, seed=args.seed, max_len=max_len, policy=args.policy,
-                      column=args.column, tokenizer=args.tokenizer)
+def _max_len_note(sc: Scenario) -> None:
+    if sc.max_len is None and sc.resolved_max_len() is not None:
+        _say(f"max context {sc.resolved_max_len():,} tokens (the largest power of two {sc.num_gpus} GPUs hold on one "
+             f"group; set --max-len to change)")
+    ls = sc.lengths_set()
     if ls.policy_report is not None and ls.policy_report.affected_sequences:
         _say(f"max context: {ls.policy_report.describe()}")
-    return ls
-
-
-def make_batches(ls, args, steps: int) -> list[tuple[str, np.ndarray]]:
-    """``steps`` global batches from a LengthSet (an explicit list is the one batch, in order)."""
-    from workbench.data import GlobalBatchSampler
-
-    if getattr(ls, "ordered", False):
-        return [("list", np.asarray(ls.lengths, dtype=np.int64))]
-    if args.batch_tokens is None and args.batch_size is None:
-        raise CliError("give --batch-tokens T or --batch-size B to draw global batches from "
-                       f"{ls.source!r} (or pass the batch itself as --lengths L1,L2,...)")
-    sampler = GlobalBatchSampler(ls.lengths, batch_size=args.batch_size, batch_tokens=args.batch_tokens, seed=args.seed)
-    return [(b.batch_id, np.asarray(b.lengths, dtype=np.int64)) for b in sampler.take(steps)]
 
 
 # ---------------------------------------------------------------------------------------------
-# commands
+# planning commands
 # ---------------------------------------------------------------------------------------------
 
 
 def cmd_lengths(args) -> int:
-    from workbench.data import summarize
+    from workbench.data import load_lengths, summarize
 
-    ls = load_source(args, args.max_len)
+    ls = load_lengths(args.source, samples=args.samples, seed=args.seed, max_len=args.max_len, policy=args.policy,
+                      column=args.column, tokenizer=args.tokenizer)
+    if ls.policy_report is not None and ls.policy_report.affected_sequences:
+        _say(f"max context: {ls.policy_report.describe()}")
     summary = summarize(ls.lengths)
     if args.json:
         out = dict(summary)
         out["source"] = ls.source
         out["provenance"] = ls.provenance
         if ls.policy_report is not None:
-            out["max_context"] = _report_dict(ls.policy_report)
+            out["max_context"] = ls.policy_report.to_dict()
         print(dumps(out))
         return 0
     print(f"{ls.source}: {summary['count']:,} sequences, {summary['tokens']:,} tokens")
@@ -159,18 +179,11 @@ def cmd_lengths(args) -> int:
     return 0
 
 
-def _report_dict(rep) -> dict:
-    import dataclasses
-
-    d = dataclasses.asdict(rep) if dataclasses.is_dataclass(rep) else dict(rep)
-    d["description"] = rep.describe()
-    return d
-
-
 def cmd_cost(args) -> int:
-    lengths = _int_list(args.lengths, "--lengths")
-    degrees = _int_list(args.degrees, "--degrees")
-    cost = build_cost(args)
+    lengths = _positive_list(args.lengths, "--lengths")
+    degrees = _positive_list(args.degrees, "--degrees")
+    sc = scenario_from_args(args)
+    cost = sc.cost()
     bad = [d for d in degrees if d > cost.cluster.num_gpus]
     if bad:
         raise CliError(f"--degrees {bad} exceed --gpus {cost.cluster.num_gpus}")
@@ -187,35 +200,19 @@ def cmd_cost(args) -> int:
     return 0
 
 
-def _is_list_source(text: str) -> bool:
-    return all(part.strip().isdigit() for part in text.split(",")) and "," in text or text.strip().isdigit()
-
-
-def _resolve_max_len(args, cost) -> int | None:
-    if args.max_len is not None:
-        return args.max_len
-    if _is_list_source(args.lengths):
-        return None  # an explicit batch is planned as given; too long a sequence is an error, not clipped
-    m = default_max_len(cost)
-    _say(f"max context {m:,} tokens (the largest power of two {cost.cluster.num_gpus} GPUs hold on one group; "
-         f"set --max-len to change)")
-    return m
-
-
 def cmd_plan(args) -> int:
-    from workbench.solve import run_planner, validate
-
-    cost = build_cost(args)
-    max_len = _resolve_max_len(args, cost)
-    ls = load_source(args, max_len)
-    (bid, batch), = make_batches(ls, args, 1)
-    plan = run_planner(args.planner, batch, cost, seed=args.seed, time_limit=args.time_limit, max_len=max_len,
-                       batch_id=bid)
-    validate(plan, batch, cost.cluster, cost)
+    sc = scenario_from_args(args, planner=args.planner)
+    _max_len_note(sc)
+    try:
+        plan = sc.plan()
+    except ValueError as e:
+        raise CliError(_flagged(str(e))) from None
+    batch_len = plan.num_sequences
     if args.json:
         print(dumps(plan.to_dict()))
         return 0
-    print(f"{plan.planner} [{plan.status}] {len(batch)} sequences, {int(batch.sum()):,} tokens on {cost.cluster.num_gpus} GPUs")
+    tokens = sum(sum(g.lengths) for m in plan.micro_steps for g in m.groups)
+    print(f"{plan.planner} [{plan.status}] {batch_len} sequences, {tokens:,} tokens on {sc.num_gpus} GPUs")
     print(f"  makespan {plan.makespan_ms:,.1f} ms, lower bound {plan.lower_bound_ms:,.1f} ms (gap {plan.gap:.1%}), "
           f"solved in {plan.solve_seconds:.2f}s")
     if plan.reason:
@@ -243,52 +240,337 @@ def _progress_printer(enabled: bool):
 
 
 def cmd_simulate(args) -> int:
-    from workbench.simulate import simulate
-
-    cost = build_cost(args)
-    max_len = _resolve_max_len(args, cost)
-    ls = load_source(args, max_len)
     planners = [p.strip() for p in args.planners.split(",") if p.strip()]
     if not planners:
         raise CliError("--planners is empty; e.g. --planners static-max,greedy,flexsp")
-    from workbench.solve import get_planner
-
-    for p in planners:
-        get_planner(p)  # unknown names fail before any work
-    batches = make_batches(ls, args, args.steps)
-    res = simulate(batches, cost, planners, seed=args.seed, time_limit=args.time_limit, max_len=max_len,
-                   progress=_progress_printer(not args.quiet))
+    if args.steps < 1:
+        raise CliError(f"--steps must be at least 1, got {args.steps}")
+    sc = scenario_from_args(args)
+    _max_len_note(sc)
+    res = sc.simulate(planners, steps=args.steps, progress=_progress_printer(not args.quiet))
     if args.json:
         print(dumps(res.to_dict(include_steps=args.steps_detail)))
         return 0 if res.planners else 2
-    print(format_sim_table(res.to_dict(include_steps=False)))
+    print(summary_table(res.to_dict(include_steps=False)))
     for name, err in res.errors.items():
         print(f"  {name}: could not plan: {err}")
     return 0 if res.planners else 2
 
 
-def format_sim_table(sim: dict, baselines=("static-max", "best-static")) -> str:
-    """A plain-text table of a simulation summary."""
-    rows = sim["planners"]
-    head = f"{'planner':<14}{'mean step (s)':>14}{'p95 (s)':>9}{'x lower bound':>14}{'imbalance':>10}"
-    bl = [b for b in baselines if b in rows]
-    head += "".join(f"{'vs ' + b:>17}" for b in bl)
-    lines = [head]
-    for name, r in rows.items():
-        line = (f"{name:<14}{r['mean_step_ms'] / 1e3:>14.2f}{r['p95_step_ms'] / 1e3:>9.2f}"
-                f"{r['ratio_to_lower_bound']:>14.3f}{r['imbalance']:>10.2f}")
-        line += "".join(f"{rows[b]['mean_step_ms'] / r['mean_step_ms']:>16.2f}x" for b in bl)
-        lines.append(line)
-    return "\n".join(lines)
-
-
 def cmd_demo(args) -> int:
     from workbench.demo import run_demo
 
-    run_dir = run_demo(run_root=Path(args.run_root), steps=args.steps, time_limit=args.time_limit,
-                       planners=[p for p in args.planners.split(",") if p], seed=args.seed, samples=args.samples)
-    print(run_dir)
+    if args.steps < 1:
+        raise CliError(f"--steps must be at least 1, got {args.steps}")
+    run = run_demo(root=Path(args.run_root), steps=args.steps, time_limit=args.time_limit,
+                   planners=[p for p in args.planners.split(",") if p], seed=args.seed, samples=args.samples,
+                   log=_say)
+    print(run.path)
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# training
+# ---------------------------------------------------------------------------------------------
+
+_TRAIN_SETTINGS = ("model", "source", "samples", "column", "max_len", "policy", "batch_tokens", "batch_size", "planner",
+                   "time_limit", "profile", "gpu_memory_gb", "attention", "steps", "seed", "optimizer", "lr",
+                   "weight_decay", "momentum", "grad_clip", "checkpoint_every", "plan_ahead", "timeout_s", "device",
+                   "nproc", "nnodes")
+
+
+def _add_train_arguments(p: argparse.ArgumentParser) -> None:
+    from workbench.training import ATTENTION, DEVICES, OPTIMIZERS
+
+    g = p.add_argument_group("processes")
+    g.add_argument("--nproc", type=_positive_int, default=None, metavar="N",
+                   help="processes (GPUs) per node (new run: default 1; a resumed run keeps its own)")
+    g.add_argument("--nnodes", type=_positive_int, default=None, metavar="N", help="nodes (default 1)")
+    g.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node's rank (multi-node)")
+    g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="rendezvous endpoint (multi-node; a single node binds 127.0.0.1 only)")
+    g.add_argument("--rdzv-id", default=None, metavar="ID", help="rendezvous id (default: the run id)")
+    g.add_argument("--device", default=None, choices=DEVICES, help="auto (CUDA when available), cpu, cuda")
+    g.add_argument("--oversubscribe", action="store_true",
+                   help="start even with more processes than the machine's cores or memory hold")
+    g = p.add_argument_group("run")
+    g.add_argument("--model", default=None, help="model preset (default tiny)")
+    g.add_argument("--lengths", dest="source", default=None, metavar="SOURCE",
+                   help="stdlib (default: the embedded corpus, one document per sequence), a family, a file, or "
+                        "L1,L2,... (that batch every step)")
+    g.add_argument("--samples", type=_positive_int, default=None, metavar="N", help="sequences drawn from the source")
+    g.add_argument("--column", default=None, help="file column holding lengths or text")
+    g.add_argument("--max-len", type=_positive_int, default=None, metavar="N",
+                   help="max context (default: 1024 on CPU, what the cluster holds on CUDA; at most the model's)")
+    g.add_argument("--policy", default=None, choices=["clip", "split", "drop", "error"],
+                   help="sequences over --max-len (default split: every token kept; always reported)")
+    b = g.add_mutually_exclusive_group()
+    b.add_argument("--batch-tokens", type=_positive_int, default=None, metavar="T",
+                   help="global batch token budget (default 16384)")
+    b.add_argument("--batch-size", type=_positive_int, default=None, metavar="B", help="global batch in sequences")
+    g.add_argument("--planner", default=None, help="planner (default greedy)")
+    g.add_argument("--time-limit", type=_positive_float, default=None, metavar="S", help="planner time limit per step")
+    g.add_argument("--profile", default=None, metavar="NAME|PATH",
+                   help="profile for the cost model (default cpu-gloo-tiny on CPU, a100-40g-flexsp on CUDA)")
+    g.add_argument("--gpu-memory", dest="gpu_memory_gb", type=_positive_float, default=None, metavar="GB",
+                   help="memory per device for the cost model (default: the profile's)")
+    g.add_argument("--attention", default=None, choices=ATTENTION, help="attention backend (default auto)")
+    g.add_argument("--steps", type=_positive_int, default=None, metavar="K",
+                   help="optimizer steps in total (required for a new run; a resumed run goes on up to K)")
+    g.add_argument("--seed", type=int, default=None, help="seeds weights, batches and plans (default 0)")
+    g.add_argument("--optimizer", default=None, choices=OPTIMIZERS, help="default adamw")
+    g.add_argument("--lr", type=_positive_float, default=None, help="learning rate (default sgd 0.05, adamw 1e-3)")
+    g.add_argument("--weight-decay", type=float, default=None)
+    g.add_argument("--momentum", type=float, default=None, help="SGD momentum (default 0)")
+    g.add_argument("--grad-clip", type=float, default=None, metavar="NORM", help="clip the gradient norm (0: off)")
+    g.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
+                   help="checkpoint every K steps and after the last (default 100; 0: never)")
+    g.add_argument("--no-plan-ahead", dest="plan_ahead", action="store_const", const=False, default=None,
+                   help="plan each step inline instead of one step ahead")
+    g.add_argument("--timeout", dest="timeout_s", type=_positive_float, default=None, metavar="S",
+                   help="collective timeout: a rank waiting longer fails (default 600)")
+    g = p.add_argument_group("where")
+    g.add_argument("--run-dir", default=None, metavar="DIR",
+                   help="resume this existing run from its latest good checkpoint (it keeps its settings)")
+    g.add_argument("--change", action="store_true",
+                   help="with --run-dir: apply settings that differ from the run's (said on start)")
+    g.add_argument("--run-root", default=None, metavar="DIR", help="where new run folders go (default runs)")
+    g.add_argument("--name", default=None, metavar="ID", help="the new run's folder name (default: a fresh id)")
+    g.add_argument("--detach", action="store_true", help="print the run folder and return; the run goes on")
+    g.add_argument("--quiet", action="store_true", help="no progress output")
+    # test hooks: rank 0 plans for this many ranks; each step sleeps
+    p.add_argument("--debug-plan-gpus", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--debug-step-sleep", type=float, default=None, help=argparse.SUPPRESS)
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def cmd_train(args) -> int:
+    """``workbench train``: prepare a new run (or check a resume), start it under the supervisor,
+    show its progress, and return its exit status. Signals stop the whole run."""
+    from workbench import runs, training
+    from workbench.launch import process
+
+    settings = {k: getattr(args, k) for k in _TRAIN_SETTINGS if getattr(args, k, None) is not None}
+    debug = {}
+    if args.debug_plan_gpus is not None:
+        debug["plan_num_gpus"] = args.debug_plan_gpus
+    if args.debug_step_sleep is not None:
+        debug["step_sleep_s"] = args.debug_step_sleep
+    if debug:
+        settings["debug"] = debug
+    if args.run_dir is not None:
+        if args.name or args.run_root:
+            raise CliError("--run-dir resumes a run; --name and --run-root are for new runs")
+        run, spec, changes = training.prepare_train(settings, run_dir=args.run_dir, allow_changes=args.change)
+        st = runs.read_status(run.path)
+        if process.run_alive(st):
+            raise CliError(f"run {run.id} is already running; stop it first (workbench runs stop {run.path})")
+        if st.step >= spec.steps and st.state == "done":
+            raise CliError(f"run {run.id} already completed {st.step} of {spec.steps} steps; give --steps above "
+                           f"{st.step} to go on")
+    else:
+        if args.change:
+            raise CliError("--change applies only when resuming with --run-dir")
+        spec = None
+    nproc = spec.nproc if spec is not None else int(settings.get("nproc", 1))
+    device = spec.device if spec is not None else settings.get("device", "auto")
+    model = spec.scenario.model if spec is not None else settings.get("model", training.TRAIN_DEFAULTS["model"])
+    for w in training.check_resources(nproc, device=device, model=model, allow=args.oversubscribe):
+        _say(f"workbench train: warning: {w}")
+    process.supervisor_command(".", nproc=nproc, nnodes=spec.nnodes if spec else int(settings.get("nnodes", 1)),
+                               node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)  # bad counts fail here
+    if spec is None:
+        run, spec, changes = training.prepare_train(settings, root=args.run_root or runs.default_root(), name=args.name)
+    else:
+        if changes or spec.steps != training.read_train_spec(run.path).steps:
+            from workbench.util import write_json_atomic
+
+            write_json_atomic(run.file(runs.SPEC_FILE), spec.to_dict())
+        for c in changes:
+            _say(f"workbench train: applying a changed setting on resume: {c.describe()}")
+    print(run.path, flush=True)
+    handle = process.start(run, nproc=spec.nproc, nnodes=spec.nnodes, node_rank=args.node_rank,
+                           rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, stop_with_parent=not args.detach)
+    if args.detach:
+        _say(f"workbench train: detached; follow it with `workbench runs show {run.id}`, stop it with "
+             f"`workbench runs stop {run.id}`")
+        return 0
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        raise _Interrupted(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        st = _follow(handle, spec, quiet=args.quiet)
+    except _Interrupted as e:
+        for s in old:
+            signal.signal(s, signal.SIG_IGN)
+        st = process.stop(handle)
+        _say(f"workbench train: {e} received; run {run.path} {st.state}")
+        return 128 + e.signum
+    finally:
+        for s, h in old.items():
+            if signal.getsignal(s) is on_signal:
+                signal.signal(s, h)
+    if st.state != "done":
+        for line in st.log_tail[-10:]:
+            _say(f"  | {line}")
+        err = str(st.error or f"the run ended {st.state}").splitlines()[0]
+        _say(f"workbench train: error: {err} (run {run.path}; log {run.file(runs.LOG_FILE)})")
+        return 1 if st.state == "failed" else 3
+    return 0
+
+
+def _follow(handle, spec, *, quiet: bool):
+    """Show a run's progress until it ends: its start line (what the max-context policy did, the
+    data, the plan-ahead mode), then a progress bar on a terminal, plain lines otherwise."""
+    from workbench.launch import process
+
+    run = handle.run
+    started = shown_start = False
+    bar = None
+    tty = sys.stderr.isatty() and not quiet
+    t0 = time.monotonic()
+    first_step = None
+    try:
+        while True:
+            st = process.poll(handle)
+            cur = st or handle.run.status()
+            if not shown_start and cur.state == "running" and cur.resolved:
+                shown_start = True
+                r = cur.resolved
+                mc = (r.get("max_context") or {}).get("text")
+                if not quiet:
+                    _say(f"workbench train: {r.get('world_size')} rank(s), {r.get('device')}/{r.get('backend')}, "
+                         f"attention {r.get('attention')}, planner {spec.scenario.planner} ({r.get('planning')})")
+                    _say(f"workbench train: data: {str(r.get('data') or '').split('; max context:')[0]}")
+                    if mc:
+                        _say(f"workbench train: max context: {mc}")
+                    if cur.resumed_from is not None:
+                        _say(f"workbench train: resumed from the checkpoint at step {cur.resumed_from}")
+                    for why in r.get("checkpoints_skipped") or []:
+                        _say(f"workbench train: warning: skipped a checkpoint: {why}")
+                first_step = cur.step
+                if tty:
+                    from tqdm import tqdm
+
+                    bar = tqdm(total=spec.steps, initial=cur.step, desc="train", unit="step", file=sys.stderr,
+                               dynamic_ncols=True)
+            for rec in process.new_steps(handle):
+                if first_step is not None and rec.step <= first_step:
+                    continue  # steps of an earlier attempt: not new
+                started = True
+                if bar is not None:
+                    bar.update(max(0, rec.step - bar.n))
+                    bar.set_postfix(loss=f"{rec.loss:.4f}" if rec.loss is not None else "-",
+                                    ms=f"{rec.measured_ms:,.0f}" if rec.measured_ms else "-")
+                elif not quiet:
+                    tps = f", {rec.tokens_per_s:,.0f} tokens/s" if rec.tokens_per_s else ""
+                    again = " (again, after resume)" if rec.repeat else ""
+                    _say(f"step {rec.step}/{spec.steps}{again}: loss {rec.loss:.4f}, measured {rec.measured_ms:,.0f} ms, "
+                         f"predicted {rec.predicted_ms:,.0f} ms{tps}")
+            if st is not None:
+                if not quiet and st.state == "done":
+                    _say(f"workbench train: done, {st.step} steps in {time.monotonic() - t0:.0f}s; {run.path}")
+                return st
+            time.sleep(0.3 if started else 0.2)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# runs
+# ---------------------------------------------------------------------------------------------
+
+
+def cmd_runs(args) -> int:
+    from workbench import runs
+
+    root = Path(args.root) if args.root else runs.default_root()
+    if args.action == "list":
+        rows = [r.summary() for r in runs.list_runs(root, kind=args.kind)]
+        if args.json:
+            print(dumps({"runs": rows}))
+            return 0
+        if not rows:
+            print(f"no runs in {root}")
+            return 0
+        print(f"{'id':<34} {'kind':<9} {'state':<9} {'step':>9} {'planner':<12} {'loss':>8}  created")
+        for r in rows:
+            step = f"{r['step']}/{r['steps']}" if r.get("steps") else str(r.get("step") or "")
+            loss = f"{r['loss']:.4f}" if isinstance(r.get("loss"), float) else ""
+            print(f"{r['id']:<34} {r['kind']:<9} {r['state']:<9} {step:>9} {str(r.get('planner') or ''):<12} "
+                  f"{loss:>8}  {r.get('created') or ''}")
+        return 0
+    if args.action == "show":
+        run = runs.load_run(_one(args), root=root)
+        st = run.status()
+        out = {"summary": run.summary(), "status": st.to_dict(), "log_tail": run.log_tail(args.lines)}
+        if args.json:
+            print(dumps(out))
+            return 0
+        s = out["summary"]
+        print(f"{run.id} ({s['kind']}): {st.state}, step {st.step}{'/' + str(st.steps) if st.steps else ''}, "
+              f"attempt {st.attempt}")
+        if st.message:
+            print(f"  {st.message}")
+        if st.error:
+            rank = f" (rank {st.failing_rank}{', ' + st.signal if st.signal else ''})" if st.failing_rank is not None else ""
+            print(f"  error{rank}: {st.error}")
+        if s.get("median_measured_ms"):
+            pred = f", predicted {s['median_predicted_ms']:,.0f} ms" if s.get("median_predicted_ms") else ""
+            print(f"  median step: measured {s['median_measured_ms']:,.0f} ms{pred}; last loss {s.get('loss')}")
+        for p in s.get("problems") or []:
+            print(f"  note: {p}")
+        if out["log_tail"]:
+            print("  log:")
+            for line in out["log_tail"]:
+                print(f"    {line}")
+        return 0
+    if args.action == "stop":
+        from workbench.launch import process
+
+        run = runs.load_run(_one(args), root=root)
+        before = run.status()
+        if before.final and not process.run_alive(before):
+            print(f"{run.id}: already {before.state}; nothing to stop")
+            return 0
+        st = process.stop(run)
+        left = [p for p, t in runs.status_pids(st) if runs.pid_alive(p, t)]
+        print(f"{run.id}: {st.state}" + (f"; still alive: {left}" if left else "; no process left"))
+        return 0 if not left else 1
+    if args.action == "compare":
+        if len(args.ids) != 2:
+            raise CliError(f"runs compare takes two run ids, got {len(args.ids)}")
+        res = runs.compare(args.ids[0], args.ids[1], root=root)
+        if args.json:
+            print(dumps(res))
+            return 0
+        print(f"{'run':<34} {'planner':<12} {'steps':>5} {'measured ms':>12} {'predicted ms':>13} {'meas/pred':>10} "
+              f"{'tokens/s':>10} {'last loss':>10}")
+        for r in res["runs"]:
+            def f(v, fmt):
+                return format(v, fmt) if isinstance(v, (int, float)) else "-"
+            print(f"{r['id']:<34} {str(r.get('planner') or '-'):<12} {r['steps']:>5} {f(r['median_measured_ms'], ',.0f'):>12} "
+                  f"{f(r['median_predicted_ms'], ',.0f'):>13} {f(r['measured_over_predicted'], '.2f'):>10} "
+                  f"{f(r['median_tokens_per_s'], ',.0f'):>10} {f(r['last_loss'], '.4f'):>10}")
+        a, b = res["runs"]
+        pred = f" (predicted {res['predicted_speedup']:.2f}x)" if res.get("predicted_speedup") else ""
+        print(f"{b['id']} is {res['speedup_b_over_a']:.2f}x as fast as {a['id']} per step (median measured){pred}")
+        return 0
+    raise CliError(f"unknown runs action {args.action!r}")
+
+
+def _one(args) -> str:
+    if len(args.ids) != 1:
+        raise CliError(f"runs {args.action} takes one run id, got {len(args.ids)}")
+    return args.ids[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,20 +615,24 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("demo", help="lengths -> simulate on the embedded defaults; writes runs/<id>/report.html")
     q.add_argument("--run-root", default="runs", metavar="DIR")
     q.add_argument("--steps", type=int, default=4, metavar="K")
-    q.add_argument("--time-limit", type=float, default=1.0, metavar="S")
+    q.add_argument("--time-limit", type=_positive_float, default=1.0, metavar="S")
     q.add_argument("--planners", default=",".join(DEFAULT_PLANNERS))
-    q.add_argument("--samples", type=int, default=200_000)
+    q.add_argument("--samples", type=_positive_int, default=200_000)
     q.add_argument("--seed", type=int, default=0)
     q.set_defaults(func=cmd_demo)
 
-    try:
-        from workbench.launch import torchrun as _launch  # imports no torch
-    except ModuleNotFoundError:
-        _launch = None
-    if _launch is not None and hasattr(_launch, "add_train_arguments"):
-        q = sub.add_parser("train", help="launch a real multi-process training run under torchrun")
-        _launch.add_train_arguments(q)
-        q.set_defaults(func=_launch.train_main)
+    q = sub.add_parser("train", help="launch (or resume) a real multi-process training run under torchrun")
+    _add_train_arguments(q)
+    q.set_defaults(func=cmd_train)
+
+    q = sub.add_parser("runs", help="list, show, stop and compare runs in the run store")
+    q.add_argument("action", choices=["list", "show", "stop", "compare"])
+    q.add_argument("ids", nargs="*", metavar="ID", help="run id (or a unique prefix) or folder")
+    q.add_argument("--root", default=None, metavar="DIR", help="the run store (default runs, or $WORKBENCH_RUNS)")
+    q.add_argument("--kind", default=None, help="list: only runs of this kind (train, profile, demo, notebook)")
+    q.add_argument("--lines", type=int, default=15, help="show: log lines to print (default 15)")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_runs)
     return p
 
 
@@ -356,9 +642,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (CliError, ValueError, FileNotFoundError) as e:
+    except BrokenPipeError:
+        # the reader went away (`workbench lengths ... --json | head`): no traceback, the usual status
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except OSError:
+            pass
+        return 141
+    except (CliError, ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"workbench {args.command}: error: {msg}", file=sys.stderr)
+        print(f"workbench {args.command}: error: {_flagged(msg)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"workbench {args.command}: interrupted", file=sys.stderr)

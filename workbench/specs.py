@@ -40,6 +40,21 @@ def _positive_int(owner: str, name: str, value: Any) -> None:
     )
 
 
+_FIELD_DOCS = {
+    "name": "a short name", "gpu": "the GPU model, e.g. A100-SXM4-40GB",
+    "model": "the model preset the curves were measured on, e.g. tiny or 7b",
+    "forward": "the per-layer forward time curve {a, b, c} in ms",
+    "backward": "the per-layer backward time curve {a, b, c} in ms",
+    "a": "ms per token squared", "b": "ms per token", "layers": "number of transformer blocks",
+    "hidden": "model width", "heads": "attention heads", "kv_heads": "key/value heads", "ffn": "MLP width",
+    "vocab": "vocabulary size", "num_gpus": "number of GPUs",
+}
+
+
+def _field_doc(cls: type, name: str) -> str:
+    return _FIELD_DOCS.get(name, f"a field of {cls.__name__}")
+
+
 class _JsonMixin:
     """to_dict / from_dict / to_json / from_json shared by the specs."""
 
@@ -70,6 +85,12 @@ class _JsonMixin:
         unknown = sorted(set(data) - names)
         _require(not unknown, f"{cls.__name__}: unknown field(s) {unknown}; known fields are {sorted(names)}")
         kwargs = dict(data)
+        missing = [f for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+                   if f.name not in kwargs and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if missing:
+            what = "; ".join(f"'{f.name}' ({_field_doc(cls, f.name)})" for f in missing)
+            raise ValueError(f"{cls.__name__}: missing field{'s' if len(missing) > 1 else ''} {what}")
         for f in dataclasses.fields(cls):  # type: ignore[arg-type]
             conv = f.metadata.get("from_json") if f.metadata else None
             if conv is not None and f.name in kwargs:
@@ -387,10 +408,21 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     Raises ValueError when neither exists or the file is not a valid profile (naming the file).
     """
     p = Path(name_or_path)
+    if not str(name_or_path).strip():
+        raise ValueError(f"empty profile name; shipped profiles are {', '.join(list_profiles())}")
     if p.suffix == ".json" or p.exists():
         if not p.exists():
             raise ValueError(f"profile file {p} does not exist; shipped profiles are {', '.join(list_profiles())}")
-        text = p.read_text()
+        if p.is_dir():
+            cand = p / "profile.json"
+            if not cand.is_file():
+                raise ValueError(f"profile path {p} is a folder, not a profile JSON file; give the file "
+                                 f"(a profile run keeps it as <run>/profile.json)")
+            p = cand
+        try:
+            text = p.read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"profile file {p} cannot be read ({getattr(e, 'strerror', None) or e})") from None
         where = str(p)
     else:
         res = resources.files(_PROFILE_PACKAGE) / "reference" / f"{name_or_path}.json"
@@ -402,9 +434,11 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
         text = res.read_text()
         where = f"shipped profile {name_or_path}"
     try:
-        return HardwareProfile.from_dict(json.loads(text))
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON ({e})") from None
+    try:
+        return HardwareProfile.from_dict(data)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 

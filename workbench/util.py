@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -18,9 +19,27 @@ def _json_default(o: Any):
     raise TypeError(f"not JSON-serialisable: {type(o).__name__}")
 
 
+def json_safe(obj: Any) -> Any:
+    """``obj`` as plain JSON data: numpy values converted, objects with ``to_dict`` expanded, and
+    non-finite floats (inf, nan) replaced by None, since strict JSON parsers reject them."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k) if not isinstance(k, str) else k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if obj is None or isinstance(obj, (str, int, bool)):
+        return obj
+    if hasattr(obj, "tolist"):
+        return json_safe(obj.tolist())
+    if hasattr(obj, "to_dict"):
+        return json_safe(obj.to_dict())
+    return obj
+
+
 def dumps(obj: Any, **kw) -> str:
-    """JSON text of ``obj``, converting numpy values and objects with ``to_dict``."""
-    return json.dumps(obj, default=_json_default, **kw)
+    """Strict JSON text of ``obj`` (see :func:`json_safe`): never ``Infinity`` or ``NaN``."""
+    return json.dumps(json_safe(obj), default=_json_default, allow_nan=False, **kw)
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:

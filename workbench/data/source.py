@@ -247,6 +247,13 @@ def _looks_like_list(key: str) -> bool:
     return bool(_LIST_SHAPE.match(key)) or ("," in key and not has_sep)
 
 
+def _exists(key: str) -> bool:
+    try:
+        return Path(key).exists()
+    except (OSError, ValueError):  # a name too long for the file system is not a file
+        return False
+
+
 def _looks_like_path(key: str) -> bool:
     return "/" in key or os.sep in key or bool(Path(key).suffix)
 
@@ -334,7 +341,7 @@ def load_lengths(
         if samples is not None:
             lengths, notes = _draw(lengths, int(samples), seed)
             provenance.update(notes)
-    elif Path(key).exists() or (not _looks_like_list(key) and _looks_like_path(key)):
+    elif not _looks_like_list(key) and (_exists(key) or _looks_like_path(key)):
         fl = read_lengths_file(key, column=column, tokenizer=tokenizer, fmt=fmt)
         lengths = fl.lengths
         provenance = dict(fl.provenance)

@@ -1,5 +1,10 @@
-"""Launching training runs: ``spec.json`` (``spec``) and the torchrun embedding (``torchrun``).
+"""Process control for runs: start a supervised torchrun tree, poll it, stop it, find it again.
 
-Nothing here imports torch; the trainer itself (``workbench.runtime.train``) runs in the
-processes torchrun starts.
+``process`` (no torch) is what notebooks, panels and the CLI call; ``supervisor`` is the process
+it starts (torchrun itself, plus loopback rendezvous, per-rank logs, signal handling, and a sweep
+that leaves no process behind).
 """
+
+from workbench.launch.process import RunBusy, RunHandle, attach, new_steps, poll, run_alive, start, stop, wait
+
+__all__ = ["RunBusy", "RunHandle", "attach", "new_steps", "poll", "run_alive", "start", "stop", "wait"]

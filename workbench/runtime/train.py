@@ -46,8 +46,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from workbench.launch.spec import CPU_MAX_LEN, DEFAULT_BATCH_TOKENS, SpecError, TrainSpec, read_spec
-from workbench.util import append_jsonl, write_json_atomic
+from workbench import runs
+from workbench.training import CPU_MAX_LEN, SpecError, TrainSpec, read_train_spec
+from workbench.util import write_json_atomic
 
 __all__ = ["TokenData", "TrainError", "checkpoint_path", "latest_checkpoint", "load_checkpoint", "main"]
 
@@ -183,34 +184,65 @@ def checkpoint_path(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{int(step)}.pt"
 
 
+def checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every checkpoint of a run, newest first."""
+    return sorted(runs.Run(run_dir).checkpoints(), reverse=True)
+
+
 def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
-    """``(step, path)`` of the newest checkpoint of a run, or None."""
-    folder = Path(run_dir) / "checkpoints"
-    if not folder.is_dir():
-        return None
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := CHECKPOINT_RE.match(p.name))]
-    return max(found) if found else None
+    """``(step, path)`` of the newest checkpoint of a run (verified or not), or None."""
+    found = checkpoints(run_dir)
+    return found[0] if found else None
 
 
-def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict:
+def load_checkpoint(path: str | Path, map_location: Any = "cpu", *, verify: bool = True) -> dict:
     """A checkpoint's state: ``{"format", "step", "model", "optimizer", "sampler", "rng", "spec"}``,
-    read with ``weights_only=True``. Raises TrainError when the file is not a checkpoint."""
+    read with ``weights_only=True`` after checking the file against its ``.sha256``. Raises
+    TrainError naming the file when it is empty, damaged, unchecksummed (with ``verify``) or not a
+    workbench checkpoint."""
+    if verify:
+        why = runs.verify_checksum(path)
+        if why is not None:
+            raise TrainError(why)
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing here
-        raise TrainError(f"checkpoint {path} cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0]}); "
-                         f"delete it to resume from an earlier one") from None
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise TrainError(f"checkpoint {path} cannot be loaded ({type(e).__name__}: {first})") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise TrainError(f"{path} is not a workbench checkpoint (format {CHECKPOINT_FORMAT})")
     return state
 
 
+def resume_state(run_dir: str | Path) -> tuple[int, Path, dict, list[str]] | None:
+    """The newest checkpoint that verifies and loads: ``(step, path, state, skipped)`` where
+    ``skipped`` says, one line each, which newer checkpoints were passed over and why. None when
+    the run has no checkpoint. Raises TrainError when it has some but none is usable."""
+    found = checkpoints(run_dir)
+    if not found:
+        return None
+    skipped = []
+    for step, path in found:
+        try:
+            return step, path, load_checkpoint(path), skipped
+        except TrainError as e:
+            skipped.append(str(e))
+    raise TrainError(f"no usable checkpoint in {Path(run_dir) / runs.CHECKPOINTS_DIR}: " + "; ".join(skipped)
+                     + "; start a new run")
+
+
 def _save_checkpoint(path: Path, state: dict) -> None:
+    """Write the checkpoint and then its checksum, each through a temporary file and a rename: a
+    crash leaves either the old pair, or a new file without a checksum (which resume skips)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         torch.save(state, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        runs.checksum_path(path).unlink(missing_ok=True)
         os.replace(tmp, path)
+        runs.write_checksum(path)
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -262,63 +294,25 @@ def resolve_device(spec: TrainSpec | None, env: DistEnv) -> torch.device:
     return torch.device("cuda", env.local_rank)
 
 
-def _degrees(world: int, per_node: int) -> tuple[int, ...]:
-    """Powers of two up to the world size whose aligned groups do not straddle nodes."""
-    out, d = [], 1
-    while d <= world:
-        if per_node % d == 0 or d % per_node == 0:
-            out.append(d)
-        d *= 2
-    return tuple(out)
-
-
-def resolve_profile(name: str | None, device: torch.device):
-    """``(HardwareProfile, note)``: the named profile, or ``cpu-gloo-tiny`` on CPU (falling back to
-    a100-40g-flexsp, with a note, where it is not shipped) and ``a100-40g-flexsp`` on CUDA."""
-    from workbench.specs import load_profile
-
-    if name:
-        return load_profile(name), ""
-    if device.type == "cpu":
-        try:
-            return load_profile("cpu-gloo-tiny"), ""
-        except ValueError:
-            return (load_profile(FALLBACK_CPU_PROFILE),
-                    f"profile cpu-gloo-tiny is not shipped; predicted times use {FALLBACK_CPU_PROFILE} "
-                    f"(GPU figures: expect no match with measured CPU times)")
-    return load_profile("a100-40g-flexsp"), ""
-
-
-def build_cost(spec: TrainSpec, world: int, per_node: int, device: torch.device, num_gpus: int | None = None):
-    """``(CostModel, note)`` for this run's world (or ``num_gpus`` ranks, a test hook)."""
-    from workbench.cost import CostModel
-    from workbench.specs import ClusterSpec, get_model
-
-    model = get_model(spec.model)
-    profile, note = resolve_profile(spec.profile, device)
-    n = world if num_gpus is None else int(num_gpus)
-    per = per_node if num_gpus is None else min(per_node, n)
-    if n % per:
-        per = n
-    cluster = ClusterSpec(num_gpus=n, gpus_per_node=per, degrees=_degrees(n, per),
-                          gpu_memory_gb=spec.gpu_memory_gb if spec.gpu_memory_gb is not None else profile.gpu_memory_gb)
-    return CostModel(profile, model, cluster), note
-
-
-def resolve_max_len(spec: TrainSpec, cost, device: torch.device) -> int:
-    """The max context: the spec's, or min(model's, 1024) on CPU and the largest power of two the
-    cluster holds on one group (at most the model's) on CUDA. Raises TrainError when the spec's
-    exceeds the model's max context."""
-    ctx = cost.model.max_context
-    if spec.max_len is not None:
-        if spec.max_len > ctx:
-            raise TrainError(f"max_len {spec.max_len:,} exceeds model {cost.model.name}'s max context {ctx:,}; "
-                             f"lower --max-len")
-        return int(spec.max_len)
-    if device.type == "cpu":
-        return min(ctx, CPU_MAX_LEN)
-    cap = min(max(cost.degrees) * cost.tokens_per_gpu(), ctx)
-    return 1 << (int(cap).bit_length() - 1)
+def run_scenario(spec: TrainSpec, world: int, per_node: int, device: torch.device):
+    """``(Scenario, note)`` this rank plans and trains with: the spec's, checked against the world
+    torchrun gave, its max context resolved for the device (the spec's; else 1,024 on CPU, the
+    largest power of two the cluster holds on CUDA). Raises TrainError when the world differs from
+    the run's."""
+    sc = spec.scenario
+    if world != sc.num_gpus:
+        raise TrainError(f"the run is prepared for {sc.num_gpus} rank(s) (nproc {spec.nproc} x nnodes {spec.nnodes}) "
+                         f"but torchrun started {world}; resume it with its own --nproc")
+    if per_node != min(sc.gpus_per_node, sc.num_gpus):
+        sc = sc.replace(gpus_per_node=per_node)
+    note = ""
+    if sc.max_len is None:
+        ctx = sc.model_spec().max_context
+        sc = sc.replace(max_len=min(ctx, CPU_MAX_LEN) if device.type == "cpu" else sc.resolved_max_len())
+    if device.type == "cpu" and not sc.profile.startswith("cpu"):
+        note = (f"profile {sc.profile} describes GPUs; predicted times will not match this CPU run "
+                f"(measure one with `workbench profile`)")
+    return sc, note
 
 
 # ------------------------------------------------------------------------------------------------
@@ -342,6 +336,7 @@ class RankZeroPlanner:
                 PlanAhead = None
             if PlanAhead is not None:
                 self._ahead = PlanAhead(name, cost, seed=seed, time_limit=time_limit, max_len=max_len)
+                self._ahead.warm_up()  # starts the worker now (its pid is recorded for stops)
                 self.mode = "ahead"
 
     def _inline(self, batch):
@@ -364,6 +359,10 @@ class RankZeroPlanner:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             return {"error": f"planner {self.name} failed on batch {batch.batch_id}: {msg}"}
         return {"plan": plan.to_dict(), "plan_wait_s": time.perf_counter() - t0}
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the plan-ahead worker process and multiprocessing's resource tracker (empty inline)."""
+        return self._ahead.worker_pids() if self._ahead is not None else []
 
     def close(self) -> None:
         if self._ahead is not None:
@@ -405,20 +404,13 @@ class Trainer:
         self.rank = env.rank
         self.spec: TrainSpec | None = None
         self.step = 0
-        self.status: dict = {}
+        self.attempt = 1
 
-    # ---- status and artefacts (rank 0 writes status.json) --------------------------------------
+    # ---- status and artefacts (rank 0 writes the run's progress; every rank its pid) ---------------
     def _write_status(self, **fields) -> None:
         if self.rank != 0 or not self.run_dir.is_dir():
             return
-        path = self.run_dir / "status.json"
-        if not self.status:
-            try:
-                self.status = json.loads(path.read_text())
-            except (OSError, ValueError):
-                self.status = {}
-        self.status.update(fields, updated=_now())
-        write_json_atomic(path, self.status)
+        runs.update_status(self.run_dir, **fields)
 
     def _fail(self, msg: str, *, where: str = "") -> int:
         """Report a failure on this rank (stderr, failures/rank<k>.json; status.json on rank 0)."""
@@ -429,7 +421,7 @@ class Trainer:
                                   {"rank": self.rank, "step": self.step, "error": msg, "time": _now()})
             except OSError:
                 pass
-        self._write_status(state="failed", step=self.step, error=msg, finished=_now())
+        self._write_status(state="failed", step=self.step, error=msg)
         return 1
 
     # ---- phase 1: everything that needs no collective -------------------------------------------
@@ -440,29 +432,35 @@ class Trainer:
 
         spec = self.spec
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-        get_planner(spec.planner)  # an unknown name fails here, on every rank
-        self.cost, self.cost_note = build_cost(spec, self.env.world_size, self.env.local_world_size, device)
-        self.max_len = resolve_max_len(spec, self.cost, device)
-        self.data = TokenData(spec.lengths, max_len=self.max_len, policy=spec.policy, seed=spec.seed,
-                              samples=spec.samples, column=spec.column)
-        bs, bt = spec.batch_size, spec.batch_tokens
-        if bs is None and bt is None and not self.data.ordered:
-            bt = DEFAULT_BATCH_TOKENS
+        get_planner(spec.scenario.planner)  # an unknown name fails here, on every rank
+        self.scenario, self.cost_note = run_scenario(spec, self.env.world_size, self.env.local_world_size, device)
+        sc = self.scenario
+        self.cost = sc.cost()
+        self.max_len = int(sc.max_len)
+        self.data = TokenData(sc.source, max_len=self.max_len, policy=sc.policy, seed=sc.seed, samples=sc.samples,
+                              column=sc.column)
+        bs, bt = sc.batch_size, sc.batch_tokens
         if self.data.ordered:
             bs = bt = None  # an explicit list is the batch itself
+        elif bs is None and bt is None:
+            raise TrainError("the scenario has neither batch_tokens nor batch_size; give --batch-tokens T")
         self.batch_size, self.batch_tokens = bs, bt
-        self.sampler = GlobalBatchSampler(self.data, batch_size=bs, batch_tokens=bt, seed=spec.seed)
+        self.sampler = GlobalBatchSampler(self.data, batch_size=bs, batch_tokens=bt, seed=sc.seed)
         self.attn, self.attn_name = select_attention(spec.attention, device)
         if spec.debug.get("plan_num_gpus") is not None:
-            self.plan_cost, _ = build_cost(spec, self.env.world_size, self.env.local_world_size, device,
-                                           num_gpus=int(spec.debug["plan_num_gpus"]))
+            k = int(spec.debug["plan_num_gpus"])
+            self.plan_cost = sc.replace(num_gpus=k, gpus_per_node=min(sc.gpus_per_node, k)).cost()
         else:
             self.plan_cost = self.cost
-        self.resume = latest_checkpoint(self.run_dir)
-        self.resume_state = load_checkpoint(self.resume[1]) if self.resume is not None else None
+        found = resume_state(self.run_dir)
+        self.resume = self.resume_state = None
+        self.resume_skipped: list[str] = []
+        if found is not None:
+            step, path, state, self.resume_skipped = found
+            self.resume, self.resume_state = (step, path), state
         if self.resume_state is not None:
             smp = self.resume_state.get("sampler", {})
-            mine = {"seed": spec.seed, "batch_size": bs, "batch_tokens": bt, "lengths": spec.lengths}
+            mine = {"seed": sc.seed, "batch_size": bs, "batch_tokens": bt, "lengths": sc.source}
             diff = {k: (smp.get(k), v) for k, v in mine.items() if smp.get(k) != v}
             if diff:
                 raise TrainError(f"checkpoint {self.resume[1].name} was written with other data settings "
@@ -485,11 +483,10 @@ class Trainer:
         device = torch.device("cpu")
         if self.run_dir.is_dir():
             # where every rank lives, so that a stop can reach processes torchrun put in their own sessions
-            write_json_atomic(self.run_dir / "ranks" / f"rank{self.rank}.json",
-                              {"rank": self.rank, "local_rank": env.local_rank, "pid": os.getpid(),
-                               "host": socket.gethostname(), "started": _now()})
+            runs.update_status(self.run_dir, pids={"ranks": {str(self.rank): os.getpid()}, **runs.process_record()})
+            self.attempt = max(1, runs.read_status(self.run_dir).attempt)
         try:
-            self.spec = read_spec(self.run_dir)
+            self.spec = read_train_spec(self.run_dir)
         except SpecError as e:
             err = str(e)
         try:
@@ -544,7 +541,7 @@ class Trainer:
         spec, env = self.spec, self.env
         world = env.world_size
         model_spec = self.cost.model
-        model = Transformer(model_spec, seed=spec.seed).to(device)
+        model = Transformer(model_spec, seed=self.scenario.seed).to(device)
         params = [p for p in model.parameters() if p.requires_grad]
         lr = spec.learning_rate
         if spec.optimizer == "sgd":
@@ -567,9 +564,16 @@ class Trainer:
         registry = GroupRegistry(world, self.cost.degrees)
         executor = StepExecutor(model, registry, self.attn, device=device)
         planner = None
+        sc = self.scenario
         if self.rank == 0:
-            planner = RankZeroPlanner(spec.planner, self.plan_cost, seed=spec.seed, time_limit=spec.time_limit,
+            planner = RankZeroPlanner(sc.planner, self.plan_cost, seed=sc.seed, time_limit=sc.time_limit,
                                       max_len=self.max_len, ahead=spec.plan_ahead)
+            if planner.worker_pids():  # the plan-ahead worker and its helpers: a stop must reach them too
+                runs.update_status(self.run_dir, pids={"workers": planner.worker_pids(),
+                                                       **{k: v for p in planner.worker_pids()
+                                                          for k, v in runs.process_record(p).items()}})
+        # steps that ran in an earlier attempt after the checkpoint we resume from run again: say so
+        ran_before = max((r.step for r in runs.Run(self.run_dir).steps()), default=0) if self.rank == 0 else 0
         resolved = {
             "world_size": world, "local_world_size": env.local_world_size, "device": device.type, "backend": backend,
             "attention": self.attn_name, "profile": self.cost.profile.name, "profile_note": self.cost_note,
@@ -577,18 +581,23 @@ class Trainer:
             "lr": lr, "degrees": list(self.cost.degrees), "planning": planner.mode if planner else None,
             "data": self.data.describe(), "sampler": self.sampler.describe(),
             "max_context": self.data.report.to_dict() if self.data.report is not None else None,
-            "params": model_spec.params(),
+            "params": model_spec.params(), "scenario": sc.to_dict(),
+            "checkpoints_skipped": self.resume_skipped,
         }
         if self.rank == 0:
             if self.cost_note:
                 _say(f"workbench train: warning: {self.cost_note}")
-            _say(f"workbench train: {spec.model} ({model_spec.params():,} parameters) on {world} rank(s), {backend}, "
-                 f"{device.type}; {self.data.describe()}; {self.sampler.describe()}; planner {spec.planner} "
+            _say(f"workbench train: {sc.model} ({model_spec.params():,} parameters) on {world} rank(s), {backend}, "
+                 f"{device.type}; {self.data.describe()}; {self.sampler.describe()}; planner {sc.planner} "
                  f"({resolved['planning']}); profile {self.cost.profile.name}")
+            for why in self.resume_skipped:
+                _say(f"workbench train: warning: skipped a checkpoint: {why}")
             if start:
-                _say(f"workbench train: resuming from {self.resume[1]} (step {start} of {spec.steps})")
-        self._write_status(state="running", step=start, steps=spec.steps, started=_now(), error=None,
-                           resumed_from=start if start else None, resolved=resolved, pid=os.getpid())
+                again = f"; steps {start + 1}-{ran_before} ran before and run again" if ran_before > start else ""
+                _say(f"workbench train: resuming from {self.resume[1]} (step {start} of {spec.steps}){again}")
+        self._write_status(state="running", step=start, steps=spec.steps, error=None,
+                           resumed_from=start if self.resume is not None else None, resolved=resolved,
+                           message=f"training from step {start}")
         sleep_s = float(spec.debug.get("step_sleep_s", 0.0))
         try:
             batch = self.sampler.batch(start) if start < spec.steps else None
@@ -606,9 +615,9 @@ class Trainer:
                 lengths = [int(x) for x in batch.lengths]
                 check_plan(plan, lengths, world, registry.degrees)  # same verdict on every rank
                 if self.rank == 0:
-                    append_jsonl(self.run_dir / "plans.jsonl", {"step": step, "batch_id": batch.batch_id,
-                                                                "plan_wait_s": msg.get("plan_wait_s"),
-                                                                "plan": msg["plan"]})
+                    runs.append_jsonl(self.run_dir / runs.PLANS_FILE, {
+                        "step": step, "attempt": self.attempt, "batch_id": batch.batch_id,
+                        "plan_wait_s": msg.get("plan_wait_s"), "plan": msg["plan"]})
                 seqs = [torch.from_numpy(self.data.tokens(int(i))) for i in batch.indices]
                 res = executor.run(plan, seqs)
                 t_opt = time.perf_counter()
@@ -623,8 +632,9 @@ class Trainer:
                 if not math.isfinite(res.loss):
                     raise TrainError(f"loss is {res.loss} at step {step}; lower --lr or set a gradient clip")
                 peak = max([r.peak_memory_mb for r in res.records] + [peak_memory_mb(device)])
-                append_jsonl(self.run_dir / "metrics.jsonl", {
-                    "step": step, "rank": self.rank, "batch_id": batch.batch_id, "loss": res.loss,
+                runs.append_jsonl(self.run_dir / runs.METRICS_FILE, {
+                    "step": step, "rank": self.rank, "attempt": self.attempt, "repeat": step < ran_before,
+                    "batch_id": batch.batch_id, "loss": res.loss,
                     "tokens": sum(r.tokens for r in res.records), "batch_tokens": res.tokens,
                     "sequences": len(lengths), "targets": res.targets,
                     "predicted_ms": plan.makespan_ms, "measured_ms": res.measured_ms + opt_ms,
@@ -639,10 +649,11 @@ class Trainer:
                     if self.rank == 0:
                         self._checkpoint(done, model, opt, device)
                 if self.rank == 0:
-                    print(f"step {done}/{spec.steps} loss {res.loss:.4f} tokens {res.tokens:,} "
+                    again = " (again, after resume)" if step < ran_before else ""
+                    print(f"step {done}/{spec.steps}{again} loss {res.loss:.4f} tokens {res.tokens:,} "
                           f"measured {res.measured_ms + opt_ms:,.0f} ms predicted {plan.makespan_ms:,.0f} ms "
                           f"({len(plan.micro_steps)} micro-step(s), {plan.planner})", flush=True)
-                    self._write_status(state="running", step=done, loss=res.loss)
+                    self._write_status(state="running", step=done, loss=res.loss, message=f"step {done}/{spec.steps}")
                 if sleep_s:
                     time.sleep(sleep_s)
                 batch = nxt
@@ -651,7 +662,7 @@ class Trainer:
         finally:
             if planner is not None:
                 planner.close()
-        self._write_status(state="done", step=self.step, finished=_now())
+        self._write_status(state="done", step=self.step, message=f"done: {self.step} steps")
         return 0
 
     def _checkpoint(self, done: int, model, opt, device: torch.device) -> None:
@@ -662,8 +673,8 @@ class Trainer:
             "format": CHECKPOINT_FORMAT, "step": done,
             "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
             "optimizer": opt.state_dict(),
-            "sampler": {"next_step": done, "seed": self.spec.seed, "batch_size": self.batch_size,
-                        "batch_tokens": self.batch_tokens, "lengths": self.spec.lengths},
+            "sampler": {"next_step": done, "seed": self.scenario.seed, "batch_size": self.batch_size,
+                        "batch_tokens": self.batch_tokens, "lengths": self.scenario.source},
             "rng": rng, "spec": json.dumps(self.spec.to_dict()),
         }
         _save_checkpoint(checkpoint_path(self.run_dir, done), state)

@@ -18,7 +18,7 @@ from workbench.cost import CostModel
 from workbench.solve import Plan, run_planner, timeline, validate
 from workbench.solve.options import Cancelled
 
-__all__ = ["simulate", "step_record", "SimulationResult", "summarize_steps"]
+__all__ = ["simulate", "step_record", "SimulationResult", "summarize_steps", "summary_table"]
 
 
 def step_record(plan: Plan, step: int) -> dict:
@@ -152,3 +152,19 @@ def simulate(
         if keep_plans:
             res.plans[name] = plans
     return res
+
+
+def summary_table(sim: dict, baselines: Sequence[str] = ("static-max", "best-static")) -> str:
+    """A plain-text table of a simulation summary (``SimulationResult.to_dict()``): mean and p95
+    step time, ratio to the lower bound, imbalance and the speedup over each baseline."""
+    rows = sim["planners"]
+    head = f"{'planner':<14}{'mean step (s)':>14}{'p95 (s)':>9}{'x lower bound':>14}{'imbalance':>10}"
+    bl = [b for b in baselines if b in rows]
+    head += "".join(f"{'vs ' + b:>17}" for b in bl)
+    lines = [head]
+    for name, r in rows.items():
+        line = (f"{name:<14}{r['mean_step_ms'] / 1e3:>14.2f}{r['p95_step_ms'] / 1e3:>9.2f}"
+                f"{r['ratio_to_lower_bound']:>14.3f}{r['imbalance']:>10.2f}")
+        line += "".join(f"{rows[b]['mean_step_ms'] / r['mean_step_ms']:>16.2f}x" for b in bl)
+        lines.append(line)
+    return "\n".join(lines)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing
+import os
 import pickle
 from collections import deque
 from concurrent.futures import CancelledError, ProcessPoolExecutor, wait
@@ -92,7 +93,26 @@ def resolve_planner(planner: str) -> str:
 _W: dict[str, Any] = {}
 
 
-def _worker_init(cost_blob: bytes, planner: str, cancel) -> None:
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this worker when the process that started it dies (even by SIGKILL,
+    which leaves no chance to clean up): a planner must never outlive its run."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the parent's own cleanup still applies
+        pass
+
+
+def _worker_init(cost_blob: bytes, planner: str, cancel, parent_pid: int | None = None) -> None:
+    _die_with_parent()
+    import os
+
+    if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
     _W["cost"] = pickle.loads(cost_blob)
     _W["planner"] = resolve_planner(planner)
     _W["cancel"] = cancel
@@ -206,7 +226,7 @@ class PlanAhead:
         self._cancel = ctx.Event()
         self._pool: ProcessPoolExecutor | None = ProcessPoolExecutor(
             max_workers=1, mp_context=ctx, initializer=_worker_init,
-            initargs=(pickle.dumps(cost), self.planner, self._cancel))
+            initargs=(pickle.dumps(cost), self.planner, self._cancel, os.getpid()))
         self._pending: dict[Any, tuple[np.ndarray, Any]] = {}
         self._done: deque = deque(maxlen=64)  # ids already handed out, for a clearer error
 
@@ -302,6 +322,20 @@ class PlanAhead:
         if self._pool is None:
             raise RuntimeError("PlanAhead is closed")
         self._pool.submit(_worker_ping).result(timeout=timeout)
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the worker process (once started: see :meth:`warm_up`) and of multiprocessing's
+        resource tracker, which the spawn method starts beside it."""
+        pids = [p.pid for p in getattr(self._pool, "_processes", {}).values() if p.pid] if self._pool else []
+        try:
+            from multiprocessing import resource_tracker
+
+            tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+            if tracker:
+                pids.append(int(tracker))
+        except (ImportError, AttributeError):
+            pass
+        return pids
 
     # ---- lifetime -------------------------------------------------------------------------------
     def close(self, wait: bool = True) -> None:

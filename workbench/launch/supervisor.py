@@ -1,0 +1,297 @@
+"""The supervisor: one process per run and node that *is* torchrun, and cleans up after it.
+
+    python -m workbench.launch.supervisor --run-dir RUN --nproc N [--nnodes K --node-rank R
+        --rdzv-endpoint HOST:PORT --rdzv-id ID] [--parent-pid PID] --module MOD [-- ARGS...]
+
+It runs torchrun's own entry (``torch.distributed.run.run``) in this process, so torchrun's
+elastic agent is this process and its structured failures come back as an exception rather
+than as text. Around it:
+
+- **Loopback only on one node.** Without ``--rdzv-endpoint`` the rendezvous store is a TCPStore
+  created on a socket bound to 127.0.0.1 (a registered ``workbench-loopback`` rendezvous; torch's
+  own stores listen on every interface), and gloo/NCCL are pinned to the loopback interface. A
+  multi-node run passes the user's endpoint to the c10d rendezvous unchanged.
+- **Per-rank logs** under ``RUN/torchrun/attempt_<k>/`` (and every line also in ``log.txt``).
+- **Signals.** SIGTERM, SIGINT, SIGHUP and SIGQUIT stop the run (torchrun terminates its ranks;
+  the supervisor then sweeps). With ``--parent-pid`` the run also stops when that process dies
+  (``workbench train`` in a terminal that was closed or killed).
+- **No orphans.** Whatever ends the run, every process group it recorded (each rank leads one,
+  with its plan-ahead worker and multiprocessing's resource tracker inside) gets SIGTERM, then
+  SIGKILL after a grace period.
+- **One final status**: done, stopped, or failed with the failing rank, its exit code or signal,
+  the error it reported and its last log lines.
+
+Exit status: 0 done, 1 failed, 128 + signal number when stopped by a signal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from workbench import runs
+
+LOOPBACK_BACKEND = "workbench-loopback"
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+SWEEP_GRACE_S = 2.0
+
+
+class _Stop(Exception):
+    """A stop signal that arrived before torchrun installed its own handlers."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _early_handler(signum, frame):  # noqa: ARG001 - signal handler signature
+    raise _Stop(signum)
+
+
+# ------------------------------------------------------------------------------------------------
+# the loopback rendezvous
+# ------------------------------------------------------------------------------------------------
+
+
+def _register_loopback() -> None:
+    """Register a static rendezvous whose TCPStore listens on 127.0.0.1 only (a socket bound here
+    and handed to the store), not on every interface as TCPStore binds by itself."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous, create_rdzv_handler
+
+    class LoopbackRendezvous(StaticTCPRendezvous):
+        def get_backend(self) -> str:
+            return LOOPBACK_BACKEND
+
+        def next_rendezvous(self):
+            if not self._store:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.bind(("127.0.0.1", 0))
+                sock.listen(128)
+                self.master_addr, self.master_port = "127.0.0.1", sock.getsockname()[1]
+                # the store owns the listening socket from here on (detach: Python must not close it)
+                self._store = TCPStore("127.0.0.1", self.master_port, self.world_size, True, self.timeout,
+                                       multi_tenant=True, master_listen_fd=sock.detach())
+            return super().next_rendezvous()
+
+    def create(params):
+        h = create_rdzv_handler(params)
+        return LoopbackRendezvous(h.master_addr, h.master_port, int(h.rank), h.world_size, h.run_id,
+                                  int(h.timeout.total_seconds()))
+
+    try:
+        rendezvous_handler_registry.register(LOOPBACK_BACKEND, create)
+    except ValueError:
+        pass  # already registered in this process
+
+
+def torchrun_args(run_dir: Path, *, nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None,
+                  rdzv_id: str | None, module: str, module_args: list[str], attempt: int) -> list[str]:
+    """torchrun's arguments for this node's share of the run."""
+    if nnodes == 1 and rdzv_endpoint is None:
+        out = ["--nnodes", "1", "--node-rank", "0", "--rdzv-backend", LOOPBACK_BACKEND,
+               "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-conf", "rank=0"]
+    else:
+        if rdzv_endpoint is None:
+            raise ValueError("a run over several nodes needs --rdzv-endpoint HOST:PORT (the same on every node)")
+        out = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id or run_dir.name]
+    log_dir = run_dir / runs.TORCHRUN_LOG_DIR / f"attempt_{attempt}"
+    out += ["--nproc-per-node", str(nproc), "--max-restarts", "0", "--monitor-interval", "0.2",
+            "--log-dir", str(log_dir), "--redirects", "3", "--tee", "3",
+            "-m", module, "--run-dir", str(run_dir), *module_args]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# cleaning up
+# ------------------------------------------------------------------------------------------------
+
+
+def sweep(run_dir: Path, grace: float = SWEEP_GRACE_S) -> list[int]:
+    """End every process the run recorded, except this one: SIGTERM to each recorded process's
+    group (ranks lead their own; their plan-ahead worker and resource tracker are in it) and to the
+    process itself, SIGKILL after ``grace`` seconds. Returns the pids that were still alive."""
+    st = runs.read_status(run_dir)
+    me = os.getpid()
+    targets = [(p, t) for p, t in runs.status_pids(st) if p != me and runs.pid_alive(p, t)]
+    if not targets:
+        return []
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid, t in targets:
+            if not runs.pid_alive(pid, t):
+                continue
+            try:
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, sig)
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + (grace if sig == signal.SIGTERM else 1.0)
+        while time.monotonic() < deadline and any(runs.pid_alive(p, t) for p, t in targets):
+            time.sleep(0.05)
+        if not any(runs.pid_alive(p, t) for p, t in targets):
+            break
+    return [p for p, _ in targets]
+
+
+def _rank_log_tail(run_dir: Path, attempt: int, local_rank: int, lines: int = 15) -> list[str]:
+    """The failing rank's last lines: its own torchrun log files, else the end of ``log.txt``
+    (a rank that printed nothing before it died leaves only the others' last words)."""
+    base = run_dir / runs.TORCHRUN_LOG_DIR / f"attempt_{attempt}"
+    found = sorted(base.glob(f"**/{local_rank}/stderr.log")) + sorted(base.glob(f"**/{local_rank}/stdout.log"))
+    for path in found:
+        tail = runs.tail_lines(path, lines)
+        if any(t.strip() for t in tail):
+            return tail
+    return [f"(rank {local_rank} printed nothing; the end of {runs.LOG_FILE}:)",
+            *runs.tail_lines(run_dir / runs.LOG_FILE, lines)]
+
+
+def _reported_error(run_dir: Path, rank: int | None) -> str | None:
+    """The error a rank wrote itself (``failures/rank<k>.json``): the failing rank's, else the first."""
+    folder = run_dir / runs.FAILURES_DIR
+    found = {}
+    for p in folder.glob("rank*.json") if folder.is_dir() else ():
+        try:
+            d = json.loads(p.read_text())
+            found[int(d.get("rank", -1))] = str(d.get("error"))
+        except (OSError, ValueError, TypeError):
+            continue
+    if rank is not None and rank in found:
+        return found[rank]
+    return found[min(found)] if found else None
+
+
+def _describe_exit(code: int) -> tuple[str, str | None]:
+    """('exit code 1' | 'killed by SIGKILL', signal name or None) of a rank's exit code."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        extra = " (what the out-of-memory killer sends)" if name == "SIGKILL" else ""
+        return f"killed by {name}{extra}", name
+    return f"exit code {code}", None
+
+
+# ------------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------------
+
+
+_PARENT_GONE: list[int] = []
+
+
+def _watch_parent(pid: int) -> None:
+    """Stop the run (SIGTERM to ourselves) when process ``pid`` is gone."""
+    start = runs.proc_start_time(pid)
+
+    def loop() -> None:
+        while runs.pid_alive(pid, start):
+            time.sleep(0.5)
+        _PARENT_GONE.append(pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=loop, name="parent-watch", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one node's share of a run under torchrun and record how it ended; returns the exit status."""
+    ap = argparse.ArgumentParser(prog="python -m workbench.launch.supervisor", description=__doc__.splitlines()[0])
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--nproc", type=int, required=True)
+    ap.add_argument("--nnodes", type=int, default=1)
+    ap.add_argument("--node-rank", type=int, default=0)
+    ap.add_argument("--rdzv-endpoint", default=None)
+    ap.add_argument("--rdzv-id", default=None)
+    ap.add_argument("--parent-pid", type=int, default=None)
+    ap.add_argument("--module", default="workbench.runtime.train")
+    ap.add_argument("module_args", nargs=argparse.REMAINDER)
+    args = ap.parse_args(argv)
+    extra = args.module_args[1:] if args.module_args[:1] == ["--"] else args.module_args
+    run_dir = Path(args.run_dir).resolve()
+    for s in HANDLED_SIGNALS:
+        signal.signal(s, _early_handler)
+    if args.parent_pid:
+        _watch_parent(args.parent_pid)
+    st = runs.read_status(run_dir)
+    attempt = max(1, st.attempt)
+    runs.update_status(run_dir, reopen=True, state="starting", host=socket.gethostname(),
+                       pids={"supervisor": os.getpid(), **runs.process_record()})
+    state, code, fields = "failed", 1, {}
+    try:
+        if args.nnodes == 1 and args.rdzv_endpoint is None:
+            _register_loopback()
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import parse_args, run
+
+        targs = torchrun_args(run_dir, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+                              rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, module=args.module,
+                              module_args=extra, attempt=attempt)
+        print(f"workbench supervisor: torchrun {' '.join(targs)}", flush=True)
+        try:
+            run(parse_args(targs))
+            state, code = "done", 0
+        except ChildFailedError as e:
+            state, code, fields = "failed", 1, _failure_fields(run_dir, attempt, e)
+        except SignalException as e:
+            sig = int(e.sigval)
+            state, code = "stopped", 128 + sig
+            fields = {"note": f"stopped by {signal.Signals(sig).name}"}
+    except _Stop as e:
+        state, code, fields = "stopped", 128 + e.signum, {"note": f"stopped by {e}"}
+    except Exception as e:  # noqa: BLE001 - recorded in the status, never a silent death
+        state, code = "failed", 1
+        fields = {"error": f"torchrun could not run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+    finally:
+        for s in HANDLED_SIGNALS:  # a second signal must not interrupt the sweep
+            signal.signal(s, signal.SIG_IGN)
+        left = sweep(run_dir)
+    if _PARENT_GONE and state == "stopped":
+        fields["note"] = f"stopped: the process that started it (pid {_PARENT_GONE[0]}) ended"
+    if left:
+        fields["note"] = (fields.get("note", "") + f"; ended {len(left)} leftover process(es)").lstrip("; ")
+    prev = runs.read_status(run_dir)
+    if state == "done" and prev.state == "failed":  # the trainer said it failed, torchrun did not
+        state, code = "failed", 1
+    if state == "failed" and not fields.get("error"):
+        fields["error"] = prev.error or _reported_error(run_dir, fields.get("failing_rank")) or "the run failed"
+    runs.update_status(run_dir, state=state, exit_code=code, finished=runs.now(), reopen=True, **fields)
+    print(f"workbench supervisor: run {state} (exit {code})", flush=True)
+    return code
+
+
+def _failure_fields(run_dir: Path, attempt: int, e) -> dict:
+    """Status fields of torchrun's ChildFailedError: per-rank exit codes, the first failure."""
+    failures = getattr(e, "failures", {}) or {}
+    exit_codes = {str(r): int(f.exitcode) for r, f in failures.items()}
+    try:
+        rank, first = e.get_first_failure()
+    except Exception:  # noqa: BLE001
+        rank, first = (min(failures), failures[min(failures)]) if failures else (None, None)
+    out: dict = {"exit_codes": exit_codes}
+    if first is None:
+        out["error"] = "torchrun reported a failure without a rank"
+        return out
+    how, sig = _describe_exit(int(first.exitcode))
+    reported = _reported_error(run_dir, rank)
+    out.update(failing_rank=int(rank), signal=sig,
+               log_tail=_rank_log_tail(run_dir, attempt, int(getattr(first, "local_rank", rank))))
+    out["error"] = f"rank {rank} {how}" + (f": {reported}" if reported and sig is None else "")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

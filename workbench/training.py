@@ -1,0 +1,361 @@
+"""A training run's settings (``spec.json``), preparing and resuming runs, and resource checks.
+
+``spec.json`` of a training run is ``{"kind": "train", "scenario": {...}, <TrainSpec fields>}``:
+the :class:`~workbench.scenario.Scenario` (model, profile, cluster, data, batch, planner) and the
+run's own settings (steps, optimizer, processes, checkpoints). :func:`prepare_train` makes a new
+run or checks a resume against the run's spec; :func:`check_resources` says whether the machine
+can hold it. The trainer (``workbench.runtime.train``, torch) reads the spec with
+:func:`read_train_spec`. Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from workbench import runs
+from workbench.scenario import Scenario
+
+__all__ = ["TrainSpec", "SpecError", "read_train_spec", "prepare_train", "ResumeChange", "check_resources",
+           "ResourceError", "cuda_visible", "OPTIMIZERS", "DEVICES", "ATTENTION", "DEFAULT_LR", "CPU_MAX_LEN",
+           "DEFAULT_BATCH_TOKENS", "TRAIN_DEFAULTS", "RANK_MEMORY_GB"]
+
+OPTIMIZERS = ("sgd", "adamw")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION = ("auto", "flash", "torch")
+DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3}
+CPU_MAX_LEN = 1024
+"""Max context on CPU when none is given (attention is quadratic: a CPU step over 16K-token
+sequences takes minutes). With policy ``split`` no token is lost."""
+DEFAULT_BATCH_TOKENS = 16384
+TRAIN_DEFAULTS = dict(model="tiny", source="stdlib", planner="greedy", policy="split", batch_tokens=DEFAULT_BATCH_TOKENS)
+"""Scenario settings a training run gets when they are not given (differ from planning's)."""
+RANK_MEMORY_GB = 0.45
+"""Resident memory of one CPU trainer rank of the tiny model (torch, gloo, data), measured
+~0.35 GB; rank 0's plan-ahead worker ~0.25 GB more."""
+MAX_PROCS_PER_CORE = 4
+"""Above this many processes per core a CPU run is refused unless asked for."""
+
+
+class SpecError(ValueError):
+    """A missing or invalid ``spec.json`` (the message says which field and why)."""
+
+
+class ResourceError(ValueError):
+    """The machine cannot hold the run as asked (too many processes for its cores or memory)."""
+
+
+def _req(cond: bool, msg: str) -> None:
+    if not cond:
+        raise SpecError(msg)
+
+
+def _int(name: str, v: Any, lo: int) -> None:
+    _req(isinstance(v, int) and not isinstance(v, bool) and v >= lo, f"{name} must be an integer >= {lo}, got {v!r}")
+
+
+def _num(name: str, v: Any, lo: float, strict: bool = False, optional: bool = False) -> None:
+    if v is None and optional:
+        return
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v > lo if strict else v >= lo)
+    _req(ok, f"{name} must be a finite number {'>' if strict else '>='} {lo:g}, got {v!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainSpec:
+    """One training run: the scenario it plans and the run's own settings."""
+
+    scenario: Scenario
+    """Model, profile, cluster (``num_gpus`` = world size), data, batch, planner, seed."""
+    steps: int
+    """Optimizer steps in total (a resumed run goes on up to this many)."""
+    optimizer: str = "adamw"
+    lr: float | None = None
+    """Learning rate (None: 0.05 for SGD, 1e-3 for AdamW)."""
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    grad_clip: float = 0.0
+    """Clip the global gradient norm to this (0: off)."""
+    checkpoint_every: int = 100
+    """Save ``checkpoints/step_<n>.pt`` (with its checksum) every this many steps and after the last (0: never)."""
+    attention: str = "auto"
+    device: str = "auto"
+    plan_ahead: bool = True
+    """Plan step k+1 in a worker process while step k trains."""
+    timeout_s: float = 600.0
+    """Collective timeout: a rank waiting longer fails instead of hanging."""
+    nproc: int = 1
+    """Processes per node."""
+    nnodes: int = 1
+    debug: dict = field(default_factory=dict)
+    """Test hooks: ``plan_num_gpus`` (rank 0 plans for that many ranks), ``step_sleep_s``."""
+
+    def __post_init__(self) -> None:
+        _req(isinstance(self.scenario, Scenario), f"scenario must be a Scenario, got {type(self.scenario).__name__}")
+        _int("steps", self.steps, 1)
+        _req(self.optimizer in OPTIMIZERS, f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        _num("lr", self.lr, 0.0, strict=True, optional=True)
+        _num("weight_decay", self.weight_decay, 0.0)
+        _num("momentum", self.momentum, 0.0)
+        _num("grad_clip", self.grad_clip, 0.0)
+        _int("checkpoint_every", self.checkpoint_every, 0)
+        _req(self.attention in ATTENTION, f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
+        _req(self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        _req(isinstance(self.plan_ahead, bool), f"plan_ahead must be true or false, got {self.plan_ahead!r}")
+        _num("timeout_s", self.timeout_s, 0.0, strict=True)
+        _int("nproc", self.nproc, 1)
+        _int("nnodes", self.nnodes, 1)
+        _req(isinstance(self.debug, Mapping), f"debug must be an object, got {self.debug!r}")
+        _req(self.scenario.num_gpus == self.nproc * self.nnodes,
+             f"scenario.num_gpus ({self.scenario.num_gpus}) must equal nproc x nnodes ({self.nproc} x {self.nnodes})")
+
+    @property
+    def learning_rate(self) -> float:
+        """``lr``, or the optimizer's default."""
+        return float(self.lr) if self.lr is not None else DEFAULT_LR[self.optimizer]
+
+    def to_dict(self) -> dict:
+        """``spec.json``'s object: ``{"kind": "train", "scenario": {...}, ...}``."""
+        out = {"kind": "train"}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.to_dict() if f.name == "scenario" else (dict(v) if f.name == "debug" else v)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TrainSpec":
+        """Build from ``spec.json``'s object. Raises SpecError naming an unknown, missing or invalid field."""
+        if not isinstance(data, Mapping):
+            raise SpecError(f"spec.json must hold a JSON object, got {type(data).__name__}")
+        kind = data.get("kind", "train")
+        _req(kind == "train", f"spec.json is of a {kind!r} run, not a training run")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names - {"kind"})
+        _req(not unknown, f"spec.json has unknown field(s) {unknown}; known fields are {sorted(names)}")
+        _req("steps" in data, "spec.json has no 'steps' field")
+        _req("scenario" in data, "spec.json has no 'scenario' field (written by an older workbench? start a new run)")
+        kw = {k: v for k, v in data.items() if k != "kind"}
+        try:
+            kw["scenario"] = Scenario.from_dict(kw["scenario"])
+            return cls(**kw)
+        except SpecError:
+            raise
+        except (TypeError, ValueError) as e:
+            raise SpecError(str(e)) from None
+
+    def replace(self, **changes) -> "TrainSpec":
+        """A copy with ``changes`` (TrainSpec fields, or Scenario fields, which go to the scenario)."""
+        own = {f.name for f in dataclasses.fields(self)}
+        sc = {k: v for k, v in changes.items() if k not in own}
+        mine = {k: v for k, v in changes.items() if k in own}
+        if sc:
+            mine["scenario"] = mine.get("scenario", self.scenario).replace(**sc)
+        try:
+            return dataclasses.replace(self, **mine)
+        except TypeError as e:
+            raise SpecError(str(e)) from None
+
+
+def read_train_spec(run_dir: str | Path) -> TrainSpec:
+    """Read and validate ``run_dir/spec.json``. Raises SpecError when the folder or file is
+    missing, not JSON, or a field is invalid (naming the file)."""
+    run_dir = Path(run_dir)
+    path = run_dir / runs.SPEC_FILE
+    if not run_dir.is_dir():
+        raise SpecError(f"run folder {run_dir} does not exist")
+    if not path.is_file():
+        raise SpecError(f"{path} is missing; start training runs with `workbench train` (or workbench.training.prepare_train)")
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SpecError(f"{path} is not valid JSON ({e})") from None
+    except OSError as e:
+        raise SpecError(f"{path} cannot be read ({e.strerror or e})") from None
+    try:
+        return TrainSpec.from_dict(data)
+    except SpecError as e:
+        raise SpecError(f"{path}: {e}") from None
+
+
+# ------------------------------------------------------------------------------------------------
+# preparing and resuming
+# ------------------------------------------------------------------------------------------------
+
+
+def cuda_visible() -> bool:
+    """Whether this machine shows an NVIDIA GPU, found without importing torch (the kernel that
+    launches must not initialise CUDA)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    if Path("/proc/driver/nvidia/gpus").is_dir() and any(Path("/proc/driver/nvidia/gpus").iterdir()):
+        return True
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return False
+    try:
+        return subprocess.run([exe, "-L"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+_TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainSpec)} - {"scenario"}
+_SCENARIO_FIELDS = {f.name for f in dataclasses.fields(Scenario)}
+
+
+@dataclass(frozen=True)
+class ResumeChange:
+    """A setting given on resume that differs from the run's spec."""
+
+    name: str
+    was: Any
+    now: Any
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.was!r} in the run, {self.now!r} given"
+
+
+def prepare_train(settings: Mapping[str, Any] | None = None, *, scenario: Scenario | None = None,
+                  run_dir: str | Path | None = None, root: str | Path | None = None, name: str | None = None,
+                  allow_changes: bool = False) -> tuple[runs.Run, TrainSpec, list[ResumeChange]]:
+    """Make a new training run, or check a resume. Returns ``(run, spec, changes)``.
+
+    New run (``run_dir`` None): ``settings`` are TrainSpec fields (``steps`` required) and Scenario
+    fields; ``scenario`` (e.g. from a panel) is the base they apply to, else the training defaults
+    (:data:`TRAIN_DEFAULTS`). The world is ``nproc x nnodes``; the profile defaults to
+    ``cpu-gloo-tiny`` on CPU and ``a100-40g-flexsp`` with CUDA; the max context to 1,024 (policy
+    split: every token kept) on CPU. The folder is ``root/name`` (or a fresh id); nothing is written
+    before every setting checks out.
+
+    Resume (``run_dir`` given): the folder must hold a training run. The spec is the run's;
+    ``settings`` may raise ``steps``; any other setting that differs is refused (ValueError listing
+    them) unless ``allow_changes`` is True, then applied and returned in ``changes``. Settings equal
+    to the run's are fine. Nothing is written here for a resume (the launcher records the attempt).
+
+    Raises ValueError (SpecError) with one clear line for bad settings, a missing or foreign run
+    folder, or a path that is a file.
+    """
+    settings = {k: v for k, v in dict(settings or {}).items() if v is not None}
+    unknown = sorted(set(settings) - _TRAIN_FIELDS - _SCENARIO_FIELDS)
+    if unknown:
+        raise SpecError(f"unknown training setting(s) {unknown}")
+    if run_dir is not None:
+        return _resume(run_dir, settings, allow_changes)
+    if "steps" not in settings:
+        raise SpecError("steps is required for a new run (--steps K)")
+    train = {k: v for k, v in settings.items() if k in _TRAIN_FIELDS}
+    scen = {k: v for k, v in settings.items() if k in _SCENARIO_FIELDS}
+    nproc, nnodes = int(train.get("nproc", 1)), int(train.get("nnodes", 1))
+    device = train.get("device", "auto")
+    on_gpu = device == "cuda" or (device == "auto" and cuda_visible())
+    base = scenario.to_dict() if scenario is not None else dict(TRAIN_DEFAULTS)
+    if scenario is None and "profile" not in scen:
+        base["profile"] = "a100-40g-flexsp" if on_gpu else "cpu-gloo-tiny"
+    if "gpus_per_node" not in scen:
+        base["gpus_per_node"] = nproc
+    base.update(scen)
+    base["num_gpus"] = nproc * nnodes
+    sc = Scenario.from_dict(base)
+    if sc.max_len is None and not on_gpu:
+        sc = sc.replace(max_len=min(CPU_MAX_LEN, sc.model_spec().max_context))
+    spec = TrainSpec(scenario=sc, **train)
+    sc.cost()  # a cluster or profile that cannot work fails here, before a folder exists
+    run = runs.new_run("train", {k: v for k, v in spec.to_dict().items() if k != "kind"}, root=root, run_id=name)
+    return run, spec, []
+
+
+def _resume(run_dir: str | Path, settings: dict, allow_changes: bool):
+    text = os.fspath(run_dir)
+    if not str(text).strip():
+        raise SpecError("--run-dir is empty; name the run folder to resume, e.g. runs/20261123-101500-train-1a2b")
+    p = Path(text)
+    for parent in (p, *p.parents):
+        if parent.exists() and not parent.is_dir():
+            raise SpecError(f"{p} is not a run folder: {parent} is a file")
+    if not p.exists():
+        raise SpecError(f"no run at {p}: --run-dir resumes an existing run; to start a new one leave --run-dir out "
+                        f"(optionally --name ID)")
+    if not (p / runs.SPEC_FILE).exists():
+        raise SpecError(f"{p} is not a training run (no {runs.SPEC_FILE}); --run-dir resumes an existing run")
+    spec = read_train_spec(p)
+    changes: list[ResumeChange] = []
+    upd: dict = {}
+    for k, v in settings.items():
+        if k == "steps":
+            continue
+        old = getattr(spec, k) if k in _TRAIN_FIELDS else getattr(spec.scenario, k)
+        if k == "degrees":
+            v = tuple(v)
+        if old != v:
+            changes.append(ResumeChange(k, old, v))
+            upd[k] = v
+    if changes and not allow_changes:
+        raise SpecError(f"{p} keeps its own settings on resume; "
+                        + "; ".join(c.describe() for c in changes)
+                        + ". Leave those options out, or pass --change to apply them (later steps' plans will differ)")
+    if {"nproc", "nnodes"} & set(upd):
+        nproc = int(upd.get("nproc", spec.nproc))
+        nnodes = int(upd.get("nnodes", spec.nnodes))
+        upd["num_gpus"] = nproc * nnodes
+        if "gpus_per_node" not in upd:
+            upd["gpus_per_node"] = nproc
+    if "steps" in settings:
+        upd["steps"] = int(settings["steps"])
+    new = spec.replace(**upd) if upd else spec
+    return runs.Run(p), new, changes
+
+
+def check_resources(nproc: int, *, device: str = "auto", model: str = "tiny", allow: bool = False,
+                    cores: int | None = None, available_gb: float | None = None) -> list[str]:
+    """Warnings about running ``nproc`` processes here; raises ResourceError above a sane limit
+    (more than 4 processes per core, or an estimated memory above 80% of what is available on a
+    CPU run) unless ``allow``. The memory estimate is per rank ~0.45 GB plus the model's weights,
+    gradients and Adam states (16 bytes per parameter, a full replica on every rank), plus the
+    plan-ahead worker."""
+    from workbench.specs import get_model
+
+    cores = cores or os.cpu_count() or 1
+    if available_gb is None:
+        available_gb = _available_gb()
+    on_gpu = device == "cuda" or (device == "auto" and cuda_visible())
+    params = get_model(model).params()
+    est = nproc * (RANK_MEMORY_GB + (0 if on_gpu else 16 * params / 1e9)) + 0.5
+    warnings = []
+    if not on_gpu and nproc > cores:
+        warnings.append(f"{nproc} processes on {cores} CPU core(s): each rank gets 1/{math.ceil(nproc / cores)} of a core, "
+                        f"so steps run about {nproc / cores:.1f}x slower than with {cores}")
+    if available_gb is not None and est > 0.5 * available_gb:
+        warnings.append(f"estimated memory {est:.1f} GB for {nproc} process(es) of model {model} "
+                        f"({available_gb:.1f} GB available)")
+    too_many = not on_gpu and nproc > MAX_PROCS_PER_CORE * cores
+    too_big = available_gb is not None and est > 0.8 * available_gb
+    if (too_many or too_big) and not allow:
+        why = []
+        if too_many:
+            why.append(f"{nproc} processes is more than {MAX_PROCS_PER_CORE} per core on {cores} core(s)")
+        if too_big:
+            why.append(f"~{est:.1f} GB estimated against {available_gb:.1f} GB available")
+        raise ResourceError("refusing to start: " + " and ".join(why) + "; lower --nproc, or pass --oversubscribe "
+                            "to run anyway")
+    return warnings
+
+
+def _available_gb() -> float | None:
+    try:
+        import psutil
+
+        return psutil.virtual_memory().available / 1e9
+    except Exception:  # noqa: BLE001 - no estimate is better than a crash
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 / 1e9
+        except OSError:
+            pass
+    return None
