@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from workbench.scenario import DEFAULT_PLANNERS, Scenario
+from workbench.scenario import DEFAULT_PLANNERS, Scenario, is_length_list
 from workbench.simulate import summary_table
 from workbench.util import dumps
 
@@ -131,6 +131,9 @@ def scenario_from_args(args, **extra) -> Scenario:
                       column=args.column, tokenizer=args.tokenizer, max_len=args.max_len, policy=args.policy)
     if hasattr(args, "batch_tokens"):
         fields.update(batch_tokens=args.batch_tokens, batch_size=args.batch_size, time_limit=args.time_limit)
+        if args.batch_tokens is None and args.batch_size is None and not is_length_list(fields["source"]):
+            raise CliError(f"give --batch-tokens T or --batch-size B to draw global batches from {fields['source']!r} "
+                           f"(or pass the batch itself as --lengths L1,L2,...)")
     fields.update(extra)
     try:
         sc = Scenario(**{k: v for k, v in fields.items() if v is not None})
@@ -576,8 +579,15 @@ def _one(args) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (what was wrong, and where to read more)."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="workbench", description="Plan and run heterogeneous sequence-parallel training.")
+    p = _Parser(prog="workbench", description="Plan and run heterogeneous sequence-parallel training.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     q = sub.add_parser("lengths", help="summarise a length source")
