@@ -478,6 +478,9 @@ def _follow(handle, spec, *, quiet: bool):
                     _say(f"step {rec.step}/{spec.steps}{again}: loss {rec.loss:.4f}, measured {rec.measured_ms:,.0f} ms, "
                          f"predicted {rec.predicted_ms:,.0f} ms{tps}")
             if st is not None:
+                if bar is not None:
+                    bar.close()
+                    bar = None
                 if not quiet and st.state == "done":
                     _say(f"workbench train: done, {st.step} steps in {time.monotonic() - t0:.0f}s; {run.path}")
                 return st
@@ -528,7 +531,8 @@ def cmd_runs(args) -> int:
             print(f"  error{rank}: {st.error}")
         if s.get("median_measured_ms"):
             pred = f", predicted {s['median_predicted_ms']:,.0f} ms" if s.get("median_predicted_ms") else ""
-            print(f"  median step: measured {s['median_measured_ms']:,.0f} ms{pred}; last loss {s.get('loss')}")
+            loss = f"; last loss {s['loss']:.4f}" if isinstance(s.get("loss"), float) else ""
+            print(f"  median step: measured {s['median_measured_ms']:,.0f} ms{pred}{loss}")
         for p in s.get("problems") or []:
             print(f"  note: {p}")
         if out["log_tail"]:
