@@ -114,21 +114,25 @@ def test_sigkill_of_a_rank_fails_the_run_and_leaves_nothing(tmp_path, rank):
     print(f"rank {rank} killed: every process gone after {took:.1f}s")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
-def test_signal_to_workbench_train_stops_the_run(tmp_path, sig):
+def _train_in_a_terminal(tmp_path: Path, name: str, **streams) -> tuple[subprocess.Popen, runs.Run]:
+    """``workbench train`` as a user starts it in a terminal; returns once its run folder exists."""
     cmd = _workbench("train", "--nproc", "2", "--steps", "400", "--model", "tiny", "--max-len", "256",
                      "--batch-tokens", "1024", "--checkpoint-every", "0", "--debug-step-sleep", "0.2",
-                     "--run-root", str(tmp_path), "--name", "sig", "--device", "cpu")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    run = runs.Run(tmp_path / "sig")
+                     "--run-root", str(tmp_path), "--name", name, "--device", "cpu")
+    proc = subprocess.Popen(cmd, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), **streams)
+    run = runs.Run(tmp_path / name)
+    t0 = time.monotonic()
+    while not run.path.exists():
+        assert time.monotonic() - t0 < TIMEOUT and proc.poll() is None, "the run folder never appeared"
+        time.sleep(0.1)
+    return proc, run
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_signal_to_workbench_train_stops_the_run(tmp_path, sig):
+    proc, run = _train_in_a_terminal(tmp_path, "sig", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        t0 = time.monotonic()
-        while not run.path.exists():
-            assert time.monotonic() - t0 < TIMEOUT
-            time.sleep(0.1)
-        st = _wait_for_step(run, 2)
-        pids = _all_pids(st)
+        pids = _all_pids(_wait_for_step(run, 2))
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=30)
         _gone_within(pids, 5.0)
@@ -143,17 +147,8 @@ def test_signal_to_workbench_train_stops_the_run(tmp_path, sig):
 
 def test_killing_workbench_train_itself_stops_the_run(tmp_path):
     """SIGKILL cannot be caught: the supervisor notices its parent is gone and stops the run."""
-    cmd = _workbench("train", "--nproc", "2", "--steps", "400", "--model", "tiny", "--max-len", "256",
-                     "--batch-tokens", "1024", "--checkpoint-every", "0", "--debug-step-sleep", "0.2",
-                     "--run-root", str(tmp_path), "--name", "k", "--device", "cpu", "--quiet")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    run = runs.Run(tmp_path / "k")
+    proc, run = _train_in_a_terminal(tmp_path, "k", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        t0 = time.monotonic()
-        while not run.path.exists():
-            assert time.monotonic() - t0 < TIMEOUT
-            time.sleep(0.1)
         pids = _all_pids(_wait_for_step(run, 2))
         proc.kill()
         proc.wait(10)
@@ -250,3 +245,31 @@ def test_corrupt_and_empty_checkpoints(tmp_path):
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("workbench train: error:") and "no usable checkpoint" in last, p.stderr
     assert run.status().state == "failed"
+
+
+def test_a_restarted_kernel_finds_its_run_and_stops_it(tmp_path):
+    """A process starts a run and goes away (a notebook kernel restarted); a new process finds the
+    run in the store, attaches to it and stops it: every process gone."""
+    script = f"""
+from workbench import launch
+from workbench.training import prepare_train
+run, spec, _ = prepare_train({dict(SETTINGS, steps=400, nproc=2, checkpoint_every=0, debug={"step_sleep_s": 0.2})!r},
+                             root={str(tmp_path)!r}, name="orphan")
+launch.start(run, nproc=2)
+print(run.path)
+"""
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr
+    run = runs.load_run("orphan", root=tmp_path)
+    try:
+        pids = _all_pids(_wait_for_step(run, 2))
+        h = launch.attach(run)
+        assert h is not None and h.process is None and h.pid == run.status().pids["supervisor"]
+        assert launch.poll(h) is None  # still running, seen from a process that did not start it
+        final = launch.stop(h)
+        _gone_within(pids, 5.0)
+    finally:
+        launch.stop(run)
+    assert final.state == "stopped"
+    assert launch.attach(run) is None
