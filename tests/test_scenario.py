@@ -130,3 +130,23 @@ def test_profile_file_and_run_folder(tmp_path):
     assert Scenario(profile=str(run), model="tiny", num_gpus=2).profile_spec() == prof
     with pytest.raises(ValueError, match="is a folder, not a profile JSON file"):
         Scenario(profile=str(tmp_path), num_gpus=2).cost()
+
+
+def test_the_layer_between_stays_light_and_acyclic():
+    """scenario, runs, training, launch and the CLI's parser import neither torch nor ipywidgets
+    (a notebook kernel that launches must not touch CUDA), and nothing in the package imports the
+    CLI (no cli -> demo -> cli circle)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, workbench.scenario, workbench.runs, workbench.training, workbench.launch, workbench.demo, "
+            "workbench.cli; workbench.cli.build_parser(); "
+            "bad = [m for m in ('torch', 'ipywidgets', 'IPython') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    pkg = Path(__file__).resolve().parents[1] / "workbench"
+    importers = [p.relative_to(pkg).as_posix() for p in pkg.rglob("*.py") if p.name != "cli.py"
+                 and re.search(r"^\s*(from workbench(\.cli| import cli)\b|import workbench\.cli)", p.read_text(), re.M)]
+    assert importers == [], f"modules importing the CLI: {importers}"
