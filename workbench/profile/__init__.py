@@ -149,7 +149,7 @@ class ProfileSpec:
     warmup: int | None = None
     """Untimed runs per pack (default 1 quick, 2 full)."""
     reps: int | None = None
-    """Timed runs per pack (default 3 quick, 7 full); the trimmed median is kept."""
+    """Timed samples per pack (default 5 quick, 9 full); the trimmed median is kept."""
     trim: float = 0.2
     """Share of the fastest and of the slowest repetitions dropped before the median."""
     group_sizes: tuple = ()
@@ -160,6 +160,9 @@ class ProfileSpec:
     """Timed repetitions of each collective (default 5 quick, 9 full), after one warm-up."""
     collective_inner: int = 4
     """Back-to-back calls per timed repetition (as a layer after a layer runs them)."""
+    min_sample_ms: float | None = None
+    """A timed compute sample repeats the pack until it lasts this long (default 50 ms on CPU, where
+    a scheduler tick is milliseconds, 5 ms on CUDA)."""
     dtype: str = "float32"
     """Parameter dtype, as the runtime trains (fp32; flash-attn runs its kernel in bf16)."""
     oversubscribe: bool = False
@@ -209,6 +212,9 @@ class ProfileSpec:
             v = getattr(self, f)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
                 bad(f, f"must be an integer >= {lo}", v)
+        if self.min_sample_ms is not None and (not isinstance(self.min_sample_ms, (int, float))
+                                               or not 0 <= self.min_sample_ms <= 10_000):
+            bad("min_sample_ms", "must be a number of ms in [0, 10000]", self.min_sample_ms)
         if not isinstance(self.trim, (int, float)) or not 0 <= self.trim < 0.5:
             bad("trim", "must be in [0, 0.5)", self.trim)
         gs = tuple(int(d) for d in self.group_sizes) if self.group_sizes else ()
@@ -253,11 +259,13 @@ class ProfileSpec:
         return {
             "device": dev, "max_len": max_len, "fit_packs": fit, "heldout_packs": held,
             "warmup": self.warmup if self.warmup is not None else (1 if self.quick else 2),
-            "reps": self.reps if self.reps is not None else (3 if self.quick else 7),
+            "reps": self.reps if self.reps is not None else (5 if self.quick else 9),
             "trim": float(self.trim), "group_sizes": groups,
             "message_bytes": list(self.message_bytes) or list(MESSAGE_BYTES[(dev, self.quick)]),
             "collective_reps": self.collective_reps or (5 if self.quick else 9),
             "collective_inner": int(self.collective_inner),
+            "min_sample_ms": float(self.min_sample_ms if self.min_sample_ms is not None
+                                   else (50.0 if dev == "cpu" else 5.0)),
         }
 
     def to_dict(self) -> dict:

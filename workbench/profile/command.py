@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="attention backend timed (default auto: flash-attn on CUDA when installed)")
     g.add_argument("--max-len", type=_positive, default=None, metavar="N",
                    help="longest sequence timed (default 4096 on CPU, 32768 on CUDA, at most the model's)")
-    g.add_argument("--reps", type=_positive, default=None, help="timed runs per pack (default 3 quick, 7 full)")
+    g.add_argument("--reps", type=_positive, default=None, help="timed samples per pack (default 5 quick, 9 full)")
     g.add_argument("--warmup", type=int, default=None, help="untimed runs per pack (default 1 quick, 2 full)")
     g.add_argument("--group-sizes", type=_int_list, default=None, metavar="D1,D2",
                    help="collective group sizes (default: every power of two dividing --nproc)")

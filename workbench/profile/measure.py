@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import math
 import os
 import platform
 import shutil
@@ -134,15 +135,28 @@ def _pack_inputs(pack: Sequence[int], vocab: int, device: torch.device, gen: tor
             sh.labels.to(device))
 
 
+def _agree_max(value: int, device: torch.device) -> int:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def measure_compute(spec: ModelSpec, packs: Sequence[Sequence[int]], *, attn: Callable, warmup: int = 1,
                     reps: int = 3, trim: float = 0.2, device: torch.device | str = "cpu",
-                    dtype: torch.dtype = torch.float32, seed: int = 0,
+                    dtype: torch.dtype = torch.float32, seed: int = 0, min_sample_ms: float = 0.0,
                     progress: Callable[[int, list[int]], None] | None = None) -> list[dict]:
     """Time forward (model + loss) and backward of ``spec`` on each pack, this rank alone (under a
     process group every rank times at once, each repetition after a barrier).
 
-    Returns ``[{"pack", "tokens", "forward_ms", "backward_ms" (per layer, trimmed median),
-    "forward_all", "backward_all" (whole model, every timed run)}]``. Raises ValueError for a pack
+    A timed sample runs the pack ``k`` times back to back, ``k`` the smallest count for which the
+    warm-up took ``min_sample_ms`` (the same on every rank: the largest any rank needs), so that
+    short packs are not at the mercy of one scheduler tick. Samples go round-robin over the packs
+    (``reps`` rounds), so load from elsewhere hits every pack alike. ``progress(j, pack)`` is called
+    after each of the ``reps * len(packs)`` samples. Returns ``[{"pack", "tokens",
+    "forward_ms", "backward_ms" (per layer, trimmed median), "forward_all", "backward_all" (whole
+    model, every timed sample, per call), "calls_per_sample"}]``. Raises ValueError for a pack
     longer than the model's context."""
     from workbench.runtime.model import Transformer
 
@@ -151,33 +165,58 @@ def measure_compute(spec: ModelSpec, packs: Sequence[Sequence[int]], *, attn: Ca
     gen = torch.Generator().manual_seed(seed)
     clock = Clock(dev)
     rows = []
-    for i, pack in enumerate(packs):
+
+    def once(inp) -> None:
+        tokens, positions, cu, max_s, labels = inp
+        net.zero_grad(set_to_none=True)
+        clock.mark()
+        logits = net(tokens, positions, cu, max_s, attn)  # (T, vocab)
+        loss = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
+        clock.mark()
+        loss.backward()
+        clock.mark()
+
+    inputs = []
+    for pack in packs:
         if max(pack) > spec.max_context:
             raise ValueError(f"pack {list(pack)} has a sequence longer than {spec.name}'s context {spec.max_context}")
-        tokens, positions, cu, max_s, labels = _pack_inputs(pack, spec.vocab, dev, gen)
-        fwd, bwd = [], []
-        for r in range(warmup + reps):
-            net.zero_grad(set_to_none=True)
-            _barrier(dev)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            clock.mark()
-            logits = net(tokens, positions, cu, max_s, attn)  # (T, vocab)
-            loss = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
-            clock.mark()
-            loss.backward()
-            clock.mark()
-            f_ms, b_ms = clock.intervals()
-            if r >= warmup:
-                fwd.append(f_ms)
-                bwd.append(b_ms)
-            del logits, loss
+        inputs.append(_pack_inputs(pack, spec.vocab, dev, gen))
+
+    def sample(i: int, k: int) -> tuple[float, float]:
+        _barrier(dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        f_ms = b_ms = 0.0
+        for _ in range(k):
+            once(inputs[i])
+            iv = clock.intervals()
+            f_ms, b_ms = f_ms + iv[0], b_ms + iv[1]
+        return f_ms / k, b_ms / k
+
+    # warm-up, pack by pack: also decides how many calls make one sample
+    ks = []
+    for i in range(len(packs)):
+        k = 1
+        for _ in range(max(1, warmup)):
+            f_ms, b_ms = sample(i, 1)
+            k = max(k, math.ceil(min_sample_ms / max(f_ms + b_ms, 1e-3))) if min_sample_ms > 0 else 1
+        ks.append(_agree_max(k, dev))
+    # timed samples round-robin over the packs, so that load from elsewhere on the machine (and any
+    # drift) spreads over every pack alike instead of landing on the ones measured last
+    fwd: list[list[float]] = [[] for _ in packs]
+    bwd: list[list[float]] = [[] for _ in packs]
+    for r in range(reps):
+        for i in range(len(packs)):
+            f_ms, b_ms = sample(i, ks[i])
+            fwd[i].append(f_ms)
+            bwd[i].append(b_ms)
+            if progress is not None:
+                progress(r * len(packs) + i, [int(s) for s in packs[i]])
+    for i, pack in enumerate(packs):
         rows.append({"pack": [int(s) for s in pack], "tokens": int(sum(pack)),
-                     "forward_ms": trimmed_median(fwd, trim) / spec.layers,
-                     "backward_ms": trimmed_median(bwd, trim) / spec.layers,
-                     "forward_all": fwd, "backward_all": bwd})
-        if progress is not None:
-            progress(i, [int(s) for s in pack])
+                     "forward_ms": trimmed_median(fwd[i], trim) / spec.layers,
+                     "backward_ms": trimmed_median(bwd[i], trim) / spec.layers,
+                     "forward_all": fwd[i], "backward_all": bwd[i], "calls_per_sample": ks[i]})
     return rows
 
 
@@ -512,15 +551,19 @@ class Profiler:
         total_w = sum(weights)
         done_w = [0.0]
         self.phase = "compute"
-        self._progress(0.0, f"compute: {len(packs)} packs, {res['warmup']} warm-up + {res['reps']} timed runs each")
+        self._progress(0.0, f"compute: {len(packs)} packs, {res['warmup']} warm-up + {res['reps']} timed samples each "
+                            f"(warming up)")
 
-        def on_pack(i: int, pack: list[int]) -> None:
+        def on_pack(j: int, pack: list[int]) -> None:
+            rnd, i = divmod(j, len(packs))
             done_w[0] += weights[i]
-            self._progress(self.SHARES[0] * done_w[0] / total_w,
-                           f"compute: pack {i + 1}/{len(packs)} ({sum(pack):,} tokens in {len(pack)} sequence(s))")
+            self._progress(self.SHARES[0] * done_w[0] / (total_w * res["reps"]),
+                           f"compute: round {rnd + 1}/{res['reps']}, pack {i + 1}/{len(packs)} "
+                           f"({sum(pack):,} tokens in {len(pack)} sequence(s))")
 
         rows = measure_compute(model, [p for p, _ in packs], attn=attn, warmup=res["warmup"], reps=res["reps"],
-                               trim=res["trim"], device=device, dtype=dtype, progress=on_pack)
+                               trim=res["trim"], device=device, dtype=dtype, min_sample_ms=res["min_sample_ms"],
+                               progress=on_pack)
         fwd, fwd_ranks = agree([r["forward_ms"] for r in rows], device)
         bwd, bwd_ranks = agree([r["backward_ms"] for r in rows], device)
         compute = []
@@ -528,6 +571,7 @@ class Profiler:
             compute.append({"pack": p, "tokens": r["tokens"], "role": role, "forward_ms": fwd[i], "backward_ms": bwd[i],
                             "per_rank": {"forward_ms": [x[i] for x in fwd_ranks],
                                          "backward_ms": [x[i] for x in bwd_ranks]},
+                            "calls_per_sample": r["calls_per_sample"],
                             "rank0_all_ms": {"forward": r["forward_all"], "backward": r["backward_all"]}})
         self.phase = "collectives"
         collectives = []
@@ -566,7 +610,8 @@ class Profiler:
                 "attention": attn_name, "dtype": spec.dtype, "world_size": self.world, "threads_per_rank": threads,
                 "timer": "CUDA events" if device.type == "cuda" else "time.perf_counter around synchronised work",
                 "scope": "whole model (embedding, blocks, head, loss) timed, divided by layers",
-                "protocol": f"{res['warmup']} warm-up + {res['reps']} timed runs per pack after a barrier, "
+                "protocol": f"{res['warmup']} warm-up + {res['reps']} timed samples per pack after a barrier (a sample: "
+                            f"the pack run back to back until it lasts {res['min_sample_ms']:g} ms), "
                             f"trimmed median ({res['trim']:.0%} cut at each end), median over {self.world} rank(s); "
                             f"non-negative least squares on relative error; collectives: "
                             f"{res['collective_reps']} x {res['collective_inner']} back-to-back calls per size",
