@@ -156,6 +156,38 @@ def test_build_result_gives_a_profile_the_planners_load(tmp_path):
     assert plan.makespan_ms > 0 and plan.num_sequences == 6
 
 
+def test_sp_overhead_is_the_residual_of_real_micro_steps_by_hand():
+    from workbench.profile.result import fit_sp_overhead
+
+    prof = _profile(all_to_all_latency_ms={2: 0.5, 4: 1.0})
+    tiny = get_model("tiny")
+    cost = CostModel(prof, tiny, ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=1e6))
+
+    def pred(d, pack):
+        return cost.group_overhead_ms(d) + float(cost.time(pack, d).sum())
+
+    packs = [[1024], [128] * 8]
+    # degree 1 runs 4 ms slower than the curve on the first pack (the curve's own error), on time on the other;
+    # degree 2 pays 6 ms more than predicted, degree 4 10 ms (plus 1/d of the curve's error on the first pack)
+    groups = [{"degree": 1, "pack": packs[0], "ms": pred(1, packs[0]) + 4.0},
+              {"degree": 1, "pack": packs[1], "ms": pred(1, packs[1])}]
+    for d, extra in ((2, 6.0), (4, 10.0)):
+        groups += [{"degree": d, "pack": packs[0], "ms": pred(d, packs[0]) + extra + 4.0 / d},
+                   {"degree": d, "pack": packs[1], "ms": pred(d, packs[1]) + extra}]
+    sp, rows = fit_sp_overhead(prof, 4, groups)
+    assert sp[2] == pytest.approx(6.0 / tiny.layers) and sp[4] == pytest.approx(10.0 / tiny.layers)
+    assert 1 not in sp and len(rows) == 6
+    # a group faster than predicted gives no negative overhead
+    fast = [{"degree": 1, "pack": packs[1], "ms": pred(1, packs[1])},
+            {"degree": 2, "pack": packs[1], "ms": pred(2, packs[1]) - 3.0}]
+    assert fit_sp_overhead(prof, 4, fast)[0] == {2: 0.0}
+    # the cost model adds it per layer to every Ulysses group of that size
+    withsp = CostModel(_profile(all_to_all_latency_ms={2: 0.5, 4: 1.0}, sp_overhead_ms=sp), tiny,
+                       ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=1e6))
+    assert withsp.group_overhead_ms(4) - cost.group_overhead_ms(4) == pytest.approx(10.0)
+    assert withsp.group_overhead_ms(1) == cost.group_overhead_ms(1)
+
+
 def test_one_process_profile_says_its_collectives_are_an_estimate():
     m = _measurements()
     m["collectives"] = []

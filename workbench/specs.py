@@ -380,6 +380,11 @@ class HardwareProfile(_JsonMixin):
     """Fixed time of one ring step (send to the next rank, receive from the previous) by ring size (ms)."""
     allreduce_latency_ms: dict = field(default_factory=dict, metadata={"from_json": _latency_table})
     """Fixed time of one all-reduce call by group size (ms)."""
+    sp_overhead_ms: dict = field(default_factory=dict, metadata={"from_json": _latency_table})
+    """Measured extra fixed time per layer of one Ulysses group of size d in one micro-step (ms),
+    beyond its compute and its all-to-all bytes and latency: the runtime's layout work (slicing,
+    packing, index gathers, KV repeats) and the waits of ranks that must meet every layer. Fitted
+    from real micro-steps of each group size; empty: none."""
     activation_mb_per_token: float | None = None
     """Activation memory of the whole ``model`` per token in MB (1e6 bytes), measured; None to
     estimate it from the model's shape."""
@@ -394,7 +399,7 @@ class HardwareProfile(_JsonMixin):
         object.__setattr__(self, "backward", _curve(self.backward))
         for n in ("all_to_all_gbps", "p2p_gbps", "allreduce_gbps"):
             object.__setattr__(self, n, _bw_table(getattr(self, n)))
-        for n in ("all_to_all_latency_ms", "p2p_latency_ms", "allreduce_latency_ms"):
+        for n in ("all_to_all_latency_ms", "p2p_latency_ms", "allreduce_latency_ms", "sp_overhead_ms"):
             object.__setattr__(self, n, _latency_table(getattr(self, n)))
         _require(bool(self.all_to_all_gbps), f"HardwareProfile {self.name}: all_to_all_gbps is empty; "
                                              f"give at least one {{group size: GB/s}} entry")

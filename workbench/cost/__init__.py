@@ -14,9 +14,10 @@ is the sum of its sequences' times plus ``group_overhead_ms(d)``: the fitted con
 packed call per layer) and, when the profile measured it, the fixed latency of the group's
 collective calls, which does not depend on how many tokens the group runs::
 
-    overhead(d)   = C + calls(d) * latency(d)
+    overhead(d)   = C + calls(d) * latency(d) + layers * sp_overhead(d)
         ulysses: calls = 2 * passes * layers            # q/k/v there and the output back, per pass
         ring:    calls = (passes + 1) * layers * (d-1)  # ring steps
+        sp_overhead(d): the profile's measured extra per layer of a Ulysses group (layout work, waits)
 
 A group fits when the sum of its sequences' ``memory(s, d)`` is at most ``memory_budget_gb``
 (usable GPU memory less model states). After the last micro-step all ranks all-reduce
@@ -258,10 +259,19 @@ class CostModel:
         table = p.all_to_all_latency_ms if self.strategy == "ulysses" else (p.p2p_latency_ms or p.all_to_all_latency_ms)
         return self.collective_calls(d) * _interp_latency(table, d)
 
+    def sp_overhead_ms(self, degree: int) -> float:
+        """The profile's measured extra fixed time of a Ulysses group of ``degree`` per micro-step
+        (its per-layer figure times the model's layers; 0 for degree 1, ring, or a profile without it)."""
+        d = int(degree)
+        if d <= 1 or self.strategy != "ulysses" or not self.profile.sp_overhead_ms:
+            return 0.0
+        return self.model.layers * _interp_latency(self.profile.sp_overhead_ms, d)
+
     def group_overhead_ms(self, degree: int) -> float:
         """Fixed time a group pays once per micro-step: the fitted constant c of every layer, plus
-        the latency of the group's collective calls when the profile measured it."""
-        return self._fit.C + self.collective_latency_ms(degree)
+        the latency of the group's collective calls and the measured extra of its SP layout when
+        the profile has them."""
+        return self._fit.C + self.collective_latency_ms(degree) + self.sp_overhead_ms(degree)
 
     @property
     def activation_bytes_per_token(self) -> float:

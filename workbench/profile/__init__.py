@@ -63,7 +63,8 @@ def _pow2_floor(x: float) -> int:
 
 
 def default_grid(max_len: int, quick: bool) -> dict:
-    """The packs timed for a longest sequence ``max_len``: ``{"fit": [...], "heldout": [...]}``.
+    """The packs timed for a longest sequence ``max_len``: ``{"fit": [...], "heldout": [...],
+    "groups": [...]}`` (the last: packs run as real SP micro-steps at every group size).
 
     Fit: single sequences over the range (the s^2 term) and packs of short ones (the per-token and
     per-call costs of the varlen path). Held out: lengths in between and a pack, never in the fit,
@@ -76,18 +77,20 @@ def default_grid(max_len: int, quick: bool) -> dict:
     if quick:
         fit = [[n(L / 64)], [n(L / 16)], [n(L / 4)], [L], [n(L / 64)] * 16, [n(L / 16)] * 8]
         held = [[n(L / 32)], [n(L / 8)], [n(L / 2)], [n(L / 32)] * 8]
+        groups = [[n(L / 4)], [n(L / 32)] * 8]
     else:
         fit = [[n(L / 128)], [n(L / 64)], [n(L / 16)], [n(L / 4)], [n(L / 2)], [L], [n(L / 64)] * 16,
                [n(L / 16)] * 8, [n(L / 4), n(L / 8), n(L / 16), n(L / 32), n(L / 64), n(L / 64)], [n(L / 128)] * 32]
         held = [[n(3 * L / 64)], [n(3 * L / 16)], [n(3 * L / 8)], [n(3 * L / 4)], [n(3 * L / 32)] * 5,
                 [n(L / 32)] * 12]
+        groups = [[n(L / 4)], [n(L / 2)], [n(L / 32)] * 8, [n(L / 16)] * 6]
     seen, fit_u = set(), []
     for p in fit:
         if tuple(p) not in seen:
             seen.add(tuple(p))
             fit_u.append(p)
     held_u = [p for p in held if tuple(p) not in seen and not seen.add(tuple(p))]
-    return {"fit": fit_u, "heldout": held_u}
+    return {"fit": fit_u, "heldout": held_u, "groups": groups}
 
 
 def gpu_count() -> int:
@@ -264,6 +267,7 @@ class ProfileSpec:
             "message_bytes": list(self.message_bytes) or list(MESSAGE_BYTES[(dev, self.quick)]),
             "collective_reps": self.collective_reps or (5 if self.quick else 9),
             "collective_inner": int(self.collective_inner),
+            "group_packs": grid["groups"], "group_reps": 3 if self.quick else 5,
             "min_sample_ms": float(self.min_sample_ms if self.min_sample_ms is not None
                                    else (50.0 if dev == "cpu" else 5.0)),
         }

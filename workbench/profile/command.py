@@ -123,6 +123,17 @@ def profile_table(res) -> str:
             for d, fl in sorted(by.items()):
                 lines.append(f"| {kind} | {d} | {fl['latency_ms']:.3f} | {fl['gbps']:.3f} | "
                              f"{f(fl['errors']['median_ape'])} |")
+    if res.groups:
+        sp = res.profile.sp_overhead_ms
+        lines += ["", "| SP micro-step (all blocks at once) | degree | measured (ms) | predicted: compute + collectives "
+                      "| + sp overhead |", "|---|---:|---:|---:|---:|"]
+        for g in res.groups:
+            pk = g["pack"]
+            desc = f"{pk[0]}" if len(pk) == 1 else f"{len(pk)} x {pk[0]}"
+            lines.append(f"| {desc} | {g['degree']} | {g['measured_ms']:.1f} | {g['predicted_ms']:.1f} | "
+                         f"{g['predicted_with_overhead_ms']:.1f} |")
+        if sp:
+            lines.append("\nsp overhead per layer: " + ", ".join(f"degree {d}: {v:.2f} ms" for d, v in sp.items()))
     m = res.memory
     if m:
         lines += ["", f"activations {f(m.get('activation_mb_per_token'), '.4f')} MB/token, model states "

@@ -17,7 +17,11 @@ ranks that share a machine contend as they do in training):
    per repetition, at several message sizes so latency and bandwidth can both be fitted; the
    all-reduce of the whole world (gradient sync); point-to-point ring steps inside each block
    (ring attention). Agreed over ranks the same way.
-3. **memory**: on CUDA the peak allocated bytes of a forward at two lengths (their difference per
+3. **SP groups**: one micro-step of the runtime's own sequence-parallel path (slices, Ulysses
+   all-to-alls around the varlen attention, forward and backward) for every group size and a few
+   packs, all blocks at once; what it costs beyond the compute and collective fits is the
+   profile's per-degree ``sp_overhead_ms``.
+4. **memory**: on CUDA the peak allocated bytes of a forward at two lengths (their difference per
    token: activations) and the allocated bytes of parameters, gradients and AdamW states (model
    states); on CPU the same figures computed from the model (bytes of the tensors autograd saves,
    bytes of parameters and optimizer states), labelled so.
@@ -58,7 +62,7 @@ from workbench.profile.result import MEASUREMENTS_FILE, RESULT_FILE, build_resul
 from workbench.specs import ModelSpec, get_model
 from workbench.util import write_json_atomic
 
-__all__ = ["Clock", "measure_compute", "measure_collectives", "measure_memory", "agree", "main"]
+__all__ = ["Clock", "measure_compute", "measure_collectives", "measure_groups", "measure_memory", "agree", "main"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -295,6 +299,69 @@ def _collective_call(kind: str, send: torch.Tensor, recv: torch.Tensor, group, n
 
 
 # ------------------------------------------------------------------------------------------------
+# SP groups: the runtime's own micro-step at every group size
+# ------------------------------------------------------------------------------------------------
+
+
+def measure_groups(spec: ModelSpec, registry, group_sizes: Sequence[int], packs: Sequence[Sequence[int]], *,
+                   attn: Callable, device: torch.device | str = "cpu", warmup: int = 1, reps: int = 3,
+                   trim: float = 0.2, dtype: torch.dtype = torch.float32, seed: int = 0,
+                   progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Time one micro-step of the runtime's sequence-parallel path, as the step executor runs it:
+    each rank takes its slice of every sequence (``make_shard``), forward with Ulysses attention
+    inside its group (``UlyssesAttention``: the all-to-alls around the local varlen attention), loss,
+    backward. For every degree in ``[1, *group_sizes]`` and pack, every aligned block runs its own
+    group of that degree on the pack at once (as concurrent groups do in training); every rank must
+    call this together. Samples go round-robin over the (degree, pack) cases.
+
+    Returns ``[{"degree", "pack", "tokens", "ms" (whole model; trimmed median, median over ranks),
+    "per_rank"}]``."""
+    from workbench.runtime.model import Transformer
+    from workbench.runtime.step import IGNORE, make_shard
+    from workbench.runtime.ulysses import UlyssesAttention
+
+    dev = torch.device(device)
+    rank = dist.get_rank()
+    net = Transformer(spec, seed=seed).to(device=dev, dtype=dtype)
+    gen = torch.Generator().manual_seed(seed)
+    clock = Clock(dev)
+    cases = []
+    for d in sorted({1, *[int(x) for x in group_sizes]}):
+        lo = rank // d * d
+        group = registry.get(tuple(range(lo, lo + d)))
+        for pack in packs:
+            seqs = [torch.randint(0, spec.vocab, (int(n),), generator=gen) for n in pack]
+            sh = make_shard(seqs, d, rank - lo)
+            a = attn if d == 1 else UlyssesAttention(group, sh.layout, attn)
+            inp = (sh.tokens.to(dev), sh.positions.to(dev), sh.cu_seqlens.to(dev), sh.max_seqlen, sh.labels.to(dev))
+            cases.append((d, [int(n) for n in pack], a, inp))
+
+    def sample(case) -> float:
+        _, _, a, (tokens, positions, cu, max_s, labels) = case
+        net.zero_grad(set_to_none=True)
+        _barrier(dev)
+        clock.mark()
+        logits = net(tokens, positions, cu, max_s, a)  # (T_loc, vocab)
+        loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum")
+        loss.backward()
+        clock.mark()
+        return clock.intervals()[0]
+
+    for case in cases:
+        for _ in range(max(1, warmup)):
+            sample(case)
+    times: list[list[float]] = [[] for _ in cases]
+    for _ in range(reps):
+        for i, case in enumerate(cases):
+            times[i].append(sample(case))
+            if progress is not None:
+                progress(f"groups: degree {case[0]}, {sum(case[1]):,} tokens in {len(case[1])} sequence(s)")
+    med, per_rank = agree([trimmed_median(t, trim) for t in times], dev)
+    return [{"degree": c[0], "pack": c[1], "tokens": sum(c[1]), "ms": med[i], "per_rank": [p[i] for p in per_rank]}
+            for i, c in enumerate(cases)]
+
+
+# ------------------------------------------------------------------------------------------------
 # memory
 # ------------------------------------------------------------------------------------------------
 
@@ -444,8 +511,8 @@ def _machine(device: torch.device) -> dict:
 class Profiler:
     """One rank of a profile run. ``run()`` returns the exit status (0 done, 1 failed)."""
 
-    # shares of the progress bar: compute, collectives, memory, fit
-    SHARES = (0.70, 0.22, 0.04, 0.04)
+    # shares of the progress bar: compute, collectives, SP groups, memory, fit
+    SHARES = (0.60, 0.15, 0.17, 0.04, 0.04)
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = Path(run_dir)
@@ -574,7 +641,7 @@ class Profiler:
                             "calls_per_sample": r["calls_per_sample"],
                             "rank0_all_ms": {"forward": r["forward_all"], "backward": r["backward_all"]}})
         self.phase = "collectives"
-        collectives = []
+        collectives, groups = [], []
         if dist.is_initialized() and self.world > 1:
             from workbench.runtime.groups import GroupRegistry
 
@@ -590,12 +657,25 @@ class Profiler:
             collectives = measure_collectives(registry, sizes, res["message_bytes"], device=device,
                                               reps=res["collective_reps"], inner=res["collective_inner"],
                                               trim=res["trim"], progress=on_coll)
+            self.phase = "groups"
+            n_cases = (1 + len(sizes)) * len(res["group_packs"]) * res["group_reps"]  # an upper bound
+            done[0] = 0
+
+            def on_group(what: str) -> None:
+                done[0] += 1
+                self._progress(self.SHARES[0] + self.SHARES[1] + self.SHARES[2] * done[0] / n_cases, what)
+
+            # Ulysses must be able to split the model's heads over the group (collectives need not)
+            sp_sizes = [d for d in sizes if model.heads % d == 0 and (model.kv_heads % d == 0 or d % model.kv_heads == 0)]
+            groups = measure_groups(model, registry, sp_sizes, res["group_packs"], attn=attn, device=device,
+                                    warmup=1, reps=res["group_reps"], trim=res["trim"], dtype=dtype,
+                                    progress=on_group)
         self.phase = "memory"
-        self._progress(sum(self.SHARES[:2]), "memory")
+        self._progress(sum(self.SHARES[:3]), "memory")
         memory = measure_memory(model, device=device, attn=attn, dtype=dtype) if self.rank == 0 else {}
         if self.rank == 0:
             self.phase = "fit"
-            self._progress(sum(self.SHARES[:3]), "fitting")
+            self._progress(sum(self.SHARES[:4]), "fitting")
             mach = _machine(device)
             threads = torch.get_num_threads()
             name = spec.name or f"{device.type}-{backend}-{model.name}-{self.world}r"
@@ -616,11 +696,12 @@ class Profiler:
                             f"non-negative least squares on relative error; collectives: "
                             f"{res['collective_reps']} x {res['collective_inner']} back-to-back calls per size",
                 "grid": {"fit_packs": fit, "heldout_packs": held, "max_len": res["max_len"],
+                         "group_packs": res["group_packs"],
                          "message_bytes": res["message_bytes"], "group_sizes": res["group_sizes"]},
                 "seconds": None,
             }
             meas = {"model": model.name, "world_size": self.world, "device": device.type, "scope": "model",
-                    "compute": compute, "collectives": collectives, "memory": memory,
+                    "compute": compute, "collectives": collectives, "groups": groups, "memory": memory,
                     "meta": {"name": name, "gpu": mach["gpu"], "gpu_memory_gb": mach["gpu_memory_gb"],
                              "provenance": provenance}}
             provenance["seconds"] = round(time.perf_counter() - t_start, 1)

@@ -8,6 +8,7 @@
                   "backward_ms": per layer, "per_rank": {...}}],
      "collectives": [{"kind": "all_to_all"|"allreduce"|"p2p", "group_size": d, "message_bytes": m,
                       "ms": t, "per_rank": [...]}],
+     "groups": [{"degree": d, "pack": [..], "ms": whole-model micro-step, "per_rank": [...]}],
      "memory": {"activation_mb_per_token": x, "model_state_mb": y, "method": "..."},
      "meta": {"name", "gpu", "gpu_memory_gb", "provenance": {...}}}
 
@@ -17,13 +18,14 @@ plus every point and curve the figures draw.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from workbench.profile.fit import fit_collectives, fit_compute
 from workbench.specs import HardwareProfile
 
-__all__ = ["ProfileResult", "build_result", "ESTIMATED_ALL_TO_ALL_GBPS", "RESULT_FILE", "MEASUREMENTS_FILE"]
+__all__ = ["ProfileResult", "build_result", "fit_sp_overhead", "ESTIMATED_ALL_TO_ALL_GBPS", "RESULT_FILE", "MEASUREMENTS_FILE"]
 
 RESULT_FILE = "profile_result.json"
 """The fit and its evidence, in a profile run's folder (beside ``profile.json``)."""
@@ -49,7 +51,9 @@ class ProfileResult:
     - ``collectives``: measured points ``{kind, group_size, message_bytes, ms}``;
     - ``collective_fits``: ``{kind: {group size: {latency_ms, gbps, message_bytes, measured_ms,
       predicted_ms, errors}}}``;
-    - ``memory``: activation MB per token, model-state MB and how they were obtained.
+    - ``memory``: activation MB per token, model-state MB and how they were obtained;
+    - ``groups``: real SP micro-steps per degree and pack: ``{degree, pack, tokens, measured_ms,
+      predicted_ms (compute + collectives), predicted_with_overhead_ms (+ the fitted sp_overhead)}``.
     """
 
     profile: HardwareProfile
@@ -59,6 +63,7 @@ class ProfileResult:
     collectives: list = field(default_factory=list)
     collective_fits: dict = field(default_factory=dict)
     memory: dict = field(default_factory=dict)
+    groups: list = field(default_factory=list)
     run_id: str | None = None
 
     def summary(self) -> dict:
@@ -76,7 +81,7 @@ class ProfileResult:
         return {"profile": self.profile.to_dict(), "compute": self.compute, "fits": self.fits,
                 "heldout": self.heldout, "collectives": self.collectives,
                 "collective_fits": {k: {str(d): f for d, f in v.items()} for k, v in self.collective_fits.items()},
-                "memory": self.memory, "run_id": self.run_id}
+                "memory": self.memory, "groups": self.groups, "run_id": self.run_id}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ProfileResult":
@@ -87,12 +92,48 @@ class ProfileResult:
         cf = {k: {int(d): f for d, f in v.items()} for k, v in (data.get("collective_fits") or {}).items()}
         return cls(profile=prof, compute=list(data.get("compute") or []), fits=dict(data.get("fits") or {}),
                    heldout=dict(data.get("heldout") or {}), collectives=list(data.get("collectives") or []),
-                   collective_fits=cf, memory=dict(data.get("memory") or {}), run_id=data.get("run_id"))
+                   collective_fits=cf, memory=dict(data.get("memory") or {}), groups=list(data.get("groups") or []),
+                   run_id=data.get("run_id"))
 
     def to_json(self, **kw) -> str:
         from workbench.util import dumps
 
         return dumps(self.to_dict(), **kw)
+
+
+def fit_sp_overhead(profile: HardwareProfile, world: int, groups: list[dict]) -> tuple[dict[int, float], list[dict]]:
+    """The per-layer extra time of a Ulysses group of each size beyond what the profile's compute and
+    collective fits predict, from real micro-steps ``groups`` (``{"degree", "pack", "ms"}``, whole
+    model). For degree d and a pack, the residual is measured - predicted; the same pack's degree-1
+    residual (the compute curve's own error on it) divided by d is taken off, and the median over
+    packs, at least 0, divided by the layers, is the figure. Returns ``({degree: ms per layer},
+    rows)`` where rows hold every case's measured and predicted time (before and after)."""
+    import dataclasses
+
+    from workbench.cost import CostModel
+    from workbench.specs import ClusterSpec, get_model
+
+    if not groups:
+        return {}, []
+    model = get_model(profile.model)
+    base = dataclasses.replace(profile, sp_overhead_ms={})
+    cost = CostModel(base, model, ClusterSpec(num_gpus=world, gpus_per_node=world, gpu_memory_gb=1e6))
+
+    def pred(d: int, pack) -> float:
+        return cost.group_overhead_ms(d) + float(cost.time(pack, d).sum())
+
+    r1 = {tuple(g["pack"]): g["ms"] - pred(1, g["pack"]) for g in groups if g["degree"] == 1}
+    extra: dict[int, float] = {}
+    for d in sorted({int(g["degree"]) for g in groups if g["degree"] > 1}):
+        res = [g["ms"] - pred(d, g["pack"]) - r1.get(tuple(g["pack"]), 0.0) / d for g in groups if g["degree"] == d]
+        extra[d] = max(0.0, statistics.median(res)) / model.layers
+    rows = []
+    for g in groups:
+        d = int(g["degree"])
+        p0 = pred(d, g["pack"])
+        rows.append({"degree": d, "pack": list(g["pack"]), "tokens": int(sum(g["pack"])), "measured_ms": g["ms"],
+                     "predicted_ms": p0, "predicted_with_overhead_ms": p0 + extra.get(d, 0.0) * model.layers})
+    return extra, rows
 
 
 def build_result(measurements: Mapping[str, Any], *, run_id: str | None = None) -> ProfileResult:
@@ -135,8 +176,16 @@ def build_result(measurements: Mapping[str, Any], *, run_id: str | None = None) 
         allreduce_latency_ms={d: f.latency_ms for d, f in links.get("allreduce", {}).items()},
         activation_mb_per_token=float(act) if act else None,
         gpu_memory_gb=float(meta.get("gpu_memory_gb") or 40.0), provenance=prov)
+    groups = [dict(g) for g in measurements.get("groups") or []]
+    sp, group_rows = fit_sp_overhead(profile, int(measurements.get("world_size") or 1), groups)
+    if sp:
+        import dataclasses
+
+        prov["sp_overhead"] = ("sp_overhead_ms: per layer, the median extra time of real Ulysses micro-steps "
+                               "(all blocks at once) beyond the compute and collective fits")
+        profile = dataclasses.replace(profile, sp_overhead_ms=sp, provenance=prov)
     return ProfileResult(
-        profile=profile, compute=rows,
+        profile=profile, compute=rows, groups=group_rows,
         fits={"forward": comp["forward"].to_dict(), "backward": comp["backward"].to_dict()},
         heldout=comp["heldout"], collectives=coll_pts,
         collective_fits={k: {d: f.to_dict() for d, f in v.items()} for k, v in links.items()},
