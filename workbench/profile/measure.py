@@ -291,8 +291,11 @@ def _collective_call(kind: str, send: torch.Tensor, recv: torch.Tensor, group, n
     if kind == "allreduce":
         return lambda: dist.all_reduce(send)
 
+    ops = [dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]
+
     def ring_step() -> None:
-        for q in (dist.isend(send, nxt), dist.irecv(recv, prv)):
+        # batched: NCCL issues the pair in one group (separate calls can deadlock a ring)
+        for q in dist.batch_isend_irecv(ops):
             q.wait()
 
     return ring_step
