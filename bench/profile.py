@@ -14,7 +14,7 @@ Everything goes through the console script, as a user runs it. The load average 
 is printed: the machine is shared, and other work inflates and scatters measured times.
 
 Usage: python bench/profile.py [--nproc 2] [--full] [--train-steps 8] [--planner flexsp]
-       [--lengths wikipedia] [--max-len 4096] [--batch-tokens 32768] [--json PATH]
+       [--lengths wikipedia] [--max-len 4096] [--batch-tokens 32768] [--json PATH] [--out PROFILE.json]
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=4096)
     ap.add_argument("--batch-tokens", type=int, default=32768)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--out", default=None, help="keep a copy of the profile JSON here (e.g. for bench/runtime.py)")
     args = ap.parse_args(argv)
     from workbench.profile import load_result
     from workbench.profile.command import profile_table
@@ -81,6 +82,8 @@ def main(argv=None) -> int:
         wall = time.perf_counter() - t0
         load1 = _load()
         res = load_result(root / "profile")
+        if args.out:
+            res.profile.save(args.out)
         out.update(profile_wall_s=wall, load_before=load0, load_after=load1, result=res.to_dict())
         print(f"# workbench profile {'' if args.full else '--quick '}--nproc {args.nproc} on {os.cpu_count()} cores: "
               f"{wall:.0f} s wall-clock (torch start-up included); load average {load0:.1f} before, {load1:.1f} after")

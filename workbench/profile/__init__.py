@@ -160,8 +160,8 @@ class ProfileSpec:
     message_bytes: tuple = ()
     """Per-rank buffer sizes of the collectives (default by device and mode)."""
     collective_reps: int | None = None
-    """Timed repetitions of each collective (default 5 quick, 9 full), after one warm-up."""
-    collective_inner: int = 4
+    """Timed repetitions of each collective (default 9 quick, 15 full), after one warm-up."""
+    collective_inner: int = 8
     """Back-to-back calls per timed repetition (as a layer after a layer runs them)."""
     min_sample_ms: float | None = None
     """A timed compute sample repeats the pack until it lasts this long (default 50 ms on CPU, where
@@ -265,9 +265,9 @@ class ProfileSpec:
             "reps": self.reps if self.reps is not None else (5 if self.quick else 9),
             "trim": float(self.trim), "group_sizes": groups,
             "message_bytes": list(self.message_bytes) or list(MESSAGE_BYTES[(dev, self.quick)]),
-            "collective_reps": self.collective_reps or (5 if self.quick else 9),
+            "collective_reps": self.collective_reps or (9 if self.quick else 15),
             "collective_inner": int(self.collective_inner),
-            "group_packs": grid["groups"], "group_reps": 3 if self.quick else 5,
+            "group_packs": grid["groups"],
             "min_sample_ms": float(self.min_sample_ms if self.min_sample_ms is not None
                                    else (50.0 if dev == "cpu" else 5.0)),
         }

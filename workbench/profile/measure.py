@@ -19,8 +19,9 @@ ranks that share a machine contend as they do in training):
    (ring attention). Agreed over ranks the same way.
 3. **SP groups**: one micro-step of the runtime's own sequence-parallel path (slices, Ulysses
    all-to-alls around the varlen attention, forward and backward) for every group size and a few
-   packs, all blocks at once; what it costs beyond the compute and collective fits is the
-   profile's per-degree ``sp_overhead_ms``.
+   packs, all blocks at once, sampled in the same rounds as the compute packs (the same load);
+   what it costs beyond the compute and collective fits is the profile's per-degree
+   ``sp_overhead_ms``.
 4. **memory**: on CUDA the peak allocated bytes of a forward at two lengths (their difference per
    token: activations) and the allocated bytes of parameters, gradients and AdamW states (model
    states); on CPU the same figures computed from the model (bytes of the tensors autograd saves,
@@ -62,7 +63,8 @@ from workbench.profile.result import MEASUREMENTS_FILE, RESULT_FILE, build_resul
 from workbench.specs import ModelSpec, get_model
 from workbench.util import write_json_atomic
 
-__all__ = ["Clock", "measure_compute", "measure_collectives", "measure_groups", "measure_memory", "agree", "main"]
+__all__ = ["Clock", "measure_compute", "measure_collectives", "measure_groups", "measure_compute_and_groups",
+           "measure_memory", "agree", "main"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -147,81 +149,95 @@ def _agree_max(value: int, device: torch.device) -> int:
     return int(t.item())
 
 
+def _round_robin(cases: Sequence[Callable[[], list[float]]], *, device: torch.device, warmup: int, reps: int,
+                 min_sample_ms: float, progress: Callable[[int], None] | None = None) -> tuple[list, list[int]]:
+    """Time ``cases`` (each a callable doing one call and returning its intervals in ms) on every rank
+    at once: per case ``warmup`` untimed samples, which also fix ``k``, the calls one sample makes
+    back to back (the smallest count lasting ``min_sample_ms``; the largest any rank needs, so every
+    rank makes the same calls); then ``reps`` rounds, each sampling every case once after a
+    barrier. Round-robin: load from elsewhere on the machine, and any drift, spreads over every
+    case alike instead of landing on the ones measured last. Returns ``(samples, ks)`` with
+    ``samples[case][rep]`` the intervals of one call (averaged over the sample's k calls)."""
+
+    def sample(i: int, k: int) -> list[float]:
+        _barrier(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        total = None
+        for _ in range(k):
+            iv = cases[i]()
+            total = iv if total is None else [a + b for a, b in zip(total, iv)]
+        return [t / k for t in total]
+
+    ks = []
+    for i in range(len(cases)):
+        k = 1
+        for _ in range(max(1, warmup)):
+            one = sum(sample(i, 1))
+            k = max(k, math.ceil(min_sample_ms / max(one, 1e-3))) if min_sample_ms > 0 else 1
+        ks.append(_agree_max(k, device))
+    out: list[list[list[float]]] = [[] for _ in cases]
+    for r in range(reps):
+        for i in range(len(cases)):
+            out[i].append(sample(i, ks[i]))
+            if progress is not None:
+                progress(r * len(cases) + i)
+    return out, ks
+
+
+def _compute_cases(spec: ModelSpec, net, packs, attn, dev: torch.device, clock: Clock, gen) -> list[Callable]:
+    cases = []
+    for pack in packs:
+        if max(pack) > spec.max_context:
+            raise ValueError(f"pack {list(pack)} has a sequence longer than {spec.name}'s context {spec.max_context}")
+        inp = _pack_inputs(pack, spec.vocab, dev, gen)
+
+        def once(inp=inp) -> list[float]:
+            tokens, positions, cu, max_s, labels = inp
+            net.zero_grad(set_to_none=True)
+            clock.mark()
+            logits = net(tokens, positions, cu, max_s, attn)  # (T, vocab)
+            loss = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
+            clock.mark()
+            loss.backward()
+            clock.mark()
+            return clock.intervals()  # [forward, backward]
+
+        cases.append(once)
+    return cases
+
+
+def _compute_rows(spec: ModelSpec, packs, samples, ks, trim: float) -> list[dict]:
+    rows = []
+    for pack, smp, k in zip(packs, samples, ks):
+        fwd, bwd = [x[0] for x in smp], [x[1] for x in smp]
+        rows.append({"pack": [int(s) for s in pack], "tokens": int(sum(pack)),
+                     "forward_ms": trimmed_median(fwd, trim) / spec.layers,
+                     "backward_ms": trimmed_median(bwd, trim) / spec.layers,
+                     "forward_all": fwd, "backward_all": bwd, "calls_per_sample": k})
+    return rows
+
+
 def measure_compute(spec: ModelSpec, packs: Sequence[Sequence[int]], *, attn: Callable, warmup: int = 1,
                     reps: int = 3, trim: float = 0.2, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.float32, seed: int = 0, min_sample_ms: float = 0.0,
-                    progress: Callable[[int, list[int]], None] | None = None) -> list[dict]:
+                    progress: Callable[[int], None] | None = None) -> list[dict]:
     """Time forward (model + loss) and backward of ``spec`` on each pack, this rank alone (under a
-    process group every rank times at once, each repetition after a barrier).
+    process group every rank times at once, each sample after a barrier), with the round-robin
+    protocol of :func:`_round_robin` (``min_sample_ms`` per sample, ``reps`` rounds).
 
-    A timed sample runs the pack ``k`` times back to back, ``k`` the smallest count for which the
-    warm-up took ``min_sample_ms`` (the same on every rank: the largest any rank needs), so that
-    short packs are not at the mercy of one scheduler tick. Samples go round-robin over the packs
-    (``reps`` rounds), so load from elsewhere hits every pack alike. ``progress(j, pack)`` is called
-    after each of the ``reps * len(packs)`` samples. Returns ``[{"pack", "tokens",
-    "forward_ms", "backward_ms" (per layer, trimmed median), "forward_all", "backward_all" (whole
-    model, every timed sample, per call), "calls_per_sample"}]``. Raises ValueError for a pack
-    longer than the model's context."""
+    Returns ``[{"pack", "tokens", "forward_ms", "backward_ms" (per layer, trimmed median),
+    "forward_all", "backward_all" (whole model, every timed sample, per call), "calls_per_sample"}]``.
+    Raises ValueError for a pack longer than the model's context."""
     from workbench.runtime.model import Transformer
 
     dev = torch.device(device)
     net = Transformer(spec, seed=seed).to(device=dev, dtype=dtype)
-    gen = torch.Generator().manual_seed(seed)
     clock = Clock(dev)
-    rows = []
-
-    def once(inp) -> None:
-        tokens, positions, cu, max_s, labels = inp
-        net.zero_grad(set_to_none=True)
-        clock.mark()
-        logits = net(tokens, positions, cu, max_s, attn)  # (T, vocab)
-        loss = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
-        clock.mark()
-        loss.backward()
-        clock.mark()
-
-    inputs = []
-    for pack in packs:
-        if max(pack) > spec.max_context:
-            raise ValueError(f"pack {list(pack)} has a sequence longer than {spec.name}'s context {spec.max_context}")
-        inputs.append(_pack_inputs(pack, spec.vocab, dev, gen))
-
-    def sample(i: int, k: int) -> tuple[float, float]:
-        _barrier(dev)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        f_ms = b_ms = 0.0
-        for _ in range(k):
-            once(inputs[i])
-            iv = clock.intervals()
-            f_ms, b_ms = f_ms + iv[0], b_ms + iv[1]
-        return f_ms / k, b_ms / k
-
-    # warm-up, pack by pack: also decides how many calls make one sample
-    ks = []
-    for i in range(len(packs)):
-        k = 1
-        for _ in range(max(1, warmup)):
-            f_ms, b_ms = sample(i, 1)
-            k = max(k, math.ceil(min_sample_ms / max(f_ms + b_ms, 1e-3))) if min_sample_ms > 0 else 1
-        ks.append(_agree_max(k, dev))
-    # timed samples round-robin over the packs, so that load from elsewhere on the machine (and any
-    # drift) spreads over every pack alike instead of landing on the ones measured last
-    fwd: list[list[float]] = [[] for _ in packs]
-    bwd: list[list[float]] = [[] for _ in packs]
-    for r in range(reps):
-        for i in range(len(packs)):
-            f_ms, b_ms = sample(i, ks[i])
-            fwd[i].append(f_ms)
-            bwd[i].append(b_ms)
-            if progress is not None:
-                progress(r * len(packs) + i, [int(s) for s in packs[i]])
-    for i, pack in enumerate(packs):
-        rows.append({"pack": [int(s) for s in pack], "tokens": int(sum(pack)),
-                     "forward_ms": trimmed_median(fwd[i], trim) / spec.layers,
-                     "backward_ms": trimmed_median(bwd[i], trim) / spec.layers,
-                     "forward_all": fwd[i], "backward_all": bwd[i], "calls_per_sample": ks[i]})
-    return rows
+    cases = _compute_cases(spec, net, packs, attn, dev, clock, torch.Generator().manual_seed(seed))
+    samples, ks = _round_robin(cases, device=dev, warmup=warmup, reps=reps, min_sample_ms=min_sample_ms,
+                               progress=progress)
+    return _compute_rows(spec, packs, samples, ks, trim)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -306,10 +322,47 @@ def _collective_call(kind: str, send: torch.Tensor, recv: torch.Tensor, group, n
 # ------------------------------------------------------------------------------------------------
 
 
+def _group_cases(spec: ModelSpec, net, registry, group_sizes, packs, attn, dev: torch.device, clock: Clock,
+                 gen) -> tuple[list[tuple[int, list[int]]], list[Callable]]:
+    from workbench.runtime.step import IGNORE, make_shard
+    from workbench.runtime.ulysses import UlyssesAttention
+
+    rank = dist.get_rank()
+    keys, cases = [], []
+    for d in sorted({1, *[int(x) for x in group_sizes]}):
+        lo = rank // d * d
+        group = registry.get(tuple(range(lo, lo + d)))
+        for pack in packs:
+            seqs = [torch.randint(0, spec.vocab, (int(n),), generator=gen) for n in pack]
+            sh = make_shard(seqs, d, rank - lo)
+            a = attn if d == 1 else UlyssesAttention(group, sh.layout, attn)
+            inp = (sh.tokens.to(dev), sh.positions.to(dev), sh.cu_seqlens.to(dev), sh.max_seqlen, sh.labels.to(dev))
+
+            def once(a=a, inp=inp) -> list[float]:
+                tokens, positions, cu, max_s, labels = inp
+                net.zero_grad(set_to_none=True)
+                clock.mark()
+                logits = net(tokens, positions, cu, max_s, a)  # (T_loc, vocab)
+                loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum")
+                loss.backward()
+                clock.mark()
+                return clock.intervals()  # [micro-step]
+
+            keys.append((d, [int(n) for n in pack]))
+            cases.append(once)
+    return keys, cases
+
+
+def _group_rows(keys, samples, trim: float, device: torch.device) -> list[dict]:
+    med, per_rank = agree([trimmed_median([x[0] for x in smp], trim) for smp in samples], device)
+    return [{"degree": d, "pack": p, "tokens": sum(p), "ms": med[i], "per_rank": [r[i] for r in per_rank]}
+            for i, (d, p) in enumerate(keys)]
+
+
 def measure_groups(spec: ModelSpec, registry, group_sizes: Sequence[int], packs: Sequence[Sequence[int]], *,
                    attn: Callable, device: torch.device | str = "cpu", warmup: int = 1, reps: int = 3,
-                   trim: float = 0.2, dtype: torch.dtype = torch.float32, seed: int = 0,
-                   progress: Callable[[str], None] | None = None) -> list[dict]:
+                   trim: float = 0.2, dtype: torch.dtype = torch.float32, seed: int = 0, min_sample_ms: float = 0.0,
+                   progress: Callable[[int], None] | None = None) -> list[dict]:
     """Time one micro-step of the runtime's sequence-parallel path, as the step executor runs it:
     each rank takes its slice of every sequence (``make_shard``), forward with Ulysses attention
     inside its group (``UlyssesAttention``: the all-to-alls around the local varlen attention), loss,
@@ -320,48 +373,40 @@ def measure_groups(spec: ModelSpec, registry, group_sizes: Sequence[int], packs:
     Returns ``[{"degree", "pack", "tokens", "ms" (whole model; trimmed median, median over ranks),
     "per_rank"}]``."""
     from workbench.runtime.model import Transformer
-    from workbench.runtime.step import IGNORE, make_shard
-    from workbench.runtime.ulysses import UlyssesAttention
 
     dev = torch.device(device)
-    rank = dist.get_rank()
     net = Transformer(spec, seed=seed).to(device=dev, dtype=dtype)
-    gen = torch.Generator().manual_seed(seed)
     clock = Clock(dev)
-    cases = []
-    for d in sorted({1, *[int(x) for x in group_sizes]}):
-        lo = rank // d * d
-        group = registry.get(tuple(range(lo, lo + d)))
-        for pack in packs:
-            seqs = [torch.randint(0, spec.vocab, (int(n),), generator=gen) for n in pack]
-            sh = make_shard(seqs, d, rank - lo)
-            a = attn if d == 1 else UlyssesAttention(group, sh.layout, attn)
-            inp = (sh.tokens.to(dev), sh.positions.to(dev), sh.cu_seqlens.to(dev), sh.max_seqlen, sh.labels.to(dev))
-            cases.append((d, [int(n) for n in pack], a, inp))
+    keys, cases = _group_cases(spec, net, registry, group_sizes, packs, attn, dev, clock,
+                               torch.Generator().manual_seed(seed))
+    samples, _ = _round_robin(cases, device=dev, warmup=warmup, reps=reps, min_sample_ms=min_sample_ms,
+                              progress=progress)
+    return _group_rows(keys, samples, trim, dev)
 
-    def sample(case) -> float:
-        _, _, a, (tokens, positions, cu, max_s, labels) = case
-        net.zero_grad(set_to_none=True)
-        _barrier(dev)
-        clock.mark()
-        logits = net(tokens, positions, cu, max_s, a)  # (T_loc, vocab)
-        loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum")
-        loss.backward()
-        clock.mark()
-        return clock.intervals()[0]
 
-    for case in cases:
-        for _ in range(max(1, warmup)):
-            sample(case)
-    times: list[list[float]] = [[] for _ in cases]
-    for _ in range(reps):
-        for i, case in enumerate(cases):
-            times[i].append(sample(case))
-            if progress is not None:
-                progress(f"groups: degree {case[0]}, {sum(case[1]):,} tokens in {len(case[1])} sequence(s)")
-    med, per_rank = agree([trimmed_median(t, trim) for t in times], dev)
-    return [{"degree": c[0], "pack": c[1], "tokens": sum(c[1]), "ms": med[i], "per_rank": [p[i] for p in per_rank]}
-            for i, c in enumerate(cases)]
+def measure_compute_and_groups(spec: ModelSpec, packs, registry, group_sizes, group_packs, *, attn: Callable,
+                               device: torch.device | str = "cpu", warmup: int = 1, reps: int = 3, trim: float = 0.2,
+                               dtype: torch.dtype = torch.float32, seed: int = 0, min_sample_ms: float = 0.0,
+                               progress: Callable[[int, int], None] | None = None) -> tuple[list[dict], list[dict]]:
+    """:func:`measure_compute` and :func:`measure_groups` in the same round-robin rounds, so the SP
+    micro-steps see the same load as the compute curve they are compared with (on a shared machine
+    the load drifts between phases). ``registry`` None: compute only. ``progress(j, n)`` after each
+    of the ``n`` samples. Returns ``(compute rows, group rows)``."""
+    from workbench.runtime.model import Transformer
+
+    dev = torch.device(device)
+    net = Transformer(spec, seed=seed).to(device=dev, dtype=dtype)
+    clock = Clock(dev)
+    gen = torch.Generator().manual_seed(seed)
+    ccases = _compute_cases(spec, net, packs, attn, dev, clock, gen)
+    keys, gcases = ([], []) if registry is None else _group_cases(spec, net, registry, group_sizes, group_packs, attn,
+                                                                  dev, clock, gen)
+    n = reps * (len(ccases) + len(gcases))
+    samples, ks = _round_robin(ccases + gcases, device=dev, warmup=warmup, reps=reps, min_sample_ms=min_sample_ms,
+                               progress=None if progress is None else (lambda j: progress(j, n)))
+    rows = _compute_rows(spec, packs, samples[:len(ccases)], ks[:len(ccases)], trim)
+    groups = _group_rows(keys, samples[len(ccases):], trim, dev) if registry is not None else []
+    return rows, groups
 
 
 # ------------------------------------------------------------------------------------------------
@@ -514,8 +559,8 @@ def _machine(device: torch.device) -> dict:
 class Profiler:
     """One rank of a profile run. ``run()`` returns the exit status (0 done, 1 failed)."""
 
-    # shares of the progress bar: compute, collectives, SP groups, memory, fit
-    SHARES = (0.60, 0.15, 0.17, 0.04, 0.04)
+    # shares of the progress bar: compute with SP micro-steps, collectives, memory, fit
+    SHARES = (0.78, 0.14, 0.04, 0.04)
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = Path(run_dir)
@@ -616,24 +661,27 @@ class Profiler:
         t_start = time.perf_counter()
         fit, held = res["fit_packs"], res["heldout_packs"]
         packs = [(p, "fit") for p in fit] + [(p, "heldout") for p in held]
-        # order by cost so progress moves evenly; weights ~ the work of a pack
-        weights = [sum(s * s for s in p) / 1024 + sum(p) for p, _ in packs]
-        total_w = sum(weights)
-        done_w = [0.0]
         self.phase = "compute"
         self._progress(0.0, f"compute: {len(packs)} packs, {res['warmup']} warm-up + {res['reps']} timed samples each "
                             f"(warming up)")
 
-        def on_pack(j: int, pack: list[int]) -> None:
-            rnd, i = divmod(j, len(packs))
-            done_w[0] += weights[i]
-            self._progress(self.SHARES[0] * done_w[0] / (total_w * res["reps"]),
-                           f"compute: round {rnd + 1}/{res['reps']}, pack {i + 1}/{len(packs)} "
-                           f"({sum(pack):,} tokens in {len(pack)} sequence(s))")
+        registry, sp_sizes = None, []
+        if dist.is_initialized() and self.world > 1:
+            from workbench.runtime.groups import GroupRegistry
 
-        rows = measure_compute(model, [p for p, _ in packs], attn=attn, warmup=res["warmup"], reps=res["reps"],
-                               trim=res["trim"], device=device, dtype=dtype, min_sample_ms=res["min_sample_ms"],
-                               progress=on_pack)
+            registry = GroupRegistry(self.world, [1, *res["group_sizes"]])
+            # Ulysses must be able to split the model's heads over the group (collectives need not)
+            sp_sizes = [d for d in res["group_sizes"]
+                        if model.heads % d == 0 and (model.kv_heads % d == 0 or d % model.kv_heads == 0)]
+
+        def on_sample(j: int, n: int) -> None:
+            self._progress(self.SHARES[0] * (j + 1) / n, f"compute and SP micro-steps: sample {j + 1}/{n} "
+                                                         f"(round {j * res['reps'] // n + 1}/{res['reps']})")
+
+        rows, groups = measure_compute_and_groups(
+            model, [p for p, _ in packs], registry, sp_sizes, res["group_packs"], attn=attn, warmup=res["warmup"],
+            reps=res["reps"], trim=res["trim"], device=device, dtype=dtype, min_sample_ms=res["min_sample_ms"],
+            progress=on_sample)
         fwd, fwd_ranks = agree([r["forward_ms"] for r in rows], device)
         bwd, bwd_ranks = agree([r["backward_ms"] for r in rows], device)
         compute = []
@@ -644,12 +692,9 @@ class Profiler:
                             "calls_per_sample": r["calls_per_sample"],
                             "rank0_all_ms": {"forward": r["forward_all"], "backward": r["backward_all"]}})
         self.phase = "collectives"
-        collectives, groups = [], []
-        if dist.is_initialized() and self.world > 1:
-            from workbench.runtime.groups import GroupRegistry
-
+        collectives = []
+        if registry is not None:
             sizes = res["group_sizes"]
-            registry = GroupRegistry(self.world, [1, *sizes])
             n_jobs = 2 * len(sizes) * len(res["message_bytes"]) + len(res["message_bytes"])
             done = [0]
 
@@ -660,25 +705,12 @@ class Profiler:
             collectives = measure_collectives(registry, sizes, res["message_bytes"], device=device,
                                               reps=res["collective_reps"], inner=res["collective_inner"],
                                               trim=res["trim"], progress=on_coll)
-            self.phase = "groups"
-            n_cases = (1 + len(sizes)) * len(res["group_packs"]) * res["group_reps"]  # an upper bound
-            done[0] = 0
-
-            def on_group(what: str) -> None:
-                done[0] += 1
-                self._progress(self.SHARES[0] + self.SHARES[1] + self.SHARES[2] * done[0] / n_cases, what)
-
-            # Ulysses must be able to split the model's heads over the group (collectives need not)
-            sp_sizes = [d for d in sizes if model.heads % d == 0 and (model.kv_heads % d == 0 or d % model.kv_heads == 0)]
-            groups = measure_groups(model, registry, sp_sizes, res["group_packs"], attn=attn, device=device,
-                                    warmup=1, reps=res["group_reps"], trim=res["trim"], dtype=dtype,
-                                    progress=on_group)
         self.phase = "memory"
-        self._progress(sum(self.SHARES[:3]), "memory")
+        self._progress(sum(self.SHARES[:2]), "memory")
         memory = measure_memory(model, device=device, attn=attn, dtype=dtype) if self.rank == 0 else {}
         if self.rank == 0:
             self.phase = "fit"
-            self._progress(sum(self.SHARES[:4]), "fitting")
+            self._progress(sum(self.SHARES[:3]), "fitting")
             mach = _machine(device)
             threads = torch.get_num_threads()
             name = spec.name or f"{device.type}-{backend}-{model.name}-{self.world}r"
