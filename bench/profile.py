@@ -58,6 +58,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--full", action="store_true", help="the full grid instead of --quick")
+    ap.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"],
+                    help="cpu (default), cuda: NCCL ranks, CUDA events, flash-attn when installed (not run here)")
     ap.add_argument("--train-steps", type=int, default=0, help="also train this many steps and check the profile")
     ap.add_argument("--planner", default="flexsp")
     ap.add_argument("--lengths", default="wikipedia")
@@ -70,14 +72,14 @@ def main(argv=None) -> int:
     from workbench.profile.command import profile_table
     from workbench.profile.fidelity import fidelity_table
 
-    over = ["--oversubscribe"] if args.nproc > (os.cpu_count() or 1) else []
+    over = ["--oversubscribe"] if args.nproc > (os.cpu_count() or 1) and args.device == "cpu" else []
     out: dict = {"nproc": args.nproc, "cores": os.cpu_count()}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "runs"
         prof = Path(tmp) / "profile.json"
         load0 = _load()
         t0 = time.perf_counter()
-        _cli("profile", *([] if args.full else ["--quick"]), "--nproc", str(args.nproc), *over, "--device", "cpu",
+        _cli("profile", *([] if args.full else ["--quick"]), "--nproc", str(args.nproc), *over, "--device", args.device,
              "--run-root", str(root), "--name", "profile", "--out", str(prof), "--quiet")
         wall = time.perf_counter() - t0
         load1 = _load()

@@ -149,6 +149,8 @@ class ProfileSpec:
     """Packs the curves are fitted on (default: :func:`default_grid`)."""
     heldout_packs: tuple = ()
     """Packs predicted but not fitted on (default: :func:`default_grid`)."""
+    group_packs: tuple = ()
+    """Packs run as real SP micro-steps at every group size (default: :func:`default_grid`)."""
     warmup: int | None = None
     """Untimed runs per pack (default 1 quick, 2 full)."""
     reps: int | None = None
@@ -200,7 +202,7 @@ class ProfileSpec:
                 bad("max_len", "must be an integer >= 64", self.max_len)
             if self.max_len > m.max_context:
                 raise ValueError(f"profile max_len {self.max_len:,} exceeds model {m.name}'s context {m.max_context:,}")
-        for f in ("fit_packs", "heldout_packs"):
+        for f in ("fit_packs", "heldout_packs", "group_packs"):
             v = getattr(self, f)
             if v:
                 packs = _packs(v, f)
@@ -267,14 +269,14 @@ class ProfileSpec:
             "message_bytes": list(self.message_bytes) or list(MESSAGE_BYTES[(dev, self.quick)]),
             "collective_reps": self.collective_reps or (9 if self.quick else 15),
             "collective_inner": int(self.collective_inner),
-            "group_packs": grid["groups"],
+            "group_packs": [list(p) for p in self.group_packs] or grid["groups"],
             "min_sample_ms": float(self.min_sample_ms if self.min_sample_ms is not None
                                    else (50.0 if dev == "cpu" else 5.0)),
         }
 
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for k in ("fit_packs", "heldout_packs"):
+        for k in ("fit_packs", "heldout_packs", "group_packs"):
             out[k] = [list(p) for p in out[k]]
         for k in ("group_sizes", "message_bytes"):
             out[k] = list(out[k])
@@ -291,7 +293,7 @@ class ProfileSpec:
         unknown = sorted(set(kw) - names)
         if unknown:
             raise ValueError(f"profile spec has unknown field(s) {unknown}; known fields are {sorted(names)}")
-        for k in ("fit_packs", "heldout_packs", "group_sizes", "message_bytes"):
+        for k in ("fit_packs", "heldout_packs", "group_packs", "group_sizes", "message_bytes"):
             if isinstance(kw.get(k), list):
                 kw[k] = tuple(kw[k])
         return cls(**kw)
