@@ -13,8 +13,9 @@ lengths, and how well it predicts a real training run's steps and groups.
 Everything goes through the console script, as a user runs it. The load average before and after
 is printed: the machine is shared, and other work inflates and scatters measured times.
 
-Usage: python bench/profile.py [--nproc 2] [--full] [--train-steps 8] [--planner flexsp]
+Usage: python bench/profiler.py [--nproc 2] [--full] [--train-steps 8] [--planner flexsp]
        [--lengths wikipedia] [--max-len 4096] [--batch-tokens 32768] [--json PATH] [--out PROFILE.json]
+       [--figures DIR]
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-tokens", type=int, default=32768)
     ap.add_argument("--json", default=None)
     ap.add_argument("--out", default=None, help="keep a copy of the profile JSON here (e.g. for bench/runtime.py)")
+    ap.add_argument("--figures", default=None, metavar="DIR",
+                    help="write the figures here: one HTML page, and PNGs when playwright and a chromium are installed")
     args = ap.parse_args(argv)
     from workbench.profile import load_result
     from workbench.profile.command import profile_table
@@ -109,11 +112,47 @@ def main(argv=None) -> int:
                   f"{args.planner} --steps {args.train_steps}; load average {load2:.1f} before, {load3:.1f} after")
             print()
             print(fidelity_table(chk))
+    if args.figures:
+        _figures(Path(args.figures), res, out.get("check"))
     if args.json:
         from workbench.util import write_json_atomic
 
         write_json_atomic(args.json, out)
     return 0
+
+
+def _figures(folder: Path, res, check) -> None:
+    """The profile's figures (and the fidelity one with a check) as one HTML page in ``folder``, and
+    as PNGs where playwright can drive a local chromium (skipped, with a note, where it cannot)."""
+    import shutil
+
+    from workbench.report import write_html_report
+    from workbench.report.profile import collectives_figure, fidelity_figure, fit_figure, residual_figure
+
+    figs = [("fit", fit_figure(res)), ("residuals", residual_figure(res)), ("collectives", collectives_figure(res))]
+    if check:
+        figs.append(("fidelity", fidelity_figure(check)))
+    folder.mkdir(parents=True, exist_ok=True)
+    write_html_report(folder / "profile.html", f"Profile {res.profile.name}", figs)
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        print(f"# figures: {folder / 'profile.html'} (no PNGs: playwright is not installed)", file=sys.stderr)
+        return
+    exe = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=exe) if exe else pw.chromium.launch()
+        page = browser.new_page(viewport={"width": 900, "height": 520})
+        for name, fig in figs:
+            fig.update_layout(width=900, height=500)
+            html = folder / f".{name}.html"
+            html.write_text(fig.to_html(full_html=True, include_plotlyjs="inline"))
+            page.goto(html.resolve().as_uri())
+            page.wait_for_timeout(500)
+            page.screenshot(path=str(folder / f"profile-{name}.png"), full_page=False)
+            html.unlink()
+        browser.close()
+    print(f"# figures: {folder}/profile-*.png and profile.html", file=sys.stderr)
 
 
 if __name__ == "__main__":
