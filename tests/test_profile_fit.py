@@ -167,25 +167,35 @@ def test_sp_overhead_is_the_residual_of_real_micro_steps_by_hand():
         return cost.group_overhead_ms(d) + float(cost.time(pack, d).sum())
 
     packs = [[1024], [128] * 8]
-    # degree 1 runs 4 ms slower than the curve on the first pack (the curve's own error), on time on the other;
-    # degree 2 pays 6 ms more than predicted, degree 4 10 ms (plus 1/d of the curve's error on the first pack)
-    groups = [{"degree": 1, "pack": packs[0], "ms": pred(1, packs[0]) + 4.0},
-              {"degree": 1, "pack": packs[1], "ms": pred(1, packs[1])}]
-    for d, extra in ((2, 6.0), (4, 10.0)):
-        groups += [{"degree": d, "pack": packs[0], "ms": pred(d, packs[0]) + extra + 4.0 / d},
-                   {"degree": d, "pack": packs[1], "ms": pred(d, packs[1]) + extra}]
-    sp, rows = fit_sp_overhead(prof, 4, groups)
-    assert sp[2] == pytest.approx(6.0 / tiny.layers) and sp[4] == pytest.approx(10.0 / tiny.layers)
-    assert 1 not in sp and len(rows) == 6
-    # a group faster than predicted gives no negative overhead
+    packs = [[1024], [128] * 8, [2048], [256] * 8]
+    # degree 1 runs 4 ms slower than the curve on the first pack (the curve's own error), on time on the others;
+    # degree d pays o_d + r_d * tokens more than predicted (plus 1/d of the curve's error on the first pack)
+    groups = [{"degree": 1, "pack": packs[0], "ms": pred(1, packs[0]) + 4.0}]
+    groups += [{"degree": 1, "pack": p, "ms": pred(1, p)} for p in packs[1:]]
+    for d, o, r in ((2, 6.0, 0.002), (4, 10.0, 0.005)):
+        groups += [{"degree": d, "pack": p, "ms": pred(d, p) + o + r * sum(p) + (4.0 / d if p == packs[0] else 0.0)}
+                   for p in packs]
+    sp, tok, rows = fit_sp_overhead(prof, 4, groups)
+    L = tiny.layers
+    assert sp[2] == pytest.approx(6.0 / L) and sp[4] == pytest.approx(10.0 / L)
+    assert tok[2] == pytest.approx(0.002 / L) and tok[4] == pytest.approx(0.005 / L)
+    assert 1 not in sp and len(rows) == 12
+    # what is left is the compute curve's own error on the first pack, 4 ms / d
+    assert all(row["predicted_with_overhead_ms"] == pytest.approx(
+        row["measured_ms"] - (4.0 / row["degree"] if row["pack"] == packs[0] else 0.0)) for row in rows)
+    # one token count: a fixed overhead only; a group faster than predicted gives no negative overhead
+    one = [{"degree": 1, "pack": packs[1], "ms": pred(1, packs[1])},
+           {"degree": 2, "pack": packs[1], "ms": pred(2, packs[1]) + 3.0}]
+    assert fit_sp_overhead(prof, 4, one)[:2] == ({2: pytest.approx(1.5)}, {2: 0.0})
     fast = [{"degree": 1, "pack": packs[1], "ms": pred(1, packs[1])},
             {"degree": 2, "pack": packs[1], "ms": pred(2, packs[1]) - 3.0}]
     assert fit_sp_overhead(prof, 4, fast)[0] == {2: 0.0}
-    # the cost model adds it per layer to every Ulysses group of that size
-    withsp = CostModel(_profile(all_to_all_latency_ms={2: 0.5, 4: 1.0}, sp_overhead_ms=sp), tiny,
+    # the cost model adds both to every Ulysses group of that size
+    withsp = CostModel(_profile(all_to_all_latency_ms={2: 0.5, 4: 1.0}, sp_overhead_ms=sp, sp_token_ms=tok), tiny,
                        ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=1e6))
     assert withsp.group_overhead_ms(4) - cost.group_overhead_ms(4) == pytest.approx(10.0)
-    assert withsp.group_overhead_ms(1) == cost.group_overhead_ms(1)
+    assert withsp.time([1000], 4)[0] - cost.time([1000], 4)[0] == pytest.approx(5.0)
+    assert withsp.group_overhead_ms(1) == cost.group_overhead_ms(1) and withsp.time([1000], 1)[0] == cost.time([1000], 1)[0]
 
 
 def test_one_process_profile_says_its_collectives_are_an_estimate():

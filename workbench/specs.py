@@ -380,6 +380,10 @@ class HardwareProfile(_JsonMixin):
     """Fixed time of one ring step (send to the next rank, receive from the previous) by ring size (ms)."""
     allreduce_latency_ms: dict = field(default_factory=dict, metadata={"from_json": _latency_table})
     """Fixed time of one all-reduce call by group size (ms)."""
+    sp_token_ms: dict = field(default_factory=dict, metadata={"from_json": _latency_table})
+    """Measured extra time per token and layer of a Ulysses group of size d (ms per token of the
+    group's sequences), beyond its compute and all-to-all bytes: the layout work that grows with the
+    tokens (gathers, copies, waits that lengthen with the work between meetings); empty: none."""
     sp_overhead_ms: dict = field(default_factory=dict, metadata={"from_json": _latency_table})
     """Measured extra fixed time per layer of one Ulysses group of size d in one micro-step (ms),
     beyond its compute and its all-to-all bytes and latency: the runtime's layout work (slicing,
@@ -399,7 +403,7 @@ class HardwareProfile(_JsonMixin):
         object.__setattr__(self, "backward", _curve(self.backward))
         for n in ("all_to_all_gbps", "p2p_gbps", "allreduce_gbps"):
             object.__setattr__(self, n, _bw_table(getattr(self, n)))
-        for n in ("all_to_all_latency_ms", "p2p_latency_ms", "allreduce_latency_ms", "sp_overhead_ms"):
+        for n in ("all_to_all_latency_ms", "p2p_latency_ms", "allreduce_latency_ms", "sp_overhead_ms", "sp_token_ms"):
             object.__setattr__(self, n, _latency_table(getattr(self, n)))
         _require(bool(self.all_to_all_gbps), f"HardwareProfile {self.name}: all_to_all_gbps is empty; "
                                              f"give at least one {{group size: GB/s}} entry")

@@ -19,6 +19,9 @@ collective calls, which does not depend on how many tokens the group runs::
         ring:    calls = (passes + 1) * layers * (d-1)  # ring steps
         sp_overhead(d): the profile's measured extra per layer of a Ulysses group (layout work, waits)
 
+and, when the profile measured it, each sequence of a Ulysses group adds ``layers * sp_token(d) * s``
+(the part of that extra that grows with the tokens).
+
 A group fits when the sum of its sequences' ``memory(s, d)`` is at most ``memory_budget_gb``
 (usable GPU memory less model states). After the last micro-step all ranks all-reduce
 gradients: ``grad_sync_ms`` (bytes over bus bandwidth, plus the call's latency when measured).
@@ -223,10 +226,21 @@ class CostModel:
         attn = self._fit.A * s * s / d
         return np.maximum(0.0, comm - attn)
 
+    def sp_token_ms(self, lengths, degree: int) -> np.ndarray:
+        """The profile's measured extra time of each sequence in a Ulysses group of ``degree`` that
+        grows with its tokens (``layers * sp_token_ms[d] * s``; 0 for degree 1, ring, or a profile
+        without it)."""
+        s = np.asarray(lengths, dtype=np.float64)
+        d = int(degree)
+        if d <= 1 or self.strategy != "ulysses" or not self.profile.sp_token_ms:
+            return np.zeros_like(s)
+        return self.model.layers * _interp_latency(self.profile.sp_token_ms, d) * s
+
     def time(self, lengths, degree: int) -> np.ndarray:
-        """Time (ms) of each sequence on a group of ``degree``: compute plus exposed communication.
-        The group's fixed cost per micro-step is ``group_overhead_ms(degree)``, not included."""
-        return self.compute_ms(lengths, degree) + self.comm_ms(lengths, degree)
+        """Time (ms) of each sequence on a group of ``degree``: compute plus exposed communication
+        (plus the measured SP layout cost per token, when the profile has it). The group's fixed cost
+        per micro-step is ``group_overhead_ms(degree)``, not included."""
+        return self.compute_ms(lengths, degree) + self.comm_ms(lengths, degree) + self.sp_token_ms(lengths, degree)
 
     def memory(self, lengths, degree: int) -> np.ndarray:
         """Activation memory (GB per GPU) of each sequence on a group of ``degree``."""

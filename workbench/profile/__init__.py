@@ -77,13 +77,13 @@ def default_grid(max_len: int, quick: bool) -> dict:
     if quick:
         fit = [[n(L / 64)], [n(L / 16)], [n(L / 4)], [L], [n(L / 64)] * 16, [n(L / 16)] * 8]
         held = [[n(L / 32)], [n(L / 8)], [n(L / 2)], [n(L / 32)] * 8]
-        groups = [[n(L / 4)], [n(L / 32)] * 8]
+        groups = [[n(L / 4)], [n(L / 2)], [n(L / 32)] * 8, [n(L / 16)] * 8]
     else:
         fit = [[n(L / 128)], [n(L / 64)], [n(L / 16)], [n(L / 4)], [n(L / 2)], [L], [n(L / 64)] * 16,
                [n(L / 16)] * 8, [n(L / 4), n(L / 8), n(L / 16), n(L / 32), n(L / 64), n(L / 64)], [n(L / 128)] * 32]
         held = [[n(3 * L / 64)], [n(3 * L / 16)], [n(3 * L / 8)], [n(3 * L / 4)], [n(3 * L / 32)] * 5,
                 [n(L / 32)] * 12]
-        groups = [[n(L / 4)], [n(L / 2)], [n(L / 32)] * 8, [n(L / 16)] * 6]
+        groups = [[n(L / 4)], [n(L / 2)], [L], [n(L / 32)] * 8, [n(L / 16)] * 8, [n(L / 64)] * 32]
     seen, fit_u = set(), []
     for p in fit:
         if tuple(p) not in seen:

@@ -133,7 +133,9 @@ def profile_table(res) -> str:
             lines.append(f"| {desc} | {g['degree']} | {g['measured_ms']:.1f} | {g['predicted_ms']:.1f} | "
                          f"{g['predicted_with_overhead_ms']:.1f} |")
         if sp:
-            lines.append("\nsp overhead per layer: " + ", ".join(f"degree {d}: {v:.2f} ms" for d, v in sp.items()))
+            tok = res.profile.sp_token_ms
+            lines.append("\nSP overhead per layer: " + ", ".join(
+                f"degree {d}: {v:.2f} ms + {1e3 * tok.get(d, 0.0):.2f} ms per 1,000 tokens" for d, v in sp.items()))
     m = res.memory
     if m:
         lines += ["", f"activations {f(m.get('activation_mb_per_token'), '.4f')} MB/token, model states "

@@ -18,7 +18,6 @@ plus every point and curve the figures draw.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -101,39 +100,51 @@ class ProfileResult:
         return dumps(self.to_dict(), **kw)
 
 
-def fit_sp_overhead(profile: HardwareProfile, world: int, groups: list[dict]) -> tuple[dict[int, float], list[dict]]:
-    """The per-layer extra time of a Ulysses group of each size beyond what the profile's compute and
+def fit_sp_overhead(profile: HardwareProfile, world: int, groups: list[dict]) -> tuple[dict, dict, list[dict]]:
+    """The extra time of a Ulysses group of each size beyond what the profile's compute and
     collective fits predict, from real micro-steps ``groups`` (``{"degree", "pack", "ms"}``, whole
-    model). For degree d and a pack, the residual is measured - predicted; the same pack's degree-1
-    residual (the compute curve's own error on it) divided by d is taken off, and the median over
-    packs, at least 0, divided by the layers, is the figure. Returns ``({degree: ms per layer},
-    rows)`` where rows hold every case's measured and predicted time (before and after)."""
+    model). For degree d and a pack, the residual is measured - predicted, less the same pack's
+    degree-1 residual divided by d (the compute curve's own error on it). Per degree the residuals
+    are fitted as ``layers * (o + r * tokens)`` with o, r >= 0 (least squares; r = 0 when the packs
+    have one token count). Returns ``({degree: o, ms per layer}, {degree: r, ms per token and
+    layer}, rows)``; rows hold every case's measured and predicted time, before and after."""
     import dataclasses
 
+    import numpy as np
+
     from workbench.cost import CostModel
+    from workbench.profile.fit import nnls
     from workbench.specs import ClusterSpec, get_model
 
     if not groups:
-        return {}, []
+        return {}, {}, []
     model = get_model(profile.model)
-    base = dataclasses.replace(profile, sp_overhead_ms={})
+    base = dataclasses.replace(profile, sp_overhead_ms={}, sp_token_ms={})
     cost = CostModel(base, model, ClusterSpec(num_gpus=world, gpus_per_node=world, gpu_memory_gb=1e6))
 
     def pred(d: int, pack) -> float:
         return cost.group_overhead_ms(d) + float(cost.time(pack, d).sum())
 
     r1 = {tuple(g["pack"]): g["ms"] - pred(1, g["pack"]) for g in groups if g["degree"] == 1}
-    extra: dict[int, float] = {}
+    fixed: dict[int, float] = {}
+    per_token: dict[int, float] = {}
     for d in sorted({int(g["degree"]) for g in groups if g["degree"] > 1}):
-        res = [g["ms"] - pred(d, g["pack"]) - r1.get(tuple(g["pack"]), 0.0) / d for g in groups if g["degree"] == d]
-        extra[d] = max(0.0, statistics.median(res)) / model.layers
+        gs = [g for g in groups if g["degree"] == d]
+        tokens = np.array([float(sum(g["pack"])) for g in gs])
+        res = np.array([g["ms"] - pred(d, g["pack"]) - r1.get(tuple(g["pack"]), 0.0) / d for g in gs])
+        if len(set(tokens.tolist())) >= 2:
+            o, r = nnls(np.stack([np.ones_like(tokens), tokens], axis=1), res)
+        else:
+            o, r = max(0.0, float(np.median(res))), 0.0
+        fixed[d], per_token[d] = float(o) / model.layers, float(r) / model.layers
     rows = []
     for g in groups:
         d = int(g["degree"])
         p0 = pred(d, g["pack"])
+        extra = model.layers * (fixed.get(d, 0.0) + per_token.get(d, 0.0) * sum(g["pack"]))
         rows.append({"degree": d, "pack": list(g["pack"]), "tokens": int(sum(g["pack"])), "measured_ms": g["ms"],
-                     "predicted_ms": p0, "predicted_with_overhead_ms": p0 + extra.get(d, 0.0) * model.layers})
-    return extra, rows
+                     "predicted_ms": p0, "predicted_with_overhead_ms": p0 + extra})
+    return fixed, per_token, rows
 
 
 def build_result(measurements: Mapping[str, Any], *, run_id: str | None = None) -> ProfileResult:
@@ -177,13 +188,13 @@ def build_result(measurements: Mapping[str, Any], *, run_id: str | None = None) 
         activation_mb_per_token=float(act) if act else None,
         gpu_memory_gb=float(meta.get("gpu_memory_gb") or 40.0), provenance=prov)
     groups = [dict(g) for g in measurements.get("groups") or []]
-    sp, group_rows = fit_sp_overhead(profile, int(measurements.get("world_size") or 1), groups)
+    sp, sp_tok, group_rows = fit_sp_overhead(profile, int(measurements.get("world_size") or 1), groups)
     if sp:
         import dataclasses
 
-        prov["sp_overhead"] = ("sp_overhead_ms: per layer, the median extra time of real Ulysses micro-steps "
-                               "(all blocks at once) beyond the compute and collective fits")
-        profile = dataclasses.replace(profile, sp_overhead_ms=sp, provenance=prov)
+        prov["sp_overhead"] = ("sp_overhead_ms (per layer) + sp_token_ms (per token and layer): the extra time of real "
+                               "Ulysses micro-steps (all blocks at once) beyond the compute and collective fits")
+        profile = dataclasses.replace(profile, sp_overhead_ms=sp, sp_token_ms=sp_tok, provenance=prov)
     return ProfileResult(
         profile=profile, compute=rows, groups=group_rows,
         fits={"forward": comp["forward"].to_dict(), "backward": comp["backward"].to_dict()},
