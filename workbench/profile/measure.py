@@ -334,15 +334,16 @@ def _group_cases(spec: ModelSpec, net, registry, group_sizes, packs, attn, dev: 
         group = registry.get(tuple(range(lo, lo + d)))
         for pack in packs:
             seqs = [torch.randint(0, spec.vocab, (int(n),), generator=gen) for n in pack]
-            sh = make_shard(seqs, d, rank - lo)
-            a = attn if d == 1 else UlyssesAttention(group, sh.layout, attn)
-            inp = (sh.tokens.to(dev), sh.positions.to(dev), sh.cu_seqlens.to(dev), sh.max_seqlen, sh.labels.to(dev))
 
-            def once(a=a, inp=inp) -> list[float]:
-                tokens, positions, cu, max_s, labels = inp
+            def once(seqs=seqs, d=d, lo=lo, group=group) -> list[float]:
                 net.zero_grad(set_to_none=True)
                 clock.mark()
-                logits = net(tokens, positions, cu, max_s, a)  # (T_loc, vocab)
+                # as the step executor does it, inside the timed micro-step: this rank's slices and layout
+                sh = make_shard(seqs, d, rank - lo)
+                a = attn if d == 1 else UlyssesAttention(group, sh.layout, attn)
+                tokens, positions, cu, labels = (sh.tokens.to(dev), sh.positions.to(dev), sh.cu_seqlens.to(dev),
+                                                 sh.labels.to(dev))
+                logits = net(tokens, positions, cu, sh.max_seqlen, a)  # (T_loc, vocab)
                 loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum")
                 loss.backward()
                 clock.mark()
