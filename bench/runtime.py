@@ -2,8 +2,9 @@
 
 For one long-tailed global batch (a synthetic length family, or the stdlib corpus, clipped to
 ``--max-len``), each planner (static-max, best-static, min-degree, greedy, and flexsp / two-stage
-where registered) plans the step against the cost model built from the quick-fit profile
-(``cpu-gloo-tiny``); then every rank runs that plan with the StepExecutor: ``--warmup`` untimed
+where registered) plans the step against the cost model of ``--profile`` (a shipped name or a
+profile JSON, e.g. a fresh ``workbench profile --quick --nproc 4 --oversubscribe --out p.json``),
+built through ``workbench.scenario.Scenario``; then every rank runs that plan with the StepExecutor: ``--warmup`` untimed
 steps and ``--steps`` timed ones, round-robin over the planners. A step's time is the slowest rank's (they end together in the
 gradient all-reduce); the table shows its median next to the plan's predicted makespan, and the
 median ratio measured/predicted of the plan's groups (compute per micro-step, without waits).
@@ -13,7 +14,14 @@ planner would run everything on degree 1. By default the per-rank memory is set 
 ``--max-len`` sequence needs degree 4 (as a 128K sequence does on a GPU): ``--gpu-memory-gb``
 overrides it.
 
-Usage: python bench/runtime.py [--nproc 4] [--lengths wikipedia] [--max-len 4096]
+The tables: per planner, predicted and measured step (the step-time error is their APE), the
+measured/predicted ratio of its groups by degree (a group's time is the shortest of its ranks':
+an early rank waits inside the group's first collective); then the speedup of each mixed plan over
+``static-max`` (degree 4), predicted and measured (from the median steps and from the best, the
+least disturbed by other work on a shared machine), and the ratio of the gains (1: the model
+predicts the measured gain exactly).
+
+Usage: python bench/runtime.py [--nproc 4] [--profile NAME|PATH] [--lengths wikipedia] [--max-len 4096]
 [--batch-tokens 32768] [--steps 3] [--warmup 1] [--planners a,b] [--gpu-memory-gb G] [--json PATH]
 It launches torchrun itself (argument lists, its own session; killed on --timeout).
 """
@@ -47,7 +55,7 @@ def _args(argv=None):
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--planners", default=",".join(PLANNERS))
-    ap.add_argument("--profile", default="cpu-gloo-tiny")
+    ap.add_argument("--profile", default="cpu-gloo-tiny", help="profile name or JSON path (default cpu-gloo-tiny)")
     ap.add_argument("--gpu-memory-gb", type=float, default=None,
                     help="per-rank memory for the cost model (default: a max-len sequence needs degree nproc)")
     ap.add_argument("--time-limit", type=float, default=2.0, help="solver time limit (flexsp)")
@@ -63,30 +71,31 @@ def _args(argv=None):
 # ------------------------------------------------------------------------------------------------
 
 
+def _scenario(args, gpu_memory_gb: float):
+    from workbench.scenario import Scenario
+
+    n = args.nproc
+    return Scenario(model="tiny", profile=args.profile, num_gpus=n, gpus_per_node=n, gpu_memory_gb=gpu_memory_gb,
+                    source=args.lengths, samples=args.samples, max_len=args.max_len, policy="clip",
+                    batch_tokens=args.batch_tokens, seed=args.seed, time_limit=args.time_limit)
+
+
 def _setup(args):
-    """Rank 0's batch, cost model and plans (planners may not be deterministic: plan once)."""
-    import numpy as np
+    """Rank 0's batch, cost model and plans, built through a Scenario (planners may not be
+    deterministic: plan once)."""
+    from workbench.solve import planner_names
 
-    from workbench.cost import CostModel
-    from workbench.data import GlobalBatchSampler, load_lengths
-    from workbench.solve import planner_names, run_planner
-    from workbench.specs import ClusterSpec, get_model, load_profile
-
-    model = get_model("tiny")
-    profile = load_profile(args.profile)
-    ls = load_lengths(args.lengths, samples=args.samples, seed=args.seed, max_len=args.max_len, policy="clip")
-    batch = next(iter(GlobalBatchSampler(ls.lengths, batch_tokens=args.batch_tokens, seed=args.seed).take(1)))
-    lengths = [int(x) for x in batch.lengths]
     n = args.nproc
     mem = args.gpu_memory_gb
     if mem is None:
         # the memory at which a max-len sequence needs degree n (with 25% to spare on n ranks)
-        probe = CostModel(profile, model, ClusterSpec(num_gpus=n, gpus_per_node=n, gpu_memory_gb=1000.0))
+        probe = _scenario(args, 1000.0).cost()
         act_gb = float(probe.memory([args.max_len], n)[0]) * 1.25
-        cluster0 = ClusterSpec(num_gpus=n, gpus_per_node=n, gpu_memory_gb=1.0)
-        mem = (act_gb + cluster0.model_state_gb(model)) / cluster0.usable_memory_fraction
-    cluster = ClusterSpec(num_gpus=n, gpus_per_node=n, gpu_memory_gb=mem)
-    cost = CostModel(profile, model, cluster)
+        mem = (act_gb + probe.cluster.model_state_gb(probe.model)) / probe.cluster.usable_memory_fraction
+    sc = _scenario(args, mem)
+    cost = sc.cost()
+    batch = sc.batches(1)[0]
+    lengths = [int(x) for x in batch.lengths]
     known = set(planner_names())
     plans, errors = {}, {}
     for name in args.planners.split(","):
@@ -94,13 +103,14 @@ def _setup(args):
             errors[name] = "not registered"
             continue
         try:
-            p = run_planner(name, np.asarray(lengths), cost, seed=args.seed, time_limit=args.time_limit,
-                            max_len=args.max_len)
-            plans[name] = p.to_dict()
+            plans[name] = sc.plan(batch, planner=name).to_dict()
         except Exception as e:  # a planner that fails is reported, the others still run
             errors[name] = f"{type(e).__name__}: {e}"
+    profile = cost.profile
     info = {"lengths": lengths, "gpu_memory_gb": mem, "memory_budget_gb": cost.memory_budget_gb,
             "profile": profile.name, "profile_when": profile.provenance.get("when"),
+            "profile_world": profile.provenance.get("world_size"),
+            "group_overhead_ms": {str(d): cost.group_overhead_ms(d) for d in cost.degrees},
             "lower_bound_ms": float(next(iter(plans.values()))["lower_bound_ms"]) if plans else None}
     return info, plans, errors
 
@@ -130,6 +140,7 @@ def _worker(args) -> int:
     parsed = {name: plan_from_dict(pd) for name, pd in plans.items()}
     steps = {name: [] for name in plans}
     ratios = {name: [] for name in plans}
+    groups = {name: [] for name in plans}
     losses = {}
     for i in range(args.warmup + args.steps):
         for name, plan in parsed.items():
@@ -141,16 +152,29 @@ def _worker(args) -> int:
             if i >= args.warmup:
                 steps[name].append(float(t))
                 ratios[name] += [r.measured_ms / r.predicted_ms for r in res.records if r.degree and r.predicted_ms > 0]
+                groups[name] += [((i, r.micro_step, r.ranks[0]), (r.degree, r.measured_ms, r.predicted_ms))
+                                 for r in res.records if r.degree and r.predicted_ms > 0]
     rows = {}
     for name, pd in plans.items():
         all_ratios = [None] * world
         dist.all_gather_object(all_ratios, ratios[name])
+        all_groups = [None] * world
+        dist.all_gather_object(all_groups, groups[name])
+        by_group = {}
+        for per_rank in all_groups:
+            for key, (deg, meas, pred) in per_rank:
+                k = tuple(key)
+                by_group[k] = (deg, min(meas, by_group[k][1]) if k in by_group else meas, pred)
+        by_degree = {}
+        for deg, meas, pred in by_group.values():
+            by_degree.setdefault(str(deg), []).append(meas / pred)
         flat = [x for r in all_ratios for x in r]
         degrees = sorted({g["degree"] for m in pd["micro_steps"] for g in m["groups"]})
         med = statistics.median(steps[name])
         rows[name] = {"measured_ms": med, "measured_all_ms": steps[name], "predicted_ms": pd["makespan_ms"],
                       "ratio": med / pd["makespan_ms"], "group_ratio_median": statistics.median(flat) if flat else None,
-                      "micro_steps": len(pd["micro_steps"]), "degrees": degrees, "loss": losses[name]}
+                      "micro_steps": len(pd["micro_steps"]), "degrees": degrees, "loss": losses[name],
+                      "group_ratio_by_degree": {d: statistics.median(v) for d, v in sorted(by_degree.items())}}
     if rank == 0:
         out = {"info": info, "rows": rows, "errors": errors, "world": world, "attention": backend,
                "threads_per_rank": torch.get_num_threads()}
@@ -169,8 +193,9 @@ def _launch(args, argv) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               str(Path(__file__).resolve()), *argv, "--worker-out", str(out)]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+               str(Path(__file__).resolve())]
+        # the worker's arguments travel in the environment: torchrun's own parser would take --nproc
+        env = dict(os.environ, OMP_NUM_THREADS="1", WORKBENCH_BENCH_ARGV=json.dumps([*argv, "--worker-out", str(out)]))
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         try:
             rc = proc.wait(timeout=args.timeout)
@@ -187,6 +212,8 @@ def _launch(args, argv) -> dict:
 
 
 def main(argv=None) -> int:
+    if argv is None and os.environ.get("WORKBENCH_BENCH_ARGV"):
+        argv = json.loads(os.environ["WORKBENCH_BENCH_ARGV"])
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _args(argv)
     if args.worker_out:
@@ -208,17 +235,43 @@ def main(argv=None) -> int:
         print(f"# lower bound (cost model): {info['lower_bound_ms']:.0f} ms")
     print()
     print("| planner | degrees | micro-steps | predicted (ms) | measured (ms) | best step (ms) | measured/predicted | "
-          "group measured/predicted (median) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+          "step APE (%) | group measured/predicted by degree (median) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    apes = []
     for name in args.planners.split(","):
         r = res["rows"].get(name)
         if r is None:
             why = res["errors"].get(name, "not run")
-            print(f"| {name} | n/a | | | | | | ({why}) |")
+            print(f"| {name} | n/a | | | | | | | ({why}) |")
             continue
-        gr = f"{r['group_ratio_median']:.2f}" if r["group_ratio_median"] is not None else "-"
+        ape = 100 * abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
+        apes.append(ape)
+        gr = ", ".join(f"d{d}: {v:.2f}" for d, v in (r.get("group_ratio_by_degree") or {}).items()) or "-"
         print(f"| {name} | {','.join(map(str, r['degrees']))} | {r['micro_steps']} | {r['predicted_ms']:.0f} | "
-              f"{r['measured_ms']:.0f} | {min(r['measured_all_ms']):.0f} | {r['ratio']:.2f} | {gr} |")
+              f"{r['measured_ms']:.0f} | {min(r['measured_all_ms']):.0f} | {r['ratio']:.2f} | {ape:.1f} | {gr} |")
+    if apes:
+        print(f"\nstep-time prediction error over the planners: median {statistics.median(apes):.1f}%, "
+              f"worst {max(apes):.1f}%")
+    base = res["rows"].get("static-max")
+    if base is not None:
+        print()
+        print("| mixed plan | predicted speedup over static-max | measured (median steps) | predicted gain / measured "
+              "gain | measured (best steps) | predicted gain / measured gain |")
+        print("|---|---:|---:|---:|---:|---:|")
+
+        def gain(x: float) -> str:
+            return f"{x:.3f}x ({100 * (x - 1):+.1f}%)"
+
+        for name in ("flexsp", "greedy", "min-degree"):
+            r = res["rows"].get(name)
+            if r is None or len(r["degrees"]) < 2:
+                continue
+            p = base["predicted_ms"] / r["predicted_ms"]
+            m = base["measured_ms"] / r["measured_ms"]
+            b = min(base["measured_all_ms"]) / min(r["measured_all_ms"])
+            rm = (p - 1) / (m - 1) if abs(m - 1) > 1e-9 else float("nan")
+            rb = (p - 1) / (b - 1) if abs(b - 1) > 1e-9 else float("nan")
+            print(f"| {name} | {gain(p)} | {gain(m)} | {rm:.2f} | {gain(b)} | {rb:.2f} |")
     print(f"\n# {time.perf_counter() - t0:.0f} s in all", file=sys.stderr)
     if args.json:
         from workbench.util import write_json_atomic

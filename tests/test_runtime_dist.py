@@ -174,14 +174,15 @@ def _check_gradients(registry, rank: int) -> dict:
 
 
 def _check_misc(registry, rank: int) -> dict:
-    """A plan the world cannot run fails on every rank before any collective (no hang); the quick
-    fit's collective measurement works under gloo."""
+    """A plan the world cannot run fails on every rank before any collective (no hang); the
+    profiler's collective measurement (all-to-all, ring steps, all-reduce) works under gloo."""
     import torch
 
     from workbench.cost import CostModel
     from workbench.runtime.attention import torch_varlen_attention
     from workbench.runtime.model import Transformer
-    from workbench.runtime.quickfit import measure_collectives
+    from workbench.profile.fit import fit_collectives
+    from workbench.profile.measure import measure_collectives
     from workbench.runtime.step import StepExecutor
     from workbench.solve.plan import PlanError, build_plan
     from workbench.specs import ClusterSpec, get_model, load_profile
@@ -196,10 +197,15 @@ def _check_misc(registry, rank: int) -> dict:
         results["bad_plan"] = {"ok": False, "error": "no error"}
     except PlanError as e:
         results["bad_plan"] = {"ok": "world size" in str(e), "error": str(e)}
-    coll = measure_collectives(message_mb=0.25, warmup=1, reps=2, registry=registry)
-    ok = set(coll["all_to_all_gbps"]) == {2, 4} and all(v > 0 for v in coll["all_to_all_gbps"].values())
-    results["collectives"] = {"ok": ok and coll["allreduce_gbps"].get(WORLD, 0) > 0,
-                              "figures": {k: {str(d): v for d, v in t.items()} for k, t in coll.items()}}
+    points = measure_collectives(registry, [2, 4], [16384, 262144], reps=2, inner=2)
+    fits = fit_collectives(points)
+    agreed = all(len(p["per_rank"]) == WORLD and p["ms"] > 0 for p in points)
+    ok = (set(fits.get("all_to_all", {})) == {2, 4} and set(fits.get("p2p", {})) == {2, 4}
+          and set(fits.get("allreduce", {})) == {WORLD}
+          and all(f.gbps > 0 and f.latency_ms >= 0 for by in fits.values() for f in by.values()))
+    results["collectives"] = {"ok": ok and agreed,
+                              "figures": {k: {str(d): [f.latency_ms, f.gbps] for d, f in by.items()}
+                                          for k, by in fits.items()}}
     return results
 
 
@@ -293,7 +299,7 @@ def test_bad_plan_fails_on_every_rank_without_hanging(dist_results):
 
 
 @pytest.mark.slow
-def test_quickfit_measures_gloo_collectives(dist_results):
+def test_profiler_measures_gloo_collectives(dist_results):
     _assert_all_ranks(dist_results, "collectives")
 
 

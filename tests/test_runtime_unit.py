@@ -283,34 +283,29 @@ def test_group_registry_single_process():
 
 
 # ------------------------------------------------------------------------------------------------
-# quick fit
+# the profiler's measuring side, in one process (the fit itself: tests/test_profile_fit.py)
 # ------------------------------------------------------------------------------------------------
 
 
-def test_nnls_and_fit_curve_recover_a_known_curve():
-    from workbench.runtime.quickfit import fit_curve, nnls
+def test_measure_compute_in_one_process_fits_a_profile_the_cost_model_loads(tiny):
+    """The profiler's torch side on one process (no collectives): real timings, a fit, a profile."""
+    from workbench.profile.measure import measure_compute, measure_memory
+    from workbench.profile.result import build_result
 
-    packs = [(64,), (256,), (1024,), (64,) * 8, (512, 256)]
-    a, b, c = 2e-6, 0.01, 1.5
-    t = [a * sum(s * s for s in p) + b * sum(p) + c for p in packs]
-    curve = fit_curve(packs, t)
-    assert curve.a == pytest.approx(a, rel=1e-6) and curve.b == pytest.approx(b, rel=1e-6)
-    assert curve.c == pytest.approx(c, rel=1e-6)
-    # a negative unconstrained solution is clipped to zero
-    import numpy as np
-
-    w = nnls(np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]]), np.array([3.0, 2.0, 1.0]))
-    assert (w >= 0).all() and w[1] == 0
-
-
-def test_quickfit_tiny_returns_a_measured_profile(tiny):
-    from workbench.runtime.quickfit import quickfit
-
-    prof = quickfit(tiny, packs=[(16,), (64,), (128,), (16, 16, 16)], warmup=0, reps=1)
-    assert prof.provenance["kind"] == "measured" and prof.provenance["method"] == "quickfit"
-    assert prof.provenance["collectives"] == "estimate"
-    assert prof.model == "tiny" and prof.activation_mb_per_token > 0
-    assert prof.forward.a >= 0 and prof.backward.b >= 0
+    packs = [[16], [64], [128], [16, 16, 16], [32]]
+    rows = measure_compute(tiny, packs, attn=torch_varlen_attention, warmup=1, reps=2, min_sample_ms=2.0)
+    assert [r["pack"] for r in rows] == packs
+    assert all(r["forward_ms"] > 0 and r["backward_ms"] > 0 and len(r["forward_all"]) == 2 for r in rows)
+    mem = measure_memory(tiny, lengths=(64, 128))
+    assert mem["activation_mb_per_token"] > 0 and mem["method"].startswith("computed on CPU")
+    # model states computed by hand: fp32 weights and gradients, two fp32 AdamW moments
+    assert mem["model_state_mb"] == pytest.approx(16 * tiny.params() / 1e6)
+    compute = [{**r, "role": "heldout" if r["pack"] == [32] else "fit"} for r in rows]
+    res = build_result({"model": "tiny", "compute": compute, "collectives": [], "memory": mem,
+                        "meta": {"name": "t", "gpu": "cpu", "provenance": {"kind": "measured"}}})
+    prof = res.profile
+    assert prof.provenance["kind"] == "measured" and prof.provenance["collectives"] == "estimate"
+    assert prof.model == "tiny" and prof.activation_mb_per_token > 0 and res.heldout["total"]["count"] == 1
     CostModel(prof, tiny, ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=4.0))
 
 
@@ -319,7 +314,7 @@ def test_shipped_cpu_profile_loads(tiny):
 
     assert "cpu-gloo-tiny" in list_profiles()
     prof = load_profile("cpu-gloo-tiny")
-    assert prof.provenance["kind"] == "measured" and prof.provenance["method"] == "quickfit"
+    assert prof.provenance["kind"] == "measured"
     assert prof.model == "tiny" and prof.provenance["when"]
     cost = _cost()
     assert cost.time([1024], 1)[0] > cost.time([1024], 4)[0] > 0

@@ -490,6 +490,14 @@ def _follow(handle, spec, *, quiet: bool):
             bar.close()
 
 
+def cmd_profile(args) -> int:
+    """``workbench profile``: a profile run (measure, fit, show the held-out error), or with --check
+    RUN the profile's predictions against a training run's measurements."""
+    from workbench.profile.command import run
+
+    return run(args)
+
+
 # ---------------------------------------------------------------------------------------------
 # runs
 # ---------------------------------------------------------------------------------------------
@@ -638,6 +646,13 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("train", help="launch (or resume) a real multi-process training run under torchrun")
     _add_train_arguments(q)
     q.set_defaults(func=cmd_train)
+
+    q = sub.add_parser("profile", help="measure this machine (a profile run) and fit the cost model; --check RUN: "
+                                       "predicted vs measured step and group time of a training run")
+    from workbench.profile.command import add_arguments as _add_profile_arguments
+
+    _add_profile_arguments(q)
+    q.set_defaults(func=cmd_profile)
 
     q = sub.add_parser("runs", help="list, show, stop and compare runs in the run store")
     q.add_argument("action", choices=["list", "show", "stop", "compare"])

@@ -321,6 +321,22 @@ def _curve(v: Any) -> ComputeCurve:
     return v if isinstance(v, ComputeCurve) else ComputeCurve.from_dict(v)
 
 
+def _latency_table(v: Any) -> dict[int, float]:
+    if not isinstance(v, Mapping):
+        raise ValueError(f"latency table must be an object {{group size: ms}}, got {v!r}")
+    out = {}
+    for k, x in v.items():
+        try:
+            kk = int(k)
+        except (TypeError, ValueError):
+            raise ValueError(f"latency table key {k!r} is not a group size (an integer)") from None
+        _require(kk >= 1, f"latency table key {kk} must be >= 1")
+        _require(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0,
+                 f"latency for group size {kk} must be a finite number >= 0 ms, got {x!r}")
+        out[kk] = float(x)
+    return dict(sorted(out.items()))
+
+
 def _bw_table(v: Any) -> dict[int, float]:
     if not isinstance(v, Mapping):
         raise ValueError(f"bandwidth table must be an object {{group size: GB/s}}, got {v!r}")
@@ -357,6 +373,22 @@ class HardwareProfile(_JsonMixin):
     """Per-GPU point-to-point bandwidth in GB/s by ring size (ring attention)."""
     allreduce_gbps: dict = field(default_factory=dict, metadata={"from_json": _bw_table})
     """All-reduce bus bandwidth in GB/s by group size (data-parallel gradient sync)."""
+    all_to_all_latency_ms: dict = field(default_factory=dict, metadata={"from_json": _latency_table})
+    """Fixed time of one all-to-all call by group size (ms), fitted with the bandwidth from several
+    message sizes; empty: no latency term (the reference profiles publish none)."""
+    p2p_latency_ms: dict = field(default_factory=dict, metadata={"from_json": _latency_table})
+    """Fixed time of one ring step (send to the next rank, receive from the previous) by ring size (ms)."""
+    allreduce_latency_ms: dict = field(default_factory=dict, metadata={"from_json": _latency_table})
+    """Fixed time of one all-reduce call by group size (ms)."""
+    sp_token_ms: dict = field(default_factory=dict, metadata={"from_json": _latency_table})
+    """Measured extra time per token and layer of a Ulysses group of size d (ms per token of the
+    group's sequences), beyond its compute and all-to-all bytes: the layout work that grows with the
+    tokens (gathers, copies, waits that lengthen with the work between meetings); empty: none."""
+    sp_overhead_ms: dict = field(default_factory=dict, metadata={"from_json": _latency_table})
+    """Measured extra fixed time per layer of one Ulysses group of size d in one micro-step (ms),
+    beyond its compute and its all-to-all bytes and latency: the runtime's layout work (slicing,
+    packing, index gathers, KV repeats) and the waits of ranks that must meet every layer. Fitted
+    from real micro-steps of each group size; empty: none."""
     activation_mb_per_token: float | None = None
     """Activation memory of the whole ``model`` per token in MB (1e6 bytes), measured; None to
     estimate it from the model's shape."""
@@ -371,6 +403,8 @@ class HardwareProfile(_JsonMixin):
         object.__setattr__(self, "backward", _curve(self.backward))
         for n in ("all_to_all_gbps", "p2p_gbps", "allreduce_gbps"):
             object.__setattr__(self, n, _bw_table(getattr(self, n)))
+        for n in ("all_to_all_latency_ms", "p2p_latency_ms", "allreduce_latency_ms", "sp_overhead_ms", "sp_token_ms"):
+            object.__setattr__(self, n, _latency_table(getattr(self, n)))
         _require(bool(self.all_to_all_gbps), f"HardwareProfile {self.name}: all_to_all_gbps is empty; "
                                              f"give at least one {{group size: GB/s}} entry")
         if self.activation_mb_per_token is not None:

@@ -10,10 +10,21 @@ Time of one sequence of ``s`` tokens on a group of ``d`` GPUs (whole model, ms):
                                                                                       # with attention
 
 ``passes`` is 2 (forward and backward), 3 with full recomputation. A group's time in a micro-step
-is the sum of its sequences' times plus ``group_overhead_ms(d)`` (the fitted constant ``c``: one
-packed call per layer). A group fits when the sum of its sequences' ``memory(s, d)`` is at most
-``memory_budget_gb`` (usable GPU memory less model states). After the last micro-step all ranks
-all-reduce gradients: ``grad_sync_ms``.
+is the sum of its sequences' times plus ``group_overhead_ms(d)``: the fitted constant ``c`` (one
+packed call per layer) and, when the profile measured it, the fixed latency of the group's
+collective calls, which does not depend on how many tokens the group runs::
+
+    overhead(d)   = C + calls(d) * latency(d) + layers * sp_overhead(d)
+        ulysses: calls = 2 * passes * layers            # q/k/v there and the output back, per pass
+        ring:    calls = (passes + 1) * layers * (d-1)  # ring steps
+        sp_overhead(d): the profile's measured extra per layer of a Ulysses group (layout work, waits)
+
+and, when the profile measured it, each sequence of a Ulysses group adds ``layers * sp_token(d) * s``
+(the part of that extra that grows with the tokens).
+
+A group fits when the sum of its sequences' ``memory(s, d)`` is at most ``memory_budget_gb``
+(usable GPU memory less model states). After the last micro-step all ranks all-reduce
+gradients: ``grad_sync_ms`` (bytes over bus bandwidth, plus the call's latency when measured).
 
 Pure numpy: no torch.
 """
@@ -49,6 +60,25 @@ def _interp_bw(table: dict[int, float], d: int) -> float:
         if lo < d < hi:
             t = (math.log(d) - math.log(lo)) / (math.log(hi) - math.log(lo))
             return math.exp(math.log(table[lo]) * (1 - t) + math.log(table[hi]) * t)
+    raise AssertionError("unreachable")
+
+
+def _interp_latency(table: dict[int, float], d: int) -> float:
+    """Latency (ms) for group size ``d``: linear in log(d) between measured sizes, clamped; 0 when
+    the profile has none."""
+    if not table:
+        return 0.0
+    keys = sorted(table)
+    if d in table:
+        return table[d]
+    if d <= keys[0]:
+        return table[keys[0]]
+    if d >= keys[-1]:
+        return table[keys[-1]]
+    for lo, hi in zip(keys, keys[1:]):
+        if lo < d < hi:
+            t = (math.log(d) - math.log(lo)) / (math.log(hi) - math.log(lo))
+            return table[lo] * (1 - t) + table[hi] * t
     raise AssertionError("unreachable")
 
 
@@ -196,10 +226,21 @@ class CostModel:
         attn = self._fit.A * s * s / d
         return np.maximum(0.0, comm - attn)
 
+    def sp_token_ms(self, lengths, degree: int) -> np.ndarray:
+        """The profile's measured extra time of each sequence in a Ulysses group of ``degree`` that
+        grows with its tokens (``layers * sp_token_ms[d] * s``; 0 for degree 1, ring, or a profile
+        without it)."""
+        s = np.asarray(lengths, dtype=np.float64)
+        d = int(degree)
+        if d <= 1 or self.strategy != "ulysses" or not self.profile.sp_token_ms:
+            return np.zeros_like(s)
+        return self.model.layers * _interp_latency(self.profile.sp_token_ms, d) * s
+
     def time(self, lengths, degree: int) -> np.ndarray:
-        """Time (ms) of each sequence on a group of ``degree``: compute plus exposed communication.
-        The group's fixed cost per micro-step is ``group_overhead_ms(degree)``, not included."""
-        return self.compute_ms(lengths, degree) + self.comm_ms(lengths, degree)
+        """Time (ms) of each sequence on a group of ``degree``: compute plus exposed communication
+        (plus the measured SP layout cost per token, when the profile has it). The group's fixed cost
+        per micro-step is ``group_overhead_ms(degree)``, not included."""
+        return self.compute_ms(lengths, degree) + self.comm_ms(lengths, degree) + self.sp_token_ms(lengths, degree)
 
     def memory(self, lengths, degree: int) -> np.ndarray:
         """Activation memory (GB per GPU) of each sequence on a group of ``degree``."""
@@ -210,9 +251,41 @@ class CostModel:
         """GPU-time (ms x GPUs) of each sequence on ``degree``: ``degree * time``."""
         return degree * self.time(lengths, degree)
 
+    def collective_calls(self, degree: int) -> int:
+        """Collective calls one group of ``degree`` makes per micro-step (0 for degree 1): Ulysses
+        sends q/k/v and brings the output back once per layer and pass (forward, backward, and the
+        recomputed forward); ring passes K/V ``d - 1`` times per layer and pass (backward twice)."""
+        d = int(degree)
+        if d <= 1:
+            return 0
+        passes = 3 if self.recompute else 2
+        if self.strategy == "ulysses":
+            return 2 * passes * self.model.layers
+        return (passes + 1) * self.model.layers * (d - 1)
+
+    def collective_latency_ms(self, degree: int) -> float:
+        """The part of ``group_overhead_ms`` spent in the fixed latency of collective calls (0 when
+        the profile has no latency figures)."""
+        d = int(degree)
+        if d <= 1:
+            return 0.0
+        p = self.profile
+        table = p.all_to_all_latency_ms if self.strategy == "ulysses" else (p.p2p_latency_ms or p.all_to_all_latency_ms)
+        return self.collective_calls(d) * _interp_latency(table, d)
+
+    def sp_overhead_ms(self, degree: int) -> float:
+        """The profile's measured extra fixed time of a Ulysses group of ``degree`` per micro-step
+        (its per-layer figure times the model's layers; 0 for degree 1, ring, or a profile without it)."""
+        d = int(degree)
+        if d <= 1 or self.strategy != "ulysses" or not self.profile.sp_overhead_ms:
+            return 0.0
+        return self.model.layers * _interp_latency(self.profile.sp_overhead_ms, d)
+
     def group_overhead_ms(self, degree: int) -> float:
-        """Fixed time a group pays once per micro-step (the fitted constant c of every layer)."""
-        return self._fit.C
+        """Fixed time a group pays once per micro-step: the fitted constant c of every layer, plus
+        the latency of the group's collective calls and the measured extra of its SP layout when
+        the profile has them."""
+        return self._fit.C + self.collective_latency_ms(degree) + self.sp_overhead_ms(degree)
 
     @property
     def activation_bytes_per_token(self) -> float:
@@ -223,14 +296,15 @@ class CostModel:
         return self.memory_budget_gb * 1e9 / self._fit.act_bytes
 
     def grad_sync_ms(self, num_ranks: int | None = None) -> float:
-        """Data-parallel gradient all-reduce after the last micro-step (ring: 2(n-1)/n of the bf16
-        gradient bytes at the profile's bus bandwidth). 0 when the profile has no all-reduce figures
-        or on one rank."""
+        """Data-parallel gradient all-reduce after the last micro-step (ring: 2(n-1)/n of the
+        gradient bytes, ``dtype_bytes`` per parameter, at the profile's bus bandwidth, plus the
+        call's latency when measured). 0 when the profile has no all-reduce figures or on one rank."""
         n = num_ranks or self.cluster.num_gpus
         if n <= 1 or not self.profile.allreduce_gbps:
             return 0.0
-        grad_bytes = 2.0 * self.model.params()
-        return 2 * (n - 1) / n * grad_bytes / (_interp_bw(self.profile.allreduce_gbps, n) * 1e9) * 1e3
+        grad_bytes = float(self.model.dtype_bytes) * self.model.params()
+        return (2 * (n - 1) / n * grad_bytes / (_interp_bw(self.profile.allreduce_gbps, n) * 1e9) * 1e3
+                + _interp_latency(self.profile.allreduce_latency_ms, n))
 
     # ---- feasibility ----------------------------------------------------------------------------
     def min_degree(self, lengths) -> np.ndarray:

@@ -7,7 +7,7 @@
 - ``groups``: ``GroupRegistry`` - every aligned (degree, block) process group, made once.
 - ``step``: ``StepExecutor(model, registry, attn).run(plan, sequences) -> StepResult``;
   ``make_shard``, ``check_plan``, ``MicroStepRecord``.
-- ``quickfit``: measure this machine and fit a ``HardwareProfile``.
+- measuring this machine for a ``HardwareProfile`` lives in ``workbench.profile.measure`` (``workbench profile``).
 
 Everything here imports torch; the planning side (``workbench.solve``, ``cost``, ``specs``) never does.
 """

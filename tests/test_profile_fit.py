@@ -1,0 +1,395 @@
+"""The profiler's pure side: fits against known coefficients, held-out errors and fidelity on fixed
+fixtures computed by hand, the latency terms of the cost model, and bad input as one clear line.
+No torch, milliseconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from workbench.cost import CostModel
+from workbench.profile import ProfileSpec, check_fidelity, prepare_profile
+from workbench.profile.fit import (ape, error_summary, fit_collectives, fit_link, fit_pack_curve, heldout_errors,
+                                   nnls, trimmed_median, wire_bytes)
+from workbench.profile.result import ProfileResult, build_result
+from workbench.specs import ClusterSpec, ComputeCurve, HardwareProfile, get_model, load_profile
+
+PACKS = [[64], [256], [1024], [2048], [4096], [64] * 16, [256] * 8, [1024, 512, 256, 128, 64, 64]]
+
+
+def _t(a, b, c, pack):
+    return a * sum(s * s for s in pack) + b * sum(pack) + c
+
+
+# ------------------------------------------------------------------------------------------------
+# compute fits
+# ------------------------------------------------------------------------------------------------
+
+
+def test_fit_recovers_exact_coefficients():
+    a, b, c = 2e-6, 0.01, 1.5
+    fit = fit_pack_curve(PACKS, [_t(a, b, c, p) for p in PACKS])
+    assert fit.curve.a == pytest.approx(a, rel=1e-9)
+    assert fit.curve.b == pytest.approx(b, rel=1e-9)
+    assert fit.curve.c == pytest.approx(c, rel=1e-9)
+    assert max(abs(r) for r in fit.residuals_ms) < 1e-9
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fit_recovers_known_coefficients_under_noise(seed):
+    # 3% multiplicative noise, 5 noisy repetitions per pack reduced by the trimmed median (as measured)
+    rng = np.random.default_rng(seed)
+    a, b, c = 8e-6, 0.016, 2.0
+    times = [trimmed_median(_t(a, b, c, p) * (1 + 0.03 * rng.standard_normal(5))) for p in PACKS]
+    fit = fit_pack_curve(PACKS, times)
+    assert fit.curve.a == pytest.approx(a, rel=0.08)
+    assert fit.curve.b == pytest.approx(b, rel=0.08)
+    assert fit.curve.c == pytest.approx(c, rel=0.35)  # c is small next to the longest packs
+    # a pack it was not fitted on is predicted within the noise
+    held = heldout_errors(fit.curve, [[3072], [512] * 4], [_t(a, b, c, [3072]), _t(a, b, c, [512] * 4)])
+    assert held["worst_ape"] < 5.0
+
+
+def test_nnls_clips_a_negative_coefficient():
+    w = nnls(np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]]), np.array([3.0, 2.0, 1.0]))
+    assert (w >= 0).all() and w[1] == 0
+    assert w[0] == pytest.approx(2.0)  # the best constant alone: the mean
+
+
+def test_fit_rejects_too_few_or_bad_points():
+    with pytest.raises(ValueError, match="at least 3"):
+        fit_pack_curve([[1], [2]], [1.0, 2.0])
+    with pytest.raises(ValueError, match="positive"):
+        fit_pack_curve([[1], [2], [3]], [1.0, 0.0, 2.0])
+    with pytest.raises(ValueError, match="3 packs but 2 times"):
+        fit_pack_curve([[1], [2], [3]], [1.0, 2.0])
+
+
+def test_trimmed_median_and_ape_by_hand():
+    assert trimmed_median([1, 2, 3, 100, 4], 0.2) == 3.0  # 1 and 100 dropped
+    assert trimmed_median([5.0]) == 5.0
+    assert ape(110.0, 100.0) == pytest.approx(10.0)
+    assert ape(80.0, 100.0) == pytest.approx(20.0)
+    s = error_summary([10.0, 20.0, 40.0])
+    assert s["median_ape"] == 20.0 and s["worst_ape"] == 40.0 and s["count"] == 3
+
+
+def test_heldout_error_on_a_fixed_fixture():
+    curve = ComputeCurve(a=0.0, b=1.0, c=0.0)  # predicts the token count
+    out = heldout_errors(curve, [[100], [200], [50, 50]], [100.0, 250.0, 80.0])
+    assert [p["predicted_ms"] for p in out["points"]] == [100.0, 200.0, 100.0]
+    assert [round(p["ape"], 6) for p in out["points"]] == [0.0, 20.0, 25.0]
+    assert out["median_ape"] == pytest.approx(20.0) and out["worst_ape"] == pytest.approx(25.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# collectives
+# ------------------------------------------------------------------------------------------------
+
+
+def test_link_fit_recovers_latency_and_bandwidth():
+    lat, gbps = 0.5, 2.0
+    sizes = [8192, 131072, 1 << 20, 4 << 20]
+    for kind, d in (("all_to_all", 4), ("allreduce", 4), ("p2p", 2)):
+        t = [lat + wire_bytes(kind, m, d) / (gbps * 1e9) * 1e3 for m in sizes]
+        f = fit_link(kind, d, sizes, t)
+        assert f.latency_ms == pytest.approx(lat, rel=1e-6) and f.gbps == pytest.approx(gbps, rel=1e-6)
+        assert f.predict(2 << 20) == pytest.approx(lat + wire_bytes(kind, 2 << 20, d) / 2e9 * 1e3)
+    # wire bytes by hand: all-to-all sends (d-1)/d, ring all-reduce 2(n-1)/n
+    assert wire_bytes("all_to_all", 1000, 4) == 750 and wire_bytes("allreduce", 1000, 4) == 1500
+
+
+def test_link_fit_without_size_dependence_keeps_a_finite_bandwidth():
+    f = fit_link("all_to_all", 2, [1000, 1000], [1.0, 1.0])  # one size: no latency can be separated
+    assert f.latency_ms == 0.0 and f.gbps == pytest.approx(500 / 1e-3 / 1e9)
+    pts = [{"kind": "all_to_all", "group_size": 2, "message_bytes": m, "ms": 1.0 + m / 1e6} for m in (1e4, 1e5, 1e6)]
+    fits = fit_collectives(pts)
+    assert set(fits) == {"all_to_all"} and set(fits["all_to_all"]) == {2}
+
+
+# ------------------------------------------------------------------------------------------------
+# measurements -> profile
+# ------------------------------------------------------------------------------------------------
+
+
+def _measurements(a=(5e-6, 1e-5), b=(0.01, 0.02), c=(1.0, 2.0), lat=0.4, gbps=1.5):
+    rows = []
+    for p, role in [(p, "fit") for p in PACKS] + [([3072], "heldout"), ([128] * 8, "heldout")]:
+        rows.append({"pack": p, "tokens": sum(p), "role": role, "forward_ms": _t(a[0], b[0], c[0], p),
+                     "backward_ms": _t(a[1], b[1], c[1], p)})
+    coll = []
+    for kind, d in (("all_to_all", 2), ("all_to_all", 4), ("allreduce", 4), ("p2p", 2)):
+        for m in (8192, 131072, 1 << 20):
+            coll.append({"kind": kind, "group_size": d, "message_bytes": m,
+                         "ms": lat * d / 2 + wire_bytes(kind, m, d) / (gbps * 1e9) * 1e3})
+    return {"model": "tiny", "world_size": 4, "device": "cpu", "compute": rows, "collectives": coll,
+            "memory": {"activation_mb_per_token": 0.013, "model_state_mb": 2.0, "method": "computed"},
+            "meta": {"name": "synthetic", "gpu": "CPU test", "gpu_memory_gb": 8.0,
+                     "provenance": {"kind": "measured", "source": "test"}}}
+
+
+def test_build_result_gives_a_profile_the_planners_load(tmp_path):
+    res = build_result(_measurements())
+    p = res.profile
+    assert p.forward.a == pytest.approx(5e-6) and p.backward.b == pytest.approx(0.02)
+    assert p.all_to_all_latency_ms[2] == pytest.approx(0.4) and p.all_to_all_latency_ms[4] == pytest.approx(0.8)
+    assert p.all_to_all_gbps[4] == pytest.approx(1.5) and p.allreduce_gbps[4] == pytest.approx(1.5)
+    assert p.p2p_latency_ms[2] == pytest.approx(0.4)
+    assert res.heldout["total"]["worst_ape"] < 1e-6 and res.heldout["total"]["count"] == 2
+    assert p.provenance["collectives"] == "measured"
+    # JSON round trips: the profile file, the result
+    path = p.save(tmp_path / "p.json")
+    assert load_profile(path) == p
+    again = ProfileResult.from_dict(json.loads(res.to_json()))
+    assert again.profile == p and again.fits["forward"]["a"] == pytest.approx(5e-6)
+    # the planners take it by path, through a Scenario
+    from workbench.scenario import Scenario
+
+    sc = Scenario(model="tiny", profile=str(path), num_gpus=4, gpus_per_node=4, gpu_memory_gb=1.0,
+                  source="4096,2048,512,512,256,64", planner="greedy")
+    plan = sc.plan()
+    assert plan.makespan_ms > 0 and plan.num_sequences == 6
+
+
+def test_sp_overhead_is_the_residual_of_real_micro_steps_by_hand():
+    from workbench.profile.result import fit_sp_overhead
+
+    prof = _profile(all_to_all_latency_ms={2: 0.5, 4: 1.0})
+    tiny = get_model("tiny")
+    cost = CostModel(prof, tiny, ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=1e6))
+
+    def pred(d, pack):
+        return cost.group_overhead_ms(d) + float(cost.time(pack, d).sum())
+
+    packs = [[1024], [128] * 8]
+    packs = [[1024], [128] * 8, [2048], [256] * 8]
+    # degree 1 runs 4 ms slower than the curve on the first pack (the curve's own error), on time on the others;
+    # degree d pays o_d + r_d * tokens more than predicted (plus 1/d of the curve's error on the first pack)
+    groups = [{"degree": 1, "pack": packs[0], "ms": pred(1, packs[0]) + 4.0}]
+    groups += [{"degree": 1, "pack": p, "ms": pred(1, p)} for p in packs[1:]]
+    for d, o, r in ((2, 6.0, 0.002), (4, 10.0, 0.005)):
+        groups += [{"degree": d, "pack": p, "ms": pred(d, p) + o + r * sum(p) + (4.0 / d if p == packs[0] else 0.0)}
+                   for p in packs]
+    sp, tok, rows = fit_sp_overhead(prof, 4, groups)
+    L = tiny.layers
+    assert sp[2] == pytest.approx(6.0 / L) and sp[4] == pytest.approx(10.0 / L)
+    assert tok[2] == pytest.approx(0.002 / L) and tok[4] == pytest.approx(0.005 / L)
+    assert 1 not in sp and len(rows) == 12
+    # what is left is the compute curve's own error on the first pack, 4 ms / d
+    assert all(row["predicted_with_overhead_ms"] == pytest.approx(
+        row["measured_ms"] - (4.0 / row["degree"] if row["pack"] == packs[0] else 0.0)) for row in rows)
+    # one token count: a fixed overhead only; a group faster than predicted gives no negative overhead
+    one = [{"degree": 1, "pack": packs[1], "ms": pred(1, packs[1])},
+           {"degree": 2, "pack": packs[1], "ms": pred(2, packs[1]) + 3.0}]
+    assert fit_sp_overhead(prof, 4, one)[:2] == ({2: pytest.approx(1.5)}, {2: 0.0})
+    fast = [{"degree": 1, "pack": packs[1], "ms": pred(1, packs[1])},
+            {"degree": 2, "pack": packs[1], "ms": pred(2, packs[1]) - 3.0}]
+    assert fit_sp_overhead(prof, 4, fast)[0] == {2: 0.0}
+    # the cost model adds both to every Ulysses group of that size
+    withsp = CostModel(_profile(all_to_all_latency_ms={2: 0.5, 4: 1.0}, sp_overhead_ms=sp, sp_token_ms=tok), tiny,
+                       ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=1e6))
+    assert withsp.group_overhead_ms(4) - cost.group_overhead_ms(4) == pytest.approx(10.0)
+    assert withsp.time([1000], 4)[0] - cost.time([1000], 4)[0] == pytest.approx(5.0)
+    assert withsp.group_overhead_ms(1) == cost.group_overhead_ms(1) and withsp.time([1000], 1)[0] == cost.time([1000], 1)[0]
+
+
+def test_one_process_profile_says_its_collectives_are_an_estimate():
+    m = _measurements()
+    m["collectives"] = []
+    res = build_result(m)
+    assert res.profile.provenance["collectives"] == "estimate" and res.profile.all_to_all_latency_ms == {}
+
+
+# ------------------------------------------------------------------------------------------------
+# latency terms of the cost model
+# ------------------------------------------------------------------------------------------------
+
+
+def _profile(**kw) -> HardwareProfile:
+    base = dict(name="t", gpu="g", model="tiny", forward={"a": 0.0, "b": 0.01, "c": 1.0},
+                backward={"a": 0.0, "b": 0.02, "c": 2.0}, all_to_all_gbps={2: 1e9, 4: 1e9}, gpu_memory_gb=8.0,
+                provenance={"kind": "measured"})
+    base.update(kw)
+    return HardwareProfile(**base)
+
+
+def test_group_overhead_counts_collective_latency_by_hand():
+    tiny = get_model("tiny")  # 2 layers
+    cl = ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=8.0)
+    cost = CostModel(_profile(all_to_all_latency_ms={2: 1.0, 4: 3.0}), tiny, cl)
+    C = 2 * (1.0 + 2.0)  # c forward + backward, per layer
+    assert cost.group_overhead_ms(1) == pytest.approx(C)
+    assert cost.group_overhead_ms(2) == pytest.approx(C + 2 * 2 * 2 * 1.0)  # 2 calls x 2 passes x 2 layers
+    assert cost.group_overhead_ms(4) == pytest.approx(C + 8 * 3.0)
+    rc = CostModel(_profile(all_to_all_latency_ms={2: 1.0, 4: 3.0}), tiny, cl, recompute=True)
+    assert rc.group_overhead_ms(4) - rc._fit.C == pytest.approx(2 * 3 * 2 * 3.0)
+    ring = CostModel(_profile(p2p_latency_ms={4: 0.5}, p2p_gbps={4: 1e9}), tiny, cl, strategy="ring")
+    assert ring.group_overhead_ms(4) - C == pytest.approx(3 * 2 * 3 * 0.5)  # (passes+1) x layers x (d-1)
+    # no latency figures (every shipped reference profile): the overhead is c alone
+    assert CostModel(_profile(), tiny, cl).group_overhead_ms(4) == pytest.approx(C)
+
+
+def test_grad_sync_adds_the_allreduce_latency():
+    tiny = get_model("tiny")
+    cl = ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=8.0)
+    cost = CostModel(_profile(allreduce_gbps={4: 1.0}, allreduce_latency_ms={4: 2.5}), tiny, cl)
+    by_hand = 2 * 3 / 4 * 4 * tiny.params() / 1e9 * 1e3 + 2.5  # fp32 gradients of the tiny model
+    assert cost.grad_sync_ms() == pytest.approx(by_hand)
+
+
+@pytest.mark.parametrize("table, match", [({2: -1.0}, "finite number >= 0"), ({"x": 1.0}, "not a group size")])
+def test_bad_latency_table_is_rejected(table, match):
+    with pytest.raises(ValueError, match=match):
+        _profile(all_to_all_latency_ms=table)
+
+
+# ------------------------------------------------------------------------------------------------
+# fidelity against a training run (a fixed fixture, expected figures by hand)
+# ------------------------------------------------------------------------------------------------
+
+
+def _fake_train_run(root):
+    from workbench import runs
+
+    run = runs.new_run("train", {"scenario": {"model": "tiny", "num_gpus": 2, "gpus_per_node": 2, "planner": "greedy",
+                                              "profile": "cpu-gloo-tiny"}, "nproc": 2}, root=root)
+
+    def plan(groups_per_ms):
+        return {"planner": "greedy", "status": "heuristic", "makespan_ms": 50.0, "lower_bound_ms": 1.0,
+                "solve_seconds": 0.0, "num_gpus": 2, "grad_sync_ms": 0.0,
+                "micro_steps": [{"groups": [{"degree": len(r), "ranks": r, "sequences": list(range(len(ls))),
+                                             "lengths": ls, "time_ms": 1.0, "memory_gb": 0.0} for r, ls in ms]}
+                                for ms in groups_per_ms]}
+
+    p = plan([[([0], [100, 300]), ([1], [200])], [([0, 1], [400])]])
+    for step in (0, 1):
+        runs.append_jsonl(run.file(runs.PLANS_FILE), {"step": step, "attempt": 1, "plan": p})
+        for rank, step_ms, ms0, ms1 in ((0, 60.0, 33.0, 24.0), (1, 58.0, 18.0, 35.0)):
+            runs.append_jsonl(run.file(runs.METRICS_FILE), {
+                "step": step, "rank": rank, "attempt": 1, "step_ms": step_ms if step else 999.0,
+                "measured_ms": step_ms + 2, "predicted_ms": 50.0, "optimizer_ms": 2.0,
+                "micro_steps": [{"micro_step": 0, "degree": 1, "ranks": [rank], "measured_ms": ms0},
+                                {"micro_step": 1, "degree": 2, "ranks": [0, 1], "measured_ms": ms1}]})
+    return run
+
+
+def test_check_fidelity_on_a_fixed_run_by_hand(tmp_path):
+    run = _fake_train_run(tmp_path)
+    prof = _profile(all_to_all_latency_ms={2: 0.5})
+    out = check_fidelity(prof, run.path)
+    # groups (tiny: 2 layers; per layer fwd+bwd b = 0.03 ms/token, c = 3 ms):
+    #   d1 [100, 300]: 2*0.03*400 + 6 = 30; d1 [200]: 2*0.03*200 + 6 = 18;
+    #   d2 [400]: 2*0.03*400/2 + 6 + 8 calls x 0.5 ms = 22 (the all-to-all bytes at 1e9 GB/s are ~0)
+    # step: rank 0 runs 30 then the d2 group, which starts at max(30, 18): 52 ms (no all-reduce figure)
+    assert out["skipped_steps"] == 1 and len(out["steps"]) == 1
+    st = out["steps"][0]
+    assert st["predicted_ms"] == pytest.approx(52.0) and st["measured_ms"] == 60.0
+    assert st["ape"] == pytest.approx(100 * 8 / 60)
+    g = sorted(out["groups"], key=lambda r: (r["micro_step"], r["ranks"][0]))
+    assert [round(r["predicted_ms"], 6) for r in g] == [30.0, 18.0, 22.0]
+    assert [r["measured_ms"] for r in g] == [33.0, 18.0, 24.0]  # the d2 group: the shorter of 24 and 35
+    assert out["group_error"]["median_ape"] == pytest.approx(100 * 2 / 24)
+    assert out["group_error"]["worst_ape"] == pytest.approx(100 * 3 / 33)
+    assert out["by_degree"][2]["median_ratio"] == pytest.approx(24 / 22)
+    from workbench.report.profile import fidelity_figure
+
+    fig = fidelity_figure(out)
+    xs = sorted(x for tr in fig.data if tr.name and tr.name.startswith("degree") for x in tr.x)
+    assert xs == pytest.approx(sorted([30.0, 18.0, 22.0]))
+
+
+def test_check_fidelity_rejects_a_run_without_steps(tmp_path):
+    from workbench import runs
+
+    run = runs.new_run("train", {"scenario": {"model": "tiny", "num_gpus": 2}}, root=tmp_path)
+    with pytest.raises(ValueError, match="no step with both a plan and measurements"):
+        check_fidelity(_profile(), run.path)
+    other = runs.new_run("profile", {"model": "tiny"}, root=tmp_path)
+    with pytest.raises(ValueError, match="not a training run"):
+        check_fidelity(_profile(), other.path)
+
+
+# ------------------------------------------------------------------------------------------------
+# bad environments and input: one clear line
+# ------------------------------------------------------------------------------------------------
+
+
+def test_more_processes_than_cores_or_gpus_is_refused(tmp_path):
+    from workbench.profile import check_machine
+
+    with pytest.raises(ValueError, match=r"4 processes on 2 CPU core\(s\).*--oversubscribe"):
+        check_machine(ProfileSpec(nproc=4, device="cpu"), cores=2, gpus=0)
+    assert check_machine(ProfileSpec(nproc=4, device="cpu", oversubscribe=True), cores=2, gpus=0) == "cpu"
+    with pytest.raises(ValueError, match=r"2 processes but this machine has 1 GPU\(s\)"):
+        check_machine(ProfileSpec(nproc=2, device="cuda"), gpus=1)
+    with pytest.raises(ValueError, match="shows no NVIDIA GPU"):
+        check_machine(ProfileSpec(nproc=1, device="cuda"), gpus=0)
+    with pytest.raises(ValueError, match="flash needs CUDA"):
+        check_machine(ProfileSpec(nproc=1, device="cpu", attention="flash"), gpus=0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(nproc=4, group_sizes=(3,)), "group size 3 cannot be formed from 4"),
+    (dict(nproc=2, group_sizes=(4,)), "group size 4 cannot be formed from 2"),
+    (dict(model="gpt5"), "unknown model 'gpt5'"),
+    (dict(max_len=100_000), "exceeds model tiny's context"),
+    (dict(fit_packs=((64,), (128,))), "at least 3 packs"),
+    (dict(fit_packs=((64,), (0,), (128,))), "not a pack of positive sequence lengths"),
+    (dict(nproc=0), "nproc must be a positive integer"),
+])
+def test_bad_profile_settings_are_one_clear_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ProfileSpec(**kwargs)
+
+
+def test_prepare_profile_creates_a_profile_run(tmp_path):
+    run = prepare_profile(nproc=1, model="tiny", quick=True, root=tmp_path, name="p1", device="cpu",
+                          out=str(tmp_path / "prof.json"))
+    spec = run.spec()
+    assert spec["kind"] == "profile" and spec["resolved"]["device"] == "cpu"
+    assert spec["resolved"]["fit_packs"] and not {tuple(p) for p in spec["resolved"]["fit_packs"]} & {
+        tuple(p) for p in spec["resolved"]["heldout_packs"]}
+    assert run.status().state == "created"
+    with pytest.raises(ValueError, match="is a folder"):
+        prepare_profile(nproc=1, root=tmp_path, device="cpu", out=str(tmp_path))
+
+
+def test_cli_bad_environment_is_one_line(tmp_path):
+    n = (os.cpu_count() or 1) + 1
+    for args, needle in ((["profile", "--nproc", str(n), "--device", "cpu"], f"{n} processes on"),
+                         (["profile", "--nproc", "2", "--device", "cpu", "--group-sizes", "3", "--oversubscribe"],
+                          "group size 3 cannot be formed"),
+                         (["profile", "--model", "gpt5", "--device", "cpu", "--nproc", "1"], "unknown model 'gpt5'")):
+        p = run_cli(*args, "--run-root", str(tmp_path), check=False)
+        assert p.returncode == 2, p.stderr
+        lines = [ln for ln in p.stderr.strip().splitlines() if ln.startswith("workbench")]
+        assert len(lines) == 1 and needle in lines[0], p.stderr
+        assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("{not json", "not valid JSON"),
+    (json.dumps({"name": "x", "gpu": "g", "model": "tiny", "backward": {"a": 0, "b": 1}, "all_to_all_gbps": {"2": 1},
+                 "provenance": {"kind": "measured"}}), "missing field 'forward'"),
+])
+def test_profile_file_that_does_not_parse_or_lacks_a_field(tmp_path, content, needle):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=needle):
+        load_profile(path)
+    p = run_cli("plan", "--lengths", "1000,2000", "--gpus", "2", "--model", "tiny", "--profile", str(path), check=False)
+    assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr
+
+
+def test_profile_package_imports_without_torch():
+    import subprocess
+
+    code = ("import sys, workbench.profile, workbench.profile.fidelity, workbench.report.profile; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,123 @@
+"""Profile runs for real: 2 gloo ranks on CPU through the launcher (torchrun under the supervisor).
+
+One quick profile through the console script, then: the profile loads and drives plan, simulate
+and a short training run by path, and ``--check`` compares it with that run. A profile whose ranks
+fail says why in its status; a profile run stops on ``workbench runs stop``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from conftest import run_cli
+
+pytestmark = pytest.mark.slow
+
+GRID = ["--max-len", "512", "--reps", "2", "--warmup", "1"]
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    root = tmp_path_factory.mktemp("profile_runs")
+    out = root / "prof.json"
+    p = run_cli("profile", "--quick", "--nproc", "2", "--device", "cpu", "--run-root", str(root), "--out", str(out),
+                "--name", "p2", *GRID)
+    return root, out, p
+
+
+def test_quick_profile_on_two_gloo_ranks(profiled):
+    from workbench import runs
+    from workbench.profile import load_result
+    from workbench.specs import load_profile
+
+    root, out, p = profiled
+    run = runs.load_run(root / "p2")
+    st = run.status()
+    assert st.state == "done" and st.exit_code == 0 and st.progress == 1.0
+    assert st.kind == "profile" and "held-out" in st.message
+    prof = load_profile(out)
+    assert prof == load_profile(run.path)  # --out is a copy of the run's profile.json
+    assert prof.model == "tiny" and prof.provenance["kind"] == "measured"
+    assert prof.provenance["collectives"] == "measured" and prof.provenance["world_size"] == 2
+    for key in ("host", "when", "command", "attention", "versions", "device"):
+        assert prof.provenance.get(key), key
+    assert prof.provenance["versions"]["torch"]
+    assert set(prof.all_to_all_gbps) == {2} and set(prof.all_to_all_latency_ms) == {2}
+    assert set(prof.allreduce_gbps) == {2} and set(prof.p2p_gbps) == {2}
+    assert prof.forward.a + prof.forward.b > 0 and prof.activation_mb_per_token > 0
+    res = load_result(run)
+    assert res.heldout["total"]["count"] >= 3 and res.heldout["total"]["median_ape"] is not None
+    assert {r["role"] for r in res.compute} == {"fit", "heldout"}
+    assert all(len(r["per_rank"]["forward_ms"]) == 2 for r in res.compute)
+    assert "| forward |" in p.stdout and "held-out" in p.stdout
+    assert (run.path / runs.LOG_FILE).is_file()
+    from workbench.report.profile import collectives_figure, fit_figure, residual_figure
+
+    assert len(fit_figure(res).data) >= 4 and residual_figure(res).data and collectives_figure(res).data
+
+
+def test_profile_drives_plan_simulate_train_and_check(profiled):
+    root, out, _ = profiled
+    plan = json.loads(run_cli("plan", "--lengths", "4096,2048,512,300,200", "--gpus", "2", "--model", "tiny",
+                              "--gpu-memory", "1", "--profile", str(out), "--planner", "greedy", "--json").stdout)
+    assert plan["makespan_ms"] > 0
+    sim = json.loads(run_cli("simulate", "--lengths", "4096,2048,512,300,200", "--gpus", "2", "--model", "tiny",
+                             "--gpu-memory", "1", "--profile", str(out), "--planners", "static-max,greedy",
+                             "--steps", "1", "--quiet", "--json").stdout)
+    assert sim["planners"]["greedy"]["mean_step_ms"] > 0
+    # the run folder works as --profile too (load_profile reads its profile.json)
+    run_cli("cost", "--lengths", "1024", "--degrees", "1,2", "--gpus", "2", "--model", "tiny", "--profile",
+            str(root / "p2"), "--json")
+    tr = run_cli("train", "--nproc", "2", "--model", "tiny", "--lengths", "300,200,150,100,60,40", "--planner", "greedy",
+                 "--steps", "3", "--seed", "0", "--profile", str(out), "--run-root", str(root), "--name", "t2",
+                 "--quiet", "--checkpoint-every", "0")
+    assert tr.returncode == 0
+    chk = json.loads(run_cli("profile", "--check", "t2", "--profile", str(out), "--run-root", str(root), "--json",
+                             "--html", str(root / "fidelity.html")).stdout)
+    assert chk["run"] == "t2" and chk["skipped_steps"] == 1 and len(chk["steps"]) == 2
+    assert chk["groups"] and all(g["predicted_ms"] > 0 and g["measured_ms"] > 0 for g in chk["groups"])
+    assert chk["step_error"]["median_ape"] is not None and (root / "fidelity.html").stat().st_size > 10_000
+    # the run was planned with this very profile: re-timing its plans reproduces the run's own predictions
+    for s in chk["steps"]:
+        assert s["predicted_ms"] == pytest.approx(s["run_predicted_ms"], rel=1e-9)
+    text = run_cli("profile", "--check", "t2", "--profile", "p2", "--run-root", str(root)).stdout
+    assert "| step |" in text and "| group (all) |" in text
+
+
+def test_a_failing_profile_says_why(tmp_path):
+    from workbench import runs
+    from workbench.launch import process
+    from workbench.profile import prepare_profile, start_profile
+
+    run = prepare_profile(nproc=2, model="tiny", root=tmp_path, name="bad", device="cpu")
+    spec = run.spec()
+    spec["device"] = "cuda"  # as if prepared on a GPU machine: no rank here can run it
+    (run.path / runs.SPEC_FILE).write_text(json.dumps(spec))
+    st = process.wait(start_profile(run), timeout=120)
+    assert st.state == "failed"
+    assert "CUDA" in (st.error or "") and len(st.error.splitlines()) == 1
+    assert list((run.path / runs.FAILURES_DIR).glob("rank*.json"))
+
+
+def test_a_profile_run_stops(tmp_path):
+    from workbench import runs
+    from workbench.launch import process
+    from workbench.profile import prepare_profile, start_profile
+
+    run = prepare_profile(nproc=2, model="tiny", quick=False, root=tmp_path, name="long", device="cpu", reps=1000)
+    handle = start_profile(run)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        st = run.status()
+        if st.state == "running" and (st.progress or 0) > 0:
+            break
+        assert process.poll(handle) is None, run.log_tail(20)
+        time.sleep(0.3)
+    p = run_cli("runs", "stop", "long", "--root", str(tmp_path))
+    assert "no process left" in p.stdout
+    st = runs.Run(run.path).status()
+    assert st.state == "stopped"
+    assert not [pid for pid, t in runs.status_pids(st) if runs.pid_alive(pid, t)]

@@ -1,0 +1,201 @@
+"""How well a profile predicts a real training run: pure (numpy), reads only the run store.
+
+For every step of a finished (or running) ``workbench train`` run, the plan it executed
+(``plans.jsonl``) is re-timed with the cost model of the profile under test, and compared with
+what the ranks measured (``metrics.jsonl``):
+
+- **group** (one SP group in one micro-step): predicted = the group's overhead plus its sequences'
+  times; measured = the *shortest* of its ranks' micro-step times. Micro-steps run barrier-free,
+  so a rank that arrives early waits inside the group's first collective and its time includes
+  that wait; the last rank to arrive waits for nobody, so the shortest time is the group's own.
+- **step**: predicted = the plan's timeline replayed with the re-timed groups, plus the gradient
+  all-reduce (the planner's makespan); measured = the slowest rank's ``step_ms`` (micro-steps and
+  all-reduce; the optimizer update, which the cost model does not cover, is reported apart).
+
+Errors are absolute percentage errors, ``100 |predicted - measured| / measured``; the first
+``skip`` steps (start-up: allocator, thread pools, first collectives) are left out when there are
+more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from workbench.profile.fit import ape, error_summary
+
+__all__ = ["check_fidelity", "fidelity_table"]
+
+
+def _profile(obj: Any):
+    from workbench.specs import HardwareProfile, load_profile
+
+    if isinstance(obj, HardwareProfile):
+        return obj
+    if hasattr(obj, "profile") and isinstance(obj.profile, HardwareProfile):  # a ProfileResult
+        return obj.profile
+    if hasattr(obj, "path") and hasattr(obj, "status"):  # a runs.Run (its folder holds profile.json)
+        return load_profile(obj.path)
+    return load_profile(obj)
+
+
+def _latest_by_step(rows: list[dict]) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    for r in rows:
+        s = r.get("step")
+        if isinstance(s, int) and (s not in out or int(r.get("attempt") or 1) >= int(out[s].get("attempt") or 1)):
+            out[s] = r
+    return out
+
+
+def check_fidelity(profile_or_path, train_run, *, skip: int = 1, root: str | Path | None = None) -> dict:
+    """Predicted (by ``profile_or_path``: a HardwareProfile, ProfileResult, profile run, shipped
+    name or JSON path) against measured step and group times of ``train_run`` (a Run, folder or
+    id). Returns plain data::
+
+        {"profile", "profile_kind", "run", "planner", "world_size", "model", "skipped_steps",
+         "steps": [{step, predicted_ms, measured_ms, run_predicted_ms, optimizer_ms, ape}],
+         "groups": [{step, micro_step, degree, ranks, sequences, tokens, predicted_ms, measured_ms, ape}],
+         "step_error": {count, median_ape, worst_ape, mean_ape}, "group_error": {...},
+         "by_degree": {degree: {count, median_ape, worst_ape, mean_ape, median_ratio}},
+         "run_profile", "run_step_error": the run's own predictions' error, "notes": [...]}
+
+    Raises ValueError when the profile does not load, the run is not a training run, or it has no
+    step with both a plan and measurements yet."""
+    from workbench import runs
+    from workbench.cost import CostModel
+    from workbench.solve.plan import group_time, plan_from_dict, timeline
+    from workbench.specs import ClusterSpec, get_model
+
+    prof = _profile(profile_or_path)
+    run = runs.load_run(train_run, root=root)
+    spec = run.spec()
+    if spec.get("kind") not in ("train", None) or not isinstance(spec.get("scenario"), dict):
+        raise ValueError(f"run {run.id} is not a training run (kind {spec.get('kind')!r}); --check takes a "
+                         f"`workbench train` run")
+    st = run.status()
+    sc = dict(spec["scenario"])
+    resolved_sc = (st.resolved or {}).get("scenario")
+    if isinstance(resolved_sc, dict):
+        sc.update(resolved_sc)
+    world = int((st.resolved or {}).get("world_size") or sc.get("num_gpus") or 1)
+    model = get_model(str(sc.get("model", "tiny")))
+    per = min(int(sc.get("gpus_per_node") or world), world)
+    degrees = tuple(int(d) for d in (st.resolved or {}).get("degrees") or ()) or ()
+    cluster = ClusterSpec(num_gpus=world, gpus_per_node=per if world % per == 0 else world,
+                          gpu_memory_gb=float(sc.get("gpu_memory_gb") or prof.gpu_memory_gb),
+                          usable_memory_fraction=float(sc.get("memory_fraction") or 0.7), degrees=degrees,
+                          zero_stage=int(sc.get("zero_stage", 3)))
+    try:
+        cost = CostModel(prof, model, cluster, strategy=str(sc.get("strategy") or "ulysses"),
+                         recompute=bool(sc.get("recompute", False)))
+    except ValueError as e:
+        raise ValueError(f"profile {prof.name} cannot model run {run.id}: {e}") from None
+    plans = _latest_by_step(run.plans())
+    metrics = run.metrics()
+    by_step: dict[int, dict[int, dict]] = {}
+    for r in metrics:
+        s, rank = r.get("step"), r.get("rank")
+        if not isinstance(s, int) or not isinstance(rank, int):
+            continue
+        prev = by_step.setdefault(s, {}).get(rank)
+        if prev is None or int(r.get("attempt") or 1) >= int(prev.get("attempt") or 1):
+            by_step[s][rank] = r
+    steps_all = sorted(s for s in by_step if s in plans)
+    if not steps_all:
+        raise ValueError(f"run {run.id} has no step with both a plan and measurements yet ({st.state}); "
+                         f"check a run that has trained")
+    used = steps_all[skip:] if len(steps_all) > skip else steps_all
+    step_rows, group_rows = [], []
+    for s in used:
+        plan = plan_from_dict(plans[s]["plan"])
+        ranks_rows = by_step[s]
+        # the plan re-timed with this profile
+        new_ms = []
+        for ms in plan.micro_steps:
+            groups = []
+            for g in ms.groups:
+                t = group_time(cost, np.asarray(g.lengths, dtype=np.int64), g.degree, list(range(len(g.lengths))))
+                groups.append(dataclasses.replace(g, time_ms=t))
+            new_ms.append(dataclasses.replace(ms, groups=tuple(groups)))
+        replan = dataclasses.replace(plan, micro_steps=tuple(new_ms), grad_sync_ms=cost.grad_sync_ms(world))
+        pred_step = timeline(replan)["makespan_ms"]
+        meas = [float(r.get("step_ms") or r.get("measured_ms") or 0) for r in ranks_rows.values()]
+        meas_step = max(meas) if meas else 0.0
+        opt = [float(r["optimizer_ms"]) for r in ranks_rows.values() if isinstance(r.get("optimizer_ms"), (int, float))]
+        if meas_step > 0:
+            step_rows.append({"step": s, "predicted_ms": pred_step, "measured_ms": meas_step,
+                              "run_predicted_ms": plan.makespan_ms, "optimizer_ms": max(opt) if opt else None,
+                              "ape": ape(pred_step, meas_step)})
+        # groups: the shortest of the group's ranks' measured micro-step times
+        for m, ms in enumerate(replan.micro_steps):
+            for g in ms.groups:
+                times = []
+                for rank in g.ranks:
+                    row = ranks_rows.get(rank)
+                    recs = (row or {}).get("micro_steps") or []
+                    rec = next((x for x in recs if x.get("micro_step") == m and x.get("degree") == g.degree), None)
+                    if rec is not None and isinstance(rec.get("measured_ms"), (int, float)) and rec["measured_ms"] > 0:
+                        times.append(float(rec["measured_ms"]))
+                if not times:
+                    continue
+                mt = min(times)
+                group_rows.append({"step": s, "micro_step": m, "degree": g.degree, "ranks": list(g.ranks),
+                                   "sequences": len(g.sequences), "tokens": int(sum(g.lengths)),
+                                   "predicted_ms": g.time_ms, "measured_ms": mt, "ape": ape(g.time_ms, mt)})
+    by_degree = {}
+    for d in sorted({g["degree"] for g in group_rows}):
+        gs = [g for g in group_rows if g["degree"] == d]
+        by_degree[d] = {**error_summary([g["ape"] for g in gs]),
+                        "median_ratio": float(statistics.median(g["measured_ms"] / g["predicted_ms"] for g in gs))}
+    run_err = error_summary([ape(r["run_predicted_ms"], r["measured_ms"]) for r in step_rows if r["run_predicted_ms"] > 0])
+    notes = []
+    if len(steps_all) > skip:
+        notes.append(f"left out the first {skip} step(s) (start-up)")
+    if st.state not in ("done",):
+        notes.append(f"the run is {st.state}; figures cover the steps it has measured")
+    if model.name != prof.model:
+        notes.append(f"the profile was measured on model {prof.model}; times are scaled to {model.name} by FLOPs")
+    return {
+        "profile": prof.name, "profile_kind": prof.provenance.get("kind"), "run": run.id,
+        "planner": sc.get("planner"), "world_size": world, "model": model.name,
+        "skipped_steps": len(steps_all) - len(used), "steps": step_rows, "groups": group_rows,
+        "step_error": error_summary([r["ape"] for r in step_rows]),
+        "group_error": error_summary([g["ape"] for g in group_rows]),
+        "by_degree": by_degree, "run_profile": (st.resolved or {}).get("profile") or sc.get("profile"),
+        "run_step_error": run_err, "notes": notes,
+    }
+
+
+def fidelity_table(check: dict) -> str:
+    """A markdown table of a :func:`check_fidelity` result: median and worst APE of steps, groups,
+    and groups by degree."""
+
+    def f(v, fmt=".1f"):
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    lines = [f"profile {check['profile']} against run {check['run']} ({check['planner']}, {check['world_size']} "
+             f"ranks, {check['model']})", "",
+             "| what | count | median APE (%) | worst APE (%) | median measured/predicted |",
+             "|---|---:|---:|---:|---:|"]
+    se, ge = check["step_error"], check["group_error"]
+    ratios = [r["measured_ms"] / r["predicted_ms"] for r in check["steps"] if r["predicted_ms"] > 0]
+    lines.append(f"| step | {se['count']} | {f(se['median_ape'])} | {f(se['worst_ape'])} | "
+                 f"{f(statistics.median(ratios), '.2f') if ratios else '-'} |")
+    gr = [g["measured_ms"] / g["predicted_ms"] for g in check["groups"] if g["predicted_ms"] > 0]
+    lines.append(f"| group (all) | {ge['count']} | {f(ge['median_ape'])} | {f(ge['worst_ape'])} | "
+                 f"{f(statistics.median(gr), '.2f') if gr else '-'} |")
+    for d, e in check["by_degree"].items():
+        lines.append(f"| group, degree {d} | {e['count']} | {f(e['median_ape'])} | {f(e['worst_ape'])} | "
+                     f"{f(e['median_ratio'], '.2f')} |")
+    re_ = check.get("run_step_error") or {}
+    if re_.get("count"):
+        lines.append(f"| step, the run's own profile ({check.get('run_profile')}) | {re_['count']} | "
+                     f"{f(re_['median_ape'])} | {f(re_['worst_ape'])} | |")
+    for n in check.get("notes") or []:
+        lines.append(f"\n{n}")
+    return "\n".join(lines)

@@ -1,0 +1,286 @@
+"""Fitting a hardware profile from measurements: pure numpy, no torch, no I/O.
+
+What the measuring ranks (``workbench.profile.measure``) hand over is plain data; this module
+turns it into the :class:`~workbench.specs.HardwareProfile` the cost model reads, and into the
+evidence next to it (residuals, held-out errors):
+
+- **compute**: per-layer forward and backward time of packs of sequences,
+  ``t = a * sum(s^2) + b * sum(s) + c``, fitted by non-negative least squares on relative error
+  (short packs count as much as long ones), on the ``fit`` points only; the ``heldout`` points
+  (lengths not in the fit) are predicted and their absolute percentage errors reported;
+- **collectives**: per group size, ``t = latency + bytes / bandwidth`` over several message sizes
+  (all-to-all: the bytes a rank sends to the others; all-reduce: the ring's ``2 (n-1)/n`` of the
+  buffer; point-to-point: the bytes of one ring step).
+
+Everything is tested in milliseconds against synthetic timings with known coefficients.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from workbench.specs import ComputeCurve
+
+__all__ = ["nnls", "trimmed_median", "ape", "error_summary", "fit_curve", "fit_pack_curve", "predict_pack",
+           "CurveFit", "fit_compute", "heldout_errors", "LinkFit", "fit_link", "fit_collectives",
+           "COLLECTIVE_KINDS", "wire_bytes"]
+
+COLLECTIVE_KINDS = ("all_to_all", "allreduce", "p2p")
+
+
+# ------------------------------------------------------------------------------------------------
+# small statistics
+# ------------------------------------------------------------------------------------------------
+
+
+def nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares ``min ||X w - y||`` s.t. ``w >= 0`` for a few columns, exactly:
+    every subset of active columns is solved by ordinary least squares and the best non-negative
+    solution kept. Returns ``w`` (zeros where a column is dropped). Raises ValueError for more
+    than 8 columns or mismatched shapes."""
+    X = np.asarray(X, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    if X.ndim != 2 or y.shape != (X.shape[0],):
+        raise ValueError(f"nnls needs X (n, k) and y (n,), got {X.shape} and {y.shape}")
+    k = X.shape[1]
+    if k > 8:
+        raise ValueError(f"nnls enumerates column subsets; {k} columns is too many")
+    best, best_res = np.zeros(k), float(np.sum(y * y))
+    for r in range(1, k + 1):
+        for cols in itertools.combinations(range(k), r):
+            w_sub, *_ = np.linalg.lstsq(X[:, cols], y, rcond=None)
+            if np.any(w_sub < 0):
+                continue
+            w = np.zeros(k)
+            w[list(cols)] = w_sub
+            res = float(np.sum((X @ w - y) ** 2))
+            if res < best_res - 1e-18 * max(1.0, best_res):
+                best, best_res = w, res
+    return best
+
+
+def trimmed_median(values: Sequence[float], trim: float = 0.2) -> float:
+    """Median of ``values`` after dropping ``floor(n * trim)`` of the smallest and as many of the
+    largest (Galvatron's protocol: the extremes are warm-up stragglers and interruptions). Raises
+    ValueError for no values or a trim outside [0, 0.5)."""
+    xs = sorted(float(v) for v in values)
+    if not xs:
+        raise ValueError("trimmed_median of no values")
+    if not 0 <= trim < 0.5:
+        raise ValueError(f"trim must be in [0, 0.5), got {trim}")
+    k = int(math.floor(len(xs) * trim))
+    return float(statistics.median(xs[k:len(xs) - k]))
+
+
+def ape(predicted: float, measured: float) -> float:
+    """Absolute percentage error ``100 * |predicted - measured| / measured``."""
+    if measured <= 0:
+        raise ValueError(f"a measured time must be positive, got {measured}")
+    return 100.0 * abs(predicted - measured) / measured
+
+
+def error_summary(errors: Sequence[float]) -> dict:
+    """``{"count", "median_ape", "worst_ape", "mean_ape"}`` of absolute percentage errors (None
+    figures for none)."""
+    e = [float(x) for x in errors]
+    if not e:
+        return {"count": 0, "median_ape": None, "worst_ape": None, "mean_ape": None}
+    return {"count": len(e), "median_ape": float(statistics.median(e)), "worst_ape": max(e),
+            "mean_ape": float(sum(e) / len(e))}
+
+
+# ------------------------------------------------------------------------------------------------
+# compute
+# ------------------------------------------------------------------------------------------------
+
+
+def _pack_features(pack: Sequence[int]) -> tuple[float, float, float]:
+    return float(sum(int(s) * int(s) for s in pack)), float(sum(int(s) for s in pack)), 1.0
+
+
+def predict_pack(curve: ComputeCurve, pack: Sequence[int]) -> float:
+    """A curve's time (ms) for one packed call: ``a * sum(s^2) + b * sum(s) + c``."""
+    q, lin, one = _pack_features(pack)
+    return curve.a * q + curve.b * lin + curve.c * one
+
+
+def fit_curve(packs: Sequence[Sequence[int]], times_ms: Sequence[float]) -> ComputeCurve:
+    """Fit ``t = a*sum(s^2) + b*sum(s) + c`` to measured pack times (ms), non-negative, minimising
+    relative error. Returns a ComputeCurve. Raises ValueError for fewer than 3 packs, mismatched
+    lists or a non-positive time."""
+    return fit_pack_curve(packs, times_ms).curve
+
+
+@dataclass(frozen=True)
+class CurveFit:
+    """One fitted compute curve with its evidence: the points it was fitted on and what it predicts
+    for them (residuals), as plain data."""
+
+    curve: ComputeCurve
+    packs: list
+    measured_ms: list
+    predicted_ms: list
+
+    @property
+    def residuals_ms(self) -> list[float]:
+        """measured - predicted, per fit point."""
+        return [m - p for m, p in zip(self.measured_ms, self.predicted_ms)]
+
+    @property
+    def relative_residuals(self) -> list[float]:
+        """(measured - predicted) / measured, per fit point."""
+        return [(m - p) / m for m, p in zip(self.measured_ms, self.predicted_ms)]
+
+    def errors(self) -> dict:
+        """Median and worst absolute percentage error on the fit points."""
+        return error_summary([ape(p, m) for p, m in zip(self.predicted_ms, self.measured_ms)])
+
+    def to_dict(self) -> dict:
+        return {"a": self.curve.a, "b": self.curve.b, "c": self.curve.c, "packs": self.packs,
+                "measured_ms": self.measured_ms, "predicted_ms": self.predicted_ms,
+                "residuals_ms": self.residuals_ms, "errors": self.errors()}
+
+
+def fit_pack_curve(packs: Sequence[Sequence[int]], times_ms: Sequence[float]) -> CurveFit:
+    """:func:`fit_curve` returning the fit with its points and residuals (a :class:`CurveFit`)."""
+    packs = [[int(s) for s in p] for p in packs]
+    t = np.asarray(times_ms, dtype=np.float64)
+    if len(t) != len(packs):
+        raise ValueError(f"{len(packs)} packs but {len(t)} times")
+    if len(t) < 3:
+        raise ValueError(f"need at least 3 measured packs to fit a, b and c, got {len(t)}")
+    if not np.all(np.isfinite(t)) or np.any(t <= 0):
+        raise ValueError(f"measured times must be finite and positive, got {t.tolist()}")
+    if any(not p or min(p) < 1 for p in packs):
+        raise ValueError("every pack needs at least one sequence of positive length")
+    X = np.array([_pack_features(p) for p in packs], dtype=np.float64)
+    w = 1.0 / t
+    coef = nnls(X * w[:, None], t * w)
+    curve = ComputeCurve(a=float(coef[0]), b=float(coef[1]), c=float(coef[2]))
+    pred = (X @ coef).tolist()
+    return CurveFit(curve=curve, packs=packs, measured_ms=t.tolist(), predicted_ms=[float(x) for x in pred])
+
+
+def heldout_errors(curve: ComputeCurve, packs: Sequence[Sequence[int]], measured_ms: Sequence[float]) -> dict:
+    """Predict packs that were not used in the fit: ``{"points": [{pack, tokens, measured_ms,
+    predicted_ms, ape}], **error_summary}``. Raises ValueError for mismatched lists or a
+    non-positive time."""
+    if len(packs) != len(measured_ms):
+        raise ValueError(f"{len(packs)} held-out packs but {len(measured_ms)} times")
+    pts = []
+    for p, m in zip(packs, measured_ms):
+        pred = predict_pack(curve, p)
+        pts.append({"pack": [int(s) for s in p], "tokens": int(sum(p)), "measured_ms": float(m),
+                    "predicted_ms": float(pred), "ape": ape(pred, float(m))})
+    return {"points": pts, **error_summary([x["ape"] for x in pts])}
+
+
+def fit_compute(rows: Sequence[Mapping[str, Any]]) -> dict:
+    """Fit forward and backward curves to measured rows ``{"pack", "role": "fit"|"heldout",
+    "forward_ms", "backward_ms"}``. Returns ``{"forward": CurveFit, "backward": CurveFit,
+    "heldout": {"forward": ..., "backward": ..., "total": ...}}`` where ``total`` is forward plus
+    backward (what a training step pays). Raises ValueError with fewer than 3 fit rows."""
+    fit_rows = [r for r in rows if r.get("role", "fit") == "fit"]
+    held = [r for r in rows if r.get("role") == "heldout"]
+    packs = [r["pack"] for r in fit_rows]
+    fwd = fit_pack_curve(packs, [r["forward_ms"] for r in fit_rows])
+    bwd = fit_pack_curve(packs, [r["backward_ms"] for r in fit_rows])
+    total = ComputeCurve(a=fwd.curve.a + bwd.curve.a, b=fwd.curve.b + bwd.curve.b, c=fwd.curve.c + bwd.curve.c)
+    hp = [r["pack"] for r in held]
+    return {
+        "forward": fwd, "backward": bwd,
+        "heldout": {
+            "forward": heldout_errors(fwd.curve, hp, [r["forward_ms"] for r in held]),
+            "backward": heldout_errors(bwd.curve, hp, [r["backward_ms"] for r in held]),
+            "total": heldout_errors(total, hp, [r["forward_ms"] + r["backward_ms"] for r in held]),
+        },
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# collectives
+# ------------------------------------------------------------------------------------------------
+
+
+def wire_bytes(kind: str, message_bytes: float, group_size: int) -> float:
+    """Bytes one rank moves in one call, the x of the latency/bandwidth fit: all-to-all sends
+    ``(d-1)/d`` of its buffer to others; a ring all-reduce moves ``2 (n-1)/n`` of it (bus
+    bandwidth); a ring step sends the whole message once."""
+    d = int(group_size)
+    if kind == "all_to_all":
+        return message_bytes * (d - 1) / d
+    if kind == "allreduce":
+        return message_bytes * 2 * (d - 1) / d
+    if kind == "p2p":
+        return float(message_bytes)
+    raise ValueError(f"unknown collective {kind!r}; kinds are {', '.join(COLLECTIVE_KINDS)}")
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """``t = latency_ms + wire_bytes / bandwidth`` for one collective and group size."""
+
+    kind: str
+    group_size: int
+    latency_ms: float
+    gbps: float
+    """Bandwidth in GB/s (1e9 bytes per second)."""
+    message_bytes: list = field(default_factory=list)
+    measured_ms: list = field(default_factory=list)
+    predicted_ms: list = field(default_factory=list)
+
+    def predict(self, message_bytes: float) -> float:
+        return self.latency_ms + wire_bytes(self.kind, message_bytes, self.group_size) / (self.gbps * 1e9) * 1e3
+
+    def errors(self) -> dict:
+        return error_summary([ape(p, m) for p, m in zip(self.predicted_ms, self.measured_ms)])
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "group_size": self.group_size, "latency_ms": self.latency_ms, "gbps": self.gbps,
+                "message_bytes": self.message_bytes, "measured_ms": self.measured_ms,
+                "predicted_ms": self.predicted_ms, "errors": self.errors()}
+
+
+def fit_link(kind: str, group_size: int, message_bytes: Sequence[float], times_ms: Sequence[float]) -> LinkFit:
+    """Fit latency and bandwidth of one collective at one group size from calls of several message
+    sizes (non-negative least squares on relative error). With one size, or when the times do not
+    grow with the size, the latency is 0 and the bandwidth is the best throughput seen. Raises
+    ValueError for mismatched lists or non-positive values."""
+    m = np.asarray(message_bytes, dtype=np.float64)
+    t = np.asarray(times_ms, dtype=np.float64)
+    if m.shape != t.shape or m.size == 0:
+        raise ValueError(f"{m.size} message sizes but {t.size} times")
+    if np.any(m <= 0) or np.any(t <= 0) or not np.all(np.isfinite(t)):
+        raise ValueError("message sizes and times must be positive")
+    x = np.array([wire_bytes(kind, float(v), group_size) for v in m])
+    lat, slope = 0.0, 0.0
+    if len(set(m.tolist())) >= 2:
+        w = 1.0 / t
+        lat, slope = (float(v) for v in nnls(np.stack([np.ones_like(x), x], axis=1) * w[:, None], t * w))
+    if slope <= 0:
+        # no size dependence could be resolved: all latency would give an infinite bandwidth, which the
+        # profile cannot hold; take the best throughput seen instead (an upper bound on the time)
+        lat, slope = 0.0, float(np.min(t / x))
+    gbps = 1.0 / slope * 1e3 / 1e9  # slope is ms per byte
+    fit = LinkFit(kind=kind, group_size=int(group_size), latency_ms=lat, gbps=gbps, message_bytes=m.tolist(),
+                  measured_ms=t.tolist(), predicted_ms=[])
+    return LinkFit(kind=kind, group_size=int(group_size), latency_ms=lat, gbps=gbps, message_bytes=m.tolist(),
+                   measured_ms=t.tolist(), predicted_ms=[fit.predict(v) for v in m.tolist()])
+
+
+def fit_collectives(points: Sequence[Mapping[str, Any]]) -> dict[str, dict[int, LinkFit]]:
+    """Fit every (kind, group size) of measured points ``{"kind", "group_size", "message_bytes",
+    "ms"}``. Returns ``{kind: {group size: LinkFit}}``."""
+    by: dict[tuple[str, int], list] = {}
+    for p in points:
+        by.setdefault((str(p["kind"]), int(p["group_size"])), []).append(p)
+    out: dict[str, dict[int, LinkFit]] = {}
+    for (kind, d), pts in sorted(by.items()):
+        out.setdefault(kind, {})[d] = fit_link(kind, d, [p["message_bytes"] for p in pts], [p["ms"] for p in pts])
+    return out

@@ -1,0 +1,786 @@
+"""The profiler's measuring side: one process per rank under torchrun, started by the launcher.
+
+    python -m workbench.launch.supervisor --run-dir RUN --nproc N --module workbench.profile.measure
+    (what ``workbench profile`` and ``workbench.profile.start_profile`` do)
+
+Reads ``RUN/spec.json`` (a :class:`~workbench.profile.ProfileSpec`) and, on every rank at once (so
+ranks that share a machine contend as they do in training):
+
+1. **compute**: for each pack of the grid, forward (model + loss) and backward of the runtime's own
+   model and attention backend, ``warmup`` untimed runs then ``reps`` timed ones, each after a
+   barrier; CUDA events on GPU, ``time.perf_counter`` around synchronised work elsewhere. The
+   whole model (embedding, blocks, head, loss) is timed and divided by ``layers``, so the per-layer
+   curves times ``layers`` give what a training step pays. Per rank the trimmed median; the agreed
+   figure is the median over ranks (every rank's is kept).
+2. **collectives**: for every group size, the Ulysses all-to-all (``all_to_all_single`` on every
+   aligned block at once, as concurrent SP groups run it), ``collective_inner`` calls back to back
+   per repetition, at several message sizes so latency and bandwidth can both be fitted; the
+   all-reduce of the whole world (gradient sync); point-to-point ring steps inside each block
+   (ring attention). Agreed over ranks the same way.
+3. **SP groups**: one micro-step of the runtime's own sequence-parallel path (slices, Ulysses
+   all-to-alls around the varlen attention, forward and backward) for every group size and a few
+   packs, all blocks at once, sampled in the same rounds as the compute packs (the same load);
+   what it costs beyond the compute and collective fits is the profile's per-degree
+   ``sp_overhead_ms``.
+4. **memory**: on CUDA the peak allocated bytes of a forward at two lengths (their difference per
+   token: activations) and the allocated bytes of parameters, gradients and AdamW states (model
+   states); on CPU the same figures computed from the model (bytes of the tensors autograd saves,
+   bytes of parameters and optimizer states), labelled so.
+
+Rank 0 writes progress to ``status.json`` (``runs.update_status``), then fits
+(``workbench.profile.result.build_result``) and writes ``measurements.json``,
+``profile_result.json`` and ``profile.json`` (and the ``out`` copy). A rank that fails writes
+``failures/rank<k>.json``; errors found before the first collective are agreed on by every rank,
+so none is left waiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import math
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from workbench import runs
+from workbench.profile import ProfileSpec, read_profile_spec
+from workbench.profile.fit import trimmed_median
+from workbench.profile.result import MEASUREMENTS_FILE, RESULT_FILE, build_result
+from workbench.specs import ModelSpec, get_model
+from workbench.util import write_json_atomic
+
+__all__ = ["Clock", "measure_compute", "measure_collectives", "measure_groups", "measure_compute_and_groups",
+           "measure_memory", "agree", "main"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _say(msg: str) -> None:
+    sys.stderr.write(msg + "\n")  # one write: lines of ranks sharing log.txt do not interleave
+    sys.stderr.flush()
+
+
+# ------------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------------
+
+
+class Clock:
+    """Intervals between marks, in ms: CUDA events on a GPU (recorded on the current stream and
+    read after one synchronisation), a monotonic clock with synchronisation elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self._marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._marks.append(ev)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        """The ms between consecutive marks (then the marks are cleared)."""
+        marks, self._marks = self._marks, []
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
+
+
+def _barrier(device: torch.device) -> None:
+    if dist.is_available() and dist.is_initialized():
+        if device.type == "cuda":
+            dist.barrier(device_ids=[device.index])
+        else:
+            dist.barrier()
+
+
+def agree(values: Sequence[float], device: torch.device) -> tuple[list[float], list[list[float]]]:
+    """Every rank's ``values`` gathered on every rank: ``(median over ranks, per rank)``. Without a
+    process group: the values themselves."""
+    vals = [float(v) for v in values]
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return vals, [vals]
+    t = torch.tensor(vals, dtype=torch.float64, device=device)
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    per_rank = [o.cpu().tolist() for o in out]
+    med = [float(statistics.median(col)) for col in zip(*per_rank)] if vals else []
+    return med, per_rank
+
+
+# ------------------------------------------------------------------------------------------------
+# compute
+# ------------------------------------------------------------------------------------------------
+
+
+def _pack_inputs(pack: Sequence[int], vocab: int, device: torch.device, gen: torch.Generator):
+    from workbench.runtime.step import make_shard
+
+    seqs = [torch.randint(0, vocab, (int(s),), generator=gen) for s in pack]
+    sh = make_shard(seqs, 1, 0)
+    return (sh.tokens.to(device), sh.positions.to(device), sh.cu_seqlens.to(device), sh.max_seqlen,
+            sh.labels.to(device))
+
+
+def _agree_max(value: int, device: torch.device) -> int:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _round_robin(cases: Sequence[Callable[[], list[float]]], *, device: torch.device, warmup: int, reps: int,
+                 min_sample_ms: float, progress: Callable[[int], None] | None = None) -> tuple[list, list[int]]:
+    """Time ``cases`` (each a callable doing one call and returning its intervals in ms) on every rank
+    at once: per case ``warmup`` untimed samples, which also fix ``k``, the calls one sample makes
+    back to back (the smallest count lasting ``min_sample_ms``; the largest any rank needs, so every
+    rank makes the same calls); then ``reps`` rounds, each sampling every case once after a
+    barrier. Round-robin: load from elsewhere on the machine, and any drift, spreads over every
+    case alike instead of landing on the ones measured last. Returns ``(samples, ks)`` with
+    ``samples[case][rep]`` the intervals of one call (averaged over the sample's k calls)."""
+
+    def sample(i: int, k: int) -> list[float]:
+        _barrier(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        total = None
+        for _ in range(k):
+            iv = cases[i]()
+            total = iv if total is None else [a + b for a, b in zip(total, iv)]
+        return [t / k for t in total]
+
+    ks = []
+    for i in range(len(cases)):
+        k = 1
+        for _ in range(max(1, warmup)):
+            one = sum(sample(i, 1))
+            k = max(k, math.ceil(min_sample_ms / max(one, 1e-3))) if min_sample_ms > 0 else 1
+        ks.append(_agree_max(k, device))
+    out: list[list[list[float]]] = [[] for _ in cases]
+    for r in range(reps):
+        for i in range(len(cases)):
+            out[i].append(sample(i, ks[i]))
+            if progress is not None:
+                progress(r * len(cases) + i)
+    return out, ks
+
+
+def _compute_cases(spec: ModelSpec, net, packs, attn, dev: torch.device, clock: Clock, gen) -> list[Callable]:
+    cases = []
+    for pack in packs:
+        if max(pack) > spec.max_context:
+            raise ValueError(f"pack {list(pack)} has a sequence longer than {spec.name}'s context {spec.max_context}")
+        inp = _pack_inputs(pack, spec.vocab, dev, gen)
+
+        def once(inp=inp) -> list[float]:
+            tokens, positions, cu, max_s, labels = inp
+            net.zero_grad(set_to_none=True)
+            clock.mark()
+            logits = net(tokens, positions, cu, max_s, attn)  # (T, vocab)
+            loss = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
+            clock.mark()
+            loss.backward()
+            clock.mark()
+            return clock.intervals()  # [forward, backward]
+
+        cases.append(once)
+    return cases
+
+
+def _compute_rows(spec: ModelSpec, packs, samples, ks, trim: float) -> list[dict]:
+    rows = []
+    for pack, smp, k in zip(packs, samples, ks):
+        fwd, bwd = [x[0] for x in smp], [x[1] for x in smp]
+        rows.append({"pack": [int(s) for s in pack], "tokens": int(sum(pack)),
+                     "forward_ms": trimmed_median(fwd, trim) / spec.layers,
+                     "backward_ms": trimmed_median(bwd, trim) / spec.layers,
+                     "forward_all": fwd, "backward_all": bwd, "calls_per_sample": k})
+    return rows
+
+
+def measure_compute(spec: ModelSpec, packs: Sequence[Sequence[int]], *, attn: Callable, warmup: int = 1,
+                    reps: int = 3, trim: float = 0.2, device: torch.device | str = "cpu",
+                    dtype: torch.dtype = torch.float32, seed: int = 0, min_sample_ms: float = 0.0,
+                    progress: Callable[[int], None] | None = None) -> list[dict]:
+    """Time forward (model + loss) and backward of ``spec`` on each pack, this rank alone (under a
+    process group every rank times at once, each sample after a barrier), with the round-robin
+    protocol of :func:`_round_robin` (``min_sample_ms`` per sample, ``reps`` rounds).
+
+    Returns ``[{"pack", "tokens", "forward_ms", "backward_ms" (per layer, trimmed median),
+    "forward_all", "backward_all" (whole model, every timed sample, per call), "calls_per_sample"}]``.
+    Raises ValueError for a pack longer than the model's context."""
+    from workbench.runtime.model import Transformer
+
+    dev = torch.device(device)
+    net = Transformer(spec, seed=seed).to(device=dev, dtype=dtype)
+    clock = Clock(dev)
+    cases = _compute_cases(spec, net, packs, attn, dev, clock, torch.Generator().manual_seed(seed))
+    samples, ks = _round_robin(cases, device=dev, warmup=warmup, reps=reps, min_sample_ms=min_sample_ms,
+                               progress=progress)
+    return _compute_rows(spec, packs, samples, ks, trim)
+
+
+# ------------------------------------------------------------------------------------------------
+# collectives
+# ------------------------------------------------------------------------------------------------
+
+
+def measure_collectives(registry, group_sizes: Sequence[int], message_bytes: Sequence[int], *,
+                        device: torch.device | str = "cpu", warmup: int = 1, reps: int = 5, inner: int = 4,
+                        trim: float = 0.2, kinds: Sequence[str] = ("all_to_all", "allreduce", "p2p"),
+                        progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Time collectives under an initialised process group; every rank must call this together.
+
+    ``all_to_all``: for each group size d, every aligned block of d ranks runs
+    ``all_to_all_single`` at once on a buffer of ``message_bytes`` per rank. ``allreduce``: the
+    whole world. ``p2p``: one ring step inside each block (send to the next rank, receive from the
+    previous). Each timed repetition is ``inner`` calls back to back after a barrier; a point is
+    the trimmed median of a rank's repetitions per call, agreed over ranks (median).
+
+    Returns ``[{"kind", "group_size", "message_bytes", "ms", "per_rank"}]``."""
+    dev = torch.device(device)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    clock = Clock(dev)
+    points = []
+
+    def timed(fn) -> float:
+        per = []
+        for r in range(warmup + reps):
+            _barrier(dev)
+            clock.mark()
+            for _ in range(inner):
+                fn()
+            clock.mark()
+            (t,) = clock.intervals()
+            if r >= warmup:
+                per.append(t / inner)
+        return trimmed_median(per, trim)
+
+    jobs = []
+    for d in group_sizes:
+        if "all_to_all" in kinds:
+            jobs += [("all_to_all", d, m) for m in message_bytes]
+        if "p2p" in kinds:
+            jobs += [("p2p", d, m) for m in message_bytes]
+    if "allreduce" in kinds and world > 1:
+        jobs += [("allreduce", world, m) for m in message_bytes]
+    for kind, d, m in jobs:
+        lo = rank // d * d
+        group = None if kind == "allreduce" else registry.get(tuple(range(lo, lo + d)))
+        numel = max(d, int(m) // 4 // d * d)
+        send = torch.randn(numel, device=dev)
+        recv = torch.empty_like(send)
+        fn = _collective_call(kind, send, recv, group, lo + (rank - lo + 1) % d, lo + (rank - lo - 1) % d)
+        t = timed(fn)
+        med, per_rank = agree([t], dev)
+        points.append({"kind": kind, "group_size": int(d), "message_bytes": int(numel * 4), "ms": med[0],
+                       "per_rank": [p[0] for p in per_rank]})
+        if progress is not None:
+            progress(f"{kind} d={d} {numel * 4:,} B")
+    return points
+
+
+def _collective_call(kind: str, send: torch.Tensor, recv: torch.Tensor, group, nxt: int, prv: int) -> Callable[[], None]:
+    """One call of collective ``kind`` on these buffers (``nxt``/``prv``: the ring neighbours)."""
+    if kind == "all_to_all":
+        return lambda: dist.all_to_all_single(recv, send, group=group)
+    if kind == "allreduce":
+        return lambda: dist.all_reduce(send)
+
+    ops = [dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]
+
+    def ring_step() -> None:
+        # batched: NCCL issues the pair in one group (separate calls can deadlock a ring)
+        for q in dist.batch_isend_irecv(ops):
+            q.wait()
+
+    return ring_step
+
+
+# ------------------------------------------------------------------------------------------------
+# SP groups: the runtime's own micro-step at every group size
+# ------------------------------------------------------------------------------------------------
+
+
+def _group_cases(spec: ModelSpec, net, registry, group_sizes, packs, attn, dev: torch.device, clock: Clock,
+                 gen) -> tuple[list[tuple[int, list[int]]], list[Callable]]:
+    from workbench.runtime.step import IGNORE, make_shard
+    from workbench.runtime.ulysses import UlyssesAttention
+
+    rank = dist.get_rank()
+    keys, cases = [], []
+    for d in sorted({1, *[int(x) for x in group_sizes]}):
+        lo = rank // d * d
+        group = registry.get(tuple(range(lo, lo + d)))
+        for pack in packs:
+            seqs = [torch.randint(0, spec.vocab, (int(n),), generator=gen) for n in pack]
+
+            def once(seqs=seqs, d=d, lo=lo, group=group) -> list[float]:
+                net.zero_grad(set_to_none=True)
+                clock.mark()
+                # as the step executor does it, inside the timed micro-step: this rank's slices and layout
+                sh = make_shard(seqs, d, rank - lo)
+                a = attn if d == 1 else UlyssesAttention(group, sh.layout, attn)
+                tokens, positions, cu, labels = (sh.tokens.to(dev), sh.positions.to(dev), sh.cu_seqlens.to(dev),
+                                                 sh.labels.to(dev))
+                logits = net(tokens, positions, cu, sh.max_seqlen, a)  # (T_loc, vocab)
+                loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum")
+                loss.backward()
+                clock.mark()
+                return clock.intervals()  # [micro-step]
+
+            keys.append((d, [int(n) for n in pack]))
+            cases.append(once)
+    return keys, cases
+
+
+def _group_rows(keys, samples, trim: float, device: torch.device) -> list[dict]:
+    med, per_rank = agree([trimmed_median([x[0] for x in smp], trim) for smp in samples], device)
+    return [{"degree": d, "pack": p, "tokens": sum(p), "ms": med[i], "per_rank": [r[i] for r in per_rank]}
+            for i, (d, p) in enumerate(keys)]
+
+
+def measure_groups(spec: ModelSpec, registry, group_sizes: Sequence[int], packs: Sequence[Sequence[int]], *,
+                   attn: Callable, device: torch.device | str = "cpu", warmup: int = 1, reps: int = 3,
+                   trim: float = 0.2, dtype: torch.dtype = torch.float32, seed: int = 0, min_sample_ms: float = 0.0,
+                   progress: Callable[[int], None] | None = None) -> list[dict]:
+    """Time one micro-step of the runtime's sequence-parallel path, as the step executor runs it:
+    each rank takes its slice of every sequence (``make_shard``), forward with Ulysses attention
+    inside its group (``UlyssesAttention``: the all-to-alls around the local varlen attention), loss,
+    backward. For every degree in ``[1, *group_sizes]`` and pack, every aligned block runs its own
+    group of that degree on the pack at once (as concurrent groups do in training); every rank must
+    call this together. Samples go round-robin over the (degree, pack) cases.
+
+    Returns ``[{"degree", "pack", "tokens", "ms" (whole model; trimmed median, median over ranks),
+    "per_rank"}]``."""
+    from workbench.runtime.model import Transformer
+
+    dev = torch.device(device)
+    net = Transformer(spec, seed=seed).to(device=dev, dtype=dtype)
+    clock = Clock(dev)
+    keys, cases = _group_cases(spec, net, registry, group_sizes, packs, attn, dev, clock,
+                               torch.Generator().manual_seed(seed))
+    samples, _ = _round_robin(cases, device=dev, warmup=warmup, reps=reps, min_sample_ms=min_sample_ms,
+                              progress=progress)
+    return _group_rows(keys, samples, trim, dev)
+
+
+def measure_compute_and_groups(spec: ModelSpec, packs, registry, group_sizes, group_packs, *, attn: Callable,
+                               device: torch.device | str = "cpu", warmup: int = 1, reps: int = 3, trim: float = 0.2,
+                               dtype: torch.dtype = torch.float32, seed: int = 0, min_sample_ms: float = 0.0,
+                               progress: Callable[[int, int], None] | None = None) -> tuple[list[dict], list[dict]]:
+    """:func:`measure_compute` and :func:`measure_groups` in the same round-robin rounds, so the SP
+    micro-steps see the same load as the compute curve they are compared with (on a shared machine
+    the load drifts between phases). ``registry`` None: compute only. ``progress(j, n)`` after each
+    of the ``n`` samples. Returns ``(compute rows, group rows)``."""
+    from workbench.runtime.model import Transformer
+
+    dev = torch.device(device)
+    net = Transformer(spec, seed=seed).to(device=dev, dtype=dtype)
+    clock = Clock(dev)
+    gen = torch.Generator().manual_seed(seed)
+    ccases = _compute_cases(spec, net, packs, attn, dev, clock, gen)
+    keys, gcases = ([], []) if registry is None else _group_cases(spec, net, registry, group_sizes, group_packs, attn,
+                                                                  dev, clock, gen)
+    n = reps * (len(ccases) + len(gcases))
+    samples, ks = _round_robin(ccases + gcases, device=dev, warmup=warmup, reps=reps, min_sample_ms=min_sample_ms,
+                               progress=None if progress is None else (lambda j: progress(j, n)))
+    rows = _compute_rows(spec, packs, samples[:len(ccases)], ks[:len(ccases)], trim)
+    groups = _group_rows(keys, samples[len(ccases):], trim, dev) if registry is not None else []
+    return rows, groups
+
+
+# ------------------------------------------------------------------------------------------------
+# memory
+# ------------------------------------------------------------------------------------------------
+
+
+def _model_state_bytes_computed(net: torch.nn.Module) -> dict:
+    params = sum(p.numel() * p.element_size() for p in net.parameters())
+    adam = sum(2 * p.numel() * 4 for p in net.parameters())  # AdamW: two fp32 moments
+    return {"params_bytes": params, "grads_bytes": params, "optimizer_bytes": adam,
+            "model_state_mb": (2 * params + adam) / 1e6}
+
+
+def measure_memory(spec: ModelSpec, *, device: torch.device | str = "cpu", attn: Callable | None = None,
+                   dtype: torch.dtype = torch.float32, lengths: tuple[int, int] = (256, 1024)) -> dict:
+    """Activation MB per token (whole model) and model-state MB (parameters, gradients, AdamW).
+
+    CUDA: measured, peak allocated during a forward at two lengths (the difference per token, so
+    fixed buffers cancel) and allocated bytes after a backward and an optimizer step. Elsewhere:
+    computed from the model, the bytes of the distinct tensors autograd saves for backward in one
+    forward of the longer length (parameters excluded) per token, and parameter/optimizer bytes.
+    Returns ``{"activation_mb_per_token", "model_state_mb", "method", ...}``."""
+    from workbench.runtime.attention import torch_varlen_attention
+    from workbench.runtime.model import Transformer
+
+    dev = torch.device(device)
+    attn = attn or torch_varlen_attention
+    gen = torch.Generator().manual_seed(0)
+    lengths = tuple(min(int(x), spec.max_context) for x in lengths)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        base0 = torch.cuda.memory_allocated(dev)
+        net = Transformer(spec, seed=0).to(device=dev, dtype=dtype)
+        params = torch.cuda.memory_allocated(dev) - base0
+        peaks = []
+        for L in lengths:
+            tokens, positions, cu, max_s, labels = _pack_inputs([L], spec.vocab, dev, gen)
+            torch.cuda.synchronize(dev)
+            base = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            logits = net(tokens, positions, cu, max_s, attn)  # (T, vocab)
+            loss = F.cross_entropy(logits.float(), labels, reduction="sum")
+            torch.cuda.synchronize(dev)
+            peaks.append(torch.cuda.max_memory_allocated(dev) - base)
+            if L == lengths[-1]:
+                loss.backward()
+            del logits, loss
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        opt.step()
+        torch.cuda.synchronize(dev)
+        state = torch.cuda.memory_allocated(dev) - base0
+        per_token = (peaks[1] - peaks[0]) / (lengths[1] - lengths[0]) if lengths[1] != lengths[0] else peaks[0] / lengths[0]
+        out = {"activation_mb_per_token": per_token / 1e6, "model_state_mb": state / 1e6, "params_mb": params / 1e6,
+               "method": "measured: CUDA peak allocated bytes of a forward at "
+                         f"{lengths[0]} and {lengths[1]} tokens (difference per token); model states = allocated "
+                         f"bytes of parameters, gradients and AdamW states after one step",
+               "points": [{"tokens": L, "peak_bytes": p} for L, p in zip(lengths, peaks)]}
+        del net, opt
+        torch.cuda.empty_cache()
+        return out
+    net = Transformer(spec, seed=0).to(device=dev, dtype=dtype)
+    param_ptrs = {p.untyped_storage().data_ptr() for p in net.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack_hook(t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in param_ptrs:
+            seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
+        return t
+
+    L = lengths[-1]
+    tokens, positions, cu, max_s, labels = _pack_inputs([L], spec.vocab, dev, gen)
+    with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+        logits = net(tokens, positions, cu, max_s, attn)  # (T, vocab)
+        loss = F.cross_entropy(logits.float(), labels, reduction="sum")
+    del loss, logits
+    st = _model_state_bytes_computed(net)
+    return {"activation_mb_per_token": sum(seen.values()) / L / 1e6, **st,
+            "method": f"computed on CPU: bytes of the tensors autograd saves for backward in one forward of {L} "
+                      f"tokens (parameters excluded) per token; model states = parameter and gradient bytes plus "
+                      f"two fp32 AdamW moments per parameter"}
+
+
+# ------------------------------------------------------------------------------------------------
+# provenance
+# ------------------------------------------------------------------------------------------------
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_gb() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return 8.0
+
+
+def _driver_version() -> str | None:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    try:
+        p = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=10)
+        return p.stdout.strip().splitlines()[0] if p.returncode == 0 and p.stdout.strip() else None
+    except (OSError, subprocess.TimeoutExpired, IndexError):
+        return None
+
+
+def _machine(device: torch.device) -> dict:
+    """``{"gpu", "gpu_memory_gb", "versions": {...}}`` of this machine."""
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        gpu, mem = torch.cuda.get_device_name(device), props.total_memory / 1e9
+        versions.update(cuda=torch.version.cuda, driver=_driver_version())
+        try:
+            versions["nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())
+        except Exception:  # noqa: BLE001 - a version string is not worth failing for
+            versions["nccl"] = None
+        try:
+            import flash_attn
+
+            versions["flash_attn"] = flash_attn.__version__
+        except ImportError:
+            versions["flash_attn"] = None
+    else:
+        gpu, mem = f"CPU {_cpu_name()} ({os.cpu_count()} cores)", _memory_gb()
+    return {"gpu": gpu, "gpu_memory_gb": round(mem, 1), "versions": versions}
+
+
+# ------------------------------------------------------------------------------------------------
+# the run
+# ------------------------------------------------------------------------------------------------
+
+
+class Profiler:
+    """One rank of a profile run. ``run()`` returns the exit status (0 done, 1 failed)."""
+
+    # shares of the progress bar: compute with SP micro-steps, collectives, memory, fit
+    SHARES = (0.78, 0.14, 0.04, 0.04)
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world = int(os.environ.get("WORLD_SIZE", 1))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.spec: ProfileSpec | None = None
+        self.phase = "setup"
+
+    def _status(self, **fields) -> None:
+        if self.rank == 0 and self.run_dir.is_dir():
+            runs.update_status(self.run_dir, **fields)
+
+    def _progress(self, fraction: float, message: str) -> None:
+        self._status(state="running", progress=round(min(1.0, max(0.0, fraction)), 4), message=message)
+
+    def _fail(self, msg: str) -> int:
+        _say(f"workbench profile: error (rank {self.rank}, {self.phase}): {msg}")
+        if self.run_dir.is_dir():
+            try:
+                write_json_atomic(self.run_dir / runs.FAILURES_DIR / f"rank{self.rank}.json",
+                                  {"rank": self.rank, "phase": self.phase, "error": msg,
+                                   "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")})
+            except OSError:
+                pass
+        self._status(state="failed", error=msg, message=f"failed in {self.phase}")
+        return 1
+
+    def _setup(self):
+        """Everything that needs no collective: spec, device, attention. Returns (device, attn,
+        attn_name, resolved) or raises."""
+        from workbench.runtime.attention import select_attention
+
+        self.spec = read_profile_spec(self.run_dir)
+        spec = self.spec
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        if spec.nproc != self.world:
+            raise ValueError(f"the run is prepared for {spec.nproc} process(es) but torchrun started {self.world}")
+        dev_name = spec.resolved_device()
+        if dev_name == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError("the profile asks for CUDA but torch sees no CUDA device here; use --device cpu")
+            n = torch.cuda.device_count()
+            if self.local_rank >= n:
+                raise ValueError(f"local rank {self.local_rank} has no GPU: this node has {n}; lower --nproc to {n}")
+            device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        attn, attn_name = select_attention(spec.attention, device)
+        return device, attn, attn_name, spec.resolved(device.type)
+
+    def run(self) -> int:
+        err = None
+        device, attn, attn_name, res = torch.device("cpu"), None, "torch", {}
+        if self.run_dir.is_dir():
+            runs.update_status(self.run_dir, pids={"ranks": {str(self.rank): os.getpid()}, **runs.process_record()})
+        try:
+            device, attn, attn_name, res = self._setup()
+        except Exception as e:  # noqa: BLE001 - agreed on below, never left to hang the others
+            err = str(e).splitlines()[0] if str(e) else type(e).__name__
+        spec = self.spec
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if self.world > 1 or "MASTER_ADDR" in os.environ:
+            timeout = _dt.timedelta(seconds=spec.timeout_s if spec is not None else 300.0)
+            try:
+                if device.type == "cuda":
+                    dist.init_process_group(backend, timeout=timeout, device_id=device)
+                else:
+                    dist.init_process_group(backend, timeout=timeout)
+            except Exception as e:  # noqa: BLE001
+                return self._fail(f"process group ({backend}) did not start: {e}")
+            errs: list = [None] * dist.get_world_size()
+            dist.all_gather_object(errs, err)
+            first = next(((r, e) for r, e in enumerate(errs) if e is not None), None)
+            if first is not None:
+                r, e = first
+                code = 1
+                if self.rank == r or self.rank == 0:
+                    code = self._fail(e if r == self.rank else f"rank {r}: {e}")
+                dist.destroy_process_group()
+                return code
+        elif err is not None:
+            return self._fail(err)
+        try:
+            code = self._measure(device, attn, attn_name, res, backend)
+        except Exception as e:  # noqa: BLE001 - reported in the status; torchrun ends the other ranks
+            traceback.print_exc()
+            return self._fail(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return code
+
+    def _measure(self, device: torch.device, attn, attn_name: str, res: dict, backend: str) -> int:
+        spec = self.spec
+        model = get_model(spec.model)
+        dtype = _DTYPES[spec.dtype]
+        t_start = time.perf_counter()
+        fit, held = res["fit_packs"], res["heldout_packs"]
+        packs = [(p, "fit") for p in fit] + [(p, "heldout") for p in held]
+        self.phase = "compute"
+        self._progress(0.0, f"compute: {len(packs)} packs, {res['warmup']} warm-up + {res['reps']} timed samples each "
+                            f"(warming up)")
+
+        registry, sp_sizes = None, []
+        if dist.is_initialized() and self.world > 1:
+            from workbench.runtime.groups import GroupRegistry
+
+            registry = GroupRegistry(self.world, [1, *res["group_sizes"]])
+            # Ulysses must be able to split the model's heads over the group (collectives need not)
+            sp_sizes = [d for d in res["group_sizes"]
+                        if model.heads % d == 0 and (model.kv_heads % d == 0 or d % model.kv_heads == 0)]
+
+        def on_sample(j: int, n: int) -> None:
+            self._progress(self.SHARES[0] * (j + 1) / n, f"compute and SP micro-steps: sample {j + 1}/{n} "
+                                                         f"(round {j * res['reps'] // n + 1}/{res['reps']})")
+
+        rows, groups = measure_compute_and_groups(
+            model, [p for p, _ in packs], registry, sp_sizes, res["group_packs"], attn=attn, warmup=res["warmup"],
+            reps=res["reps"], trim=res["trim"], device=device, dtype=dtype, min_sample_ms=res["min_sample_ms"],
+            progress=on_sample)
+        fwd, fwd_ranks = agree([r["forward_ms"] for r in rows], device)
+        bwd, bwd_ranks = agree([r["backward_ms"] for r in rows], device)
+        compute = []
+        for i, ((p, role), r) in enumerate(zip(packs, rows)):
+            compute.append({"pack": p, "tokens": r["tokens"], "role": role, "forward_ms": fwd[i], "backward_ms": bwd[i],
+                            "per_rank": {"forward_ms": [x[i] for x in fwd_ranks],
+                                         "backward_ms": [x[i] for x in bwd_ranks]},
+                            "calls_per_sample": r["calls_per_sample"],
+                            "rank0_all_ms": {"forward": r["forward_all"], "backward": r["backward_all"]}})
+        self.phase = "collectives"
+        collectives = []
+        if registry is not None:
+            sizes = res["group_sizes"]
+            n_jobs = 2 * len(sizes) * len(res["message_bytes"]) + len(res["message_bytes"])
+            done = [0]
+
+            def on_coll(what: str) -> None:
+                done[0] += 1
+                self._progress(self.SHARES[0] + self.SHARES[1] * done[0] / n_jobs, f"collectives: {what}")
+
+            collectives = measure_collectives(registry, sizes, res["message_bytes"], device=device,
+                                              reps=res["collective_reps"], inner=res["collective_inner"],
+                                              trim=res["trim"], progress=on_coll)
+        self.phase = "memory"
+        self._progress(sum(self.SHARES[:2]), "memory")
+        memory = measure_memory(model, device=device, attn=attn, dtype=dtype) if self.rank == 0 else {}
+        if self.rank == 0:
+            self.phase = "fit"
+            self._progress(sum(self.SHARES[:3]), "fitting")
+            mach = _machine(device)
+            threads = torch.get_num_threads()
+            name = spec.name or f"{device.type}-{backend}-{model.name}-{self.world}r"
+            provenance = {
+                "kind": "measured", "method": "workbench profile" + (" --quick" if spec.quick else ""),
+                "source": "workbench.profile.measure",
+                "where": f"{socket.gethostname()}: {mach['gpu']}, {self.world} rank(s) measuring at once, "
+                         f"{threads} thread(s) each, {backend}",
+                "host": socket.gethostname(), "device": device.type, "backend": backend,
+                "when": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+                "command": spec.command, "run_id": self.run_dir.name, "versions": mach["versions"],
+                "attention": attn_name, "dtype": spec.dtype, "world_size": self.world, "threads_per_rank": threads,
+                "timer": "CUDA events" if device.type == "cuda" else "time.perf_counter around synchronised work",
+                "scope": "whole model (embedding, blocks, head, loss) timed, divided by layers",
+                "protocol": f"{res['warmup']} warm-up + {res['reps']} timed samples per pack after a barrier (a sample: "
+                            f"the pack run back to back until it lasts {res['min_sample_ms']:g} ms), "
+                            f"trimmed median ({res['trim']:.0%} cut at each end), median over {self.world} rank(s); "
+                            f"non-negative least squares on relative error; collectives: "
+                            f"{res['collective_reps']} x {res['collective_inner']} back-to-back calls per size",
+                "grid": {"fit_packs": fit, "heldout_packs": held, "max_len": res["max_len"],
+                         "group_packs": res["group_packs"],
+                         "message_bytes": res["message_bytes"], "group_sizes": res["group_sizes"]},
+                "seconds": None,
+            }
+            meas = {"model": model.name, "world_size": self.world, "device": device.type, "scope": "model",
+                    "compute": compute, "collectives": collectives, "groups": groups, "memory": memory,
+                    "meta": {"name": name, "gpu": mach["gpu"], "gpu_memory_gb": mach["gpu_memory_gb"],
+                             "provenance": provenance}}
+            provenance["seconds"] = round(time.perf_counter() - t_start, 1)
+            write_json_atomic(self.run_dir / MEASUREMENTS_FILE, meas)
+            result = build_result(meas, run_id=self.run_dir.name)
+            write_json_atomic(self.run_dir / RESULT_FILE, result.to_dict())
+            result.profile.save(self.run_dir / runs.PROFILE_FILE)
+            if spec.out:
+                result.profile.save(spec.out)
+            h = result.heldout["total"]
+            msg = (f"done in {provenance['seconds']:.0f}s: held-out per-layer error median {h['median_ape']:.1f}%, "
+                   f"worst {h['worst_ape']:.1f}%" if h["count"] else f"done in {provenance['seconds']:.0f}s")
+            _say(f"workbench profile: {msg}; wrote {self.run_dir / runs.PROFILE_FILE}"
+                 + (f" and {spec.out}" if spec.out else ""))
+            self._status(state="running", progress=1.0, message=msg)
+        if dist.is_initialized():
+            _barrier(device)  # the files are written before any rank reports done
+        return 0
+
+
+def _parent_watchdog() -> None:
+    """Exit when torchrun (our parent) dies without ending us (an orphan would wait in a collective
+    until the timeout)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(2.0)
+            if os.getppid() != parent:
+                os._exit(143)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of one rank; returns its exit status (0 done, 1 failed)."""
+    p = argparse.ArgumentParser(prog="python -m workbench.profile.measure",
+                                description="one rank of a workbench profile run (start it with `workbench profile`)")
+    p.add_argument("--run-dir", required=True, help="the run folder holding spec.json")
+    args = p.parse_args(argv)
+    _parent_watchdog()
+    return Profiler(Path(args.run_dir)).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
