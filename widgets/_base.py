@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import ipywidgets as W
 
-__all__ = ["LatestWorker", "Panel", "set_figure", "figure_widget", "note_html", "one_line"]
+__all__ = ["LatestWorker", "Panel", "set_figure", "figure_widget", "figure_box", "clear_figure", "log_html", "note_html", "one_line"]
 
 
 def one_line(e: BaseException | str) -> str:
@@ -28,7 +28,7 @@ def one_line(e: BaseException | str) -> str:
 def note_html(text: str, kind: str = "info") -> str:
     """A one-line coloured note for an ``HTML`` widget (kind: info, ok, warn, error, busy)."""
     color = {"info": "#555", "ok": "#2E7D32", "warn": "#B26A00", "error": "#C62828", "busy": "#1565C0"}[kind]
-    icon = {"info": "", "ok": "✔ ", "warn": "⚠ ", "error": "✖ ", "busy": "⏳ "}[kind]
+    icon = {"info": "", "ok": "✔ ", "warn": "⚠ ", "error": "✖ ", "busy": "» "}[kind]
     return f"<span style='color:{color}'>{icon}{html.escape(text)}</span>"
 
 
@@ -66,6 +66,15 @@ def _warm_plotly() -> None:
         _warmed = True
 
 
+def log_html(lines, height: int = 210) -> str:
+    """The last lines of a log for an ``HTML`` widget: monospace, wrapped, scrolled to the newest
+    line (a column-reverse box keeps the bottom in view as lines arrive)."""
+    text = html.escape("\n".join(lines)) if lines else "(no output yet)"
+    return (f"<div style='display:flex;flex-direction:column-reverse;max-height:{height}px;overflow-y:auto;"
+            f"border:1px solid #ddd;background:#fafafa;padding:4px 8px'><pre style='margin:0;white-space:pre-wrap;"
+            f"word-break:break-all;font-size:11.5px;line-height:1.35'>{text}</pre></div>")
+
+
 def figure_widget(fig=None):
     """A ``go.FigureWidget`` (an anywidget since plotly 6) holding ``fig`` (or empty)."""
     import plotly.graph_objects as go
@@ -79,12 +88,33 @@ def figure_widget(fig=None):
 
 def set_figure(fw, fig) -> None:
     """Replace the traces and layout of FigureWidget ``fw`` with those of ``fig`` in one
-    ``batch_update`` (one message to the browser instead of one per property)."""
+    ``batch_update`` (one message to the browser instead of one per property); a figure kept in a
+    :func:`figure_box` is shown from its first data on."""
     with fw.batch_update():
         fw.data = ()
         if fig.data:
             fw.add_traces(list(fig.data))
         fw.layout = fig.layout
+    box = getattr(fw, "_wb_box", None)
+    if box is not None and fig.data:
+        box.layout.display = ""
+
+
+def clear_figure(fw) -> None:
+    """Empty FigureWidget ``fw`` (and hide its :func:`figure_box`)."""
+    with fw.batch_update():
+        fw.data = ()
+    box = getattr(fw, "_wb_box", None)
+    if box is not None:
+        box.layout.display = "none"
+
+
+def figure_box(fw) -> W.Box:
+    """A box holding FigureWidget ``fw``, hidden until the figure has data (an empty plotly
+    figure draws as bare axes)."""
+    box = W.VBox([fw], layout=W.Layout(display="" if fw.data else "none"))
+    fw._wb_box = box
+    return box
 
 
 class LatestWorker:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import ipywidgets as W
 
-from widgets._base import Panel, figure_widget, note_html, one_line, set_figure
+from widgets._base import Panel, figure_box, figure_widget, log_html, note_html, one_line, set_figure
 
 __all__ = ["HardwarePanel"]
 
@@ -84,7 +84,7 @@ class HardwarePanel(Panel):
         self.b_stop = W.Button(description="Stop", icon="stop", button_style="danger", disabled=True)
         self.progress = W.FloatProgress(min=0, max=1, value=0, layout=W.Layout(width="300px"))
         self.run_status = W.HTML()
-        self.log = W.Textarea(disabled=True, rows=8, layout=W.Layout(width="100%", font_family="monospace"))
+        self.log = W.HTML()
         self.fig_compute = figure_widget()
         self.fig_residuals = figure_widget()
         self.fig_bandwidth = figure_widget()
@@ -119,16 +119,16 @@ class HardwarePanel(Panel):
                 "quadratic in the length s) + <b>b·s</b> (the dense layers, linear) per sequence, plus <b>c</b> once per "
                 "call (kernel launches and fixed costs: each SP group pays it once per micro-step). Markers are "
                 "measured points; the planner divides a sequence's time by its SP degree."),
-            self.fig_compute, self.fig_residuals,
+            figure_box(self.fig_compute), figure_box(self.fig_residuals),
             cap("Bandwidth of the collectives by group size: the all-to-all of Ulysses sequence parallelism inside an "
                 "SP group, the point-to-point of ring attention, and the all-reduce of the gradients. Groups that "
                 "leave a node fall from NVLink to the network: that is why wide SP groups are expensive."),
-            self.fig_bandwidth,
+            figure_box(self.fig_bandwidth),
             W.HTML("<h4 style='margin:10px 0 2px'>Profile this machine</h4>"),
             W.HBox([self.w_nproc, self.w_model, self.w_quick], layout=W.Layout(flex_flow="row wrap")),
             W.HBox([self.b_run, self.b_stop, self.progress], layout=W.Layout(align_items="center")),
-            self.run_status, self.log, self.fig_fit, self.fig_collectives,
-            W.HBox([self.w_train, self.b_check]), self.fig_fidelity,
+            self.run_status, self.log, figure_box(self.fig_fit), figure_box(self.fig_collectives),
+            W.HBox([self.w_train, self.b_check]), figure_box(self.fig_fidelity),
         ])
 
     def _figure_widgets(self) -> dict:
@@ -168,7 +168,7 @@ class HardwarePanel(Panel):
         finally:
             self._quiet -= 1
         try:
-            items = [("(pick a finished training run)", None)]
+            items = [("(pick a finished training run)", "")]
             items += [(f"{r.id} · {r.status().state}", str(r.path)) for r in reversed(runs.list_runs(self.root, kind="train"))
                       if r.status().final and r.status().step > 0]
             self.w_train.options = items
@@ -308,7 +308,7 @@ class HardwarePanel(Panel):
             if st.error:
                 msg += f" · error: {str(st.error).splitlines()[0]}"
             self.run_status.value = note_html(msg, kind)
-            self.log.value = "\n".join(self.run.log_tail(12))
+            self.log.value = log_html(self.run.log_tail(12))
             if ended is not None and self.final is None:
                 self.final = ended
                 self.b_stop.disabled, self.b_run.disabled = True, False

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import ipywidgets as W
 
-from widgets._base import Panel, figure_widget, note_html, one_line, set_figure
+from widgets._base import Panel, figure_box, figure_widget, log_html, note_html, one_line, set_figure
 from workbench.scenario import Scenario
 
 __all__ = ["LaunchPanel"]
@@ -94,16 +94,18 @@ class LaunchPanel(Panel):
         self.b_attach = W.Button(description="Reattach", icon="link", tooltip="follow the run picked on the left")
         self.b_scan = W.Button(icon="refresh", tooltip="look for running runs in the run store",
                                layout=W.Layout(width="40px"))
+        self.reattach_row = W.HBox([self.w_live, self.b_attach, self.b_scan], layout=W.Layout(align_items="center"))
         self.settings_note = W.HTML()
         self.status = W.HTML(note_html("no run yet: set the run up and press Launch"))
         self.progress = W.IntProgress(min=0, max=steps, value=0, description="step 0", style=st,
                                       layout=W.Layout(width="420px"))
-        self.log = W.Textarea(value="", disabled=True, rows=12,
-                              layout=W.Layout(width="100%", font_family="monospace"))
+        self.log = W.HTML(log_html([]))
+        self.log_lines: list[str] = []
+        """The log's last lines as shown."""
         self.fig = figure_widget()
         self.b_launch.on_click(lambda _: self._guard(self.launch))
         self.b_stop.on_click(lambda _: self._stop_in_background())
-        self.b_attach.on_click(lambda _: self._guard(lambda: self.attach(self.w_live.value)))
+        self.b_attach.on_click(lambda _: self._guard(lambda: self.attach(self.w_live.value or None)))
         self.b_scan.on_click(lambda _: self.live_runs())
         self.widget = W.VBox([
             W.HTML("<b style='font-size:15px'>Launch</b> &nbsp; <span style='color:#555'>train for real: torchrun "
@@ -114,13 +116,13 @@ class LaunchPanel(Panel):
             self.settings_note,
             W.HBox([self.b_launch, self.b_stop, self.progress], layout=W.Layout(align_items="center", flex_flow="row wrap")),
             self.status,
-            W.HBox([self.w_live, self.b_attach, self.b_scan], layout=W.Layout(align_items="center")),
+            self.reattach_row,
             W.HTML("<div style='color:#555;font-size:12.5px'>The run's log (its last lines, read from "
                    "<code>log.txt</code> in the run folder):</div>"),
             self.log,
             W.HTML("<div style='color:#555;font-size:12.5px'>Loss, and each step's measured time against the time "
                    "the plan predicted from the cost model (the first step also pays start-up costs).</div>"),
-            self.fig,
+            figure_box(self.fig),
         ])
 
     def _figure_widgets(self) -> dict:
@@ -225,7 +227,9 @@ class LaunchPanel(Panel):
             self.progress.bar_style = ""
             self.b_stop.disabled = False
             self.b_launch.disabled = True
-            self.log.value = ""
+            self.reattach_row.layout.display = "none"  # following a run; the picker is for finding one
+            self.log_lines = []
+            self.log.value = log_html([])
         self.refresh()
         if self.follow:
             self._stop_poll = threading.Event()
@@ -279,7 +283,8 @@ class LaunchPanel(Panel):
             if st.error:
                 bits.append(f"error: {str(st.error).splitlines()[0]}")
             self.status.value = note_html(" · ".join(bits), _STATE_KIND.get(st.state, "info"))
-            self.log.value = "\n".join(self.run.log_tail(14))
+            self.log_lines = self.run.log_tail(14)
+            self.log.value = log_html(self.log_lines)
             if len(steps) != self._drawn:
                 self._drawn = len(steps)
                 set_figure(self.fig, live_run_figure(run_series(self.run), title=f"{self.run.id}"))
@@ -288,6 +293,7 @@ class LaunchPanel(Panel):
                 self.b_stop.disabled = True
                 self.b_launch.disabled = False
                 self.progress.bar_style = {"done": "success", "failed": "danger", "stopped": "warning"}.get(ended.state, "")
+                self.reattach_row.layout.display = ""
                 for cb in list(self._finished):
                     try:
                         cb(self.run)
@@ -343,9 +349,9 @@ class LaunchPanel(Panel):
             st = r.status()
             if not st.final and launch.run_alive(st):
                 live.append(r)
-        self.w_live.options = [("(no running run)" if not live else "(pick a running run)", None)] + \
+        self.w_live.options = [("(no running run)" if not live else "(pick a running run)", "")] + \
             [(f"{r.id} · step {r.status().step}", str(r.path)) for r in live]
-        self.w_live.value = None
+        self.w_live.value = ""
         return live
 
     def attach(self, run=None):

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import ipywidgets as W
 
-from widgets._base import LatestWorker, Panel, figure_widget, html_table, note_html, one_line, set_figure
+from widgets._base import LatestWorker, Panel, figure_box, figure_widget, html_table, note_html, one_line, set_figure
 from workbench.scenario import Scenario
 
 __all__ = ["LengthsPanel"]
@@ -97,20 +97,20 @@ class LengthsPanel(Panel):
             cap("Most sequences are short and a few are very long (a <b>long tail</b>). Both axes are logarithmic: "
                 "each bar is a power-of-two range of lengths. Red bars lie beyond the <b>max context</b>, the "
                 "longest sequence the model trains on; the policy above decides what happens to them."),
-            self.fig_hist,
+            figure_box(self.fig_hist),
             cap("The same data as running totals. Attention compares every token with every other, so its work "
                 "grows as the <b>square</b> of the length: the few long sequences hold a small share of the "
                 "sequences, a larger share of the tokens, and most of the attention work."),
-            self.fig_cdf, self.fig_share,
+            figure_box(self.fig_cdf), figure_box(self.fig_share),
             cap("What the max-context policy does to the sequences longer than the max context."),
-            self.fig_policy,
+            figure_box(self.fig_policy),
             cap("A <b>static layout</b> runs every sequence on sequence-parallel groups of one fixed <b>degree</b> "
                 "(GPUs per group) and copies that layout over the rest of the GPUs (<b>replicas</b>, data "
                 "parallelism). Deal each sampled batch to the replicas with equal tokens each, as a data loader "
                 "does, and time each replica with the cost model: the replica that got a long sequence has far "
                 "more attention work, and every other replica waits for it at the gradient sync. "
                 "<b>Imbalance</b> = slowest replica / mean replica (1.0 is perfect)."),
-            self.fig_imbalance,
+            figure_box(self.fig_imbalance),
         ])
 
     def _figure_widgets(self) -> dict:
@@ -135,7 +135,7 @@ class LengthsPanel(Panel):
             self.w_samples.disabled = sc.source == "stdlib" and sc.samples is None
             self.w_seed.value = int(sc.seed)
             cap = sc.model_spec().max_context
-            opts = [("auto: the largest the cluster holds", None)]
+            opts = [("auto", 0)]  # 0: auto (None would mean "no selection")
             d = 512
             while d <= cap:
                 opts.append((f"{d // 1024}K" if d >= 1024 else str(d), d))
@@ -143,7 +143,7 @@ class LengthsPanel(Panel):
             if sc.max_len is not None and sc.max_len not in [v for _, v in opts]:
                 opts.append((f"{sc.max_len:,}", sc.max_len))
             self.w_max_len.options = opts
-            self.w_max_len.value = sc.max_len
+            self.w_max_len.value = sc.max_len or 0
             self.w_policy.value = sc.policy if sc.policy in self.w_policy.options else "clip"
             self.w_batch.value = int(sc.batch_tokens or 1_000_000)
             try:
@@ -168,7 +168,7 @@ class LengthsPanel(Panel):
         if not src:
             raise ValueError("Scenario.source: give the path of a lengths file")
         samples = None if (src == "stdlib" and self.w_samples.disabled) else int(self.w_samples.value)
-        return self._base.replace(source=src, samples=samples, seed=int(self.w_seed.value), max_len=self.w_max_len.value,
+        return self._base.replace(source=src, samples=samples, seed=int(self.w_seed.value), max_len=self.w_max_len.value or None,
                                   policy=self.w_policy.value, batch_tokens=int(self.w_batch.value), batch_size=None)
 
     @property

@@ -8,11 +8,12 @@ measured next to predicted.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Sequence
 
 import ipywidgets as W
 
-from widgets._base import Panel, figure_widget, html_table, note_html, one_line, set_figure
+from widgets._base import Panel, clear_figure, figure_box, figure_widget, html_table, note_html, one_line, set_figure
 
 __all__ = ["RunsPanel"]
 
@@ -59,7 +60,7 @@ class RunsPanel(Panel):
             W.HTML("<div style='color:#555;font-size:12.5px'>Medians leave out the first step (it pays start-up "
                    "costs). <i>measured / predicted</i> above 1: the run was slower than its plans predicted. The "
                    "speedup divides the baseline's median step by each run's.</div>"),
-            self.fig_speedup, self.fig_time, self.fig_loss,
+            figure_box(self.fig_speedup), figure_box(self.fig_time), figure_box(self.fig_loss),
         ])
 
     def _figure_widgets(self) -> dict:
@@ -89,10 +90,10 @@ class RunsPanel(Panel):
 
     @property
     def selected(self) -> list:
-        """The Runs picked, in the picker's order."""
+        """The Runs picked, oldest first (the first is the default baseline)."""
         from workbench import runs
 
-        return [runs.load_run(p) for p in self.w_runs.value]
+        return [runs.load_run(p) for p in sorted(self.w_runs.value, key=lambda p: Path(p).name)]
 
     def select(self, refs: Sequence[Any], baseline: Any = None) -> list[dict]:
         """Pick runs (ids, unique id prefixes, folders or Runs) and optionally the baseline;
@@ -182,8 +183,7 @@ class RunsPanel(Panel):
         if not sel:
             self.status.value = note_html(f"{len(self.w_runs.options)} run(s) in the store; pick some to compare")
             for f in (self.fig_loss, self.fig_time, self.fig_speedup):
-                with f.batch_update():
-                    f.data = ()
+                clear_figure(f)
             return
         self.status.value = note_html(f"{len(sel)} run(s) selected" + (f", baseline {base.id}" if base else ""), "ok")
         set_figure(self.fig_loss, loss_figure(series))

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import ipywidgets as W
 
-from widgets._base import LatestWorker, Panel, figure_widget, html_table, note_html, one_line, set_figure
+from widgets._base import LatestWorker, Panel, figure_box, figure_widget, html_table, note_html, one_line, set_figure
 from workbench.scenario import DEFAULT_PLANNERS, Scenario
 
 __all__ = ["SolverPanel", "SolveResult"]
@@ -198,24 +198,24 @@ class SolverPanel(Panel):
                 "whose gradients add up; a group starts as soon as its own GPUs are free. The grey block is the "
                 "gradient all-reduce that every GPU joins after its last micro-step; the dashed line is the "
                 "<b>lower bound</b>: no plan can finish the step before it."),
-            self.w_show, self.fig_timeline,
+            self.w_show, figure_box(self.fig_timeline),
             W.HTML("<h4 style='margin:10px 0 2px'>Every planner on the same batch</h4>"),
             cap("Predicted step time of each planner's plan for this batch. <i>static-max</i> is the fixed layout "
                 "users of Megatron-CP/DeepSpeed-Ulysses configure for the max context; <i>best-static</i> the best "
                 "fixed degree for this batch; the others mix degrees. The gap is how far a plan is above the lower "
                 "bound (an upper bound on how far it is from optimal)."),
-            self.fig_planners, self.table,
+            figure_box(self.fig_planners), self.table,
             cap("The same step as GPU-time (GPUs x seconds): the compute is the same whatever the plan; what differs "
                 "is the communication a sequence pays for being split over more GPUs than it needs, the fixed cost "
                 "of every group in every micro-step, and GPUs idling while others finish."),
-            self.fig_work,
+            figure_box(self.fig_work),
             W.HTML("<h4 style='margin:10px 0 2px'>Memory of one GPU</h4>"),
             cap("Per-GPU memory of a group in the plan, as the cost model counts it: model states (parameters, "
                 "gradients and optimizer states, sharded by the ZeRO stage) plus the activations of the group's "
                 "sequences, against the usable memory (dashed; the rest is kept for fragmentation and buffers) "
                 "and the device (solid). The planner keeps every group's activations within usable - model states."),
-            self.w_group, self.fig_memory, self.memory_line,
-            W.HBox([self.w_run, self.b_run_refresh]), self.run_memory_line, self.fig_run_memory,
+            self.w_group, figure_box(self.fig_memory), self.memory_line,
+            W.HBox([self.w_run, self.b_run_refresh]), self.run_memory_line, figure_box(self.fig_run_memory),
         ])
 
     def _figure_widgets(self) -> dict:
@@ -262,11 +262,12 @@ class SolverPanel(Panel):
 
     def _set_max_len_options(self, sc: Scenario) -> None:
         cap = sc.model_spec().max_context
-        opts = [("auto: the largest the cluster holds", None)] + [(_ctx_label(n), n) for n in _pow2_upto(cap, 512)]
+        # 0 stands for "auto" (a Dropdown cannot hold None as a value: it means "nothing selected")
+        opts = [("auto", 0)] + [(_ctx_label(n), n) for n in _pow2_upto(cap, 512)]
         if sc.max_len is not None and sc.max_len not in [v for _, v in opts]:
             opts.append((f"{sc.max_len:,}", sc.max_len))
         self.w_max_len.options = opts
-        self.w_max_len.value = sc.max_len
+        self.w_max_len.value = sc.max_len or 0
 
     def _set_degree_buttons(self, n: int, per: int, chosen: Sequence[int]) -> None:
         from workbench.scenario import aligned_degrees
@@ -292,7 +293,7 @@ class SolverPanel(Panel):
         fields: dict[str, Any] = dict(
             model=self.w_model.value, num_gpus=int(self.w_gpus.value), gpus_per_node=int(self.w_per_node.value),
             gpu_memory_gb=None if abs(mem - prof_mem) < 1e-9 else mem, memory_fraction=float(self.w_fraction.value),
-            zero_stage=int(self.w_zero.value), max_len=self.w_max_len.value, recompute=bool(self.w_recompute.value),
+            zero_stage=int(self.w_zero.value), max_len=self.w_max_len.value or None, recompute=bool(self.w_recompute.value),
             strategy=self.w_strategy.value, planner=self.w_planner.value, time_limit=float(self.w_time_limit.value))
         if base.batch_tokens is not None or (base.batch_size is None and not self._is_list(base)):
             fields["batch_tokens"] = int(self.w_batch.value)
@@ -313,8 +314,9 @@ class SolverPanel(Panel):
     def set(self, **fields: Any) -> Scenario:
         """Set controls by Scenario field name (``num_gpus=16, planner="greedy"``; also
         ``batch_index`` and ``compare``) and return the new Scenario. With ``auto`` a solve is
-        scheduled on the background thread (:meth:`solve` runs one at once). Raises ValueError
-        for an unknown field or an invalid scenario (also shown beside the control)."""
+        scheduled on the background thread (:meth:`solve` runs one at once). Raises ValueError for
+        an unknown field or a value the Scenario rejects; a scenario that cannot be laid out (e.g.
+        GPUs not a multiple of GPUs per node) is shown beside its control and in the status."""
         extra = {k: fields.pop(k) for k in ("batch_index", "compare") if k in fields}
         sc = self.scenario.replace(**fields) if fields else self.scenario
         self._load_controls(sc)
@@ -326,8 +328,9 @@ class SolverPanel(Panel):
                 self.w_compare.value = bool(extra["compare"])
         finally:
             self._quiet -= 1
+        ok = self._check_controls()  # a broken constraint is shown beside its control, solve or not
         self._notify_scenario()
-        if self.auto:
+        if self.auto and ok is not None:
             self.request_solve()
         return sc
 
@@ -368,7 +371,7 @@ class SolverPanel(Panel):
             try:
                 cur = self.w_max_len.value
                 self._set_max_len_options(self._base.replace(model=self.w_model.value, max_len=None))
-                if cur is not None and cur in [v for _, v in self.w_max_len.options]:
+                if cur and cur in [v for _, v in self.w_max_len.options]:
                     self.w_max_len.value = cur
             finally:
                 self._quiet -= 1
@@ -659,7 +662,7 @@ class SolverPanel(Panel):
         """List the finished training runs of the store in the run picker."""
         from workbench import runs
 
-        items = [("(pick a finished training run)", None)]
+        items = [("(pick a finished training run)", "")]
         for r in reversed(runs.list_runs(self.root, kind="train")):
             st = r.status()
             if st.final and st.step > 0:
@@ -668,7 +671,7 @@ class SolverPanel(Panel):
         try:
             cur = self.w_run.value
             self.w_run.options = items
-            self.w_run.value = cur if cur in [v for _, v in items] else None
+            self.w_run.value = cur if cur in [v for _, v in items] else ""
         finally:
             self._quiet -= 1
 

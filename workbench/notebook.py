@@ -207,7 +207,9 @@ def run_notebook(name: str | Path, parameters: Mapping[str, Any] | None = None, 
     try:
         pm.execute_notebook(str(path), str(out), parameters=values, kernel_name=KERNEL, progress_bar=False,
                             log_output=True, cwd=str(run.path), execution_timeout=timeout,
-                            request_save_on_cell_execute=True)
+                            request_save_on_cell_execute=True,
+                            # the kernel's own start-up warnings (unencrypted local TCP) are noise here
+                            extra_arguments=["--IPKernelApp.log_level=ERROR"])
     except Exception as e:  # noqa: BLE001 - every way a notebook fails ends the run as failed, in one line
         cell, msg = _failure(e, timeout)
         runs.update_status(run.path, state="failed", finished=runs.now(), error=msg, failing_rank=None,
