@@ -20,11 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workbench.cost import CostModel  # noqa: E402
-from workbench.data import GlobalBatchSampler, load_lengths  # noqa: E402
-from workbench.simulate import simulate  # noqa: E402
+from workbench.scenario import Scenario  # noqa: E402
 from workbench.solve import planner_names  # noqa: E402
-from workbench.specs import ClusterSpec, get_model, load_profile  # noqa: E402
 from workbench.util import write_json_atomic  # noqa: E402
 
 FAMILIES = ("wikipedia", "commoncrawl", "github", "byted")
@@ -50,21 +47,18 @@ def main() -> int:
     missing = [p for p in args.planners.split(",") if p not in known]
     if missing:
         print(f"# planners not available here: {', '.join(missing)}", file=sys.stderr)
-    profile, model = load_profile("a100-40g-flexsp"), get_model("7b")
     out = {}
     print(f"# 7B on 64x A100-40G (profile a100-40g-flexsp), {args.steps} steps per row, solver limit {args.time_limit}s")
     for setting, cfg in SETTINGS.items():
-        cost = CostModel(profile, model, ClusterSpec(num_gpus=64), recompute=cfg["recompute"])
         print(f"\n## {setting}\n")
         print("| family | planner | mean step (s) | x lower bound | vs static-max | vs best-static | solve p95 (s) |")
         print("|---|---|---:|---:|---:|---:|---:|")
         for fam in args.families.split(","):
             t0 = time.perf_counter()
-            ls = load_lengths(fam, samples=args.samples, seed=args.seed, max_len=cfg["max_len"], policy="clip")
-            sampler = GlobalBatchSampler(ls.lengths, batch_tokens=cfg["batch_tokens"], batch_size=cfg["batch_size"],
-                                         seed=args.seed)
-            batches = [(b.batch_id, b.lengths) for b in sampler.take(args.steps)]
-            res = simulate(batches, cost, planners, seed=args.seed, time_limit=args.time_limit, max_len=cfg["max_len"])
+            sc = Scenario(model="7b", profile="a100-40g-flexsp", num_gpus=64, source=fam, samples=args.samples,
+                          seed=args.seed, max_len=cfg["max_len"], policy="clip", batch_tokens=cfg["batch_tokens"],
+                          batch_size=cfg["batch_size"], recompute=cfg["recompute"], time_limit=args.time_limit)
+            res = sc.simulate(planners, steps=args.steps)
             rows = res.planners
             for name, r in rows.items():
                 if r["mean_step_ms"] < r["lower_bound_ms"] * (1 - 1e-9):

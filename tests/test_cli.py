@@ -30,8 +30,6 @@ def test_lengths_json_by_hand():
 
 
 def test_plan_json_shape_and_validity():
-    from workbench.cli import build_cost  # noqa: F401  (same cost model the CLI builds)
-
     out = json.loads(run_cli("plan", "--lengths", "131072,70000,9000,3000,500,500", "--gpus", "64",
                              "--planner", "greedy", "--json").stdout)
     for k in ("planner", "status", "makespan_ms", "lower_bound_ms", "solve_seconds", "micro_steps"):
@@ -62,8 +60,16 @@ def test_simulate_json_shape():
     (["plan", "--lengths", "1000,2000", "--model", "gpt5"], "unknown model 'gpt5'"),
     (["plan", "--lengths", "1000,2000", "--profile", "nope"], "unknown profile 'nope'"),
     (["plan", "--lengths", "1000,2000", "--gpus", "0"], "--gpus must be at least 1"),
+    (["cost", "--lengths", "-5", "--degrees", "1"], "item 1 '-5' is not a positive length"),
+    (["cost", "--lengths", "0", "--degrees", "1"], "item 1 '0' is not a positive length"),
+    (["cost", "--lengths", "1024", "--degrees", "0"], "--degrees: item 1 '0' is not a positive length"),
+    (["simulate", "--lengths", "1000,2000", "--steps", "0"], "--steps must be at least 1"),
+    (["plan", "--lengths", "1000,2000", "--time-limit", "-1"], "--time-limit: must be a positive number"),
+    (["plan", "--lengths", "1000,2000", "--profile", "workbench"], "is a folder, not a profile JSON file"),
+    (["plan", "--lengths", "1000,2000", "--batch-size", "0"], "--batch-size: must be at least 1"),
+    (["runs", "show", "no-such-run", "--root", "/nonexistent-root"], "no run 'no-such-run'"),
     (["lengths", "/no/such/file.txt"], "/no/such/file.txt"),
-    (["cost", "--lengths", "10,x", "--degrees", "1"], "--lengths must be comma-separated integers"),
+    (["cost", "--lengths", "10,x", "--degrees", "1"], "--lengths: item 2 'x' is not an integer"),
     (["simulate", "--lengths", "1000,2000", "--planners", "greedy,bogus"], "unknown planner 'bogus'"),
 ])
 def test_bad_input_is_one_clear_line(args, needle):
@@ -72,3 +78,73 @@ def test_bad_input_is_one_clear_line(args, needle):
     lines = [ln for ln in p.stderr.strip().splitlines() if ln.startswith("workbench")]
     assert len(lines) == 1 and needle in lines[0], p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_a_long_length_list_is_a_list():
+    lengths = ",".join(str(1000 + k) for k in range(200))  # ~1,000 characters: longer than a file name may be
+    out = json.loads(run_cli("lengths", lengths, "--json").stdout)
+    assert out["count"] == 200 and out["tokens"] == sum(1000 + k for k in range(200))
+    p = run_cli("lengths", lengths + ",x", check=False)
+    assert p.returncode == 2 and "item 201 'x' is not an integer" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_output_into_a_closed_pipe_is_not_a_traceback():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = Path(sys.executable).with_name("workbench")
+    cmd = f"'{exe}' lengths wikipedia --samples 20000 --json | head -c 20"
+    p = subprocess.run(["bash", "-c", f"set -o pipefail; {cmd}"], capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
+    assert p.stdout.startswith("{")
+
+
+def _strict(text: str):
+    return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c} in output"))
+
+
+def test_plan_json_is_strict_json():
+    out = _strict(run_cli("plan", "--lengths", "wikipedia", "--samples", "20000", "--batch-tokens", "300000",
+                          "--gpus", "16", "--planner", "flexsp", "--time-limit", "0.5", "--json").stdout)
+    assert out["planner"] == "flexsp"
+    from workbench.util import dumps
+
+    assert _strict(dumps({"tried": {"a": float("inf"), "b": float("nan"), "c": 1.5}})) == {
+        "tried": {"a": None, "b": None, "c": 1.5}}
+
+
+def test_profile_missing_a_field_names_it(tmp_path):
+    from workbench.specs import load_profile
+
+    d = load_profile("a100-40g-flexsp").to_dict()
+    del d["gpu"]
+    del d["forward"]
+    bad = tmp_path / "p.json"
+    bad.write_text(json.dumps(d))
+    p = run_cli("plan", "--lengths", "1000,2000", "--profile", str(bad), check=False)
+    assert p.returncode == 2
+    line = p.stderr.strip().splitlines()[-1]
+    assert "missing fields 'gpu' (the GPU model" in line and "'forward' (the per-layer forward time curve" in line
+    assert "__init__" not in p.stderr
+    bad.write_text("{not json")
+    p = run_cli("cost", "--lengths", "1000", "--profile", str(bad), check=False)
+    assert p.returncode == 2 and "not valid JSON" in p.stderr
+
+
+def test_error_hints_name_commands_that_exist():
+    """Every `workbench X ...` a message or doc string in the package tells users to run is a
+    command the CLI has."""
+    import re
+    from pathlib import Path
+
+    from workbench.cli import build_parser
+
+    parser = build_parser()
+    commands = set(parser._subparsers._group_actions[0].choices)  # noqa: SLF001 - the parser's own table
+    root = Path(__file__).resolve().parents[1] / "workbench"
+    named = set()
+    for path in root.rglob("*.py"):
+        named |= set(re.findall(r"`workbench ([a-z-]+)", path.read_text()))
+    assert named, "the scan found the hints"
+    assert named <= commands, f"hints name commands that do not exist: {sorted(named - commands)}"

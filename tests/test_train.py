@@ -1,10 +1,11 @@
-"""The trainer and its torchrun launcher.
+"""The trainer, its spec and its launcher.
 
-Fast tests (no processes): spec.json validation, the torchrun argument list, resuming rules,
-token data. Slow tests (``-m slow``): real torchrun runs of the tiny model on CPU with gloo,
-1 to 4 ranks, through the ``workbench train`` CLI and the launcher API: the same parameters after
-one SGD step whatever the plan and world size, a falling loss, an exact resume, clear errors
-(and no hang) on bad input, and a stop that ends every process.
+Fast tests (no processes): spec.json validation, preparing and resuming rules, the supervisor's
+argument list, token data, resource checks. Slow tests (``-m slow``): real torchrun runs of the
+tiny model on CPU with gloo, 1 to 4 ranks, through the ``workbench train`` CLI and the launcher
+API: the same parameters after one SGD step whatever the plan and world size, a falling loss, an
+exact resume that keeps the run's own settings, and clear errors (and no hang) on bad input.
+Faults (kills, signals, corrupt checkpoints, sockets) are in test_faults.py.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from workbench.launch.spec import SpecError, TrainSpec, read_spec
-from workbench.launch.torchrun import prepare_run, torchrun_command
+from workbench.launch.process import supervisor_command
+from workbench.scenario import Scenario
+from workbench.training import SpecError, TrainSpec, check_resources, prepare_train, read_train_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT = 240  # s: a run that takes longer than this has hung
@@ -59,12 +61,20 @@ def params_of(run_dir: Path, step: int) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
-def test_spec_round_trip_and_defaults(tmp_path):
-    d = prepare_run(run_dir=tmp_path / "r", steps=3, planner="greedy", seed=4, optimizer="sgd")
-    spec = read_spec(d)
-    assert spec.steps == 3 and spec.seed == 4 and spec.run_id == "r"
-    assert spec.learning_rate == 0.05  # SGD default
-    assert TrainSpec.from_dict(json.loads((d / "spec.json").read_text())) == spec
+def test_spec_round_trip_and_cpu_defaults(tmp_path):
+    run, spec, changes = prepare_train({"steps": 3, "planner": "greedy", "seed": 4, "optimizer": "sgd", "nproc": 2,
+                                        "device": "cpu"}, root=tmp_path, name="r")
+    assert changes == [] and run.path == tmp_path / "r"
+    back = read_train_spec(run.path)
+    assert back == spec and back.steps == 3 and back.scenario.seed == 4
+    assert back.learning_rate == 0.05  # SGD default
+    sc = back.scenario
+    # CPU defaults keep every token: split at 1,024, the measured CPU profile, one node of 2 ranks
+    assert (sc.model, sc.source, sc.policy, sc.max_len, sc.profile) == ("tiny", "stdlib", "split", 1024, "cpu-gloo-tiny")
+    assert (sc.num_gpus, sc.gpus_per_node) == (2, 2)
+    assert json.loads((run.path / "spec.json").read_text())["kind"] == "train"
+    ls = sc.lengths_set()
+    assert ls.policy_report.tokens_after == ls.policy_report.tokens_before
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -72,46 +82,99 @@ def test_spec_round_trip_and_defaults(tmp_path):
     ({"steps": 2, "optimizer": "lamb"}, "optimizer"),
     ({"steps": 2, "batch_size": 4, "batch_tokens": 100}, "not both"),
     ({"steps": 2, "policy": "truncate"}, "policy"),
+    ({"steps": 2, "planner": "nope"}, "unknown planner"),
+    ({"steps": 2, "max_len": 1 << 20}, "max context"),
+    ({"steps": 2, "colour": "red"}, "unknown training setting"),
+    ({"planner": "greedy"}, "steps is required"),
 ])
-def test_spec_rejects_bad_fields(bad, words):
-    with pytest.raises(SpecError, match=words):
-        TrainSpec(**bad)
+def test_prepare_rejects_bad_settings_and_writes_nothing(tmp_path, bad, words):
+    with pytest.raises(ValueError, match=words):
+        prepare_train(bad, root=tmp_path)
+    assert not any(tmp_path.iterdir())
 
 
 def test_read_spec_errors(tmp_path):
     with pytest.raises(SpecError, match="does not exist"):
-        read_spec(tmp_path / "nowhere")
+        read_train_spec(tmp_path / "nowhere")
     with pytest.raises(SpecError, match="spec.json is missing"):
-        read_spec(tmp_path)
+        read_train_spec(tmp_path)
     (tmp_path / "spec.json").write_text("{not json")
     with pytest.raises(SpecError, match="not valid JSON"):
-        read_spec(tmp_path)
-    (tmp_path / "spec.json").write_text(json.dumps({"steps": 2, "colour": "red"}))
+        read_train_spec(tmp_path)
+    (tmp_path / "spec.json").write_text(json.dumps({"steps": 2, "scenario": {}, "colour": "red"}))
     with pytest.raises(SpecError, match="unknown field"):
-        read_spec(tmp_path)
+        read_train_spec(tmp_path)
+    (tmp_path / "spec.json").write_text(json.dumps({"steps": 2, "lengths": "stdlib"}))  # an older flat spec
+    with pytest.raises(SpecError, match="unknown field"):
+        read_train_spec(tmp_path)
+    with pytest.raises(SpecError, match="num_gpus"):
+        TrainSpec(scenario=Scenario(model="tiny", num_gpus=4), steps=1, nproc=2)
 
 
-def test_prepare_run_checks_names_and_resume_rules(tmp_path):
-    with pytest.raises(ValueError, match="unknown planner"):
-        prepare_run(run_dir=tmp_path / "a", steps=2, planner="nope")
-    with pytest.raises(ValueError, match="max context"):
-        prepare_run(run_dir=tmp_path / "b", steps=2, model="tiny", max_len=1 << 20)
-    d = prepare_run(run_dir=tmp_path / "c", steps=2, seed=1)
-    assert prepare_run(run_dir=d, steps=5) == d and read_spec(d).steps == 5  # steps may grow
-    with pytest.raises(ValueError, match="different run"):
-        prepare_run(run_dir=d, steps=6, seed=2)
+def test_resume_keeps_the_runs_settings(tmp_path):
+    run, spec, _ = prepare_train({"steps": 2, "seed": 1, "nproc": 4, "device": "cpu"}, root=tmp_path, name="c")
+    # the README's resume command: only --steps; every other setting is the run's own
+    r2, spec2, changes = prepare_train({"steps": 60}, run_dir=run.path)
+    assert r2.path == run.path and changes == [] and spec2.nproc == 4 and spec2.steps == 60
+    assert spec2.scenario == spec.scenario
+    # an option equal to the run's is fine; a different one is refused, naming it
+    assert prepare_train({"steps": 5, "seed": 1, "nproc": 4}, run_dir=run.path)[2] == []
+    with pytest.raises(SpecError, match=r"nproc: 4 in the run, 1 given.*--change"):
+        prepare_train({"steps": 5, "nproc": 1}, run_dir=run.path)
+    _, spec3, changes = prepare_train({"steps": 5, "nproc": 2, "seed": 2}, run_dir=run.path, allow_changes=True)
+    assert {c.name for c in changes} == {"nproc", "seed"}
+    assert spec3.nproc == 2 and spec3.scenario.num_gpus == 2 and spec3.scenario.seed == 2
+    assert read_train_spec(run.path) == spec  # preparing a resume writes nothing
 
 
-def test_torchrun_command_is_an_argument_list(tmp_path):
-    cmd = torchrun_command(tmp_path, 4)
-    assert cmd[1:4] == ["-m", "torch.distributed.run", "--standalone"]
-    assert cmd[cmd.index("--nproc-per-node") + 1] == "4"
-    assert cmd[cmd.index("-m", 3) + 1] == "workbench.runtime.train"
-    assert cmd[-2:] == ["--run-dir", str(tmp_path.resolve())]
-    multi = torchrun_command(tmp_path, 2, nnodes=2, node_rank=1, rdzv_endpoint="h:29500")
-    assert "--standalone" not in multi and multi[multi.index("--rdzv-endpoint") + 1] == "h:29500"
+def test_resume_must_name_an_existing_run(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    for bad, words in ((tmp_path / "typo", "no run at"), ("", "--run-dir is empty"),
+                       (tmp_path / "afile", "is a file"), (tmp_path / "afile" / "x", "is a file")):
+        with pytest.raises(SpecError, match=words):
+            prepare_train({"steps": 2}, run_dir=bad)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SpecError, match="not a training run"):
+        prepare_train({"steps": 2}, run_dir=tmp_path / "empty")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "empty"]
+
+
+def test_supervisor_command_is_an_argument_list(tmp_path):
+    cmd = supervisor_command(tmp_path, nproc=4)
+    assert cmd[1:3] == ["-m", "workbench.launch.supervisor"]
+    assert cmd[cmd.index("--nproc") + 1] == "4" and cmd[cmd.index("--module") + 1] == "workbench.runtime.train"
+    assert cmd[cmd.index("--run-dir") + 1] == str(tmp_path.resolve())
+    assert "--rdzv-endpoint" not in cmd  # one node: the supervisor binds 127.0.0.1 itself
+    multi = supervisor_command(tmp_path, nproc=2, nnodes=2, node_rank=1, rdzv_endpoint="h:29500")
+    assert multi[multi.index("--rdzv-endpoint") + 1] == "h:29500"  # passed through unchanged
     with pytest.raises(ValueError, match="rdzv-endpoint"):
-        torchrun_command(tmp_path, 2, nnodes=2)
+        supervisor_command(tmp_path, nproc=2, nnodes=2)
+    with pytest.raises(ValueError, match="--nproc must be a positive integer"):
+        supervisor_command(tmp_path, nproc=0)
+
+
+def test_loopback_torchrun_arguments(tmp_path):
+    from workbench.launch.supervisor import LOOPBACK_BACKEND, torchrun_args
+
+    one = torchrun_args(tmp_path, nproc=2, nnodes=1, node_rank=0, rdzv_endpoint=None, rdzv_id=None,
+                        module="m", module_args=[], attempt=1)
+    assert one[one.index("--rdzv-backend") + 1] == LOOPBACK_BACKEND
+    assert one[one.index("--rdzv-endpoint") + 1].startswith("127.0.0.1:")
+    two = torchrun_args(tmp_path, nproc=2, nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.5:29400", rdzv_id="x",
+                        module="m", module_args=[], attempt=1)
+    assert two[two.index("--rdzv-backend") + 1] == "c10d" and two[two.index("--rdzv-endpoint") + 1] == "10.0.0.5:29400"
+
+
+def test_resource_checks():
+    assert check_resources(2, device="cpu", cores=2, available_gb=20.0) == []
+    warn = check_resources(3, device="cpu", cores=2, available_gb=20.0)
+    assert len(warn) == 1 and "3 processes on 2 CPU core(s)" in warn[0]
+    with pytest.raises(ValueError, match=r"64 processes is more than 4 per core on 2 core\(s\).*--oversubscribe"):
+        check_resources(64, device="cpu", cores=2, available_gb=20.0)
+    assert check_resources(64, device="cpu", cores=2, available_gb=100.0, allow=True)  # warned, not refused
+    # memory: 1B model on CPU, a full replica with Adam states per rank (16 bytes per parameter)
+    with pytest.raises(ValueError, match="GB estimated against 20.0 GB available"):
+        check_resources(2, device="cpu", model="1b", cores=8, available_gb=20.0)
 
 
 def test_token_data_corpus_documents_and_windows():
@@ -140,10 +203,20 @@ def test_token_data_corpus_documents_and_windows():
 
 
 def test_cli_rejects_bad_settings_before_starting(tmp_path):
-    p = workbench("train", "--steps", "2", "--planner", "nope", "--run-root", str(tmp_path), timeout=120)
-    assert p.returncode == 2
-    assert "unknown planner" in p.stderr and len(p.stderr.strip().splitlines()) == 1
-    assert not any(tmp_path.iterdir()), "no run folder for settings that cannot work"
+    for args, words in ((["--planner", "nope"], "unknown planner"),
+                        (["--nproc", "64"], "refusing to start: 64 processes"),
+                        (["--change"], "--change applies only when resuming")):
+        p = workbench("train", "--steps", "2", "--run-root", str(tmp_path), *args, timeout=120)
+        assert p.returncode == 2, p.stderr
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and words in lines[0], p.stderr
+        assert not any(tmp_path.iterdir()), "no run folder for settings that cannot work"
+    for where, words in ((tmp_path / "typo", "no run at"), ("", "--run-dir is empty")):
+        p = workbench("train", "--steps", "2", "--run-dir", str(where), timeout=120)
+        assert p.returncode == 2, p.stderr
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and words in lines[0], p.stderr
+        assert not any(tmp_path.iterdir()), "no run folder for settings that cannot work"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -152,8 +225,10 @@ def test_cli_rejects_bad_settings_before_starting(tmp_path):
 
 
 def _train(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    """A new run in ``run_dir`` (its parent is the run root), or a resume when it exists."""
     t0 = time.monotonic()
-    p = workbench("train", "--run-dir", str(run_dir), *args)
+    where = ["--run-dir", str(run_dir)] if run_dir.exists() else ["--run-root", str(run_dir.parent), "--name", run_dir.name]
+    p = workbench("train", *where, *args)
     print(f"workbench train {' '.join(args)}: {time.monotonic() - t0:.1f}s, exit {p.returncode}")
     return p
 
@@ -251,9 +326,18 @@ def test_resume_continues_exactly(loss_run, tmp_path):
     ref = metrics(loss_run)[n]["loss"]
     got = metrics(d)[n]["loss"]
     assert got == pytest.approx(ref, rel=1e-6, abs=0), f"resumed step {n + 1} loss {got} vs uninterrupted {ref}"
-    # a different run's settings in the same folder are refused before anything starts
+    # a different setting on resume is refused before anything starts, naming it; the spec is untouched
+    before = (d / "spec.json").read_bytes()
     p = _train(d, "--steps", str(n + 2), *LOSS_ARGS, "--seed", "2")
-    assert p.returncode == 2 and "different run" in p.stderr
+    assert p.returncode == 2 and "seed: 1 in the run, 2 given" in p.stderr
+    assert (d / "spec.json").read_bytes() == before
+    # the README's resume command names only the steps: the run keeps its 2 ranks (not the CLI default 1)
+    p = workbench("train", "--run-dir", str(d), "--steps", str(n + 2))
+    _ok(p, d)
+    st = status(d)
+    assert st["resolved"]["world_size"] == 2 and st["attempt"] == 3 and st["step"] == n + 2
+    plans = [json.loads(x) for x in (d / "plans.jsonl").read_text().splitlines()]
+    assert plans[-1]["plan"]["num_gpus"] == 2 and plans[-1]["step"] == n + 1
 
 
 def _assert_failed(p: subprocess.CompletedProcess, run_dir: Path, words: str) -> None:
@@ -283,41 +367,11 @@ def test_sequence_over_max_context_with_policy_error(tmp_path):
 
 @pytest.mark.slow
 def test_missing_spec_json_fails_cleanly(tmp_path):
-    d = tmp_path / "run"
-    d.mkdir()
-    cmd = torchrun_command(d, 2)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert p.returncode != 0
-    st = status(d)
-    assert st["state"] == "failed" and "spec.json is missing" in st["error"]
-    assert "spec.json is missing" in p.stderr
+    from workbench import launch, runs
 
-
-@pytest.mark.slow
-def test_start_poll_stop_from_python(tmp_path):
-    from workbench.launch import torchrun as launch
-
-    d = launch.prepare_run(run_dir=tmp_path / "run", steps=1000, model="tiny", max_len=256, batch_tokens=1024,
-                           checkpoint_every=0, debug={"step_sleep_s": 0.2})
-    h = launch.start(d, 2)
-    t0 = time.monotonic()
-    try:
-        while launch.read_status(d).get("step", 0) < 2:  # the notebook's loop: poll, never block
-            assert launch.poll(h) is None, (d / "log.txt").read_text()[-3000:]
-            assert time.monotonic() - t0 < RUN_TIMEOUT
-            time.sleep(0.5)
-        assert launch.progress(h), "progress lines for the steps done so far"
-        assert launch.is_alive(d) is True
-        with pytest.raises(ValueError, match="already running"):
-            launch.start(d, 2)
-    finally:
-        st = launch.stop(h, grace=10)
-    assert st["state"] == "stopped"
-    assert h.returncode is not None and launch.is_alive(d) is False
-    pids = [json.loads(p.read_text())["pid"] for p in (d / "ranks").glob("rank*.json")]
-    assert len(pids) == 2
-    time.sleep(0.5)
-    for pid in pids:
-        alive = Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-        assert not alive, f"rank process {pid} survived the stop"
+    run = runs.new_run("train", {}, root=tmp_path, run_id="run")
+    run.file("spec.json").unlink()
+    h = launch.start(run, nproc=2)
+    st = launch.wait(h, timeout=RUN_TIMEOUT)
+    assert st.state == "failed" and "spec.json is missing" in st.error, st
+    assert not launch.run_alive(st)

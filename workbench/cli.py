@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from workbench.scenario import DEFAULT_PLANNERS, Scenario
+from workbench.scenario import DEFAULT_PLANNERS, Scenario, is_length_list
 from workbench.simulate import summary_table
 from workbench.util import dumps
 
@@ -131,6 +131,9 @@ def scenario_from_args(args, **extra) -> Scenario:
                       column=args.column, tokenizer=args.tokenizer, max_len=args.max_len, policy=args.policy)
     if hasattr(args, "batch_tokens"):
         fields.update(batch_tokens=args.batch_tokens, batch_size=args.batch_size, time_limit=args.time_limit)
+        if args.batch_tokens is None and args.batch_size is None and not is_length_list(fields["source"]):
+            raise CliError(f"give --batch-tokens T or --batch-size B to draw global batches from {fields['source']!r} "
+                           f"(or pass the batch itself as --lengths L1,L2,...)")
     fields.update(extra)
     try:
         sc = Scenario(**{k: v for k, v in fields.items() if v is not None})
@@ -478,6 +481,9 @@ def _follow(handle, spec, *, quiet: bool):
                     _say(f"step {rec.step}/{spec.steps}{again}: loss {rec.loss:.4f}, measured {rec.measured_ms:,.0f} ms, "
                          f"predicted {rec.predicted_ms:,.0f} ms{tps}")
             if st is not None:
+                if bar is not None:
+                    bar.close()
+                    bar = None
                 if not quiet and st.state == "done":
                     _say(f"workbench train: done, {st.step} steps in {time.monotonic() - t0:.0f}s; {run.path}")
                 return st
@@ -528,7 +534,8 @@ def cmd_runs(args) -> int:
             print(f"  error{rank}: {st.error}")
         if s.get("median_measured_ms"):
             pred = f", predicted {s['median_predicted_ms']:,.0f} ms" if s.get("median_predicted_ms") else ""
-            print(f"  median step: measured {s['median_measured_ms']:,.0f} ms{pred}; last loss {s.get('loss')}")
+            loss = f"; last loss {s['loss']:.4f}" if isinstance(s.get("loss"), float) else ""
+            print(f"  median step: measured {s['median_measured_ms']:,.0f} ms{pred}{loss}")
         for p in s.get("problems") or []:
             print(f"  note: {p}")
         if out["log_tail"]:
@@ -605,8 +612,15 @@ def _one(args) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (what was wrong, and where to read more)."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="workbench", description="Plan and run heterogeneous sequence-parallel training.")
+    p = _Parser(prog="workbench", description="Plan and run heterogeneous sequence-parallel training.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     q = sub.add_parser("lengths", help="summarise a length source")

@@ -1,0 +1,275 @@
+"""Training a user can trust: real torchrun runs (tiny model, gloo, 2 ranks) hit with the faults
+users cause, checked by pid.
+
+- stop: every process of the run gone within 5 s, status ``stopped``;
+- SIGKILL of rank 0 (what the out-of-memory killer sends) and of rank 1: ``failed`` within 10 s,
+  the failing rank named with its signal, no process left (the plan-ahead worker and the
+  multiprocessing resource tracker included);
+- SIGTERM and SIGHUP to ``workbench train`` (a closed terminal) stop the run like Ctrl-C;
+- corrupt and empty checkpoints: resume from the previous good one, saying which file was
+  skipped; none usable: one line;
+- two runs at once, and a second start on a running run refused without touching its spec;
+- every socket the run listens on is on the loopback interface.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from workbench import launch, runs
+from workbench.training import prepare_train
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 180
+SETTINGS = dict(model="tiny", max_len=256, batch_tokens=1024, time_limit=0.5, device="cpu")
+
+
+def _workbench(*args: str) -> list[str]:
+    exe = Path(sys.executable).with_name("workbench")
+    return [str(exe), *args] if exe.exists() else [sys.executable, "-m", "workbench.cli", *args]
+
+
+def _alive(pids) -> list[int]:
+    return [p for p, t in pids if runs.pid_alive(p, t)]
+
+
+def _wait_for_step(run: runs.Run, step: int, handle=None) -> runs.RunStatus:
+    t0 = time.monotonic()
+    while True:
+        st = run.status()
+        if st.step >= step and st.state == "running":
+            return st
+        if handle is not None and launch.poll(handle) is not None or st.final:
+            pytest.fail(f"run ended before step {step}: {st.to_dict()}\n{run.log_tail(40)}")
+        assert time.monotonic() - t0 < TIMEOUT, f"no step {step} after {TIMEOUT}s:\n" + "\n".join(run.log_tail(40))
+        time.sleep(0.2)
+
+
+def _all_pids(st: runs.RunStatus) -> list[tuple[int, int | None]]:
+    pids = runs.status_pids(st)
+    assert (st.pids or {}).get("supervisor") and len(st.pids.get("ranks", {})) == 2, st.pids
+    assert len(st.pids.get("workers", [])) >= 1, "the plan-ahead worker is recorded"
+    return pids
+
+
+def _start(tmp_path: Path, name: str, steps: int = 400, **extra) -> tuple[runs.Run, launch.RunHandle]:
+    run, spec, _ = prepare_train({**SETTINGS, "steps": steps, "nproc": 2, "checkpoint_every": 0,
+                                  "debug": {"step_sleep_s": 0.2}, **extra}, root=tmp_path, name=name)
+    return run, launch.start(run, nproc=2)
+
+
+def _gone_within(pids, seconds: float) -> float:
+    t0 = time.monotonic()
+    while _alive(pids):
+        assert time.monotonic() - t0 < seconds, f"still alive after {seconds}s: {_alive(pids)}"
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def test_stop_ends_every_process_within_5s(tmp_path):
+    run, h = _start(tmp_path, "stop")
+    try:
+        st = _wait_for_step(run, 2, h)
+        pids = _all_pids(st)
+        with pytest.raises(ValueError, match="already running"):
+            launch.start(run, nproc=2)
+        t0 = time.monotonic()
+        final = launch.stop(h)
+        took = time.monotonic() - t0
+    finally:
+        launch.stop(run)
+    assert final.state == "stopped", final.to_dict()
+    assert not _alive(pids) and took < 5.0, f"stop took {took:.1f}s"
+    assert h.process.returncode is not None
+    # a stopped run reads as stopped, not as failed, and nothing of it is alive
+    assert runs.load_run(run.path).status().state == "stopped"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sigkill_of_a_rank_fails_the_run_and_leaves_nothing(tmp_path, rank):
+    run, h = _start(tmp_path, f"kill{rank}")
+    try:
+        st = _wait_for_step(run, 2, h)
+        pids = _all_pids(st)
+        os.kill(st.pids["ranks"][str(rank)], signal.SIGKILL)
+        took = _gone_within(pids, 10.0)
+        final = launch.wait(h, timeout=10)
+    finally:
+        launch.stop(run)
+    assert final.state == "failed" and final.failing_rank == rank and final.signal == "SIGKILL", final.to_dict()
+    assert f"rank {rank} killed by SIGKILL" in final.error
+    assert final.exit_codes[str(rank)] == -signal.SIGKILL
+    assert final.log_tail, "the failing rank's last log lines (or the run's) are in the status"
+    print(f"rank {rank} killed: every process gone after {took:.1f}s")
+
+
+def _train_in_a_terminal(tmp_path: Path, name: str, **streams) -> tuple[subprocess.Popen, runs.Run]:
+    """``workbench train`` as a user starts it in a terminal; returns once its run folder exists."""
+    cmd = _workbench("train", "--nproc", "2", "--steps", "400", "--model", "tiny", "--max-len", "256",
+                     "--batch-tokens", "1024", "--checkpoint-every", "0", "--debug-step-sleep", "0.2",
+                     "--run-root", str(tmp_path), "--name", name, "--device", "cpu")
+    proc = subprocess.Popen(cmd, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), **streams)
+    run = runs.Run(tmp_path / name)
+    t0 = time.monotonic()
+    while not run.path.exists():
+        assert time.monotonic() - t0 < TIMEOUT and proc.poll() is None, "the run folder never appeared"
+        time.sleep(0.1)
+    return proc, run
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_signal_to_workbench_train_stops_the_run(tmp_path, sig):
+    proc, run = _train_in_a_terminal(tmp_path, "sig", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        pids = _all_pids(_wait_for_step(run, 2))
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=30)
+        _gone_within(pids, 5.0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        launch.stop(run)
+    assert proc.returncode == 128 + sig, err
+    assert f"{signal.Signals(sig).name} received" in err and "stopped" in err.strip().splitlines()[-1]
+    assert run.status().state == "stopped"
+
+
+def test_killing_workbench_train_itself_stops_the_run(tmp_path):
+    """SIGKILL cannot be caught: the supervisor notices its parent is gone and stops the run."""
+    proc, run = _train_in_a_terminal(tmp_path, "k", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        pids = _all_pids(_wait_for_step(run, 2))
+        proc.kill()
+        proc.wait(10)
+        _gone_within(pids, 10.0)
+    finally:
+        launch.stop(run)
+    st = run.status()
+    assert st.state == "stopped" and "the process that started it" in (st.note or ""), st.to_dict()
+
+
+def test_sockets_listen_on_loopback_only(tmp_path):
+    psutil = pytest.importorskip("psutil")
+    run, h = _start(tmp_path, "net")
+    try:
+        st = _wait_for_step(run, 1, h)
+        pids = {p for p, _ in _all_pids(st)}
+        listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in pids]
+    finally:
+        launch.stop(run)
+    assert listening, "the run's rendezvous store and gloo listen somewhere"
+    owners = {c.pid for c in listening}
+    assert st.pids["supervisor"] in owners  # the rendezvous store, hosted by the supervisor (torchrun)
+    for c in listening:
+        assert ipaddress.ip_address(c.laddr.ip).is_loopback, f"pid {c.pid} listens on {c.laddr}"
+
+
+def test_two_runs_at_once(tmp_path):
+    a, ha = _start(tmp_path, "a", steps=3)
+    b, hb = _start(tmp_path, "b", steps=3)
+    try:
+        sa, sb = launch.wait(ha, timeout=TIMEOUT), launch.wait(hb, timeout=TIMEOUT)
+    finally:
+        launch.stop(a)
+        launch.stop(b)
+    assert sa.state == sb.state == "done", (sa.to_dict(), sb.to_dict())
+    assert [s.step for s in a.steps()] == [s.step for s in b.steps()] == [1, 2, 3]
+    # same seed and settings: the same losses, though they ran side by side
+    assert a.losses() == pytest.approx(b.losses(), rel=1e-6)
+
+
+def test_a_second_start_on_a_running_run_changes_nothing(tmp_path):
+    run, h = _start(tmp_path, "busy")
+    try:
+        _wait_for_step(run, 1, h)
+        spec_before = run.file("spec.json").read_bytes()
+        status_before = run.status()
+        p = subprocess.run(_workbench("train", "--run-dir", str(run.path), "--steps", "500"), capture_output=True,
+                           text=True, cwd=ROOT, timeout=120)
+        assert p.returncode == 2 and "already running" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+        assert run.file("spec.json").read_bytes() == spec_before
+        after = run.status()
+        assert after.attempt == status_before.attempt and after.pids["supervisor"] == status_before.pids["supervisor"]
+    finally:
+        launch.stop(run)
+
+
+def _flip_bytes(path: Path, n: int = 64) -> None:
+    data = bytearray(path.read_bytes())
+    for k in range(n):
+        i = len(data) // 2 + k * 7
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_corrupt_and_empty_checkpoints(tmp_path):
+    import torch
+
+    run, spec, _ = prepare_train({**SETTINGS, "steps": 3, "nproc": 2, "checkpoint_every": 1}, root=tmp_path,
+                                 name="ck")
+    assert launch.wait(launch.start(run, nproc=2), timeout=TIMEOUT).state == "done"
+    good = torch.load(run.path / "checkpoints" / "step_1.pt", weights_only=True)["model"]
+    _flip_bytes(run.path / "checkpoints" / "step_3.pt")  # 64 flipped bytes
+    (run.path / "checkpoints" / "step_2.pt").write_bytes(b"")  # an empty file
+    p = subprocess.run(_workbench("train", "--run-dir", str(run.path), "--steps", "4"), capture_output=True, text=True,
+                       cwd=ROOT, timeout=TIMEOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr
+    assert "step_3.pt does not match its checksum" in p.stderr and "step_2.pt is empty" in p.stderr
+    st = run.status()
+    assert st.resumed_from == 1 and st.step == 4 and st.state == "done"
+    # the resumed weights were step 1's, not the damaged step 3's: step 2 redone from them gives the
+    # first run's step-2 loss again
+    rows = [json.loads(x) for x in run.file("metrics.jsonl").read_text().splitlines()]
+    first = {r["step"]: r["loss"] for r in rows if r["rank"] == 0 and r["attempt"] == 1}
+    again = {r["step"]: r["loss"] for r in rows if r["rank"] == 0 and r["attempt"] == 2}
+    assert again[1] == pytest.approx(first[1], rel=1e-6) and set(again) == {1, 2, 3}
+    assert torch.load(run.path / "checkpoints" / "step_1.pt", weights_only=True)["model"].keys() == good.keys()
+    assert runs.verify_checksum(run.path / "checkpoints" / "step_3.pt") is None  # rewritten, good again
+    # no usable checkpoint at all: one line, nothing trained
+    for _, path in run.checkpoints():
+        path.write_bytes(b"junk")
+    p = subprocess.run(_workbench("train", "--run-dir", str(run.path), "--steps", "6"), capture_output=True, text=True,
+                       cwd=ROOT, timeout=TIMEOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 1
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("workbench train: error:") and "no usable checkpoint" in last, p.stderr
+    assert run.status().state == "failed"
+
+
+def test_a_restarted_kernel_finds_its_run_and_stops_it(tmp_path):
+    """A process starts a run and goes away (a notebook kernel restarted); a new process finds the
+    run in the store, attaches to it and stops it: every process gone."""
+    script = f"""
+from workbench import launch
+from workbench.training import prepare_train
+run, spec, _ = prepare_train({dict(SETTINGS, steps=400, nproc=2, checkpoint_every=0, debug={"step_sleep_s": 0.2})!r},
+                             root={str(tmp_path)!r}, name="orphan")
+launch.start(run, nproc=2)
+print(run.path)
+"""
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr
+    run = runs.load_run("orphan", root=tmp_path)
+    try:
+        pids = _all_pids(_wait_for_step(run, 2))
+        h = launch.attach(run)
+        assert h is not None and h.process is None and h.pid == run.status().pids["supervisor"]
+        assert launch.poll(h) is None  # still running, seen from a process that did not start it
+        final = launch.stop(h)
+        _gone_within(pids, 5.0)
+    finally:
+        launch.stop(run)
+    assert final.state == "stopped"
+    assert launch.attach(run) is None
