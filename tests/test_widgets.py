@@ -258,36 +258,46 @@ def test_hardware_panel_curves_points_and_save(tmp_path):
     from widgets import HardwarePanel
     from workbench.specs import load_profile
 
-    panel = HardwarePanel("cpu-gloo-tiny", root=tmp_path)
-    raw = json.loads((ROOT / "workbench/profile/reference/cpu-gloo-tiny.json").read_text())
+    # a profile written here, with two measured packs: the panel's curves, points and residuals
+    # are checked against the coefficients typed in below
+    fwd, bwd = {"a": 1e-5, "b": 0.02, "c": 2.0}, {"a": 2e-5, "b": 0.03, "c": 3.0}
+    meas = [{"pack": [1024], "tokens": 1024, "forward_ms": 35.0, "backward_ms": 60.0},
+            {"pack": [256, 256], "tokens": 512, "forward_ms": 12.0, "backward_ms": 20.0}]
+    mine = tmp_path / "bench.json"
+    mine.write_text(json.dumps({"name": "bench", "gpu": "test", "model": "tiny", "forward": fwd, "backward": bwd,
+                                "all_to_all_gbps": {"2": 0.5, "4": 0.4}, "allreduce_gbps": {"4": 0.3},
+                                "gpu_memory_gb": 8.0, "provenance": {"kind": "measured", "measurements": meas}}))
+    panel = HardwarePanel(str(mine), root=tmp_path)
     c = panel.curves()
     i = c["lengths"].index(1024)
-    f = raw["forward"]
-    assert c["forward_ms"][i] == pytest.approx(f["a"] * 1024**2 + f["b"] * 1024 + f["c"])
+    assert c["forward_ms"][i] == pytest.approx(1e-5 * 1024**2 + 0.02 * 1024 + 2.0)
+    assert c["total_ms"][i] == pytest.approx(c["forward_ms"][i] + 2e-5 * 1024**2 + 0.03 * 1024 + 3.0)
     pts = panel.points()
-    assert len(pts) == 2 * len(raw["provenance"]["measurements"])
-    m0 = raw["provenance"]["measurements"][0]
-    fit0 = f["a"] * m0["tokens"] ** 2 + f["b"] * m0["tokens"] + f["c"]
-    assert pts[0]["relative_error"] == pytest.approx(m0["forward_ms"] / fit0 - 1)
-    # measured markers and residuals drawn; bandwidth by group size
-    assert any(t.mode == "markers" for t in panel.fig_compute.data)
-    assert len(panel.fig_residuals.data) == 2
-    assert list(panel.fig_bandwidth.data[0].x) == [2, 4]
+    assert [(p["kind"], p["tokens"]) for p in pts] == [("forward", 1024), ("backward", 1024), ("forward", 512),
+                                                       ("backward", 512)]
+    fit_pack = 2 * (1e-5 * 256**2 + 0.02 * 256) + 2.0  # two sequences, one call
+    assert pts[2]["fitted_ms"] == pytest.approx(fit_pack)
+    assert pts[2]["relative_error"] == pytest.approx(12.0 / fit_pack - 1)
+    # measured markers (single-sequence packs), residuals of every pack, bandwidth by group size
+    markers = [t for t in panel.fig_compute.data if t.mode == "markers"]
+    assert [list(t.x) for t in markers] == [[1024], [1024]]
+    assert sorted(len(t.x) for t in panel.fig_residuals.data) == [2, 2]
+    assert list(panel.fig_bandwidth.data[0].x) == [2, 4] and list(panel.fig_bandwidth.data[0].y) == [0.5, 0.4]
     # save, load back, and tell listeners
     seen = []
     panel.on_profile(seen.append)
-    out = panel.save_profile(str(tmp_path / "mine"))
+    out = panel.save_profile(str(tmp_path / "copy"))
     assert out.suffix == ".json" and load_profile(out) == panel.profile
     panel.select("a100-40g-flexsp")
-    assert seen == ["a100-40g-flexsp"] and panel.points() == []
+    assert seen == ["a100-40g-flexsp"] and panel.points() == [] and panel.profile.name == "a100-40g-flexsp"
     panel.load(str(out))
-    assert panel.profile.name == "cpu-gloo-tiny" and seen[-1] == str(out)
+    assert panel.profile.name == "bench" and seen[-1] == str(out)
     with pytest.raises(ValueError):
         panel.select("no-such-profile")
     # saving the panel's results (figures and tables) is another thing than saving the profile
     saved = panel.save(tmp_path / "results")
-    assert {Path(p).name for p in saved["figures"]} >= {"compute.html", "bandwidth.html"}
-    assert json.loads((tmp_path / "results/tables/profile.json").read_text())["name"] == "cpu-gloo-tiny"
+    assert {Path(p).name for p in saved["figures"]} >= {"compute.html", "bandwidth.html", "residuals.html"}
+    assert json.loads((tmp_path / "results/tables/profile.json").read_text())["name"] == "bench"
 
 
 def test_hardware_panel_without_the_profiler_says_so(tmp_path, monkeypatch):

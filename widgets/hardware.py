@@ -354,6 +354,8 @@ class HardwarePanel(Panel):
         r = runs.load_run(run, root=self.root)
         res = prof.load_result(r)
         self.result = res
+        if not r.file(runs.PROFILE_FILE).is_file() and getattr(res, "profile", None) is not None:
+            res.profile.save(r.file(runs.PROFILE_FILE))  # where a profile run keeps its profile
         try:
             from workbench.report import profile as rp
 

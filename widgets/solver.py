@@ -543,7 +543,9 @@ class SolverPanel(Panel):
     def _draw_timeline(self, plan: dict) -> None:
         from workbench.report.plans import timeline_figure
 
-        set_figure(self.fig_timeline, timeline_figure(plan))
+        fig = timeline_figure(plan)
+        with self._lock:  # the worker thread and the kernel's thread both draw: one at a time
+            set_figure(self.fig_timeline, fig)
 
     def _draw_all(self) -> None:
         from workbench.report.plans import planner_rows, planners_figure, work_figure
@@ -569,8 +571,9 @@ class SolverPanel(Panel):
     def _on_show(self, change) -> None:
         if self._quiet or self.result is None or change["new"] not in self.result:
             return
-        self._draw_timeline(self.result[change["new"]].to_dict())
-        self._draw_memory(reset_group=True)
+        with self._lock:
+            self._draw_timeline(self.result[change["new"]].to_dict())
+            self._draw_memory(reset_group=True)
 
     def show_planner(self, name: str) -> None:
         """Draw ``name``'s plan on the timeline and in the memory breakdown. Raises KeyError
@@ -632,8 +635,9 @@ class SolverPanel(Panel):
     def _on_group(self, change) -> None:
         if self._quiet or change["new"] is None:
             return
-        self._chosen_group = tuple(change["new"])
-        self._draw_memory_figure()
+        with self._lock:
+            self._chosen_group = tuple(change["new"])
+            self._draw_memory_figure()
 
     def select_group(self, micro_step: int, index: int) -> dict:
         """Choose the group shown in the memory breakdown (its micro-step and index in it);
