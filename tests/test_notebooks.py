@@ -16,7 +16,8 @@ import nbformat
 import pytest
 
 from workbench import runs
-from workbench.notebook import NOTEBOOKS, NotebookFailed, coerce_value, find_notebook, notebook_parameters, run_notebook
+from workbench.notebook import (NOTEBOOKS, NotebookFailed, coerce_value, find_notebook, notebook_parameters, run_notebook,
+                                strip_notebook)
 
 ROOT = Path(__file__).resolve().parents[1]
 NB_DIR = ROOT / "notebooks"
@@ -54,7 +55,8 @@ def test_every_notebook_is_committed_without_outputs_or_widget_state():
         assert "widgets" not in nb.metadata, f"{name} keeps widget state"
         for cell in nb.cells:
             if cell.cell_type == "code":
-                assert cell.outputs == [] and cell.execution_count is None, f"{name} keeps outputs: {cell.source[:60]!r}"
+                assert cell.outputs == [] and cell.execution_count is None, \
+                    f"{name} keeps outputs ({cell.source[:40]!r}): run `workbench notebook strip` before committing"
             assert not {"execution", "widgets", "papermill"} & set(cell.metadata), f"{name}: {dict(cell.metadata)}"
         tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
         assert len(tagged) == 1, f"{name} needs exactly one cell tagged parameters"
@@ -154,6 +156,14 @@ def test_solver_notebook(tmp_path):
     for p in plans.values():
         validate(plan_from_dict(p), batch, sc.cluster(), sc.cost())
         assert p["makespan_ms"] >= p["lower_bound_ms"]
+    # an executed notebook strips back to what is committed
+    copy = tmp_path / "copy.ipynb"
+    copy.write_text((run.path / "03_solver.ipynb").read_text())
+    assert strip_notebook(copy) and not strip_notebook(copy)
+    stripped, committed = nbformat.read(copy, as_version=4), nbformat.read(NB_DIR / "03_solver.ipynb", as_version=4)
+    assert [(c.cell_type, c.source, c.metadata) for c in stripped.cells] == \
+        [(c.cell_type, c.source, c.metadata) for c in committed.cells]
+    assert all(c.outputs == [] for c in stripped.cells if c.cell_type == "code")
     mem = json.loads((run.path / "tables" / "memory.json").read_text())
     assert mem["total_gb"] <= mem["usable_gb"] + 1e-9
     assert {"timeline.html", "planners.html", "work.html", "memory.html"} <= \

@@ -64,12 +64,13 @@ class LengthsPanel(Panel):
         self.w_samples = W.BoundedIntText(min=1, max=10**8, step=10000, description="samples", style=st, layout=lay)
         self.w_seed = W.BoundedIntText(min=0, max=2**31 - 1, description="seed", style=st, layout=W.Layout(width="140px"))
         self.w_max_len = W.Dropdown(description="max context", style=st, layout=lay)
-        self.w_policy = W.ToggleButtons(options=["clip", "split", "drop"], description="over it:", style=st,
+        self.w_policy = W.ToggleButtons(options=["clip", "split", "drop"], description="longer sequences",
+                                        style={"description_width": "initial", "button_width": "70px"},
                                         tooltips=["cut to the max context (tokens lost)",
                                                   "cut into max-context pieces (all tokens kept)",
                                                   "leave the sequence out (tokens lost)"])
         self.w_batch = W.BoundedIntText(min=1, max=10**10, step=65536, description="batch tokens", style=st, layout=lay)
-        self.w_degree = W.Dropdown(description="static degree", style=st, layout=W.Layout(width="190px"))
+        self.w_degree = W.Dropdown(description="static degree", style=st, layout=W.Layout(width="240px"))
         self.w_batches = W.IntSlider(min=1, max=32, value=batches, description="sampled batches", style=st,
                                      continuous_update=False, layout=W.Layout(width="300px"))
         self.status = W.HTML(note_html("not loaded yet"))

@@ -588,6 +588,11 @@ def cmd_notebook(args) -> int:
             for k, v in nbk.notebook_parameters(path).items():
                 print(f"  {k:<18} {v['type']:<6} default {v['default']!r:<22} {v['help']}")
         return 0
+    if args.action == "strip":
+        paths = [nbk.find_notebook(args.notebook)] if args.notebook else sorted(nbk.notebooks_dir().glob("*.ipynb"))
+        for path in paths:
+            print(f"{path}: {'stripped' if nbk.strip_notebook(path) else 'clean'}")
+        return 0
     if not args.notebook:
         raise CliError("notebook run needs a NAME, e.g. workbench notebook run 03_solver -p num_gpus 16")
     root = Path(args.run_root) if args.run_root else runs.default_root()
@@ -679,7 +684,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_runs)
 
     q = sub.add_parser("notebook", help="run a notebook headless (papermill) into runs/<id>/; list the notebooks")
-    q.add_argument("action", choices=["run", "list"])
+    q.add_argument("action", choices=["run", "list", "strip"],
+                   help="run one headless; list them with their parameters; strip outputs from notebooks/ (before "
+                        "committing)")
     q.add_argument("notebook", nargs="?", metavar="NAME", help="00_tour, 01_hardware, ... 05_compare (or a path)")
     q.add_argument("-p", "--parameter", nargs=2, action="append", default=[], dest="parameters", metavar=("KEY", "VALUE"),
                    help="set a parameter of the notebook's parameters cell (repeatable)")

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 from workbench import runs
 
 __all__ = ["NOTEBOOKS", "NotebookFailed", "notebooks_dir", "find_notebook", "notebook_parameters", "coerce_value",
-           "run_notebook", "runs_root", "results_folder"]
+           "run_notebook", "runs_root", "results_folder", "strip_notebook"]
 
 NOTEBOOKS = ("00_tour", "01_hardware", "02_lengths", "03_solver", "04_train", "05_compare")
 """The notebooks shipped in ``notebooks/``, in reading order."""
@@ -163,6 +163,35 @@ def results_folder(results_dir: str | Path | None, notebook: str, root: str | Pa
     run = runs.new_run("notebook", {"notebook": notebook, "by": "hand"}, root=runs_root(root))
     runs.update_status(run.path, state="done", finished=runs.now(), message=f"results of {notebook}, run by hand")
     return run.path
+
+
+def strip_notebook(path: str | Path) -> bool:
+    """Remove outputs, execution counts, widget state and papermill's traces (its metadata and
+    injected-parameters cell) from a notebook file, in place, as the notebooks are committed (what
+    nbstripout does). Returns whether the file changed."""
+    import nbformat
+
+    from workbench.util import write_text_atomic
+
+    path = Path(path)
+    before = path.read_text(encoding="utf-8")
+    nb = nbformat.reads(before, as_version=4)
+    nb.metadata.pop("widgets", None)
+    nb.metadata.pop("papermill", None)
+    nb.cells = [c for c in nb.cells if "injected-parameters" not in c.metadata.get("tags", [])]
+    for cell in nb.cells:
+        for key in ("execution", "widgets", "papermill", "collapsed", "scrolled"):
+            cell.metadata.pop(key, None)
+        if not cell.metadata.get("tags", True):
+            del cell.metadata["tags"]
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
+    after = nbformat.writes(nb) + "\n"
+    if after == before:
+        return False
+    write_text_atomic(path, after)
+    return True
 
 
 def run_notebook(name: str | Path, parameters: Mapping[str, Any] | None = None, *, root: str | Path | None = None,
