@@ -503,3 +503,36 @@ def test_background_threads_never_print(capsys):
     assert panels[0].wait_idle(120)
     out = capsys.readouterr()
     assert out.out == "" and out.err == ""
+
+
+@pytest.mark.slow
+def test_hardware_panel_profiles_this_machine(tmp_path):
+    """A quick profile run from the panel (a torchrun tree through workbench.profile), its evidence
+    drawn and its profile used; a second one stopped with nothing left."""
+    from widgets import HardwarePanel
+    from workbench import runs
+    from workbench.launch import run_alive
+
+    panel = HardwarePanel(root=tmp_path)
+    if not panel.profiler_available:
+        pytest.skip("this tree has no profiler (workbench.profile.prepare_profile, issue 10)")
+    seen = []
+    panel.on_profile(seen.append)
+    run = panel.start_profile(nproc=2, model="tiny", quick=True)
+    st = panel.wait(timeout=600)
+    assert st.state == "done", run.log_tail(30)
+    assert panel.result is not None and panel.profile == panel.result.profile
+    assert Path(seen[-1]).resolve() in (run.path.resolve(), run.file(runs.PROFILE_FILE).resolve())
+    assert len(panel.fig_fit.data) > 0 and len(panel.fig_collectives.data) > 0 and len(panel.fig_residuals.data) > 0
+    assert any(v == str(run.file(runs.PROFILE_FILE)) for _, v in panel.w_profile.options)  # listed as measured here
+    # the profile plans: a Scenario takes the panel's reference
+    from workbench.scenario import Scenario
+
+    sc = Scenario(model="tiny", profile=panel.profile_ref, num_gpus=2, gpus_per_node=2, source="stdlib",
+                  batch_tokens=8192, max_len=1024, policy="split")
+    assert sc.plan(planner="greedy").makespan_ms > 0
+    # Stop ends the profile run's whole tree
+    other = panel.start_profile(nproc=2, model="tiny", quick=True)
+    time.sleep(3)
+    st = panel.stop()
+    assert st.state == "stopped" and not run_alive(runs.load_run(other.path).status())

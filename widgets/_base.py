@@ -89,15 +89,15 @@ def figure_widget(fig=None):
 def set_figure(fw, fig) -> None:
     """Replace the traces and layout of FigureWidget ``fw`` with those of ``fig`` in one
     ``batch_update`` (one message to the browser instead of one per property); a figure kept in a
-    :func:`figure_box` is shown from its first data on."""
+    :func:`figure_box` is shown while it has data."""
     with fw.batch_update():
         fw.data = ()
         if fig.data:
             fw.add_traces(list(fig.data))
         fw.layout = fig.layout
     box = getattr(fw, "_wb_box", None)
-    if box is not None and fig.data:
-        box.layout.display = ""
+    if box is not None:
+        box.layout.display = "" if fig.data else "none"
 
 
 def clear_figure(fw) -> None:

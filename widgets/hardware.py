@@ -204,9 +204,45 @@ class HardwarePanel(Panel):
             finally:
                 self._quiet -= 1
             self._draw()
+            self._draw_evidence(text)
         for cb in list(self._callbacks):
             cb(text)
         return prof
+
+    def _profile_run(self, text: str):
+        """The profile run that ``text`` (a run folder or its profile.json) belongs to, or None."""
+        from workbench import runs
+
+        p = Path(text)
+        folder = p if p.is_dir() else p.parent if p.name == runs.PROFILE_FILE else None
+        if folder is None or not (folder / runs.SPEC_FILE).is_file():
+            return None
+        run = runs.Run(folder)
+        return run if run.kind == "profile" else None
+
+    def _draw_evidence(self, text: str) -> None:
+        """For a profile measured here: the profiler's own figures (measured points and fitted curves,
+        residuals with the held-out points, collectives); for any other profile none of them."""
+        from widgets._base import clear_figure
+
+        self.result = None
+        run, prof = self._profile_run(text), _profiler()
+        if run is None or prof is None:
+            for f in (self.fig_fit, self.fig_collectives):
+                clear_figure(f)
+            return
+        try:
+            res = prof.load_result(run)
+            from workbench.report import profile as rp
+        except Exception as e:  # noqa: BLE001 - the profile itself is in use; its evidence is optional
+            self.status.value += " " + note_html(f"no measurement evidence: {one_line(e)}", "warn")
+            return
+        self.result = res
+        set_figure(self.fig_fit, rp.fit_figure(res))
+        set_figure(self.fig_residuals, rp.residual_figure(res))
+        set_figure(self.fig_collectives, rp.collectives_figure(res))
+        self.status.value = note_html(f"measured here by profile run {run.id}: measured points, fit, held-out "
+                                      f"residuals and collectives below", "info")
 
     def load(self, path: str) -> Any:
         """Load a profile JSON file (or a profile run's folder) and use it."""
@@ -352,21 +388,15 @@ class HardwarePanel(Panel):
         from workbench import runs
 
         r = runs.load_run(run, root=self.root)
-        res = prof.load_result(r)
-        self.result = res
-        if not r.file(runs.PROFILE_FILE).is_file() and getattr(res, "profile", None) is not None:
-            res.profile.save(r.file(runs.PROFILE_FILE))  # where a profile run keeps its profile
-        try:
-            from workbench.report import profile as rp
-
-            set_figure(self.fig_fit, rp.fit_figure(res))
-            set_figure(self.fig_residuals, rp.residual_figure(res))
-            set_figure(self.fig_collectives, rp.collectives_figure(res))
-        except ImportError:
-            pass
+        if not r.file(runs.PROFILE_FILE).is_file():
+            res = prof.load_result(r)
+            if getattr(res, "profile", None) is not None:
+                res.profile.save(r.file(runs.PROFILE_FILE))  # where a profile run keeps its profile
         self._list_profiles()
         self.select(r)
-        return res
+        if self.result is None:
+            raise ValueError(f"profile run {r.id} has no result to show")
+        return self.result
 
     def check_fidelity(self, train_run) -> dict:
         """Compare the profile's predictions with a training run's measured steps

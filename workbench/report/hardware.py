@@ -71,8 +71,13 @@ def compute_figure(profile, title: str | None = None):
 
     pd = profile.to_dict() if hasattr(profile, "to_dict") else dict(profile)
     pts = [p for p in profile_points(pd) if len(p["pack"]) == 1]
-    hi = max([p["tokens"] for p in pts], default=0)
-    top = max(1 << 17, 1 << max(6, int(hi * 2).bit_length()))
+    try:  # up to the longest context of the model the curves were measured on (at most 128K)
+        from workbench.specs import get_model
+
+        top = min(1 << 17, get_model(pd["model"]).max_context)
+    except ValueError:
+        top = 1 << 17
+    top = max(top, 2 * max([p["tokens"] for p in pts], default=0))
     ls = [1 << k for k in range(6, top.bit_length())]
     c = profile_curves(pd, ls)
     fig = go.Figure()
