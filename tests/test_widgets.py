@@ -336,6 +336,15 @@ def test_workbench_hands_settings_on(tmp_path):
     assert wb.tabs.selected_index == 3
 
 
+def test_big_scatters_are_drawn_with_webgl():
+    from workbench.report.runs import live_run_figure
+
+    many = {"step": list(range(1, 5001)), "loss": [1.0] * 5000, "measured_ms": [2.0] * 5000, "predicted_ms": [2.0] * 5000}
+    assert {t.type for t in live_run_figure(many).data} == {"scattergl"}
+    few = {k: v[:20] for k, v in many.items()}
+    assert {t.type for t in live_run_figure(few).data} == {"scatter"}
+
+
 def test_panels_save_figures_and_tables(tmp_path, solved):
     panel, _ = solved
     saved = panel.save(tmp_path)

@@ -54,6 +54,7 @@ def _warm_plotly() -> None:
         fig.add_bar(x=[1], y=[1], base=[0], orientation="h", marker=dict(color="#000", line=dict(width=1)), text=["a"],
                     customdata=[[1]], width=[1], row=1, col=1)
         fig.add_scatter(x=[1], y=[1], mode="lines+markers+text", line=dict(dash="dash", shape="hv"), row=1, col=2)
+        fig.add_trace(go.Scattergl(x=[1], y=[1], mode="markers"), row=1, col=2)
         fig.add_vline(x=1, line_dash="dash", annotation_text="a")
         fig.add_hline(y=1, line_dash="dot")
         fig.update_xaxes(type="log", title="x", range=[0, 1], tickmode="array", tickvals=[1], ticktext=["1"])

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from workbench.report._style import top_legend
+from workbench.report._style import add_points, top_legend
 
 __all__ = ["length_profile", "policy_effect", "token_balanced_loads", "lengths_histogram_figure",
            "cdf_figure", "share_figure", "policy_figure", "imbalance_figure"]
@@ -245,8 +245,8 @@ def imbalance_figure(loads: Mapping[str, Any], title: str | None = None):
             xs.append(f"batch {k}")
             ys.append(v / 1e3)
             txt.append(f"replica {r}: {b['tokens'][r]:,} tokens")
-    fig.add_scatter(x=xs, y=ys, mode="markers", marker=dict(color=_SEQ, size=9, opacity=0.6), name="replica",
-                    text=txt, hovertemplate="%{text}<br>%{y:.2f}s<extra></extra>")
+    add_points(fig, xs, ys, mode="markers", marker=dict(color=_SEQ, size=9, opacity=0.6), name="replica",
+               text=txt, hovertemplate="%{text}<br>%{y:.2f}s<extra></extra>")
     slow = [max(b["loads_ms"]) / 1e3 for b in loads["batches"]]
     mean = [float(np.mean(b["loads_ms"])) / 1e3 for b in loads["batches"]]
     cats = [f"batch {k}" for k in range(len(slow))]

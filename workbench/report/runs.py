@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Mapping, Sequence
 
-from workbench.report._style import top_legend
+from workbench.report._style import add_points, top_legend
 
 __all__ = ["run_series", "live_run_figure", "loss_figure", "step_time_figure", "speedup_figure", "run_label"]
 
@@ -46,12 +46,12 @@ def live_run_figure(series: Mapping[str, Any], title: str = "Training"):
     from plotly.subplots import make_subplots
 
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12)
-    fig.add_scatter(x=series["step"], y=series["loss"], mode="lines+markers", name="loss",
-                    line=dict(color=_PALETTE[0]), row=1, col=1)
-    fig.add_scatter(x=series["step"], y=series["measured_ms"], mode="lines+markers", name="measured (ms)",
-                    line=dict(color=_PALETTE[3]), row=1, col=2)
-    fig.add_scatter(x=series["step"], y=series["predicted_ms"], mode="lines", name="predicted by the plan (ms)",
-                    line=dict(color="#333", dash="dash"), row=1, col=2)
+    add_points(fig, series["step"], series["loss"], mode="lines+markers", name="loss",
+               line=dict(color=_PALETTE[0]), row=1, col=1)
+    add_points(fig, series["step"], series["measured_ms"], mode="lines+markers", name="measured (ms)",
+               line=dict(color=_PALETTE[3]), row=1, col=2)
+    add_points(fig, series["step"], series["predicted_ms"], mode="lines", name="predicted by the plan (ms)",
+               line=dict(color="#333", dash="dash"), row=1, col=2)
     fig.update_xaxes(title_text="step", rangemode="tozero")
     fig.update_yaxes(title_text="loss", row=1, col=1)
     fig.update_yaxes(title_text="ms per step", rangemode="tozero", row=1, col=2)
@@ -66,8 +66,8 @@ def loss_figure(series: Sequence[Mapping[str, Any]], title: str = "Loss per step
 
     fig = go.Figure()
     for i, s in enumerate(series):
-        fig.add_scatter(x=s["step"], y=s["loss"], mode="lines+markers", name=s["label"],
-                        line=dict(color=_PALETTE[i % len(_PALETTE)]))
+        add_points(fig, s["step"], s["loss"], mode="lines+markers", name=s["label"],
+                   line=dict(color=_PALETTE[i % len(_PALETTE)]))
     fig.update_xaxes(title="step")
     fig.update_yaxes(title="loss")
     fig.update_layout(template="plotly_white", title=title, height=340)
@@ -81,10 +81,10 @@ def step_time_figure(series: Sequence[Mapping[str, Any]], title: str = "Step tim
     fig = go.Figure()
     for i, s in enumerate(series):
         c = _PALETTE[i % len(_PALETTE)]
-        fig.add_scatter(x=s["step"], y=s["measured_ms"], mode="lines+markers", name=f"{s['label']} measured",
-                        line=dict(color=c))
-        fig.add_scatter(x=s["step"], y=s["predicted_ms"], mode="lines", name=f"{s['label']} predicted",
-                        line=dict(color=c, dash="dash"))
+        add_points(fig, s["step"], s["measured_ms"], mode="lines+markers", name=f"{s['label']} measured",
+                   line=dict(color=c))
+        add_points(fig, s["step"], s["predicted_ms"], mode="lines", name=f"{s['label']} predicted",
+                   line=dict(color=c, dash="dash"))
     fig.update_xaxes(title="step")
     fig.update_yaxes(title="ms per step", rangemode="tozero")
     fig.update_layout(template="plotly_white", title=title, height=360)
