@@ -415,7 +415,7 @@ def test_launch_panel_stop_ends_every_process_and_reattach(tmp_path):
     # a new panel (as after a kernel restart or a page reload) finds the live run and follows it
     second = LaunchPanel(root=tmp_path)
     assert second.run == run and second.handle is not None and second.state == "running"
-    assert "reattached" in second.status.value
+    assert f"{run.id} (reattached): running" in second.status.value
     second.on_finished(finished.append)
     st = second.stop()
     assert st.state == "stopped"

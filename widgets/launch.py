@@ -53,6 +53,7 @@ class LaunchPanel(Panel):
         self._stop_poll = threading.Event()
         self._finished: list[Callable[[Any], None]] = []
         self._extra: dict = {}
+        self._reattached = False
         self._build(nproc, steps)
         if reattach:
             live = self.live_runs()
@@ -212,6 +213,7 @@ class LaunchPanel(Panel):
         warnings = training.check_resources(int(settings["nproc"]), model=settings.get("model", "tiny"))
         run, spec, _ = training.prepare_train(settings, root=self.root)
         handle = launch.start(run, nproc=spec.nproc, stop_with_parent=False)
+        self._reattached = False
         self._follow(run, handle, spec.steps)
         note = ("; " + "; ".join(warnings)) if warnings else ""
         self.status.value = note_html(f"started {run.id}: {spec.nproc} process(es), {spec.steps} steps{note}", "busy")
@@ -273,7 +275,7 @@ class LaunchPanel(Panel):
             self.progress.value = min(int(st.step), self.progress.max)
             self.progress.description = f"step {st.step}/{total}"
             last = steps[-1] if steps else None
-            bits = [f"{self.run.id}: {st.state}"]
+            bits = [f"{self.run.id}{' (reattached)' if self._reattached else ''}: {st.state}"]
             if last is not None:
                 bits.append(f"step {last.step}, loss {last.loss:.4f}" if last.loss is not None else f"step {last.step}")
                 if last.measured_ms:
@@ -372,8 +374,8 @@ class LaunchPanel(Panel):
             self.status.value = note_html(f"{r.id} is not running any more ({r.status().state})", "info")
             return None
         spec = r.spec()
+        self._reattached = True
         self._follow(r, handle, spec.get("steps"))
-        self.status.value = note_html(f"reattached to {r.id}, still running", "busy")
         return handle
 
     def on_finished(self, callback: Callable[[Any], None]) -> None:
