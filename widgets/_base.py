@@ -41,12 +41,19 @@ def _warm_plotly() -> None:
 
     plotly imports its trace, layout and validator classes lazily on first use; two threads doing
     that first use at once can see a half-imported module (a property then looks missing and
-    ``fig.data = ...`` raises AttributeError). Panels call this while they are built, on the
-    kernel's main thread, before any worker thread draws."""
+    ``fig.data = ...`` raises AttributeError). The same holds for pandas, which plotly looks up in
+    ``sys.modules`` and OR-Tools imports on the first flexsp solve. Panels call this while they are
+    built, on the kernel's main thread, before any worker thread draws."""
     global _warmed
     with _WARM:
         if _warmed:
             return
+        import importlib.util
+
+        # plotly reads sys.modules["pandas"] without importing it; OR-Tools imports pandas on the
+        # first flexsp solve (a worker thread): a figure drawn meanwhile would see half a module
+        if importlib.util.find_spec("pandas") is not None:
+            import pandas  # noqa: F401
         import plotly.graph_objects as go
         from plotly.subplots import make_subplots
 
@@ -67,13 +74,14 @@ def _warm_plotly() -> None:
         _warmed = True
 
 
-def log_html(lines, height: int = 210) -> str:
-    """The last lines of a log for an ``HTML`` widget: monospace, wrapped, scrolled to the newest
-    line (a column-reverse box keeps the bottom in view as lines arrive)."""
-    text = html.escape("\n".join(lines)) if lines else "(no output yet)"
-    return (f"<div style='display:flex;flex-direction:column-reverse;max-height:{height}px;overflow-y:auto;"
-            f"border:1px solid #ddd;background:#fafafa;padding:4px 8px'><pre style='margin:0;white-space:pre-wrap;"
-            f"word-break:break-all;font-size:11.5px;line-height:1.35'>{text}</pre></div>")
+def log_html(lines, max_chars: int = 170) -> str:
+    """The last lines of a log for an ``HTML`` widget: monospace, one row per line (a long line is
+    cut, with an ellipsis; the whole log is in the run folder), so the newest line is always the
+    bottom row in view."""
+    cut = [ln if len(ln) <= max_chars else ln[: max_chars - 1] + "…" for ln in lines]
+    text = html.escape("\n".join(cut)) if cut else "(no output yet)"
+    return ("<div style='border:1px solid #ddd;background:#fafafa;padding:4px 8px;overflow-x:auto'>"
+            f"<pre style='margin:0;white-space:pre;font-size:11.5px;line-height:1.35'>{text}</pre></div>")
 
 
 def figure_widget(fig=None):

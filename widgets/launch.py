@@ -270,10 +270,22 @@ class LaunchPanel(Panel):
             ended = launch.poll(self.handle) if self.final is None else self.final
             st = ended or self.run.status()
             steps = self.run.steps()
+            newly_ended = ended is not None and self.final is None
+            if newly_ended:
+                self.final = ended
+                self.b_stop.disabled = True
+                self.b_launch.disabled = False
+                self.progress.bar_style = {"done": "success", "failed": "danger", "stopped": "warning"}.get(ended.state, "")
+                self.reattach_row.layout.display = ""
             total = st.steps or self.progress.max
             self.progress.max = max(1, int(total))
             self.progress.value = min(int(st.step), self.progress.max)
             self.progress.description = f"step {st.step}/{total}"
+            self.log_lines = self.run.log_tail(14)
+            self.log.value = log_html(self.log_lines)
+            if len(steps) != self._drawn:
+                self._drawn = len(steps)
+                set_figure(self.fig, live_run_figure(run_series(self.run), title=f"{self.run.id}"))
             last = steps[-1] if steps else None
             bits = [f"{self.run.id}{' (reattached)' if self._reattached else ''}: {st.state}"]
             if last is not None:
@@ -285,17 +297,7 @@ class LaunchPanel(Panel):
             if st.error:
                 bits.append(f"error: {str(st.error).splitlines()[0]}")
             self.status.value = note_html(" · ".join(bits), _STATE_KIND.get(st.state, "info"))
-            self.log_lines = self.run.log_tail(14)
-            self.log.value = log_html(self.log_lines)
-            if len(steps) != self._drawn:
-                self._drawn = len(steps)
-                set_figure(self.fig, live_run_figure(run_series(self.run), title=f"{self.run.id}"))
-            if ended is not None and self.final is None:
-                self.final = ended
-                self.b_stop.disabled = True
-                self.b_launch.disabled = False
-                self.progress.bar_style = {"done": "success", "failed": "danger", "stopped": "warning"}.get(ended.state, "")
-                self.reattach_row.layout.display = ""
+            if newly_ended:
                 for cb in list(self._finished):
                     try:
                         cb(self.run)
