@@ -35,6 +35,9 @@ class LaunchPanel(Panel):
     :attr:`handle`, :attr:`state`."""
 
     title = "Launch"
+    LINGER_S = 30.0
+    """After the supervisor ends, how long the panel waits for the run's last processes before it
+    reports the end anyway (naming what is still alive)."""
 
     def __init__(self, *, root=None, reattach: bool = True, poll_interval: float = 0.5, nproc: int = 2,
                  steps: int = 20, follow: bool = True) -> None:
@@ -54,6 +57,7 @@ class LaunchPanel(Panel):
         self._finished: list[Callable[[Any], None]] = []
         self._extra: dict = {}
         self._reattached = False
+        self._ended_at: float | None = None
         self._build(nproc, steps)
         if reattach:
             live = self.live_runs()
@@ -222,7 +226,7 @@ class LaunchPanel(Panel):
     def _follow(self, run, handle, steps: int | None) -> None:
         with self._lock:
             self._stop_poll.set()
-            self.run, self.handle, self.final = run, handle, None
+            self.run, self.handle, self.final, self._ended_at = run, handle, None, None
             self._drawn = -1
             self.progress.max = int(steps or 1)
             self.progress.value = 0
@@ -268,6 +272,16 @@ class LaunchPanel(Panel):
                 return None
             self.polls += 1
             ended = launch.poll(self.handle) if self.final is None else self.final
+            lingering = []
+            if ended is not None and self.final is None:
+                # the supervisor has ended; the run is over when its last process is (a stop's
+                # SIGKILL may still be on its way): until then say so, for at most LINGER_S
+                from workbench import runs
+
+                lingering = [p for p, t in runs.status_pids(ended) if runs.pid_alive(p, t)]
+                self._ended_at = self._ended_at or time.monotonic()
+                if lingering and time.monotonic() - self._ended_at < self.LINGER_S:
+                    ended = None
             st = ended or self.run.status()
             steps = self.run.steps()
             newly_ended = ended is not None and self.final is None
@@ -287,7 +301,11 @@ class LaunchPanel(Panel):
                 self._drawn = len(steps)
                 set_figure(self.fig, live_run_figure(run_series(self.run), title=f"{self.run.id}"))
             last = steps[-1] if steps else None
-            bits = [f"{self.run.id}{' (reattached)' if self._reattached else ''}: {st.state}"]
+            state = st.state
+            if st.final and (ended is None or self.final is None):
+                # the run wrote its end but its processes are still exiting: not over yet
+                state = {"stopped": "stopping", "done": "finishing", "failed": "failing"}[st.state]
+            bits = [f"{self.run.id}{' (reattached)' if self._reattached else ''}: {state}"]
             if last is not None:
                 bits.append(f"step {last.step}, loss {last.loss:.4f}" if last.loss is not None else f"step {last.step}")
                 if last.measured_ms:
@@ -296,7 +314,11 @@ class LaunchPanel(Panel):
                 bits.append(st.message)
             if st.error:
                 bits.append(f"error: {str(st.error).splitlines()[0]}")
-            self.status.value = note_html(" · ".join(bits), _STATE_KIND.get(st.state, "info"))
+            if lingering and ended is None:
+                bits.append(f"waiting for {len(lingering)} process(es) to exit")
+            elif lingering:
+                bits.append(f"process(es) {lingering} still alive after {self.LINGER_S:.0f}s")
+            self.status.value = note_html(" · ".join(bits), _STATE_KIND.get(state, "busy"))
             if newly_ended:
                 for cb in list(self._finished):
                     try:
