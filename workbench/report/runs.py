@@ -50,8 +50,8 @@ def live_run_figure(series: Mapping[str, Any], title: str = "Training"):
                line=dict(color=_PALETTE[0]), row=1, col=1)
     add_points(fig, series["step"], series["measured_ms"], mode="lines+markers", name="measured (ms)",
                line=dict(color=_PALETTE[3]), row=1, col=2)
-    add_points(fig, series["step"], series["predicted_ms"], mode="lines", name="predicted by the plan (ms)",
-               line=dict(color="#333", dash="dash"), row=1, col=2)
+    add_points(fig, series["step"], series["predicted_ms"], mode="lines+markers", name="predicted by the plan (ms)",
+               line=dict(color="#333", dash="dash"), marker=dict(size=5, symbol="line-ew-open"), row=1, col=2)
     fig.update_xaxes(title_text="step", rangemode="tozero")
     fig.update_yaxes(title_text="loss", row=1, col=1)
     fig.update_yaxes(title_text="ms per step", rangemode="tozero", row=1, col=2)
