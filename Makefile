@@ -1,6 +1,9 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   create .venv, install, run the planning demo on its embedded defaults
+#   make demo   create .venv, install, run the tour and solver notebooks headless plus a short CPU
+#               training run, and write the explained report runs/<id>/report.html
 #   make test   create .venv, install, run the tests
+# And, once installed:
+#   make lab    JupyterLab on the notebooks (token on, bound to 127.0.0.1; LAB_PORT=8888)
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -8,8 +11,9 @@ STAMP := $(VENV)/.installed
 # Extra pip arguments for torch, e.g. TORCH_PIP_ARGS="--index-url <your CPU wheel index>".
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
+LAB_PORT ?= 8888
 
-.PHONY: demo test install bench lint clean
+.PHONY: demo test install bench lint clean lab
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -31,6 +35,11 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/workbench demo
+
+# the run store is the project's runs/ whatever folder the notebooks run in; the token stays on
+lab: $(STAMP)
+	WORKBENCH_RUNS=$(CURDIR)/runs $(BIN)/jupyter lab --notebook-dir=notebooks --ServerApp.ip=127.0.0.1 \
+	  --ServerApp.port=$(LAB_PORT) --no-browser $$( [ "$$(id -u)" = 0 ] && echo --allow-root )
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -265,10 +265,13 @@ def cmd_demo(args) -> int:
 
     if args.steps < 1:
         raise CliError(f"--steps must be at least 1, got {args.steps}")
-    run = run_demo(root=Path(args.run_root), steps=args.steps, time_limit=args.time_limit,
-                   planners=[p for p in args.planners.split(",") if p], seed=args.seed, samples=args.samples,
-                   log=_say)
-    print(run.path)
+    try:
+        run = run_demo(root=Path(args.run_root), train_steps=args.steps, train=not args.no_train, time_limit=args.time_limit,
+                       seed=args.seed, samples=args.samples, log=_say)
+    except RuntimeError as e:
+        _say(f"workbench demo: error: {e}")
+        return 1
+    print(run.file("report.html"))
     return 0
 
 
@@ -582,6 +585,37 @@ def cmd_runs(args) -> int:
     raise CliError(f"unknown runs action {args.action!r}")
 
 
+def cmd_notebook(args) -> int:
+    """``workbench notebook run NAME -p KEY VALUE``: papermill into a run; ``list``: the notebooks."""
+    from workbench import notebook as nbk
+    from workbench import runs
+
+    if args.action == "list":
+        for path in sorted(nbk.notebooks_dir().glob("*.ipynb")):
+            print(path.stem)
+            for k, v in nbk.notebook_parameters(path).items():
+                print(f"  {k:<18} {v['type']:<6} default {v['default']!r:<22} {v['help']}")
+        return 0
+    if args.action == "strip":
+        paths = [nbk.find_notebook(args.notebook)] if args.notebook else sorted(nbk.notebooks_dir().glob("*.ipynb"))
+        for path in paths:
+            print(f"{path}: {'stripped' if nbk.strip_notebook(path) else 'clean'}")
+        return 0
+    if not args.notebook:
+        raise CliError("notebook run needs a NAME, e.g. workbench notebook run 03_solver -p num_gpus 16")
+    root = Path(args.run_root) if args.run_root else runs.default_root()
+    params = dict(args.parameters)
+    try:
+        run = nbk.run_notebook(args.notebook, params, root=root.resolve(), run_id=args.run_id, timeout=args.timeout,
+                               log=_say)
+    except nbk.NotebookFailed as e:
+        _say(f"workbench notebook: error: {e}")
+        print(e.run.path)
+        return 1
+    print(run.path)
+    return 0
+
+
 def _one(args) -> str:
     if len(args.ids) != 1:
         raise CliError(f"runs {args.action} takes one run id, got {len(args.ids)}")
@@ -634,12 +668,13 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_simulate)
 
-    q = sub.add_parser("demo", help="lengths -> simulate on the embedded defaults; writes runs/<id>/report.html")
+    q = sub.add_parser("demo", help="the first look: the tour and solver notebooks headless plus a short CPU training "
+                                     "run; writes an explained runs/<id>/report.html")
     q.add_argument("--run-root", default="runs", metavar="DIR")
-    q.add_argument("--steps", type=int, default=4, metavar="K")
-    q.add_argument("--time-limit", type=_positive_float, default=1.0, metavar="S")
-    q.add_argument("--planners", default=",".join(DEFAULT_PLANNERS))
-    q.add_argument("--samples", type=_positive_int, default=200_000)
+    q.add_argument("--steps", type=int, default=8, metavar="K", help="steps of the training run (default 8)")
+    q.add_argument("--no-train", action="store_true", help="leave out the training run")
+    q.add_argument("--time-limit", type=_positive_float, default=1.0, metavar="S", help="flexsp time limit per step")
+    q.add_argument("--samples", type=_positive_int, default=100_000, help="sequences drawn from the length family")
     q.add_argument("--seed", type=int, default=0)
     q.set_defaults(func=cmd_demo)
 
@@ -662,6 +697,19 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--lines", type=int, default=15, help="show: log lines to print (default 15)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_runs)
+
+    q = sub.add_parser("notebook", help="run a notebook headless (papermill) into runs/<id>/; list the notebooks")
+    q.add_argument("action", choices=["run", "list", "strip"],
+                   help="run one headless; list them with their parameters; strip outputs from notebooks/ (before "
+                        "committing)")
+    q.add_argument("notebook", nargs="?", metavar="NAME", help="00_tour, 01_hardware, ... 05_compare (or a path)")
+    q.add_argument("-p", "--parameter", nargs=2, action="append", default=[], dest="parameters", metavar=("KEY", "VALUE"),
+                   help="set a parameter of the notebook's parameters cell (repeatable)")
+    q.add_argument("--run-root", default=None, metavar="DIR", help="the run store (default runs, or $WORKBENCH_RUNS)")
+    q.add_argument("--id", dest="run_id", default=None, metavar="ID", help="the run's folder name (default: a fresh id)")
+    q.add_argument("--timeout", type=_positive_float, default=900.0, metavar="S",
+                   help="longest a cell may run (default 900 s)")
+    q.set_defaults(func=cmd_notebook)
     return p
 
 

@@ -1,96 +1,292 @@
-"""The planning demo: lengths -> simulate on the embedded defaults, written as a run.
+"""The newcomer's first look: the tour and the solver notebooks run headless, a short real training
+run on this machine, and one explained offline report.
 
-Defaults: the ``wikipedia`` length family, the ``a100-40g-flexsp`` profile, 64 GPUs, the 7B
-model, 1M-token global batches clipped at the largest context the cluster holds. A demo run
-(``runs/<id>/``, kind ``demo``) holds ``spec.json`` (the Scenario), ``status.json``,
-``lengths.json``, ``simulate.json``, ``plans.json`` (step 0 of every planner) and ``report.html``
-(plotly, self-contained: opens offline).
+``run_demo()`` makes a run of kind ``demo`` (``runs/<id>/``) and, through papermill
+(:mod:`workbench.notebook`), runs ``00_tour`` and ``03_solver`` on their embedded defaults (7B on
+64 A100-40G, the wikipedia length family, 1M-token batches: FlexSP's published constants) and
+``04_train`` (the tiny model, 2 CPU processes, a few steps): each is a notebook run of its own in
+the same store. It then writes ``report.html`` into the demo run: plotly embedded (opens offline),
+every chart explained, the terms defined, the clipped sequences counted, the gradient sync shown on
+the timeline. Nothing is downloaded; no GPU is needed.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 from workbench import runs
-from workbench.scenario import DEFAULT_PLANNERS, Scenario
-from workbench.simulate import summary_table
-from workbench.util import write_json_atomic
 
-__all__ = ["run_demo", "demo_scenario"]
+__all__ = ["run_demo", "GLOSSARY"]
+
+GLOSSARY = {
+    "sequence, token": "one training document, and its length in word pieces (a token is about four characters of English).",
+    "max context": "the longest sequence the model trains on; longer documents are clipped (cut, tokens lost), split "
+                   "(cut into pieces, nothing lost) or dropped: the <i>policy</i>.",
+    "attention work (s²)": "attention compares every token with every earlier one, so its work grows as the square of the "
+                           "length s, while the dense layers grow as s.",
+    "activations, model states": "what each layer keeps for the backward pass (grows with the tokens a GPU holds); and "
+                                 "the parameters, gradients and optimizer states (16 bytes per parameter), sharded over "
+                                 "the GPUs by the ZeRO stage.",
+    "usable memory, activation budget": "the share of a GPU's memory plans may fill (70% here, as FlexSP's 28 of 40 GB); "
+                                        "what is left of it after the model states.",
+    "sequence parallelism (SP), SP group, degree": "one sequence split over the GPUs of a group; the degree is how many. "
+                                                   "Ulysses SP swaps attention heads for tokens with an all-to-all before "
+                                                   "and after attention.",
+    "static layout, static-max, replica": "every sequence on groups of one degree (static-max: the degree the max "
+                                          "context needs, as Megatron-CP / DeepSpeed-Ulysses users configure it), copied "
+                                          "over the GPUs as data-parallel replicas.",
+    "heterogeneous SP": "groups of different degrees in the same step, chosen for every step's batch (FlexSP, ASPLOS'25).",
+    "micro-step": "one pass over part of the batch when it does not fit in memory at once; the gradients of the "
+                  "micro-steps add up.",
+    "step time (makespan)": "when the last GPU finishes the step, gradient sync included.",
+    "gradient sync": "the all-reduce that averages the gradients over all GPUs after their last micro-step: the grey "
+                     "block at the right end of every timeline.",
+    "lower bound, gap": "a step time no plan can beat (the work spread perfectly, each sequence at its cheapest feasible "
+                        "degree); how far a plan is above it.",
+    "imbalance": "when the last GPU finishes computing divided by the average GPU's busy time (1.0 is perfectly even).",
+    "planner": "the algorithm that makes a step's plan: static-max, best-static, min-degree, greedy, two-stage, flexsp.",
+}
 
 
-def demo_scenario(*, samples: int = 200_000, seed: int = 0, time_limit: float = 1.0, family: str = "wikipedia",
-                  num_gpus: int = 64, model: str = "7b", profile: str = "a100-40g-flexsp",
-                  batch_tokens: int = 1_000_000) -> Scenario:
-    """The demo's Scenario (max context: the largest power of two the cluster holds)."""
-    return Scenario(model=model, profile=profile, num_gpus=num_gpus, source=family, samples=samples, seed=seed,
-                    batch_tokens=batch_tokens, time_limit=time_limit, policy="clip")
+def _fig(run: runs.Run | None, name: str):
+    from workbench.report.page import load_figure
+
+    if run is None:
+        return None
+    p = run.path / "figures" / f"{name}.json"
+    return load_figure(p) if p.is_file() else None
 
 
-def run_demo(*, root: Path | str | None = None, steps: int = 4, time_limit: float = 1.0,
-             planners: Sequence[str] = (), seed: int = 0, samples: int = 200_000,
-             scenario: Scenario | None = None, log: Callable[[str], None] | None = None) -> runs.Run:
-    """Run the demo pipeline into a new run folder and return the Run. ``log`` gets progress lines."""
-    from workbench.data import length_histogram, summarize, token_share_curve
-    from workbench.report import (length_histogram_figure, plan_timeline_figure, step_time_figure,
-                                  token_share_figure, write_html_report)
-    from workbench.solve import planner_names
+def _table(run: runs.Run | None, name: str):
+    if run is None:
+        return None
+    p = run.path / "tables" / f"{name}.json"
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def run_demo(*, root: Path | str | None = None, train_steps: int = 8, train: bool = True, samples: int = 100_000,
+             seed: int = 0, time_limit: float = 1.0, log: Callable[[str], None] | None = None) -> runs.Run:
+    """Run the demo into a new run folder and return the Run (``report.html`` inside). ``log``
+    gets progress lines. Raises RuntimeError naming the notebooks that failed (the report is still
+    written, with what worked and a note on what did not)."""
+    from workbench.notebook import NotebookFailed, run_notebook, runs_root
 
     say = log or (lambda msg: None)
     t0 = time.perf_counter()
-    sc = scenario or demo_scenario(samples=samples, seed=seed, time_limit=time_limit)
-    known = set(planner_names())
-    planners = [p for p in (planners or DEFAULT_PLANNERS) if p in known or p.startswith("static:")]
-    run = runs.new_run("demo", {"scenario": sc.to_dict(), "steps": steps, "planners": planners}, root=root)
-    runs.update_status(run.path, state="running", steps=steps, started=runs.now(), message="loading lengths")
-    try:
-        prof = sc.profile_spec()
-        say(f"demo: {sc.describe()}; writing {run.path}")
-        raw = sc.lengths_set(apply_policy=False)
-        ls = sc.lengths_set()
-        summary = summarize(raw.lengths)
-        hist, curve = length_histogram(raw.lengths), token_share_curve(raw.lengths)
-        rep = ls.policy_report
-        write_json_atomic(run.file("lengths.json"), {"summary": summary, "histogram": hist, "token_share_curve": curve,
-                                                     "max_context": rep.to_dict() if rep else None})
-        say(f"demo: lengths p50 {summary['p50']:,.0f}, p99 {summary['p99']:,.0f}, max {summary['max']:,}; "
-            f"{rep.describe() if rep else 'no clipping'}")
+    store = runs_root(root)
+    demo = runs.new_run("demo", {"samples": samples, "seed": seed, "time_limit": time_limit, "train_steps": train_steps,
+                                 "train": train}, root=store)
+    runs.update_status(demo.path, state="running", started=runs.now(), message="running the notebooks")
+    say(f"demo: writing {demo.path}")
+    jobs = [("00_tour", {"samples": samples, "seed": seed, "time_limit": time_limit}),
+            ("03_solver", {"samples": samples, "seed": seed, "time_limit": time_limit})]
+    if train:
+        jobs.append(("04_train", {"steps": train_steps, "nproc": 2, "max_len": 512, "batch_tokens": 8192, "seed": seed}))
+    done: dict[str, runs.Run] = {}
+    failed: dict[str, str] = {}
+    for k, (name, params) in enumerate(jobs):
+        runs.update_status(demo.path, progress=k / (len(jobs) + 1), message=f"running {name}")
+        t = time.perf_counter()
+        try:
+            done[name] = run_notebook(name, params, root=store)
+            say(f"demo: {name} done in {time.perf_counter() - t:.0f}s ({done[name].path})")
+        except NotebookFailed as e:
+            failed[name] = str(e)
+            say(f"demo: {name} failed: {e}")
+    runs.update_status(demo.path, progress=len(jobs) / (len(jobs) + 1), message="writing the report")
+    report = _write_report(demo, done, failed, t0)
+    summary = {"notebook_runs": {k: str(v.path) for k, v in done.items()}, "failed": failed, "report": str(report)}
+    from workbench.util import write_json_atomic
 
-        def progress(frac: float, msg: str) -> None:
-            runs.update_status(run.path, progress=frac, message=msg)
-            say(f"demo: [{100 * frac:5.1f}%] {msg}")
+    write_json_atomic(demo.file("demo.json"), summary)
+    took = time.perf_counter() - t0
+    if failed:
+        msg = "; ".join(f"{k}: {v.splitlines()[0]}" for k, v in failed.items())
+        runs.update_status(demo.path, state="failed", finished=runs.now(), error=msg,
+                           message=f"report written without {', '.join(failed)}")
+        raise RuntimeError(f"demo: {msg} (partial report: {report})")
+    runs.update_status(demo.path, state="done", finished=runs.now(), progress=1.0, step=len(done),
+                       message=f"done in {took:.0f}s")
+    say(f"demo: done in {took:.0f}s; open {report}")
+    return demo
 
-        res = sc.simulate(planners, steps=steps, keep_plans=True, progress=progress)
-        sim = res.to_dict()
-        write_json_atomic(run.file("simulate.json"), sim)
-        write_json_atomic(run.file("plans.json"), {k: v[0] for k, v in res.plans.items() if v})
-        table = summary_table(sim)
-        show = next((p for p in ("flexsp", "greedy") if p in res.plans), None)
-        sections = [
-            ("Sequence lengths", length_histogram_figure(hist, f"{sc.source}: {summary['count']:,} sequences")),
-            ("Token share by length", token_share_figure(hist, curve)),
-            ("Step time by planner", step_time_figure(sim, f"{steps} steps of {sc.batch_tokens:,} tokens, {sc.model}, "
-                                                           f"{sc.num_gpus} GPUs")),
-        ]
-        if show:
-            sections.append((f"One step planned by {show}", plan_timeline_figure(res.plans[show][0])))
-        if "static-max" in res.plans:
-            sections.append(("The same step under static-max", plan_timeline_figure(res.plans["static-max"][0])))
-        notes = [table]
-        if res.errors:
-            notes.append("\n".join(f"{k}: {v}" for k, v in res.errors.items()))
-        write_html_report(run.file(runs.REPORT_FILE), f"Workbench demo: {sc.source}, {sc.model}, {sc.num_gpus} GPUs",
-                          sections, tables=[("Summary", "\n\n".join(notes)),
-                                            ("Cost model", f"profile {prof.name} ({prof.provenance.get('kind')}): "
-                                                           f"{prof.provenance.get('source', '')}")])
-    except BaseException as e:
-        runs.update_status(run.path, state="failed", finished=runs.now(),
-                           error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        raise
-    runs.update_status(run.path, state="done", step=steps, progress=1.0, finished=runs.now(),
-                       message=f"done in {time.perf_counter() - t0:.1f}s")
-    print(table)
-    say(f"demo: done in {time.perf_counter() - t0:.1f}s; open {run.file(runs.REPORT_FILE)}")
-    return run
+
+def _write_report(demo: runs.Run, done: dict, failed: dict, t0: float) -> Path:
+    from workbench.report.page import write_page
+
+    tour, solver, train = done.get("00_tour"), done.get("03_solver"), done.get("04_train")
+    t = _table(tour, "tour") or {}
+    blocks: list[tuple[str, object]] = []
+
+    def fig(run, name, fallback_note=""):
+        f = _fig(run, name)
+        if f is not None:
+            blocks.append(("figure", f))
+        elif fallback_note:
+            blocks.append(("warn", fallback_note))
+
+    for name, err in failed.items():
+        blocks.append(("warn", f"<b>{name} failed</b>: {err}"))
+    sc = t.get("scenario") or {}
+    lead = ("One training step of a {model} model on {gpus} GPUs (A100-40G, FlexSP's published constants), with sequence "
+            "lengths drawn like {family}'s, planned by a fixed layout and by heterogeneous sequence parallelism; and a real "
+            "training run on this machine. Every number comes from the workbench's cost model or the run store; the "
+            "notebooks that made them are listed at the end.").format(
+        model=sc.get("model", "7b").upper(), gpus=sc.get("num_gpus", 64), family=sc.get("source", "wikipedia"))
+    blocks.append(("note", "New to this? The short version: long documents are rare but hold most of the attention work; "
+                           "memory forces them onto several GPUs at once; a fixed layout makes <i>every</i> sequence pay for "
+                           "that; choosing a mix of layouts for every step does not. The terms are defined in the glossary "
+                           "at the end, and where they first appear."))
+
+    # 1. data ---------------------------------------------------------------------------------
+    ln = t.get("lengths") or {}
+    s, mc = ln.get("summary") or {}, ln.get("max_context") or {}
+    blocks.append(("h2", "1. The data: most sequences are short, a few are very long"))
+    if s:
+        blocks.append(("p", f"{s['count']:,} sequences ({s['tokens']:,} tokens): half are shorter than {s['p50']:,.0f} tokens and "
+                            f"99% shorter than {s['p99']:,.0f}, yet the longest has {s['max']:,}. The chart counts sequences per "
+                            f"length range on log axes (each bar covers twice the lengths of the one before); red bars lie "
+                            f"beyond the <b>max context</b> (dashed line), the longest sequence the model trains on."))
+    fig(tour, "lengths_histogram", "the tour did not run: no length figures")
+    if mc:
+        verbs = {"clip": "cut to", "split": "split into pieces of at most", "drop": "left out: longer than"}
+        verb, ml = verbs.get(mc.get("policy"), "cut at"), mc.get("max_len", 0)
+        blocks.append(("p", f"<b>The clipped sequences.</b> {mc.get('affected_sequences', 0):,} of "
+                            f"{mc.get('sequences_before', 0):,} sequences are longer than {ml:,} tokens and are {verb} {ml:,} "
+                            f"tokens (policy <i>{mc.get('policy')}</i>): {mc.get('text', '')}. The chart shows their original "
+                            f"lengths."))
+    fig(tour, "clipped")
+
+    # 2. attention ------------------------------------------------------------------------------
+    blocks.append(("h2", "2. Attention work grows as the square of the length"))
+    rows = t.get("compute_by_length") or []
+    if rows:
+        blocks.append(("p", "Time of one sequence's forward and backward pass on one GPU, from the cost model "
+                            "(per layer <i>a·s² + b·s + c</i>): 128 times the tokens cost far more than 128 times the time."))
+        blocks.append(("table", ([{"length": f"{r['length']:,}", "time": f"{r['compute_s_on_one_gpu']:.2f} s",
+                                   "x_time": f"{r['vs_1K']:,.0f}x", "x_tokens": f"{r['tokens_vs_1K']:,.0f}x"} for r in rows],
+                                 [("length", "length (tokens)"), ("time", "forward + backward, one GPU"),
+                                  ("x_time", "x the time of 1K"), ("x_tokens", "x the tokens of 1K")])))
+    o8 = ln.get("over_8k") or {}
+    if o8:
+        blocks.append(("p", f"Sequences of 8K tokens or more are {100 * o8['sequences']:.1f}% of the sequences, "
+                            f"{100 * o8['tokens']:.0f}% of the tokens and {100 * o8['attention_work']:.0f}% of the attention "
+                            f"work. The chart shows running "
+                            f"totals against length: the share of sequences, tokens and attention work in sequences up to each "
+                            f"length."))
+    fig(tour, "cumulative_share")
+
+    # 3. memory ---------------------------------------------------------------------------------
+    m = t.get("memory") or {}
+    blocks.append(("h2", "3. Memory decides how many GPUs a sequence needs"))
+    if m:
+        need = ", ".join(f"{int(k):,} tokens: degree {v}" for k, v in (m.get("min_degree") or {}).items())
+        blocks.append(("p", f"Of each GPU's {m['usable_gb']:.0f} GB usable memory the model states (parameters, gradients, optimizer "
+                            f"states, ZeRO-3 over all GPUs) take {m['model_states_gb']:.2f} GB, leaving an activation budget of "
+                            f"{m['activation_budget_gb']:.1f} GB: about {m['tokens_per_gpu']:,.0f} tokens of activations. A longer "
+                            f"sequence is spread over an SP group of several GPUs; the smallest <b>degree</b> each length needs: "
+                            f"{need}. Each bar below is one GPU's memory, stacked by part, against the usable memory (dashed) and "
+                            f"the device (solid)."))
+    fig(tour, "memory_examples")
+
+    # 4. static ---------------------------------------------------------------------------------
+    st = t.get("static") or {}
+    blocks.append(("h2", "4. A static layout: one degree for every sequence"))
+    if st:
+        b = t.get("batch") or {}
+        blocks.append(("p", f"The step's batch: {b.get('sequences', 0):,} sequences, {b.get('tokens', 0):,} tokens. <b>static-max</b> "
+                            f"runs every one of them on SP degree {st['degree']} (the degree the max context needs): step time "
+                            f"{st['step_s']:.2f} s against a lower bound of {st['lower_bound_s']:.2f} s. A 1K-token sequence costs "
+                            f"{st['gpu_ms_1k_on_one']:.0f} GPU-ms on one GPU but {st['gpu_ms_1k_on_static']:.0f} GPU-ms spread over "
+                            f"{st['degree']} GPUs: tiny shares of work, each paying an all-to-all across nodes."))
+    blocks.append(("p", "<b>How to read a timeline.</b> Each row is one GPU (rank); each bar is an SP group running its sequences, "
+                        "from when all its GPUs are free to when it is done, coloured by degree; <i>m0, m1, ...</i> mark the "
+                        "<b>micro-steps</b>. <b>Where the gradient sync sits:</b> the grey block at the right end. After its last "
+                        "micro-step every GPU joins the all-reduce of the gradients, so that block starts when the last GPU "
+                        "finishes computing, and the step ends with it (red line). The dashed line is the lower bound."))
+    fig(tour, "timeline_static_max")
+    if "imbalance_equal_tokens" in st:
+        blocks.append(("p", f"<b>Imbalance.</b> The static-max plan balances its replicas (imbalance {st['imbalance_planned']:.3f}); "
+                            f"a data loader that deals each replica the same number of tokens does not: on sampled batches the "
+                            f"slowest replica takes {st['imbalance_equal_tokens']:.2f}x the mean on average (diamonds: slowest, dots: "
+                            f"every replica, bars: mean), because equal tokens are not equal attention work."))
+    fig(tour, "static_imbalance")
+
+    # 5. heterogeneous --------------------------------------------------------------------------
+    h = t.get("heterogeneous") or {}
+    blocks.append(("h2", "5. Heterogeneous SP: the right degree for each sequence, every step"))
+    if h:
+        ws, wh = h["work_static_gpu_s"], h["work_heterogeneous_gpu_s"]
+        blocks.append(("p", f"<b>{h['planner']}</b> chooses a mix of SP groups (degrees {', '.join(map(str, h['degrees']))}) for this "
+                            f"batch by optimising against the cost model: step time {h['step_s']:.2f} s, {100 * h['gap']:.1f}% above "
+                            f"the lower bound, <b>{h['speedup_over_static_max']:.2f}x faster than static-max</b>. Long sequences get "
+                            f"the wide groups their memory needs, short ones run on one or two GPUs with no communication. Same "
+                            f"compute ({wh['compute_gpu_s']:.0f} GPU-s), far less all-to-all: {ws['communication_gpu_s']:.0f} GPU-s "
+                            f"under static-max, {wh['communication_gpu_s']:.0f} GPU-s here."))
+    fig(tour, "timeline_heterogeneous")
+    blocks.append(("p", "Every planner on the same batch: bars are predicted step times (text: gap to the lower bound, speedup "
+                        "over static-max); the dashed line is the lower bound. <i>best-static</i> is the best single degree for "
+                        "this batch, <i>min-degree</i> puts each sequence on the smallest degree its memory needs (Megatron's "
+                        "dynamic context parallelism), <i>greedy</i> and <i>flexsp</i> (a CP-SAT model under a time limit) "
+                        "mix degrees, <i>two-stage</i> is Hydraulis-style."))
+    fig(tour, "planners")
+    blocks.append(("p", "Where each plan's GPU-time goes (GPUs x seconds): compute, SP communication inside groups, the fixed "
+                        "cost each group pays per micro-step, GPUs idling while others finish, and the gradient sync."))
+    fig(tour, "gpu_time")
+    blocks.append(("p", "One GPU of the fullest group of each degree in the heterogeneous plan: the planner fills the activation "
+                        "budget but never exceeds it."))
+    fig(tour, "memory_per_gpu")
+
+    # 6. the solver notebook --------------------------------------------------------------------
+    blocks.append(("h2", "6. The solver notebook: every planner, with its solve time"))
+    prow = _table(solver, "planners") or []
+    if prow:
+        blocks.append(("p", "The same scenario through <code>03_solver</code> (the Solver panel driven from code): each planner's "
+                            "step time, its gap to the lower bound, how many micro-steps and groups its plan has, which degrees, "
+                            "its imbalance and how long it took to plan."))
+        blocks.append(("table", ([{**r, "makespan_s": r.get("makespan_ms", 0) / 1e3, "gap_pct": 100 * r.get("gap", 0)}
+                                  for r in prow if "error" not in r],
+                                 [("planner", "planner"), ("makespan_s", "step (s)"), ("gap_pct", "over LB (%)"),
+                                  ("micro_steps", "micro-steps"), ("groups", "groups"), ("degrees", "degrees"),
+                                  ("imbalance", "imbalance"), ("solve_seconds", "solve (s)"), ("status", "status")])))
+    fig(solver, "timeline", "the solver notebook did not run")
+
+    # 7. a real run -----------------------------------------------------------------------------
+    blocks.append(("h2", "7. A real training run on this machine"))
+    tr = _table(train, "train_run")
+    if tr:
+        run = runs.load_run(tr["run_dir"])
+        s7 = run.summary()
+        st7 = tr["status"]
+        blocks.append(("p", f"<code>04_train</code> launched run <code>{run.id}</code>: {s7.get('nproc')} torchrun processes (gloo on "
+                            f"CPU) trained the tiny model for {st7.get('step')} steps on the Python standard library's source, each "
+                            f"step running its planner's plan ({s7.get('planner')}). State: <b>{st7.get('state')}</b>. Median step: "
+                            f"measured {s7.get('median_measured_ms') or 0:,.0f} ms against "
+                            f"{s7.get('median_predicted_ms') or 0:,.0f} ms "
+                            f"predicted by the CPU profile (other work on the machine inflates measured times). Left: the loss "
+                            f"falls; right: each step's measured time (solid) and the plan's prediction (dashed)."))
+        fig(train, "training")
+        plans = run.plans()
+        if plans:
+            from workbench.report.plans import timeline_figure
+
+            blocks.append(("p", "The plan of the run's last step, on its ranks: the same timeline as above, at the scale of "
+                                "this machine; the grey block is the gradient all-reduce after the last micro-step."))
+            blocks.append(("figure", timeline_figure(plans[-1]["plan"], title=f"run {run.id}: plan of step {plans[-1]['step']}")))
+    else:
+        blocks.append(("warn", "No training run in this demo (run without it, or it failed)."))
+
+    # where things are ------------------------------------------------------------------------------
+    blocks.append(("h2", "Glossary"))
+    blocks.append(("glossary", GLOSSARY))
+    blocks.append(("h2", "Where this came from"))
+    where = [{"what": k, "run": str(v.path), "notebook": str(v.path / f"{k}.ipynb")} for k, v in done.items()]
+    blocks.append(("table", (where, [("what", "notebook"), ("run", "run folder"), ("notebook", "executed notebook")])))
+    blocks.append(("p", f"Made by <code>make demo</code> (<code>workbench demo</code>) in {time.perf_counter() - t0:.0f} s. "
+                        f"Open the notebooks in JupyterLab with <code>make lab</code> to change the settings and watch the plans "
+                        f"change; run any of them headless with <code>workbench notebook run NAME -p KEY VALUE</code>."))
+    title = "Workbench demo: why long-tailed data wastes GPUs, and what heterogeneous SP does about it"
+    return write_page(demo.file(runs.REPORT_FILE), title, blocks, lead=lead)

@@ -1,0 +1,222 @@
+"""The notebooks: committed clean, parameters parsed and checked, and every one executed headless by
+papermill (real kernels) with small parameters, through ``workbench notebook run`` and the Python
+runner; the demo built from them. Results are checked in the run store's files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from workbench import runs
+from workbench.notebook import (NOTEBOOKS, NotebookFailed, coerce_value, find_notebook, notebook_parameters, run_notebook,
+                                strip_notebook)
+
+ROOT = Path(__file__).resolve().parents[1]
+NB_DIR = ROOT / "notebooks"
+
+
+def workbench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("workbench")
+    cmd = [str(exe), *args] if exe.exists() else [sys.executable, "-m", "workbench.cli", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
+
+
+def executed(run: runs.Run, name: str) -> nbformat.NotebookNode:
+    return nbformat.read(run.path / f"{name}.ipynb", as_version=4)
+
+
+def errors_in(nb) -> list[str]:
+    return [f"{o.ename}: {o.evalue}" for c in nb.cells if c.cell_type == "code" for o in c.outputs
+            if o.output_type == "error"]
+
+
+# ------------------------------------------------------------------------------------------------
+# committed clean
+# ------------------------------------------------------------------------------------------------
+
+
+def test_every_notebook_is_committed_without_outputs_or_widget_state():
+    found = sorted(p.stem for p in NB_DIR.glob("*.ipynb"))
+    assert found == sorted(NOTEBOOKS)
+    for name in NOTEBOOKS:
+        raw = json.loads((NB_DIR / f"{name}.ipynb").read_text())
+        nb = nbformat.reads(json.dumps(raw), as_version=4)
+        nbformat.validate(nb)
+        assert nb.metadata.kernelspec.name == "python3", name
+        assert "widgets" not in nb.metadata, f"{name} keeps widget state"
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert cell.outputs == [] and cell.execution_count is None, \
+                    f"{name} keeps outputs ({cell.source[:40]!r}): run `workbench notebook strip` before committing"
+            assert not {"execution", "widgets", "papermill"} & set(cell.metadata), f"{name}: {dict(cell.metadata)}"
+        tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+        assert len(tagged) == 1, f"{name} needs exactly one cell tagged parameters"
+        params = notebook_parameters(NB_DIR / f"{name}.ipynb")
+        assert list(params)[:3] == ["interactive", "runs_root", "results_dir"]
+        assert params["interactive"] == {"default": True, "type": "bool", "help": params["interactive"]["help"]}
+        for k, v in params.items():
+            assert v["type"] in ("bool", "int", "float", "str"), f"{name}.{k} is not typed"
+            assert v["help"], f"{name}.{k} has no comment saying what it is"
+
+
+def test_parameters_are_parsed_typed_and_checked(tmp_path):
+    p = notebook_parameters(find_notebook("03_solver"))
+    assert p["num_gpus"]["default"] == 64 and p["num_gpus"]["type"] == "int"
+    assert p["recompute"]["default"] is False and p["time_limit"]["type"] == "float"
+    assert find_notebook("solver") == find_notebook("03") == NB_DIR / "03_solver.ipynb"
+    assert coerce_value("num_gpus", "16", 64) == 16
+    assert coerce_value("recompute", "true", False) is True and coerce_value("recompute", "0", False) is False
+    assert coerce_value("time_limit", "0.5", 1.0) == 0.5 and coerce_value("x", 7, 1) == 7
+    with pytest.raises(ValueError, match="expects int"):
+        coerce_value("num_gpus", "many", 64)
+    with pytest.raises(ValueError, match="no notebook 'nope'"):
+        find_notebook("nope")
+    # an unknown parameter is an error listing the known ones, before any run exists
+    with pytest.raises(ValueError, match=r"no parameter\(s\) gpus; its parameters: interactive \(bool"):
+        run_notebook("03_solver", {"gpus": 8}, root=tmp_path)
+    assert runs.list_runs(tmp_path) == []
+    r = workbench("notebook", "run", "03_solver", "-p", "gpus", "8", "--run-root", str(tmp_path))
+    assert r.returncode == 2 and "num_gpus (int, default 64)" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# executed by papermill (slow: real kernels)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_tour_runs_headless_through_the_cli(tmp_path):
+    r = workbench("notebook", "run", "00_tour", "-p", "samples", "20000", "-p", "time_limit", "0.3",
+                  "--run-root", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = runs.load_run(r.stdout.strip().splitlines()[-1])
+    st = run.status()
+    assert st.state == "done" and run.kind == "notebook"
+    assert run.spec()["parameters"] == {"samples": 20000, "time_limit": 0.3}
+    nb = executed(run, "00_tour")
+    assert errors_in(nb) == []
+    tour = json.loads((run.path / "tables" / "tour.json").read_text())
+    h, s = tour["heterogeneous"], tour["static"]
+    assert h["step_s"] < s["step_s"] and h["speedup_over_static_max"] == pytest.approx(s["step_s"] / h["step_s"])
+    assert h["work_static_gpu_s"]["communication_gpu_s"] > h["work_heterogeneous_gpu_s"]["communication_gpu_s"]
+    assert tour["memory"]["min_degree"]["131072"] == 32  # 128K tokens need 32 A100-40G GPUs for 7B
+    figs = {p.name for p in (run.path / "figures").glob("*.html")}
+    assert {"lengths_histogram.html", "clipped.html", "timeline_static_max.html", "timeline_heterogeneous.html",
+            "planners.html", "gpu_time.html", "memory_per_gpu.html"} <= figs
+    # every term the tour relies on is explained in it
+    text = " ".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    for term in ("**lower bound**", "**degree**", "**micro-steps**", "**Imbalance**", "**gradient sync**",
+                 "**max context**", "**activations**"):
+        assert term in text, term
+
+
+@pytest.mark.slow
+def test_hardware_and_lengths_notebooks(tmp_path):
+    saved = tmp_path / "mine.json"
+    run = run_notebook("01_hardware", {"profile": "cpu-gloo-tiny", "save_as": str(saved)}, root=tmp_path)
+    assert run.status().state == "done" and errors_in(executed(run, "01_hardware")) == []
+    pts = json.loads((run.path / "tables" / "points.json").read_text())
+    assert len(pts) == 16 and all(abs(p["relative_error"]) < 0.2 for p in pts)
+    assert json.loads(saved.read_text())["name"] == "cpu-gloo-tiny"
+    assert (run.path / "figures" / "residuals.html").is_file()
+
+    run = run_notebook("02_lengths", {"source": "github", "samples": "20000", "max_len": "32768", "policy": "split"},
+                       root=tmp_path)
+    summary = json.loads((run.path / "tables" / "summary.json").read_text())
+    assert summary["source"] == "github" and summary["max_len"] == 32768
+    assert summary["policy_report"]["policy"] == "split"
+    assert summary["after_policy"]["tokens"] == summary["before_policy"]["tokens"]  # split keeps every token
+    assert {"histogram.html", "cdf.html", "share.html", "policy.html", "imbalance.html"} <= \
+        {p.name for p in (run.path / "figures").glob("*.html")}
+
+
+@pytest.mark.slow
+def test_solver_notebook(tmp_path):
+    from workbench.scenario import Scenario
+    from workbench.solve import plan_from_dict, validate
+
+    run = run_notebook("03_solver", {"num_gpus": 16, "batch_tokens": 262144, "time_limit": 0.3, "planner": "greedy"},
+                       root=tmp_path)
+    assert errors_in(executed(run, "03_solver")) == []
+    rows = json.loads((run.path / "tables" / "planners.json").read_text())
+    assert [r["planner"] for r in rows][0] == "greedy" and len(rows) == 6
+    sc = Scenario.from_dict(json.loads((run.path / "tables" / "scenario.json").read_text()))
+    assert sc.num_gpus == 16 and sc.batch_tokens == 262144
+    batch = sc.batches(1)[0].lengths
+    plans = json.loads((run.path / "tables" / "plans.json").read_text())
+    for p in plans.values():
+        validate(plan_from_dict(p), batch, sc.cluster(), sc.cost())
+        assert p["makespan_ms"] >= p["lower_bound_ms"]
+    # an executed notebook strips back to what is committed
+    copy = tmp_path / "copy.ipynb"
+    copy.write_text((run.path / "03_solver.ipynb").read_text())
+    assert strip_notebook(copy) and not strip_notebook(copy)
+    stripped, committed = nbformat.read(copy, as_version=4), nbformat.read(NB_DIR / "03_solver.ipynb", as_version=4)
+    assert [(c.cell_type, c.source, c.metadata) for c in stripped.cells] == \
+        [(c.cell_type, c.source, c.metadata) for c in committed.cells]
+    assert all(c.outputs == [] for c in stripped.cells if c.cell_type == "code")
+    mem = json.loads((run.path / "tables" / "memory.json").read_text())
+    assert mem["total_gb"] <= mem["usable_gb"] + 1e-9
+    assert {"timeline.html", "planners.html", "work.html", "memory.html"} <= \
+        {p.name for p in (run.path / "figures").glob("*.html")}
+
+
+@pytest.mark.slow
+def test_train_and_compare_notebooks_share_the_store(tmp_path):
+    run = run_notebook("04_train", {"steps": 3, "max_len": 512, "batch_tokens": 8192}, root=tmp_path)
+    assert errors_in(executed(run, "04_train")) == []
+    tr = json.loads((run.path / "tables" / "train_run.json").read_text())
+    trained = runs.load_run(tr["run_dir"])
+    assert trained.path.parent == tmp_path.resolve()  # the training run landed in the same store
+    assert trained.status().state == "done" and len(trained.steps()) == 3
+    assert (run.path / "figures" / "training.html").is_file()
+
+    # 05 finds one finished run, trains one more (greedy) and compares the two
+    run = run_notebook("05_compare", {"planners": "greedy", "steps": 2}, root=tmp_path)
+    assert errors_in(executed(run, "05_compare")) == []
+    table = json.loads((run.path / "tables" / "runs.json").read_text())
+    assert len(table) == 2 and table[0]["id"] == trained.id and table[0]["speedup_over_baseline"] == 1.0
+    assert table[1]["speedup_over_baseline"] > 0
+    assert len(runs.list_runs(tmp_path, kind="train")) == 2
+
+
+@pytest.mark.slow
+def test_a_failing_cell_fails_the_run_with_its_error_in_one_line(tmp_path):
+    r = workbench("notebook", "run", "03_solver", "-p", "planner", "nope", "--run-root", str(tmp_path))
+    assert r.returncode == 1
+    err = [x for x in r.stderr.splitlines() if x.startswith("workbench notebook: error:")]
+    assert len(err) == 1 and "ValueError: unknown planner 'nope'" in err[0] and "in cell [" in err[0]
+    run = runs.load_run(r.stdout.strip().splitlines()[-1])
+    st = run.status()
+    assert st.state == "failed" and st.error.startswith("ValueError: unknown planner 'nope'")
+    assert "\n" not in st.error
+    assert (run.path / "03_solver.ipynb").is_file()  # the executed notebook shows where it stopped
+    with pytest.raises(NotebookFailed, match="unknown planner"):
+        run_notebook("03_solver", {"planner": "nope"}, root=tmp_path)
+
+
+@pytest.mark.slow
+def test_demo_writes_the_explained_offline_report(tmp_path):
+    r = workbench("demo", "--run-root", str(tmp_path), "--steps", "2", "--samples", "20000", timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = Path(r.stdout.strip().splitlines()[-1])
+    demo = runs.load_run(report.parent)
+    assert demo.kind == "demo" and demo.status().state == "done"
+    html = report.read_text()
+    assert not re.search(r"<script[^>]*\ssrc=[\"']?https?:", html)  # plotly.js inlined: the page opens offline
+    assert len(html) > 3_000_000
+    assert html.count("class=\"plotly-graph-div\"") >= 10
+    for phrase in ("The clipped sequences.", "Where the gradient sync sits:", "How to read a timeline.", "Glossary",
+                   "lower bound, gap", "micro-step", "A real training run on this machine", "faster than static-max"):
+        assert phrase in html, phrase
+    kinds = sorted(x.kind for x in runs.list_runs(tmp_path))
+    assert kinds == ["demo", "notebook", "notebook", "notebook", "train"]

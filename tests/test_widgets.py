@@ -1,0 +1,547 @@
+"""The panels, driven from Python as a notebook under papermill drives them: build each panel, set
+its controls, press its buttons through its API, and check its state and the data behind its
+figures against references computed here independently (hand formulas, the run store's files).
+
+Slow tests (``-m slow``) start real torchrun runs through the Launch panel.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from workbench.scenario import DEFAULT_PLANNERS, Scenario
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# a small planning scenario: 8 A100-40G, 7B, 256K-token batches (memory binds at ~5.9K tokens per GPU)
+SMALL = dict(num_gpus=8, gpus_per_node=8, samples=20_000, batch_tokens=262_144, time_limit=0.3, source="wikipedia")
+ACT_BYTES_7B = 4.48e6  # published activation bytes per token of GPT-7B (a100-40g-flexsp), typed in
+
+
+# ------------------------------------------------------------------------------------------------
+# memory breakdown: the ZeRO formula by hand
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("n", [1, 8, 64])
+def test_model_state_parts_follow_zero_stages(stage, n):
+    from workbench.report.memory import model_state_parts
+    from workbench.specs import ClusterSpec, get_model
+
+    model = get_model("7b")
+    cl = ClusterSpec(num_gpus=n, gpus_per_node=min(8, n), zero_stage=stage)
+    P = model.params()
+    # bf16 weights 2 B, bf16 grads 2 B, fp32 master + Adam m, v 12 B; sharded from stage 3, 2, 1
+    want = {"parameters": 2 * P / (n if stage >= 3 else 1), "gradients": 2 * P / (n if stage >= 2 else 1),
+            "optimizer": 12 * P / (n if stage >= 1 else 1)}
+    got = model_state_parts(model, cl)
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v / 1e9, rel=1e-12)
+    assert sum(got.values()) == pytest.approx(cl.model_state_gb(model), rel=1e-12)
+
+
+def test_gpu_memory_breakdown_by_hand():
+    from workbench.report.memory import gpu_memory_breakdown
+
+    sc = Scenario(num_gpus=64)
+    cost = sc.cost()
+    b = gpu_memory_breakdown(cost, [131072], 32)
+    P = sc.model_spec().params()
+    assert b["usable_gb"] == pytest.approx(40 * 0.7)
+    assert b["model_states_gb"] == pytest.approx(16 * P / 64 / 1e9)
+    assert b["activations_gb"] == pytest.approx(ACT_BYTES_7B * 131072 / 32 / 1e9)
+    assert b["activation_budget_gb"] == pytest.approx(28 - 16 * P / 64 / 1e9)
+    assert b["fits"] and b["headroom_gb"] == pytest.approx(28 - b["total_gb"])
+    assert not gpu_memory_breakdown(cost, [131072], 16)["fits"]  # 36.7 GB of activations on 16 GPUs
+
+
+# ------------------------------------------------------------------------------------------------
+# Solver panel
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def solved():
+    from widgets import SolverPanel
+
+    panel = SolverPanel(Scenario(**SMALL), auto=False)
+    return panel, panel.solve()
+
+
+def test_solver_solve_plans_every_planner_and_draws_them(solved):
+    from workbench.solve import validate
+
+    panel, res = solved
+    sc = res.scenario
+    cost = sc.cost()
+    batch = np.asarray(sc.batches(1)[0].lengths)
+    assert set(res) | set(res.errors) == set(DEFAULT_PLANNERS)
+    assert "flexsp" in res and "static-max" in res
+    for plan in res.values():
+        validate(plan, batch, cost.cluster, cost)  # the same batch, every sequence once, memory within budget
+        assert plan.makespan_ms >= plan.lower_bound_ms * (1 - 1e-9)
+    # the timeline shows the chosen planner's plan: one bar per group, every rank labelled
+    plan = res["flexsp"]
+    bars = [t for t in panel.fig_timeline.data if t.type == "bar" and str(t.name).startswith("degree")]
+    assert sorted(int(t.name.split()[1]) for t in bars) == sorted({g.degree for m in plan.micro_steps for g in m.groups})
+    assert sum(len(t.x) for t in bars) == sum(len(m.groups) for m in plan.micro_steps)
+    assert sum(sum(t.x) for t in bars) * 1e3 == pytest.approx(sum(g.time_ms for m in plan.micro_steps for g in m.groups))
+    sync = [t for t in panel.fig_timeline.data if t.name == "gradient sync (all ranks)"]
+    assert len(sync) == 1 and sync[0].x[0] * 1e3 == pytest.approx(plan.grad_sync_ms)
+    assert list(panel.fig_timeline.layout.yaxis.tickvals) == list(range(8))
+    # every planner side by side, in the order solved, at its makespan
+    bar = panel.fig_planners.data[0]
+    assert list(bar.y) == list(res)
+    assert [x * 1e3 for x in bar.x] == pytest.approx([res[k].makespan_ms for k in res])
+    assert "plan #1: flexsp" in panel.status.value and panel.solves == 1
+
+
+def test_solver_memory_breakdown_of_the_chosen_group(solved):
+    panel, res = solved
+    plan = res["flexsp"]
+    groups = [(m, k, g) for m, ms in enumerate(plan.micro_steps) for k, g in enumerate(ms.groups)]
+    # default: the group holding the most activations; computed here from the published bytes/token
+    act = {(m, k): ACT_BYTES_7B * sum(g.lengths) / g.degree / 1e9 for m, k, g in groups}
+    top = max(act, key=act.get)
+    mem = panel.memory()
+    assert (mem["micro_step"], mem["index"]) == top
+    assert mem["activations_gb"] == pytest.approx(act[top])
+    assert mem["activations_gb"] <= mem["activation_budget_gb"] * (1 + 1e-9)
+    fig = panel.fig_memory
+    parts = {t.name: t.x[0] for t in fig.data}
+    assert parts["activations"] == pytest.approx(act[top])
+    assert parts["parameters"] + parts["gradients"] + parts["optimizer states"] == pytest.approx(mem["model_states_gb"])
+    # choose another group: the figure's first bar follows
+    m, k, g = min(groups, key=lambda x: act[(x[0], x[1])])
+    chosen = panel.select_group(m, k)
+    assert chosen["degree"] == g.degree and chosen["sequences"] == len(g.sequences)
+    assert panel.fig_memory.data[-1].x[0] == pytest.approx(act[(m, k)])
+    with pytest.raises(KeyError):
+        panel.select_group(99, 0)
+
+
+def test_solver_shows_a_broken_constraint_beside_its_control():
+    from widgets import SolverPanel
+
+    panel = SolverPanel(Scenario(**SMALL), auto=False)
+    panel.set(num_gpus=12)  # 12 GPUs cannot be laid out as nodes of 8
+    assert "multiple of gpus_per_node" in panel.n_cluster.value
+    assert "cannot plan" in panel.status.value and panel.n_memory.value == ""
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        panel.solve()
+    panel.set(num_gpus=16)
+    assert panel.n_cluster.value == ""
+    # a model whose states do not fit: the note goes beside the memory controls
+    panel.set(model="70b", num_gpus=8)
+    assert "GB per GPU of parameters" in panel.n_memory.value
+
+
+def test_solver_threaded_requests_are_debounced_and_the_latest_wins():
+    from widgets import SolverPanel
+
+    panel = SolverPanel(Scenario(**SMALL), auto=True, debounce=0.4)
+    assert panel.wait_idle(120)
+    first = panel.solves
+    assert first == 1 and panel.result.scenario.num_gpus == 8
+    # three changes in quick succession: one solve, for the last
+    panel.set(num_gpus=16)
+    panel.set(num_gpus=32)
+    panel.set(planner="greedy")
+    assert panel.busy
+    assert panel.wait_idle(120)
+    assert panel.solves == first + 1
+    assert panel.result.scenario.num_gpus == 32 and panel.result.scenario.planner == "greedy"
+    assert panel._worker.superseded >= 2
+    assert list(panel.fig_timeline.layout.yaxis.tickvals) == list(range(32))
+
+
+def test_solver_a_newer_request_cancels_a_running_solve():
+    from widgets import SolverPanel
+
+    # flexsp with an 8 s limit on a 4M-token batch: runs ~5 s unless cancelled
+    slow = Scenario(batch_tokens=4_000_000, samples=100_000, time_limit=8.0)
+    panel = SolverPanel(slow, auto=False, debounce=0.0)
+    panel.set(compare=False)
+    panel.request_solve()
+    t0 = time.monotonic()
+    while not panel._worker._running and time.monotonic() - t0 < 30:
+        time.sleep(0.02)
+    time.sleep(0.8)  # the solver is inside flexsp now
+    panel.set(planner="static-max")  # the older request is cancelled, not waited for
+    panel.request_solve()
+    assert panel.wait_idle(60)
+    took = time.monotonic() - t0
+    assert panel.result.scenario.planner == "static-max" and list(panel.result) == ["static-max"]
+    assert took < 4.0, f"the superseded flexsp solve was not cancelled ({took:.1f}s)"
+    assert panel.solves == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Lengths panel
+# ------------------------------------------------------------------------------------------------
+
+
+def test_lengths_panel_data_behind_the_figures():
+    from widgets import LengthsPanel
+    from workbench.data import load_lengths
+
+    panel = LengthsPanel(Scenario(**SMALL), auto=False, batches=4)
+    d = panel.refresh()
+    raw = load_lengths("wikipedia", samples=20_000, seed=0).lengths.astype(np.int64)  # the same draw, loaded here
+    ml = d["max_len"]
+    assert d["summary"]["count"] == raw.size and d["summary"]["max"] == int(raw.max())
+    # bins: powers of two; shares of sequences, tokens and s^2 by hand
+    b = d["profile"]["bins"]
+    k = np.floor(np.log2(raw)).astype(int)
+    for i, lo in enumerate(b["edges"][:-1]):
+        sel = k == int(round(np.log2(lo)))
+        assert b["counts"][i] == int(sel.sum())
+        assert b["work_share"][i] == pytest.approx(float((raw[sel].astype(float) ** 2).sum() / (raw.astype(float) ** 2).sum()))
+    assert d["profile"]["cdf"]["work"][-1] == pytest.approx(1.0)
+    # the max-context policy (clip): the sequences over it and the tokens cut, by hand
+    over = raw[raw > ml]
+    assert d["policy"]["affected"] == over.size
+    assert d["policy"]["tokens_removed"] == int((over - ml).sum())
+    # the figures hold those numbers
+    assert list(panel.fig_hist.data[0].y) == b["counts"]
+    assert panel.fig_cdf.data[2].y[-1] == pytest.approx(100.0)
+    assert sum(panel.fig_policy.data[0].y) == over.size
+    imb = d["imbalance"]
+    assert len(imb["batches"]) == 4
+    for bt in imb["batches"]:
+        assert bt["imbalance"] == pytest.approx(max(bt["loads_ms"]) / statistics.mean(bt["loads_ms"]))
+
+
+def test_token_balanced_loads_by_hand():
+    from workbench.report.lengths import token_balanced_loads
+
+    cost = Scenario(**SMALL).cost()
+    # two replicas of degree 4; 1,300 tokens -> 650 each: [1000] on replica 0, [100, 100, 100] on replica 1
+    res = token_balanced_loads([np.array([1000, 100, 100, 100])], cost, 4)
+    c = cost.group_overhead_ms(4)
+    t = lambda s: float(cost.time([s], 4)[0])  # noqa: E731
+    loads = res["batches"][0]["loads_ms"]
+    assert res["replicas"] == 2
+    assert loads == pytest.approx([t(1000) + c, 3 * t(100) + c])
+    assert res["batches"][0]["tokens"] == [1000, 300]
+    with pytest.raises(ValueError, match="candidate degree"):
+        token_balanced_loads([np.array([1])], cost, 3)
+
+
+def test_lengths_policy_split_keeps_every_token():
+    from widgets import LengthsPanel
+
+    panel = LengthsPanel(Scenario(**SMALL), auto=False)
+    panel.set(policy="split", max_len=8192)
+    d = panel.refresh()
+    assert d["policy"]["tokens_removed"] == 0
+    assert d["after_policy"]["tokens"] == d["summary"]["tokens"]
+    assert d["after_policy"]["max"] <= 8192
+
+
+# ------------------------------------------------------------------------------------------------
+# Hardware panel
+# ------------------------------------------------------------------------------------------------
+
+
+def test_hardware_panel_curves_points_and_save(tmp_path):
+    from widgets import HardwarePanel
+    from workbench.specs import load_profile
+
+    # a profile written here, with two measured packs: the panel's curves, points and residuals
+    # are checked against the coefficients typed in below
+    fwd, bwd = {"a": 1e-5, "b": 0.02, "c": 2.0}, {"a": 2e-5, "b": 0.03, "c": 3.0}
+    meas = [{"pack": [1024], "tokens": 1024, "forward_ms": 35.0, "backward_ms": 60.0},
+            {"pack": [256, 256], "tokens": 512, "forward_ms": 12.0, "backward_ms": 20.0}]
+    mine = tmp_path / "bench.json"
+    mine.write_text(json.dumps({"name": "bench", "gpu": "test", "model": "tiny", "forward": fwd, "backward": bwd,
+                                "all_to_all_gbps": {"2": 0.5, "4": 0.4}, "allreduce_gbps": {"4": 0.3},
+                                "gpu_memory_gb": 8.0, "provenance": {"kind": "measured", "measurements": meas}}))
+    panel = HardwarePanel(str(mine), root=tmp_path)
+    c = panel.curves()
+    i = c["lengths"].index(1024)
+    assert c["forward_ms"][i] == pytest.approx(1e-5 * 1024**2 + 0.02 * 1024 + 2.0)
+    assert c["total_ms"][i] == pytest.approx(c["forward_ms"][i] + 2e-5 * 1024**2 + 0.03 * 1024 + 3.0)
+    pts = panel.points()
+    assert [(p["kind"], p["tokens"]) for p in pts] == [("forward", 1024), ("backward", 1024), ("forward", 512),
+                                                       ("backward", 512)]
+    fit_pack = 2 * (1e-5 * 256**2 + 0.02 * 256) + 2.0  # two sequences, one call
+    assert pts[2]["fitted_ms"] == pytest.approx(fit_pack)
+    assert pts[2]["relative_error"] == pytest.approx(12.0 / fit_pack - 1)
+    # measured markers (single-sequence packs), residuals of every pack, bandwidth by group size
+    markers = [t for t in panel.fig_compute.data if t.mode == "markers"]
+    assert [list(t.x) for t in markers] == [[1024], [1024]]
+    assert sorted(len(t.x) for t in panel.fig_residuals.data) == [2, 2]
+    assert list(panel.fig_bandwidth.data[0].x) == [2, 4] and list(panel.fig_bandwidth.data[0].y) == [0.5, 0.4]
+    # save, load back, and tell listeners
+    seen = []
+    panel.on_profile(seen.append)
+    out = panel.save_profile(str(tmp_path / "copy"))
+    assert out.suffix == ".json" and load_profile(out) == panel.profile
+    panel.select("a100-40g-flexsp")
+    assert seen == ["a100-40g-flexsp"] and panel.points() == [] and panel.profile.name == "a100-40g-flexsp"
+    panel.load(str(out))
+    assert panel.profile.name == "bench" and seen[-1] == str(out)
+    with pytest.raises(ValueError):
+        panel.select("no-such-profile")
+    # saving the panel's results (figures and tables) is another thing than saving the profile
+    saved = panel.save(tmp_path / "results")
+    assert {Path(p).name for p in saved["figures"]} >= {"compute.html", "bandwidth.html", "residuals.html"}
+    assert json.loads((tmp_path / "results/tables/profile.json").read_text())["name"] == "bench"
+
+
+def test_hardware_panel_without_the_profiler_says_so(tmp_path, monkeypatch):
+    import widgets.hardware as hw
+
+    monkeypatch.setattr(hw, "_profiler", lambda: None)
+    panel = hw.HardwarePanel(root=tmp_path)
+    assert panel.b_run.disabled and "no profiler" in panel.run_status.value
+    with pytest.raises(RuntimeError, match="no profiler"):
+        panel.start_profile()
+
+
+# ------------------------------------------------------------------------------------------------
+# Workbench: settings handed on
+# ------------------------------------------------------------------------------------------------
+
+
+def test_workbench_hands_settings_on(tmp_path):
+    from widgets import Workbench
+
+    wb = Workbench(Scenario(**SMALL), root=tmp_path, auto=False)
+    assert [wb.tabs.get_title(i) for i in range(5)] == ["Hardware", "Lengths", "Solver", "Launch", "Runs"]
+    wb.lengths.set(source="github", max_len=16384)
+    assert wb.solver.scenario.source == "github" and wb.solver.scenario.max_len == 16384
+    wb.solver.set(num_gpus=16, planner="two-stage")
+    assert wb.lengths.scenario.num_gpus == 16
+    assert wb.scenario.source == "github" and wb.scenario.planner == "two-stage"
+    wb.hardware.select("h100-80g")
+    assert wb.solver.scenario.profile == "h100-80g" and wb.lengths.scenario.profile == "h100-80g"
+    # "train with these settings": the planning scenario goes to Launch, and Launch is shown
+    wb.solver.b_train.click()
+    s = wb.launch.settings()
+    assert s["source"] == "github" and s["planner"] == "two-stage" and s["samples"] == 20_000
+    assert s["model"] == "tiny" and s["max_len"] <= 1024  # kept small for this CPU machine, and said so
+    assert "Kept for this CPU machine" in wb.launch.settings_note.value
+    assert wb.tabs.selected_index == 3
+
+
+def test_big_scatters_are_drawn_with_webgl():
+    from workbench.report.runs import live_run_figure
+
+    many = {"step": list(range(1, 5001)), "loss": [1.0] * 5000, "measured_ms": [2.0] * 5000, "predicted_ms": [2.0] * 5000}
+    assert {t.type for t in live_run_figure(many).data} == {"scattergl"}
+    few = {k: v[:20] for k, v in many.items()}
+    assert {t.type for t in live_run_figure(few).data} == {"scatter"}
+
+
+def test_panels_save_figures_and_tables(tmp_path, solved):
+    panel, _ = solved
+    saved = panel.save(tmp_path)
+    names = {Path(p).name for p in saved["figures"]}
+    assert {"timeline.html", "planners.html", "work.html", "memory.html"} <= names
+    assert (tmp_path / "figures" / "plotly.min.js").is_file()  # the pages open offline
+    page = (tmp_path / "figures" / "timeline.html").read_text()
+    assert "cdn.plot.ly" not in page and 'src="plotly.min.js"' in page
+    rows = json.loads((tmp_path / "tables" / "planners.json").read_text())
+    assert {r["planner"] for r in rows} == set(DEFAULT_PLANNERS)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launch and Runs panels: real torchrun runs (slow)
+# ------------------------------------------------------------------------------------------------
+
+TINY = dict(max_len=512, batch_tokens=8192, time_limit=0.3)
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """Two finished 3-step runs (static-max and greedy) made through the Launch panel."""
+    from widgets import LaunchPanel
+
+    root = tmp_path_factory.mktemp("runs")
+    panel = LaunchPanel(root=root, nproc=2, steps=3, follow=False, reattach=False)
+    done = []
+    for planner in ("static-max", "greedy"):
+        run = panel.launch(planner=planner, **TINY)
+        st = panel.wait(timeout=300)
+        assert st.state == "done", run.log_tail(30)
+        done.append(run)
+    return root, done, panel
+
+
+@pytest.mark.slow
+def test_launch_panel_runs_and_shows_progress(two_runs):
+    from workbench import runs
+
+    root, (a, b), panel = two_runs
+    assert panel.run == b and panel.final.state == "done"
+    assert panel.progress.value == 3 and panel.progress.max == 3 and panel.progress.bar_style == "success"
+    # the figure holds the run's own records
+    rows = [json.loads(x) for x in (b.path / runs.METRICS_FILE).read_text().splitlines() if x.strip()]
+    rank0 = {r["step"] + 1: r for r in rows if r["rank"] == 0}
+    loss = panel.fig.data[0]
+    assert list(loss.x) == [1, 2, 3] and list(loss.y) == pytest.approx([rank0[k]["loss"] for k in (1, 2, 3)])
+    assert list(panel.fig.data[2].y) == pytest.approx([rank0[k]["predicted_ms"] for k in (1, 2, 3)])
+    assert any("step 3/3" in line for line in panel.log_lines)
+    assert "done" in panel.status.value
+    spec = json.loads((b.path / runs.SPEC_FILE).read_text())
+    assert spec["scenario"]["planner"] == "greedy" and spec["nproc"] == 2 and spec["scenario"]["max_len"] == 512
+
+
+@pytest.mark.slow
+def test_launch_panel_stop_ends_every_process_and_reattach(tmp_path):
+    from widgets import LaunchPanel
+    from workbench import runs
+    from workbench.launch import run_alive
+
+    first = LaunchPanel(root=tmp_path, nproc=2, steps=200, follow=False, reattach=False)
+    finished = []
+    run = first.launch(debug={"step_sleep_s": 0.5}, **TINY)
+    deadline = time.monotonic() + 180
+    while first.refresh().step < 1:
+        assert time.monotonic() < deadline, run.log_tail(30)
+        time.sleep(0.3)
+    # a new panel (as after a kernel restart or a page reload) finds the live run and follows it
+    second = LaunchPanel(root=tmp_path)
+    assert second.run == run and second.handle is not None and second.state == "running"
+    assert f"{run.id} (reattached): running" in second.status.value
+    second.on_finished(finished.append)
+    st = second.stop()
+    assert st.state == "stopped"
+    second.refresh()
+    assert finished == [run] and second.final.state == "stopped"
+    st = runs.load_run(run.path).status()
+    assert st.state == "stopped" and runs.status_pids(st)
+    assert not run_alive(st), [p for p, t in runs.status_pids(st) if runs.pid_alive(p, t)]
+    assert first.refresh().state == "stopped"  # the panel that started it sees the end too (and reaps)
+    second.close()
+
+
+@pytest.mark.slow
+def test_runs_panel_compares_measured_and_predicted(two_runs):
+    from widgets import RunsPanel
+
+    root, (a, b), _ = two_runs
+    panel = RunsPanel(root=root)
+    assert len(panel.w_runs.options) == 2
+    rows = panel.select([a.id, b.id], baseline=a.id)
+    by_id = {r["id"]: r for r in rows}
+
+    def medians(run):  # from metrics.jsonl, first step left out, computed here
+        recs = [json.loads(x) for x in (run.path / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        r0 = sorted((r for r in recs if r["rank"] == 0), key=lambda r: r["step"])[1:]
+        return statistics.median(r["measured_ms"] for r in r0), statistics.median(r["predicted_ms"] for r in r0)
+
+    (ma, pa), (mb, pb) = medians(a), medians(b)
+    assert by_id[a.id]["median_measured_ms"] == pytest.approx(ma)
+    assert by_id[b.id]["median_predicted_ms"] == pytest.approx(pb)
+    assert by_id[b.id]["speedup_over_baseline"] == pytest.approx(ma / mb)
+    assert by_id[b.id]["predicted_speedup"] == pytest.approx(pa / pb)
+    assert by_id[a.id]["speedup_over_baseline"] == 1.0
+    assert panel.compare(a, b)["speedup_b_over_a"] == pytest.approx(ma / mb)
+    # figures: one loss line per run, measured + predicted per run, speedups in the panel's order
+    assert len(panel.fig_loss.data) == 2 and len(panel.fig_time.data) == 4
+    assert list(panel.fig_speedup.data[0].y) == pytest.approx([1.0, ma / mb])
+    panel.select([])
+    assert panel.table() == [] and panel.fig_loss.data == ()
+
+
+@pytest.mark.slow
+def test_solver_compares_a_runs_predicted_and_measured_memory(two_runs):
+    from widgets import SolverPanel
+    from workbench.report.memory import model_state_parts
+
+    root, (a, _), _ = two_runs
+    panel = SolverPanel(Scenario(**SMALL), auto=False, root=root)
+    panel.refresh_runs()
+    assert len(panel.w_run.options) == 3  # the two runs and the prompt
+    res = panel.compare_run(a)
+    sc = Scenario.from_dict(json.loads((a.path / "spec.json").read_text())["scenario"])
+    states = sum(model_state_parts(sc.model_spec(), sc.cluster()).values())
+    assert len(res["predicted_gb"]) == 2 and min(res["predicted_gb"]) >= states
+    assert set(res["measured_gb"]) == {0, 1} and all(v > 0 for v in res["measured_gb"].values())
+    assert "resident" in res["note"]  # on CPU "measured" is the process's RSS, and the panel says so
+    assert list(panel.fig_run_memory.data[0].y) == pytest.approx(res["predicted_gb"])
+
+
+@pytest.mark.slow
+def test_driving_the_panels_never_imports_torch_into_the_kernel(tmp_path):
+    """A fresh interpreter drives the planning panels and launches, follows and stops a run: torch
+    stays out of it (training is a separate process tree)."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        from widgets import LaunchPanel, LengthsPanel, RunsPanel, SolverPanel, Workbench
+        from workbench.scenario import Scenario
+        sc = Scenario(**{SMALL!r})
+        SolverPanel(sc, auto=False).solve()
+        LengthsPanel(sc, auto=False).refresh()
+        wb = Workbench(sc, root={str(tmp_path)!r}, auto=False)
+        run = wb.launch.launch(steps=50, nproc=2, max_len=512, batch_tokens=8192, debug={{"step_sleep_s": 0.3}})
+        while wb.launch.refresh().step < 1:
+            time.sleep(0.3)
+        st = wb.launch.stop()
+        print("STATE", st.state)
+        print("TORCH", "torch" in sys.modules)
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "STATE stopped" in p.stdout and "TORCH False" in p.stdout
+
+
+def test_background_threads_never_print(capsys):
+    """Worker threads set widget values; nothing they do reaches stdout/stderr (output from a thread
+    lands in whichever cell ran last)."""
+    from widgets import LengthsPanel, SolverPanel
+
+    panels = [SolverPanel(Scenario(**SMALL), auto=True, debounce=0.05), LengthsPanel(Scenario(**SMALL), auto=True)]
+    for p in panels:
+        assert p.wait_idle(120)
+    panels[0].set(num_gpus=12)  # an error, reported in the panel
+    panels[0].set(num_gpus=16)
+    assert panels[0].wait_idle(120)
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ""
+
+
+@pytest.mark.slow
+def test_hardware_panel_profiles_this_machine(tmp_path):
+    """A quick profile run from the panel (a torchrun tree through workbench.profile), its evidence
+    drawn and its profile used; a second one stopped with nothing left."""
+    from widgets import HardwarePanel
+    from workbench import runs
+    from workbench.launch import run_alive
+
+    panel = HardwarePanel(root=tmp_path)
+    if not panel.profiler_available:
+        pytest.skip("this tree has no profiler (workbench.profile.prepare_profile, issue 10)")
+    seen = []
+    panel.on_profile(seen.append)
+    run = panel.start_profile(nproc=2, model="tiny", quick=True)
+    st = panel.wait(timeout=600)
+    assert st.state == "done", run.log_tail(30)
+    assert panel.result is not None and panel.profile == panel.result.profile
+    assert Path(seen[-1]).resolve() in (run.path.resolve(), run.file(runs.PROFILE_FILE).resolve())
+    assert len(panel.fig_fit.data) > 0 and len(panel.fig_collectives.data) > 0 and len(panel.fig_residuals.data) > 0
+    assert any(v == str(run.file(runs.PROFILE_FILE)) for _, v in panel.w_profile.options)  # listed as measured here
+    # the profile plans: a Scenario takes the panel's reference
+    from workbench.scenario import Scenario
+
+    sc = Scenario(model="tiny", profile=panel.profile_ref, num_gpus=2, gpus_per_node=2, source="stdlib",
+                  batch_tokens=8192, max_len=1024, policy="split")
+    assert sc.plan(planner="greedy").makespan_ms > 0
+    # Stop ends the profile run's whole tree
+    other = panel.start_profile(nproc=2, model="tiny", quick=True)
+    time.sleep(3)
+    st = panel.stop()
+    assert st.state == "stopped" and not run_alive(runs.load_run(other.path).status())

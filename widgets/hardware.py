@@ -1,0 +1,427 @@
+"""HardwarePanel: the hardware profile the cost model stands on.
+
+Pick a shipped reference profile (or one measured earlier, or a JSON file), see its per-layer
+compute curves with the measured points and residuals, and its collective bandwidths; save it
+elsewhere. Run a quick or full profile of this machine as a run (``workbench.profile``: a torchrun
+process tree, never the kernel), with progress, log and Stop; when it ends its fitted curves,
+residuals, held-out errors and collectives are drawn and the profile can be used for planning.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import ipywidgets as W
+
+from widgets._base import Panel, figure_box, figure_widget, log_html, note_html, one_line, set_figure
+
+__all__ = ["HardwarePanel"]
+
+
+def _profiler():
+    """The profiler module when it provides the run API, else None."""
+    try:
+        import workbench.profile as prof
+    except ImportError:
+        return None
+    return prof if all(hasattr(prof, n) for n in ("prepare_profile", "start_profile", "load_result")) else None
+
+
+class HardwarePanel(Panel):
+    """Choose, inspect, save and measure hardware profiles.
+
+    Python API: :meth:`select` (a shipped name, a profile JSON file or a profile run),
+    :attr:`profile` (the HardwareProfile), :attr:`profile_ref` (what ``Scenario.profile`` takes),
+    :meth:`curves`, :meth:`points`, :meth:`load`, :meth:`save_profile`, :meth:`start_profile`,
+    :meth:`refresh`, :meth:`wait`, :meth:`stop`, :meth:`load_result`, :meth:`check_fidelity`,
+    :meth:`on_profile`, :attr:`profiler_available`."""
+
+    title = "Hardware"
+
+    def __init__(self, profile: str = "a100-40g-flexsp", *, root=None, poll_interval: float = 0.5) -> None:
+        self.root = root
+        self.poll_interval = float(poll_interval)
+        self.profile = None
+        self.profile_ref: str | None = None
+        self.result = None
+        """The ProfileResult of the last profile run loaded (None before one)."""
+        self.run = None
+        self.handle = None
+        self.final = None
+        self.fidelity: dict | None = None
+        self._lock = threading.RLock()
+        self._stop_poll = threading.Event()
+        self._callbacks: list[Callable[[str], None]] = []
+        self._extra_refs: list[tuple[str, str]] = []
+        self._quiet = 0
+        self._build()
+        self._list_profiles()
+        self.select(profile)
+
+    # ------------------------------------------------------------------------------------------
+    def _build(self) -> None:
+        from workbench.specs import MODEL_PRESETS
+
+        st = {"description_width": "initial"}
+        self.w_profile = W.Dropdown(description="profile", style=st, layout=W.Layout(width="520px"))
+        self.w_path = W.Text(placeholder="path/to/profile.json", description="load file", style=st,
+                             layout=W.Layout(width="420px"))
+        self.b_load = W.Button(description="Load", icon="folder-open")
+        self.w_save = W.Text(placeholder="path/to/save.json", description="save as", style=st,
+                             layout=W.Layout(width="420px"))
+        self.b_save = W.Button(description="Save", icon="save")
+        self.about = W.HTML()
+        self.status = W.HTML()
+        self.w_nproc = W.IntSlider(min=1, max=8, value=2, description="processes", style=st, continuous_update=False)
+        self.w_model = W.Dropdown(options=list(MODEL_PRESETS), value="tiny", description="model", style=st,
+                                  layout=W.Layout(width="200px"))
+        self.w_quick = W.Checkbox(value=True, description="quick (fewer lengths and repeats)", indent=False)
+        self.b_run = W.Button(description="Profile this machine", icon="play", button_style="primary",
+                              layout=W.Layout(width="200px"))
+        self.b_stop = W.Button(description="Stop", icon="stop", button_style="danger", disabled=True)
+        self.progress = W.FloatProgress(min=0, max=1, value=0, layout=W.Layout(width="300px"))
+        self.run_status = W.HTML()
+        self.log = W.HTML()
+        self.fig_compute = figure_widget()
+        self.fig_residuals = figure_widget()
+        self.fig_bandwidth = figure_widget()
+        self.fig_fit = figure_widget()
+        self.fig_collectives = figure_widget()
+        self.fig_fidelity = figure_widget()
+        self.w_train = W.Dropdown(description="check against run", style=st, layout=W.Layout(width="460px"))
+        self.b_check = W.Button(description="Check fidelity", icon="check")
+        self.w_profile.observe(self._on_pick, names="value")
+        self.b_load.on_click(lambda _: self._guard(lambda: self.load(self.w_path.value)))
+        self.b_save.on_click(lambda _: self._guard(lambda: self.save_profile(self.w_save.value)))
+        self.b_run.on_click(lambda _: self._guard(lambda: self.start_profile(
+            nproc=int(self.w_nproc.value), model=self.w_model.value, quick=bool(self.w_quick.value))))
+        self.b_stop.on_click(lambda _: threading.Thread(target=lambda: self._guard(self.stop), daemon=True).start())
+        self.b_check.on_click(lambda _: self._guard(lambda: self.check_fidelity(self.w_train.value)))
+        available = _profiler() is not None
+        for w in (self.b_run, self.w_nproc, self.w_model, self.w_quick, self.b_check, self.w_train):
+            w.disabled = not available
+        self.run_status.value = note_html("" if available else
+                                          "this version has no profiler (workbench.profile); pick a reference profile",
+                                          "info" if available else "warn")
+
+        def cap(text: str) -> W.HTML:
+            return W.HTML(f"<div style='color:#555;font-size:12.5px;max-width:980px;line-height:1.35'>{text}</div>")
+
+        self.widget = W.VBox([
+            W.HTML("<b style='font-size:15px'>Hardware</b> &nbsp; <span style='color:#555'>the measured (or "
+                   "published) speeds the cost model plans with</span>"),
+            self.w_profile, self.about,
+            W.HBox([self.w_path, self.b_load]), W.HBox([self.w_save, self.b_save]), self.status,
+            cap("Compute time of one transformer layer for one packed call of sequences: <b>a·s²</b> (attention, "
+                "quadratic in the length s) + <b>b·s</b> (the dense layers, linear) per sequence, plus <b>c</b> once per "
+                "call (kernel launches and fixed costs: each SP group pays it once per micro-step). Markers are "
+                "measured points; the planner divides a sequence's time by its SP degree."),
+            figure_box(self.fig_compute), figure_box(self.fig_residuals),
+            cap("Bandwidth of the collectives by group size: the all-to-all of Ulysses sequence parallelism inside an "
+                "SP group, the point-to-point of ring attention, and the all-reduce of the gradients. Groups that "
+                "leave a node fall from NVLink to the network: that is why wide SP groups are expensive."),
+            figure_box(self.fig_bandwidth),
+            W.HTML("<h4 style='margin:10px 0 2px'>Profile this machine</h4>"),
+            W.HBox([self.w_nproc, self.w_model, self.w_quick], layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([self.b_run, self.b_stop, self.progress], layout=W.Layout(align_items="center")),
+            self.run_status, self.log, figure_box(self.fig_fit), figure_box(self.fig_collectives),
+            W.HBox([self.w_train, self.b_check]), figure_box(self.fig_fidelity),
+        ])
+
+    def _figure_widgets(self) -> dict:
+        return {"compute": self.fig_compute, "residuals": self.fig_residuals, "bandwidth": self.fig_bandwidth,
+                "fit": self.fig_fit, "collectives": self.fig_collectives, "fidelity": self.fig_fidelity}
+
+    def _guard(self, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - a button's error is shown, not lost
+            self.status.value = note_html(one_line(e), "error")
+
+    @property
+    def profiler_available(self) -> bool:
+        """Whether this version can measure profiles (``workbench.profile`` has the run API)."""
+        return _profiler() is not None
+
+    # ------------------------------------------------------------------------------------------
+    # choosing, loading, saving
+    # ------------------------------------------------------------------------------------------
+    def _list_profiles(self) -> None:
+        from workbench import runs
+        from workbench.specs import list_profiles
+
+        opts = [(f"{n} (shipped)", n) for n in list_profiles()]
+        for r in reversed(runs.list_runs(self.root, kind="profile")):
+            p = r.file(runs.PROFILE_FILE)
+            if p.is_file():
+                opts.append((f"{r.id} (measured here)", str(p)))
+        opts += [x for x in self._extra_refs if x not in opts]
+        cur = self.w_profile.value
+        self._quiet += 1
+        try:
+            self.w_profile.options = opts
+            if cur in [v for _, v in opts]:
+                self.w_profile.value = cur
+        finally:
+            self._quiet -= 1
+        try:
+            items = [("(pick a finished training run)", "")]
+            items += [(f"{r.id} · {r.status().state}", str(r.path)) for r in reversed(runs.list_runs(self.root, kind="train"))
+                      if r.status().final and r.status().step > 0]
+            self.w_train.options = items
+        except OSError:
+            pass
+
+    def _on_pick(self, change) -> None:
+        if not self._quiet and change["new"]:
+            self._guard(lambda: self.select(change["new"]))
+
+    def select(self, ref) -> Any:
+        """Use profile ``ref``: a shipped name, a profile JSON file, or a profile run (id, folder
+        or Run). Draws it and tells ``on_profile`` listeners. Returns the HardwareProfile; raises
+        ValueError when it does not load."""
+        from workbench import runs
+        from workbench.specs import load_profile
+
+        text = str(ref.path if isinstance(ref, runs.Run) else ref)
+        try:
+            prof = load_profile(text)
+        except ValueError:
+            run = runs.load_run(text, root=self.root)  # RunNotFound (a ValueError) when it is not a run either
+            text = str(run.file(runs.PROFILE_FILE))
+            prof = load_profile(text)
+        with self._lock:
+            self.profile, self.profile_ref = prof, text
+            if text not in [v for _, v in self.w_profile.options]:
+                self._extra_refs.append((f"{Path(text).name} ({prof.name})", text))
+                self._list_profiles()
+            self._quiet += 1
+            try:
+                self.w_profile.value = text
+            finally:
+                self._quiet -= 1
+            self._draw()
+            self._draw_evidence(text)
+        for cb in list(self._callbacks):
+            cb(text)
+        return prof
+
+    def _profile_run(self, text: str):
+        """The profile run that ``text`` (a run folder or its profile.json) belongs to, or None."""
+        from workbench import runs
+
+        p = Path(text)
+        folder = p if p.is_dir() else p.parent if p.name == runs.PROFILE_FILE else None
+        if folder is None or not (folder / runs.SPEC_FILE).is_file():
+            return None
+        run = runs.Run(folder)
+        return run if run.kind == "profile" else None
+
+    def _draw_evidence(self, text: str) -> None:
+        """For a profile measured here: the profiler's own figures (measured points and fitted curves,
+        residuals with the held-out points, collectives); for any other profile none of them."""
+        from widgets._base import clear_figure
+
+        self.result = None
+        run, prof = self._profile_run(text), _profiler()
+        if run is None or prof is None:
+            for f in (self.fig_fit, self.fig_collectives):
+                clear_figure(f)
+            return
+        try:
+            res = prof.load_result(run)
+            from workbench.report import profile as rp
+        except Exception as e:  # noqa: BLE001 - the profile itself is in use; its evidence is optional
+            self.status.value += " " + note_html(f"no measurement evidence: {one_line(e)}", "warn")
+            return
+        self.result = res
+        set_figure(self.fig_fit, rp.fit_figure(res))
+        set_figure(self.fig_residuals, rp.residual_figure(res))
+        set_figure(self.fig_collectives, rp.collectives_figure(res))
+        self.status.value = note_html(f"measured here by profile run {run.id}: measured points, fit, held-out "
+                                      f"residuals and collectives below", "info")
+
+    def load(self, path: str) -> Any:
+        """Load a profile JSON file (or a profile run's folder) and use it."""
+        if not str(path).strip():
+            raise ValueError("give the path of a profile JSON file")
+        p = Path(path).expanduser()
+        return self.select(str(p if p.suffix == ".json" or not p.is_dir() else p / "profile.json"))
+
+    def save_profile(self, path: str) -> Path:
+        """Write the profile in use to ``path`` (JSON, atomically) and return the path (``save``
+        writes the panel's figures and tables into a results folder)."""
+        if self.profile is None:
+            raise ValueError("no profile to save")
+        if not str(path).strip():
+            raise ValueError("give a file name to save the profile as, e.g. my-cluster.json")
+        p = Path(path).expanduser()
+        if p.suffix != ".json":
+            p = p.with_suffix(".json")
+        out = self.profile.save(p)
+        self.status.value = note_html(f"saved {self.profile.name} to {out}", "ok")
+        return out
+
+    def on_profile(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(profile_ref)`` whenever another profile is chosen."""
+        self._callbacks.append(callback)
+
+    def curves(self) -> dict:
+        """The profile's compute curves (``workbench.report.hardware.profile_curves``)."""
+        from workbench.report.hardware import profile_curves
+
+        return profile_curves(self.profile)
+
+    def points(self) -> list[dict]:
+        """The profile's measured packs with the fit's prediction and error."""
+        from workbench.report.hardware import profile_points
+
+        return profile_points(self.profile)
+
+    def _draw(self) -> None:
+        from workbench.report.hardware import bandwidth_figure, compute_figure, describe_profile, residuals_figure
+
+        p = self.profile
+        self.about.value = f"<div style='font-size:13px;color:#333'>{describe_profile(p)}</div>"
+        set_figure(self.fig_compute, compute_figure(p))
+        set_figure(self.fig_residuals, residuals_figure(p))
+        set_figure(self.fig_bandwidth, bandwidth_figure(p))
+        pts = self.points()
+        if pts:
+            worst = max(abs(x["relative_error"]) for x in pts if x["relative_error"] is not None)
+            self.status.value = note_html(f"{len(pts)} measured points kept in the profile; largest fit error "
+                                          f"{100 * worst:.1f}%", "info")
+        else:
+            self.status.value = note_html("a reference profile: the published fit, without measured points", "info")
+
+    # ------------------------------------------------------------------------------------------
+    # measuring (workbench.profile, issue 10)
+    # ------------------------------------------------------------------------------------------
+    def start_profile(self, *, nproc: int = 2, model: str = "tiny", quick: bool = True, name: str | None = None):
+        """Start a profile run of this machine (a torchrun process tree) and follow it. Returns the
+        Run. Raises RuntimeError when this version has no profiler."""
+        prof = _profiler()
+        if prof is None:
+            raise RuntimeError("this version of the workbench has no profiler (workbench.profile.prepare_profile)")
+        run = prof.prepare_profile(nproc=nproc, model=model, quick=quick, root=self.root, name=name)
+        handle = prof.start_profile(run, stop_with_parent=False)
+        with self._lock:
+            self._stop_poll.set()
+            self.run, self.handle, self.final, self.result = run, handle, None, None
+            self.b_stop.disabled, self.b_run.disabled = False, True
+        self.refresh()
+        self._stop_poll = threading.Event()
+        threading.Thread(target=self._poll_loop, args=(self._stop_poll,), name="hardware-panel-poll", daemon=True).start()
+        return run
+
+    def _poll_loop(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                st = self.refresh()
+            except Exception as e:  # noqa: BLE001 - shown, the loop goes on
+                self.run_status.value = note_html(f"reading the run: {one_line(e)}", "warn")
+                st = None
+            if st is not None and st.final:
+                return
+            stop.wait(self.poll_interval)
+
+    def refresh(self):
+        """Read the profile run's status once, update progress and log; when it has ended, load its
+        result. Returns the RunStatus (None without a run)."""
+        from workbench import launch
+
+        with self._lock:
+            if self.run is None or self.handle is None:
+                return None
+            ended = launch.poll(self.handle) if self.final is None else self.final
+            st = ended or self.run.status()
+            self.progress.value = float(st.progress or (1.0 if st.state == "done" else 0.0))
+            kind = {"done": "ok", "failed": "error", "stopped": "warn"}.get(st.state, "busy")
+            msg = f"{self.run.id}: {st.state}" + (f" · {st.message}" if st.message else "")
+            if st.error:
+                msg += f" · error: {str(st.error).splitlines()[0]}"
+            self.run_status.value = note_html(msg, kind)
+            self.log.value = log_html(self.run.log_tail(12))
+            if ended is not None and self.final is None:
+                self.final = ended
+                self.b_stop.disabled, self.b_run.disabled = True, False
+                if ended.state == "done":
+                    try:
+                        self.load_result(self.run)
+                    except Exception as e:  # noqa: BLE001 - shown to the user
+                        self.run_status.value += " " + note_html(f"loading the result: {one_line(e)}", "error")
+            return st
+
+    def wait(self, timeout: float = 600.0):
+        """Poll until the profile run ends; returns its final RunStatus (TimeoutError after
+        ``timeout`` seconds; the run goes on)."""
+        if self.run is None:
+            raise ValueError("no profile run to wait for")
+        end = time.monotonic() + timeout
+        while True:
+            st = self.refresh()
+            if self.final is not None:
+                return st
+            if time.monotonic() > end:
+                raise TimeoutError(f"profile run {self.run.id} still running after {timeout:.0f}s")
+            time.sleep(self.poll_interval)
+
+    def stop(self):
+        """End every process of the profile run; returns its final RunStatus."""
+        from workbench import launch
+
+        if self.run is None:
+            raise ValueError("no profile run to stop")
+        st = launch.stop(self.handle if self.handle is not None else self.run)
+        self.refresh()
+        return st
+
+    def load_result(self, run) -> Any:
+        """Load a finished profile run's result (measured points, fitted curves, residuals,
+        held-out errors, collectives), draw it and use its profile. Returns the ProfileResult."""
+        prof = _profiler()
+        if prof is None:
+            raise RuntimeError("this version of the workbench has no profiler")
+        from workbench import runs
+
+        r = runs.load_run(run, root=self.root)
+        if not r.file(runs.PROFILE_FILE).is_file():
+            res = prof.load_result(r)
+            if getattr(res, "profile", None) is not None:
+                res.profile.save(r.file(runs.PROFILE_FILE))  # where a profile run keeps its profile
+        self._list_profiles()
+        self.select(r)
+        if self.result is None:
+            raise ValueError(f"profile run {r.id} has no result to show")
+        return self.result
+
+    def check_fidelity(self, train_run) -> dict:
+        """Compare the profile's predictions with a training run's measured steps
+        (``workbench.profile.check_fidelity``), draw it and return its dict."""
+        prof = _profiler()
+        if prof is None or not hasattr(prof, "check_fidelity"):
+            raise RuntimeError("this version of the workbench cannot check a profile's fidelity")
+        from workbench import runs
+
+        if not train_run:
+            raise ValueError("pick a finished training run")
+        check = prof.check_fidelity(self.profile, runs.load_run(train_run, root=self.root))
+        self.fidelity = check
+        try:
+            from workbench.report import profile as rp
+
+            set_figure(self.fig_fidelity, rp.fidelity_figure(check))
+        except ImportError:
+            pass
+        return check
+
+    def tables(self) -> dict:
+        if self.profile is None:
+            return {}
+        out = {"profile": self.profile.to_dict(), "curves": self.curves(), "points": self.points()}
+        if self.fidelity is not None:
+            out["fidelity"] = self.fidelity
+        return out

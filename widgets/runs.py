@@ -1,0 +1,208 @@
+"""RunsPanel: pick training runs, compare measured against predicted and against each other.
+
+Everything comes from the run store (``workbench.runs``): each run's step records, its medians,
+and ``runs.compare`` for the speedup of one run over another. Figures: loss curves, measured
+(solid) against predicted (dashed) step time per run, and each run's speedup over a baseline run,
+measured next to predicted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import ipywidgets as W
+
+from widgets._base import Panel, clear_figure, figure_box, figure_widget, html_table, note_html, one_line, set_figure
+
+__all__ = ["RunsPanel"]
+
+
+class RunsPanel(Panel):
+    """Compare training runs.
+
+    Python API: :meth:`refresh` (list the store), :meth:`select` (runs by id, path or Run),
+    :meth:`open` (add a run and select it), :meth:`set_baseline`, :meth:`table`,
+    :meth:`compare` (``runs.compare`` of two runs), :attr:`selected`, :meth:`figures`,
+    :meth:`tables`, :meth:`save`."""
+
+    title = "Runs"
+
+    def __init__(self, *, root=None, kind: str = "train", skip: int = 1) -> None:
+        self.root = root
+        self.kind = kind
+        self.skip = int(skip)
+        """Steps left out of the medians (the first pays start-up costs)."""
+        self.rows: list[dict] = []
+        self.comparisons: dict = {}
+        self._quiet = 0
+        self._build()
+        self.refresh()
+
+    def _build(self) -> None:
+        st = {"description_width": "initial"}
+        self.w_runs = W.SelectMultiple(description="runs", rows=7, style=st, layout=W.Layout(width="640px"))
+        self.w_baseline = W.Dropdown(description="baseline", style=st, layout=W.Layout(width="420px"))
+        self.b_refresh = W.Button(description="Refresh", icon="refresh", tooltip="list the run store again")
+        self.status = W.HTML(note_html("pick runs to compare (ctrl/shift-click for several)"))
+        self.table_html = W.HTML()
+        self.fig_loss = figure_widget()
+        self.fig_time = figure_widget()
+        self.fig_speedup = figure_widget()
+        self.w_runs.observe(self._on_pick, names="value")
+        self.w_baseline.observe(self._on_pick, names="value")
+        self.b_refresh.on_click(lambda _: self.refresh())
+        self.widget = W.VBox([
+            W.HTML("<b style='font-size:15px'>Runs</b> &nbsp; <span style='color:#555'>compare training runs: "
+                   "measured against predicted, and against each other</span>"),
+            W.HBox([self.w_runs, W.VBox([self.b_refresh, self.w_baseline])]),
+            self.status, self.table_html,
+            W.HTML("<div style='color:#555;font-size:12.5px'>Medians leave out the first step (it pays start-up "
+                   "costs). <i>measured / predicted</i> above 1: the run was slower than its plans predicted. The "
+                   "speedup divides the baseline's median step by each run's.</div>"),
+            figure_box(self.fig_speedup), figure_box(self.fig_time), figure_box(self.fig_loss),
+        ])
+
+    def _figure_widgets(self) -> dict:
+        return {"speedup": self.fig_speedup, "step_time": self.fig_time, "loss": self.fig_loss}
+
+    # ------------------------------------------------------------------------------------------
+    def refresh(self) -> list:
+        """List the store's runs (newest first) in the picker, keeping the selection; returns the
+        Runs."""
+        from workbench import runs
+
+        found = list(reversed(runs.list_runs(self.root, kind=self.kind)))
+        opts = []
+        for r in found:
+            st = r.status()
+            s = r.summary()
+            opts.append((f"{r.id} · {s.get('planner') or '?'} · {st.state} · {st.step}/{st.steps or '?'} steps", str(r.path)))
+        keep = [v for v in self.w_runs.value if v in [o[1] for o in opts]]
+        self._quiet += 1
+        try:
+            self.w_runs.options = opts
+            self.w_runs.value = tuple(keep)
+        finally:
+            self._quiet -= 1
+        self._update()
+        return found
+
+    @property
+    def selected(self) -> list:
+        """The Runs picked, oldest first (the first is the default baseline)."""
+        from workbench import runs
+
+        return [runs.load_run(p) for p in sorted(self.w_runs.value, key=lambda p: Path(p).name)]
+
+    def select(self, refs: Sequence[Any], baseline: Any = None) -> list[dict]:
+        """Pick runs (ids, unique id prefixes, folders or Runs) and optionally the baseline;
+        returns :meth:`table`. Raises RunNotFound for a run not in the store."""
+        from workbench import runs
+
+        paths = [str(runs.load_run(r, root=self.root).path) for r in refs]
+        known = [o[1] for o in self.w_runs.options]
+        if any(p not in known for p in paths):
+            self.refresh()
+        self._quiet += 1
+        try:
+            self.w_runs.value = tuple(paths)
+        finally:
+            self._quiet -= 1
+        self._update()
+        if baseline is not None:
+            self.set_baseline(baseline)
+        return self.table()
+
+    def open(self, run) -> list[dict]:
+        """Add ``run`` to the selection (e.g. a run that just finished in the Launch panel)."""
+        from workbench import runs
+
+        self.refresh()
+        r = runs.load_run(run, root=self.root)
+        cur = [p for p in self.w_runs.value if p != str(r.path)]
+        return self.select([*cur, str(r.path)])
+
+    def set_baseline(self, ref) -> None:
+        """Make ``ref`` (one of the selected runs) the baseline of the speedups."""
+        from workbench import runs
+
+        p = str(runs.load_run(ref, root=self.root).path)
+        if p not in self.w_runs.value:
+            raise ValueError(f"{ref} is not among the selected runs")
+        self.w_baseline.value = p
+
+    def _on_pick(self, change) -> None:
+        if not self._quiet:
+            self._update()
+
+    def _update(self) -> None:
+        from workbench import runs
+        from workbench.report.runs import loss_figure, run_series, speedup_figure, step_time_figure
+
+        sel = self.selected
+        self._quiet += 1
+        try:
+            base = self.w_baseline.value
+            self.w_baseline.options = [(r.id, str(r.path)) for r in sel]
+            self.w_baseline.value = base if base in [str(r.path) for r in sel] else (str(sel[0].path) if sel else None)
+        finally:
+            self._quiet -= 1
+        series = [run_series(r, skip=self.skip) for r in sel]
+        rows = []
+        for r, s in zip(sel, series):
+            st = r.status()
+            tps = [x for x in s["tokens_per_s"][self.skip:] or s["tokens_per_s"] if x]
+            rows.append({"id": r.id, "label": s["label"], "planner": r.summary().get("planner"), "state": st.state,
+                         "steps": len(s["step"]), "median_measured_ms": s["median_measured_ms"],
+                         "median_predicted_ms": s["median_predicted_ms"],
+                         "measured_over_predicted": (s["median_measured_ms"] / s["median_predicted_ms"]
+                                                     if s["median_measured_ms"] and s["median_predicted_ms"] else None),
+                         "median_tokens_per_s": sorted(tps)[len(tps) // 2] if tps else None,
+                         "last_loss": next((x for x in reversed(s["loss"]) if x is not None), None)})
+        self.comparisons = {}
+        base = next((r for r in sel if str(r.path) == self.w_baseline.value), None)
+        for r, row in zip(sel, rows):
+            row["speedup_over_baseline"] = None
+            if base is not None and r is not base:
+                try:
+                    c = runs.compare(base, r, skip=self.skip)
+                    self.comparisons[r.id] = c
+                    row["speedup_over_baseline"] = c["speedup_b_over_a"]
+                    row["predicted_speedup"] = c["predicted_speedup"]
+                except ValueError as e:
+                    row["error"] = one_line(e)
+            elif r is base:
+                row["speedup_over_baseline"] = 1.0
+        self.rows = rows
+        self.table_html.value = html_table(rows, [
+            ("id", "run", None), ("planner", "planner", None), ("state", "state", None), ("steps", "steps", "d"),
+            ("median_measured_ms", "measured (ms)", ",.0f"), ("median_predicted_ms", "predicted (ms)", ",.0f"),
+            ("measured_over_predicted", "meas/pred", ".2f"), ("median_tokens_per_s", "tokens/s", ",.0f"),
+            ("last_loss", "last loss", ".4f"), ("speedup_over_baseline", "speedup", ".2f")]) if rows else ""
+        if not sel:
+            self.status.value = note_html(f"{len(self.w_runs.options)} run(s) in the store; pick some to compare")
+            for f in (self.fig_loss, self.fig_time, self.fig_speedup):
+                clear_figure(f)
+            return
+        self.status.value = note_html(f"{len(sel)} run(s) selected" + (f", baseline {base.id}" if base else ""), "ok")
+        set_figure(self.fig_loss, loss_figure(series))
+        set_figure(self.fig_time, step_time_figure(series))
+        if base is not None:
+            lab = next(s["label"] for r, s in zip(sel, series) if r is base)
+            set_figure(self.fig_speedup, speedup_figure(rows, baseline=lab,
+                                                        title=f"Speedup over {lab} (median step, first step left out)"))
+
+    def table(self) -> list[dict]:
+        """One row per selected run: state, steps, median measured and predicted ms, their ratio,
+        tokens/s, last loss, and the speedup over the baseline (measured and predicted)."""
+        return [dict(r) for r in self.rows]
+
+    def compare(self, a, b) -> dict:
+        """``workbench.runs.compare(a, b)``: b's speedup over a, measured and predicted."""
+        from workbench import runs
+
+        return runs.compare(a, b, root=self.root, skip=self.skip)
+
+    def tables(self) -> dict:
+        return {"runs": self.table(), "comparisons": self.comparisons} if self.rows else {}

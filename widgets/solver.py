@@ -1,0 +1,750 @@
+"""SolverPanel: plan one step of a batch for a cluster, every planner side by side.
+
+Controls are the Scenario's cluster, model, batch and planner fields. A change schedules a solve
+on a background thread (debounced; a newer change cancels the older solve through the planners'
+cancel hook), so the page stays responsive; :meth:`SolverPanel.solve` does the same synchronously
+for notebooks run by papermill and for tests. The panel draws ``workbench.report`` figures: the
+plan's timeline (groups over ranks per micro-step), the planners compared, and the per-GPU memory
+breakdown of a chosen group (parameters, gradients, optimizer states, activations against the
+budget), and for a finished run, predicted against measured peak memory.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import ipywidgets as W
+
+from widgets._base import LatestWorker, Panel, figure_box, figure_widget, html_table, note_html, one_line, set_figure
+from workbench.scenario import DEFAULT_PLANNERS, Scenario
+
+__all__ = ["SolverPanel", "SolveResult"]
+
+_GPUS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+_PER_NODE = [1, 2, 4, 8, 16]
+_CPU_NOTE = ("On CPU the measured peak is the process's resident memory (Python, torch and gloo included), so it "
+             "sits well above the plan's model states + activations; on CUDA it is the allocator's peak.")
+
+
+def _pow2_upto(n: int, lo: int = 1) -> list[int]:
+    out, d = [], lo
+    while d <= n:
+        out.append(d)
+        d *= 2
+    return out
+
+
+def _ctx_label(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+class SolveResult(dict):
+    """Plans of one solve by planner name (``Plan`` objects), with ``errors`` (planner: one line),
+    ``scenario``, ``batch`` (lengths) and ``seconds``."""
+
+    def __init__(self, plans: dict, errors: dict, scenario: Scenario, batch, seconds: float, generation: int) -> None:
+        super().__init__(plans)
+        self.errors = errors
+        self.scenario = scenario
+        self.batch = batch
+        self.seconds = seconds
+        self.generation = generation
+
+
+class SolverPanel(Panel):
+    """Plan one step's batch with every planner and draw the plans.
+
+    Python API (what the buttons call; usable headless): :meth:`set`, :attr:`scenario`,
+    :meth:`solve` (synchronous, returns a :class:`SolveResult` of planner -> Plan),
+    :meth:`request_solve` / :meth:`wait_idle` / :meth:`cancel` (the threaded path),
+    :meth:`show_planner`, :meth:`select_group`, :meth:`memory`, :meth:`compare_run`,
+    :meth:`planner_table`, :meth:`figures`, :meth:`tables`, :meth:`save`, :meth:`on_train`."""
+
+    title = "Solver"
+
+    def __init__(self, scenario: Scenario | None = None, *, planners: Sequence[str] = DEFAULT_PLANNERS,
+                 auto: bool = True, debounce: float = 0.35, root=None) -> None:
+        self._base = scenario or Scenario(batch_tokens=1_000_000, samples=100_000)
+        if self._base.batch_tokens is None and self._base.batch_size is None and not self._is_list(self._base):
+            self._base = self._base.replace(batch_tokens=1_000_000)
+        self.planners = list(planners)
+        self.auto = auto
+        self.root = root
+        self.result: SolveResult | None = None
+        self.solves = 0
+        """Solves whose plans were drawn (threaded or not)."""
+        self.error: str | None = None
+        self._quiet = 0
+        self._lock = threading.RLock()
+        self._train_callbacks: list[Callable[[Scenario], None]] = []
+        self._scenario_callbacks: list[Callable[[Scenario], None]] = []
+        self._chosen_group: tuple[int, int] | None = None
+        self._last_progress = 0.0
+        self._build()
+        self._worker = LatestWorker(self._job, done=self._apply, failed=self._fail, debounce=debounce,
+                                    name="solver-panel")
+        self._load_controls(self._base)
+        if auto:
+            self.request_solve(debounce=False)  # the first plan, drawn when ready
+
+    # ------------------------------------------------------------------------------------------
+    # widgets
+    # ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _is_list(sc: Scenario) -> bool:
+        from workbench.scenario import is_length_list
+
+        return is_length_list(sc.source)
+
+    def _build(self) -> None:
+        from workbench.solve import planner_names
+        from workbench.specs import MODEL_PRESETS
+
+        st = {"description_width": "initial"}
+        lay = W.Layout(width="210px")
+        self.w_model = W.Dropdown(options=list(MODEL_PRESETS), description="model", style=st, layout=lay)
+        self.w_gpus = W.Dropdown(options=_GPUS, description="GPUs", style=st, layout=lay)
+        self.w_per_node = W.Dropdown(options=_PER_NODE, description="GPUs per node", style=st, layout=lay)
+        self.w_memory = W.BoundedFloatText(min=0.5, max=4096, step=1, description="GPU memory (GB)", style=st,
+                                           layout=lay)
+        self.w_fraction = W.FloatSlider(min=0.3, max=1.0, step=0.05, description="usable share", style=st,
+                                        readout_format=".2f", continuous_update=False, layout=W.Layout(width="260px"))
+        self.w_zero = W.Dropdown(options=[("ZeRO-0", 0), ("ZeRO-1", 1), ("ZeRO-2", 2), ("ZeRO-3", 3)],
+                                 description="model states", style=st, layout=lay)
+        self.w_max_len = W.Dropdown(description="max context", style=st, layout=lay)
+        self.w_batch = W.BoundedIntText(min=1, max=10**10, step=65536, description="batch tokens", style=st, layout=lay)
+        self.w_batch_index = W.BoundedIntText(min=0, max=10**6, description="batch #", style=st,
+                                              layout=W.Layout(width="140px"))
+        self.w_recompute = W.Checkbox(description="recompute activations", indent=False, layout=W.Layout(width="190px"))
+        self.w_strategy = W.Dropdown(options=["ulysses", "ring"], description="SP attention", style=st, layout=lay)
+        names = [n for n in planner_names() if n != "static:D"]
+        self.w_planner = W.Dropdown(options=names, description="planner", style=st, layout=lay)
+        self.w_time_limit = W.FloatSlider(min=0.1, max=10.0, step=0.1, description="time limit (s)", style=st,
+                                          readout_format=".1f", continuous_update=False, layout=W.Layout(width="260px"))
+        self.w_compare = W.Checkbox(value=True, description="every planner side by side", indent=False,
+                                    layout=W.Layout(width="210px"))
+        self.w_degrees_auto = W.ToggleButton(value=True, description="auto", tooltip="every aligned power of two",
+                                             layout=W.Layout(width="56px"))
+        self.w_degrees = W.HBox(layout=W.Layout(flex_flow="row wrap"))
+        self._degree_buttons: dict[int, W.ToggleButton] = {}
+        # constraint notes shown beside the control they are about
+        self.n_cluster = W.HTML()
+        self.n_memory = W.HTML()
+        self.n_data = W.HTML()
+        self.n_degrees = W.HTML()
+        self.n_planner = W.HTML()
+
+        self.b_solve = W.Button(description="Solve now", icon="play", button_style="primary",
+                                tooltip="plan the batch with the settings above")
+        self.b_cancel = W.Button(description="Cancel", icon="stop", tooltip="stop the solve that is running")
+        self.b_train = W.Button(description="Train with these settings", icon="rocket", button_style="success",
+                                layout=W.Layout(display="none", width="230px"),
+                                tooltip="send the data and planner settings to the Launch tab")
+        self.progress = W.FloatProgress(min=0, max=1, value=0, layout=W.Layout(width="220px"))
+        self.status = W.HTML(note_html("not solved yet"))
+        self.data_line = W.HTML()
+
+        self.w_show = W.Dropdown(description="timeline of", style=st, layout=W.Layout(width="240px"))
+        self.fig_timeline = figure_widget()
+        self.fig_planners = figure_widget()
+        self.fig_work = figure_widget()
+        self.table = W.HTML()
+        self.w_group = W.Dropdown(description="group", style=st, layout=W.Layout(width="560px"))
+        self.fig_memory = figure_widget()
+        self.memory_line = W.HTML()
+        self.w_run = W.Dropdown(description="finished run", style=st, layout=W.Layout(width="460px"))
+        self.b_run_refresh = W.Button(icon="refresh", tooltip="list runs again", layout=W.Layout(width="40px"))
+        self.fig_run_memory = figure_widget()
+        self.run_memory_line = W.HTML()
+
+        for w in (self.w_model, self.w_gpus, self.w_per_node, self.w_memory, self.w_fraction, self.w_zero,
+                  self.w_max_len, self.w_batch, self.w_batch_index, self.w_recompute, self.w_strategy, self.w_planner,
+                  self.w_time_limit, self.w_compare, self.w_degrees_auto):
+            w.observe(self._on_control, names="value")
+        self.w_show.observe(self._on_show, names="value")
+        self.w_group.observe(self._on_group, names="value")
+        self.w_run.observe(self._on_run, names="value")
+        self.b_solve.on_click(lambda _: self.request_solve(debounce=False))
+        self.b_cancel.on_click(lambda _: self.cancel())
+        self.b_train.on_click(lambda _: self.train())
+        self.b_run_refresh.on_click(lambda _: self.refresh_runs())
+
+        def cap(text: str) -> W.HTML:
+            return W.HTML(f"<div style='color:#555;font-size:12.5px;max-width:980px;line-height:1.35'>{text}</div>")
+
+        head = W.HTML("<b style='font-size:15px'>Solver</b> &nbsp; <span style='color:#555'>plan one training step: "
+                      "which sequence-parallel (SP) groups to form and which sequences each runs</span>")
+        controls = W.VBox([
+            W.HBox([self.w_model, self.w_gpus, self.w_per_node, self.n_cluster], layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([self.w_memory, self.w_fraction, self.w_zero, self.w_recompute, self.n_memory],
+                   layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([self.w_max_len, self.w_batch, self.w_batch_index, self.w_strategy, self.n_data],
+                   layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([W.Label("candidate degrees", layout=W.Layout(width="130px")), self.w_degrees_auto, self.w_degrees,
+                    self.n_degrees], layout=W.Layout(align_items="center", flex_flow="row wrap")),
+            W.HBox([self.w_planner, self.w_time_limit, self.w_compare, self.n_planner], layout=W.Layout(flex_flow="row wrap")),
+        ])
+        actions = W.HBox([self.b_solve, self.b_cancel, self.progress, self.b_train],
+                         layout=W.Layout(align_items="center", flex_flow="row wrap"))
+        self.widget = W.VBox([
+            head, controls, actions, self.status, self.data_line,
+            W.HTML("<h4 style='margin:10px 0 2px'>The plan on a timeline</h4>"),
+            cap("Each bar is one SP group: a block of consecutive GPUs (ranks, the rows) that runs its sequences "
+                "together, coloured by its <b>degree</b> (how many GPUs share each sequence). <b>m0, m1, ...</b> "
+                "are <b>micro-steps</b>: when the batch does not fit in memory at once it is run in several passes "
+                "whose gradients add up; a group starts as soon as its own GPUs are free. The grey block is the "
+                "gradient all-reduce that every GPU joins after its last micro-step; the dashed line is the "
+                "<b>lower bound</b>: no plan can finish the step before it."),
+            self.w_show, figure_box(self.fig_timeline),
+            W.HTML("<h4 style='margin:10px 0 2px'>Every planner on the same batch</h4>"),
+            cap("Predicted step time of each planner's plan for this batch. <i>static-max</i> is the fixed layout "
+                "users of Megatron-CP/DeepSpeed-Ulysses configure for the max context; <i>best-static</i> the best "
+                "fixed degree for this batch; the others mix degrees. The gap is how far a plan is above the lower "
+                "bound (an upper bound on how far it is from optimal)."),
+            figure_box(self.fig_planners), self.table,
+            cap("The same step as GPU-time (GPUs x seconds): the compute is the same whatever the plan; what differs "
+                "is the communication a sequence pays for being split over more GPUs than it needs, the fixed cost "
+                "of every group in every micro-step, and GPUs idling while others finish."),
+            figure_box(self.fig_work),
+            W.HTML("<h4 style='margin:10px 0 2px'>Memory of one GPU</h4>"),
+            cap("Per-GPU memory of a group in the plan, as the cost model counts it: model states (parameters, "
+                "gradients and optimizer states, sharded by the ZeRO stage) plus the activations of the group's "
+                "sequences, against the usable memory (dashed; the rest is kept for fragmentation and buffers) "
+                "and the device (solid). The planner keeps every group's activations within usable - model states."),
+            self.w_group, figure_box(self.fig_memory), self.memory_line,
+            W.HBox([self.w_run, self.b_run_refresh]), self.run_memory_line, figure_box(self.fig_run_memory),
+        ])
+
+    def _figure_widgets(self) -> dict:
+        return {"timeline": self.fig_timeline, "planners": self.fig_planners, "work": self.fig_work, "memory": self.fig_memory,
+                "run_memory": self.fig_run_memory}
+
+    # ------------------------------------------------------------------------------------------
+    # scenario <-> controls
+    # ------------------------------------------------------------------------------------------
+    def _load_controls(self, sc: Scenario) -> None:
+        """Show ``sc`` in the controls (without scheduling a solve)."""
+        self._quiet += 1
+        try:
+            if sc.num_gpus not in self.w_gpus.options:
+                self.w_gpus.options = sorted({*self.w_gpus.options, sc.num_gpus})
+            if sc.gpus_per_node not in self.w_per_node.options:
+                self.w_per_node.options = sorted({*self.w_per_node.options, sc.gpus_per_node})
+            self.w_model.value = sc.model
+            self.w_gpus.value = sc.num_gpus
+            self.w_per_node.value = sc.gpus_per_node
+            self.w_memory.value = float(sc.gpu_memory_gb if sc.gpu_memory_gb is not None else self._profile_memory(sc))
+            self.w_fraction.value = float(sc.memory_fraction)
+            self.w_zero.value = sc.zero_stage
+            self._set_max_len_options(sc)
+            self.w_batch.value = int(sc.batch_tokens or 0) if sc.batch_tokens else self.w_batch.value or 1_000_000
+            self.w_batch.disabled = sc.batch_tokens is None
+            self.w_recompute.value = bool(sc.recompute)
+            self.w_strategy.value = sc.strategy
+            if sc.planner not in self.w_planner.options:
+                self.w_planner.options = [*self.w_planner.options, sc.planner]
+            self.w_planner.value = sc.planner
+            self.w_time_limit.value = float(min(10.0, max(0.1, sc.time_limit)))
+            self._set_degree_buttons(sc.num_gpus, sc.gpus_per_node, sc.degrees)
+        finally:
+            self._quiet -= 1
+        self._base = sc
+
+    @staticmethod
+    def _profile_memory(sc: Scenario) -> float:
+        try:
+            return float(sc.profile_spec().gpu_memory_gb)
+        except ValueError:
+            return 40.0
+
+    def _set_max_len_options(self, sc: Scenario) -> None:
+        cap = sc.model_spec().max_context
+        # 0 stands for "auto" (a Dropdown cannot hold None as a value: it means "nothing selected")
+        opts = [("auto", 0)] + [(_ctx_label(n), n) for n in _pow2_upto(cap, 512)]
+        if sc.max_len is not None and sc.max_len not in [v for _, v in opts]:
+            opts.append((f"{sc.max_len:,}", sc.max_len))
+        self.w_max_len.options = opts
+        self.w_max_len.value = sc.max_len or 0
+
+    def _set_degree_buttons(self, n: int, per: int, chosen: Sequence[int]) -> None:
+        from workbench.scenario import aligned_degrees
+
+        per = min(per, n)
+        options = aligned_degrees(n, per) if n % per == 0 else tuple(_pow2_upto(n))
+        buttons = []
+        self._degree_buttons = {}
+        for d in options:
+            b = W.ToggleButton(value=(d in chosen) if chosen else True, description=str(d),
+                               layout=W.Layout(width="48px"), disabled=not chosen)
+            b.observe(self._on_control, names="value")
+            self._degree_buttons[d] = b
+            buttons.append(b)
+        self.w_degrees.children = buttons
+        self.w_degrees_auto.value = not chosen
+
+    def _controls_scenario(self) -> Scenario:
+        """The Scenario the controls describe; ValueError (marked beside its control) when invalid."""
+        base = self._base
+        prof_mem = self._profile_memory(base.replace(model=self.w_model.value))
+        mem = float(self.w_memory.value)
+        fields: dict[str, Any] = dict(
+            model=self.w_model.value, num_gpus=int(self.w_gpus.value), gpus_per_node=int(self.w_per_node.value),
+            gpu_memory_gb=None if abs(mem - prof_mem) < 1e-9 else mem, memory_fraction=float(self.w_fraction.value),
+            zero_stage=int(self.w_zero.value), max_len=self.w_max_len.value or None, recompute=bool(self.w_recompute.value),
+            strategy=self.w_strategy.value, planner=self.w_planner.value, time_limit=float(self.w_time_limit.value))
+        if base.batch_tokens is not None or (base.batch_size is None and not self._is_list(base)):
+            fields["batch_tokens"] = int(self.w_batch.value)
+        if self.w_degrees_auto.value:
+            fields["degrees"] = ()
+        else:
+            fields["degrees"] = tuple(d for d, b in self._degree_buttons.items() if b.value)
+        return base.replace(**fields)
+
+    @property
+    def scenario(self) -> Scenario:
+        """The Scenario the controls show (data fields from the scenario given or set)."""
+        try:
+            return self._controls_scenario()
+        except ValueError:
+            return self._base
+
+    def set(self, **fields: Any) -> Scenario:
+        """Set controls by Scenario field name (``num_gpus=16, planner="greedy"``; also
+        ``batch_index`` and ``compare``) and return the new Scenario. With ``auto`` a solve is
+        scheduled on the background thread (:meth:`solve` runs one at once). Raises ValueError for
+        an unknown field or a value the Scenario rejects; a scenario that cannot be laid out (e.g.
+        GPUs not a multiple of GPUs per node) is shown beside its control and in the status."""
+        extra = {k: fields.pop(k) for k in ("batch_index", "compare") if k in fields}
+        sc = self.scenario.replace(**fields) if fields else self.scenario
+        self._load_controls(sc)
+        self._quiet += 1
+        try:
+            if "batch_index" in extra:
+                self.w_batch_index.value = int(extra["batch_index"])
+            if "compare" in extra:
+                self.w_compare.value = bool(extra["compare"])
+        finally:
+            self._quiet -= 1
+        ok = self._check_controls()  # a broken constraint is shown beside its control, solve or not
+        self._notify_scenario()
+        if self.auto and ok is not None:
+            self.request_solve()
+        return sc
+
+    def set_scenario(self, sc: Scenario, *, solve: bool | None = None) -> None:
+        """Take ``sc`` whole (e.g. the data settings from the Lengths panel)."""
+        if sc == self.scenario:
+            return
+        self._load_controls(sc)
+        if self.auto if solve is None else solve:
+            self.request_solve()
+
+    def on_scenario(self, callback: Callable[[Scenario], None]) -> None:
+        """Call ``callback(scenario)`` whenever the controls change the scenario."""
+        self._scenario_callbacks.append(callback)
+
+    def _notify_scenario(self) -> None:
+        sc = self.scenario
+        for cb in list(self._scenario_callbacks):
+            cb(sc)
+
+    def _on_control(self, change) -> None:
+        if self._quiet:
+            return
+        owner = change["owner"]
+        if owner is self.w_degrees_auto:
+            for b in self._degree_buttons.values():
+                b.disabled = bool(self.w_degrees_auto.value)
+        if owner in (self.w_gpus, self.w_per_node):
+            chosen = () if self.w_degrees_auto.value else tuple(d for d, b in self._degree_buttons.items() if b.value)
+            self._quiet += 1
+            try:
+                self._set_degree_buttons(int(self.w_gpus.value), int(self.w_per_node.value),
+                                         [d for d in chosen if d <= int(self.w_gpus.value)])
+            finally:
+                self._quiet -= 1
+        if owner is self.w_model:
+            self._quiet += 1
+            try:
+                cur = self.w_max_len.value
+                self._set_max_len_options(self._base.replace(model=self.w_model.value, max_len=None))
+                if cur and cur in [v for _, v in self.w_max_len.options]:
+                    self.w_max_len.value = cur
+            finally:
+                self._quiet -= 1
+        if self._check_controls() is not None:
+            self._notify_scenario()
+            if self.auto:
+                self.request_solve()
+
+    _FIELD_NOTES = (("num_gpus", "cluster"), ("gpus_per_node", "cluster"), ("--gpus", "cluster"),
+                    ("gpu_memory", "memory"), ("memory_fraction", "memory"), ("ZeRO", "memory"),
+                    ("model states", "memory"), ("GB per GPU of parameters", "memory"), ("max_len", "data"),
+                    ("max context", "data"), ("batch", "data"), ("tokens)", "data"), ("degree", "degrees"),
+                    ("planner", "planner"), ("time_limit", "planner"))
+
+    def _mark(self, msg: str | None) -> None:
+        notes = {"cluster": self.n_cluster, "memory": self.n_memory, "data": self.n_data, "degrees": self.n_degrees,
+                 "planner": self.n_planner}
+        for n in notes.values():
+            n.value = ""
+        if not msg:
+            return
+        where = next((w for key, w in self._FIELD_NOTES if key in msg), "planner")
+        short = re.sub(r"Scenario\.", "", msg)
+        notes[where].value = note_html(short if len(short) < 220 else short[:217] + "...", "error")
+
+    def _check_controls(self) -> Scenario | None:
+        try:
+            sc = self._controls_scenario()
+            sc.cost()
+        except ValueError as e:
+            self.error = one_line(e)
+            self._mark(str(e).splitlines()[0])
+            self.status.value = note_html(f"cannot plan: {str(e).splitlines()[0]}", "error")
+            return None
+        self._mark(None)
+        return sc
+
+    # ------------------------------------------------------------------------------------------
+    # solving
+    # ------------------------------------------------------------------------------------------
+    def _batch(self, sc: Scenario):
+        return sc.batches(1, start=int(self.w_batch_index.value))[0]
+
+    def _job(self, sc: Scenario, planners: list[str], generation: int, *, cancel) -> SolveResult:
+        t0 = time.perf_counter()
+        batch = self._batch(sc)
+        plans, errors = {}, {}
+        order = [sc.planner] + [p for p in planners if p != sc.planner]
+        for k, name in enumerate(order):
+            if cancel.is_set():
+                from workbench.solve import Cancelled
+
+                raise Cancelled("superseded by a newer request")
+            self._progress(k / len(order), f"{name}: planning {len(batch.lengths):,} sequences")
+
+            def prog(frac: float, msg: str, k=k) -> None:
+                self._progress((k + frac) / len(order), msg)
+
+            try:
+                plans[name] = sc.plan(batch, planner=name, progress=prog, cancel=cancel)
+            except ValueError as e:
+                errors[name] = one_line(e).split(": ", 1)[-1]
+            if k == 0 and name in plans and not cancel.is_set() and generation == self._worker.generation:
+                # the chosen plan first, so the timeline appears while the others are solved
+                self._draw_timeline(plans[name].to_dict())
+        return SolveResult(plans, errors, sc, batch, time.perf_counter() - t0, generation)
+
+    def _progress(self, frac: float, msg: str) -> None:
+        now = time.monotonic()
+        if now - self._last_progress < 0.1 and frac < 1.0:
+            return
+        self._last_progress = now
+        self.progress.value = max(0.0, min(1.0, frac))
+        self.status.value = note_html(msg, "busy")
+
+    def _planners_for(self, sc: Scenario) -> list[str]:
+        return list(self.planners) if self.w_compare.value else [sc.planner]
+
+    def request_solve(self, debounce: bool = True) -> int | None:
+        """Schedule a solve on the background thread (debounced; supersedes an older one). Returns
+        the request's generation, or None when the controls do not describe a valid scenario."""
+        sc = self._check_controls()
+        if sc is None:
+            return None
+        old = self._worker.debounce
+        if not debounce:
+            self._worker.debounce = 0.0
+        try:
+            gen = self._worker.generation + 1
+            self.status.value = note_html(f"solving (request #{gen})...", "busy")
+            return self._worker.submit(sc, self._planners_for(sc), gen)
+        finally:
+            self._worker.debounce = old
+
+    def cancel(self) -> None:
+        """Cancel the solve that is running or pending (the plans shown stay)."""
+        self._worker.cancel()
+        self.status.value = note_html("cancelled", "warn")
+        self.progress.value = 0
+
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        """Wait until no solve is pending or running; False on timeout."""
+        return self._worker.wait_idle(timeout)
+
+    @property
+    def busy(self) -> bool:
+        return self._worker.busy()
+
+    def solve(self, planners: Sequence[str] | None = None) -> SolveResult:
+        """Plan the batch now, on the calling thread, with the chosen planner and (when
+        comparing) every other, draw the plans and return them (planner -> Plan; ``errors`` holds
+        the planners that could not plan). Cancels a background solve first. Raises ValueError
+        when the controls do not describe a valid scenario."""
+        self._worker.cancel()
+        self._worker.wait_idle(120)
+        sc = self._controls_scenario()
+        sc.cost()
+        names = list(planners) if planners is not None else self._planners_for(sc)
+        res = self._job(sc, names, self._worker.generation, cancel=threading.Event())
+        self._apply(res)
+        return res
+
+    def _fail(self, e: BaseException) -> None:
+        from workbench.solve import Cancelled
+
+        if isinstance(e, Cancelled):
+            return
+        self.error = one_line(e)
+        self._mark(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        self.status.value = note_html(f"could not plan: {one_line(e)}", "error")
+        self.progress.value = 0
+
+    def _apply(self, res: SolveResult) -> None:
+        with self._lock:
+            self.result = res
+            self.error = None
+            self.solves += 1
+            sc = res.scenario
+            chosen = sc.planner if sc.planner in res else next(iter(res), None)
+            self._quiet += 1
+            try:
+                self.w_show.options = list(res)
+                if chosen is not None:
+                    self.w_show.value = chosen
+            finally:
+                self._quiet -= 1
+            self.progress.value = 1.0
+            s = res.batch.lengths
+            ls = sc.lengths_set()
+            rep = ls.policy_report
+            self.data_line.value = (
+                f"<span style='color:#555'>batch #{int(self.w_batch_index.value)} of <b>{sc.source}</b>: "
+                f"{len(s):,} sequences, {int(sum(s)):,} tokens, longest {int(max(s)):,}; "
+                f"{rep.describe() if rep is not None else 'no max context applied'}. "
+                f"Activation budget {sc.cost().memory_budget_gb:.2f} GB per GPU.</span>")
+            if chosen is None:
+                self.status.value = note_html("no planner could plan this batch: " +
+                                              "; ".join(f"{k}: {v}" for k, v in res.errors.items()), "error")
+                self._mark(next(iter(res.errors.values()), None))
+                return
+            self._mark(None)
+            p = res[chosen]
+            self.status.value = note_html(
+                f"plan #{self.solves}: {chosen} {p.makespan_ms / 1e3:.3f}s per step, lower bound "
+                f"{p.lower_bound_ms / 1e3:.3f}s (gap {100 * p.gap:.1f}%), {len(p.micro_steps)} micro-step(s), "
+                f"{len(res)} planner(s) in {res.seconds:.1f}s", "ok")
+            self._draw_all()
+
+    def _draw_timeline(self, plan: dict) -> None:
+        from workbench.report.plans import timeline_figure
+
+        fig = timeline_figure(plan)
+        with self._lock:  # the worker thread and the kernel's thread both draw: one at a time
+            set_figure(self.fig_timeline, fig)
+
+    def _draw_all(self) -> None:
+        from workbench.report.plans import planner_rows, planners_figure, work_figure
+
+        res = self.result
+        if res is None or not res:
+            return
+        self._draw_timeline(res[self.w_show.value].to_dict())
+        dicts = {k: v.to_dict() for k, v in res.items()}
+        set_figure(self.fig_planners, planners_figure(dicts, title=f"Every planner on batch #{int(self.w_batch_index.value)}"))
+        set_figure(self.fig_work, work_figure(dicts, res.scenario.cost()))
+        rows = planner_rows(dicts)
+        for r in rows:
+            r["_style"] = "font-weight:600" if r["planner"] == self.w_show.value else ""
+        err_rows = [{"planner": k, "status": f"cannot plan: {v}"} for k, v in res.errors.items()]
+        self.table.value = html_table(rows + err_rows, [
+            ("planner", "planner", None), ("makespan_ms", "step (s)", lambda v: f"{v / 1e3:.3f}"),
+            ("gap", "over LB", lambda v: f"{100 * v:.1f}%"), ("micro_steps", "micro-steps", "d"),
+            ("groups", "groups", "d"), ("degrees", "degrees", lambda v: ",".join(map(str, v))),
+            ("imbalance", "imbalance", ".3f"), ("solve_seconds", "solve (s)", ".2f"), ("status", "status", None)])
+        self._draw_memory(reset_group=True)
+
+    def _on_show(self, change) -> None:
+        if self._quiet or self.result is None or change["new"] not in self.result:
+            return
+        with self._lock:
+            self._draw_timeline(self.result[change["new"]].to_dict())
+            self._draw_memory(reset_group=True)
+
+    def show_planner(self, name: str) -> None:
+        """Draw ``name``'s plan on the timeline and in the memory breakdown. Raises KeyError
+        when the last solve has no plan of that name."""
+        if self.result is None or name not in self.result:
+            raise KeyError(f"no plan of {name!r}; planned: {list(self.result or {})}")
+        self.w_show.value = name
+
+    # ------------------------------------------------------------------------------------------
+    # memory
+    # ------------------------------------------------------------------------------------------
+    def _groups(self) -> list[dict]:
+        from workbench.report.memory import plan_memory
+
+        if self.result is None or self.w_show.value not in self.result:
+            return []
+        return plan_memory(self.result[self.w_show.value].to_dict(), self.result.scenario.cost())
+
+    def _draw_memory(self, reset_group: bool = False) -> None:
+        rows = self._groups()
+        if not rows:
+            return
+        if reset_group or self._chosen_group is None:
+            top = max(rows, key=lambda r: r["activations_gb"])
+            self._chosen_group = (top["micro_step"], top["index"])
+        self._quiet += 1
+        try:
+            self.w_group.options = [(f"m{r['micro_step']} · degree {r['degree']} · ranks {r['ranks'][0]}-{r['ranks'][1]} · "
+                                     f"{r['sequences']} seq · {r['activations_gb']:.2f} GB activations",
+                                     (r["micro_step"], r["index"])) for r in rows]
+            self.w_group.value = self._chosen_group
+        finally:
+            self._quiet -= 1
+        self._draw_memory_figure()
+
+    def _draw_memory_figure(self) -> None:
+        from workbench.report.memory import memory_breakdown_figure
+
+        rows = self._groups()
+        chosen = next((r for r in rows if (r["micro_step"], r["index"]) == self._chosen_group), None)
+        if chosen is None:
+            return
+        shown = [dict(chosen, label=f"chosen: {chosen['label']}")]
+        for d in sorted({r["degree"] for r in rows}, reverse=True):
+            top = max((r for r in rows if r["degree"] == d), key=lambda r: r["activations_gb"])
+            if top is not chosen:
+                shown.append(dict(top, label=f"fullest degree-{d} group: m{top['micro_step']}, ranks "
+                                             f"{top['ranks'][0]}-{top['ranks'][1]}"))
+        set_figure(self.fig_memory, memory_breakdown_figure(shown, title=f"{self.w_show.value}: memory per GPU",
+                                                            highlight=0))
+        c = chosen
+        self.memory_line.value = (
+            f"<span style='font-size:13px'>Chosen group: <b>{c['total_gb']:.2f} GB</b> of {c['usable_gb']:.1f} GB usable "
+            f"({c['gpu_memory_gb']:.0f} GB x {c['usable_gb'] / c['gpu_memory_gb']:.2f}): parameters {c['parameters_gb']:.2f}, "
+            f"gradients {c['gradients_gb']:.2f}, optimizer states {c['optimizer_gb']:.2f} (ZeRO-{c['zero_stage']} over "
+            f"{c['num_gpus']} GPUs), activations {c['activations_gb']:.2f} GB for {c['sequences']} sequence(s) "
+            f"/ {c['tokens']:,} tokens split over {c['degree']} GPU(s); headroom {c['headroom_gb']:.2f} GB.</span>")
+
+    def _on_group(self, change) -> None:
+        if self._quiet or change["new"] is None:
+            return
+        with self._lock:
+            self._chosen_group = tuple(change["new"])
+            self._draw_memory_figure()
+
+    def select_group(self, micro_step: int, index: int) -> dict:
+        """Choose the group shown in the memory breakdown (its micro-step and index in it);
+        returns its breakdown. Raises KeyError when the plan shown has no such group."""
+        for r in self._groups():
+            if (r["micro_step"], r["index"]) == (micro_step, index):
+                self._chosen_group = (micro_step, index)
+                self._quiet += 1
+                try:
+                    self.w_group.value = self._chosen_group
+                finally:
+                    self._quiet -= 1
+                self._draw_memory_figure()
+                return r
+        raise KeyError(f"the plan shown has no group {index} in micro-step {micro_step}")
+
+    def memory(self) -> dict | None:
+        """The per-GPU memory breakdown of the chosen group (``workbench.report.memory``), or None
+        before a solve."""
+        return next((r for r in self._groups() if (r["micro_step"], r["index"]) == self._chosen_group), None)
+
+    # ------------------------------------------------------------------------------------------
+    # a finished run: predicted against measured peak memory
+    # ------------------------------------------------------------------------------------------
+    def refresh_runs(self) -> None:
+        """List the finished training runs of the store in the run picker."""
+        from workbench import runs
+
+        items = [("(pick a finished training run)", "")]
+        for r in reversed(runs.list_runs(self.root, kind="train")):
+            st = r.status()
+            if st.final and st.step > 0:
+                items.append((f"{r.id} · {st.state} · {st.step} steps", str(r.path)))
+        self._quiet += 1
+        try:
+            cur = self.w_run.value
+            self.w_run.options = items
+            self.w_run.value = cur if cur in [v for _, v in items] else ""
+        finally:
+            self._quiet -= 1
+
+    def _on_run(self, change) -> None:
+        if self._quiet or not change["new"]:
+            return
+        try:
+            self.compare_run(change["new"])
+        except ValueError as e:
+            self.run_memory_line.value = note_html(one_line(e), "error")
+
+    def compare_run(self, run) -> dict:
+        """Predicted against measured peak memory per rank for a training run: the plan of its
+        last step through its own cost model (model states + the largest activations a rank holds)
+        and the peak each rank reported. Returns ``{"run", "predicted_gb", "measured_gb", "note"}``
+        and draws it. Raises ValueError when the run has no plans or no measured steps."""
+        from workbench import runs
+        from workbench.report.memory import measured_peak_memory, memory_compare_figure, rank_memory
+
+        r = runs.load_run(run, root=self.root)
+        plans = r.plans()
+        if not plans:
+            raise ValueError(f"run {r.id} has no plans yet")
+        spec = r.spec()
+        sc = Scenario.from_dict(spec["scenario"])
+        predicted = rank_memory(plans[-1]["plan"], sc.cost())
+        measured = measured_peak_memory(r.metrics())
+        if not measured:
+            raise ValueError(f"run {r.id} reported no peak memory")
+        device = (r.status().resolved or {}).get("device") or "cpu"
+        note = _CPU_NOTE if device == "cpu" else "measured: the CUDA allocator's peak on each rank"
+        set_figure(self.fig_run_memory, memory_compare_figure(predicted, measured, note=note,
+                                                              title=f"Run {r.id}: peak memory per rank"))
+        self.run_memory_line.value = note_html(
+            f"{r.id}: predicted {max(predicted):.3f} GB (model states + activations), measured up to "
+            f"{max(measured.values()):.3f} GB", "info")
+        return {"run": r.id, "predicted_gb": predicted, "measured_gb": measured, "note": note}
+
+    # ------------------------------------------------------------------------------------------
+    # tables, hand-on
+    # ------------------------------------------------------------------------------------------
+    def planner_table(self) -> list[dict]:
+        """One row per planner of the last solve (``workbench.report.plans.planner_rows``) plus
+        the planners that could not plan (with ``error``)."""
+        from workbench.report.plans import planner_rows
+
+        if self.result is None:
+            return []
+        rows = planner_rows({k: v.to_dict() for k, v in self.result.items()})
+        return rows + [{"planner": k, "error": v} for k, v in self.result.errors.items()]
+
+    def tables(self) -> dict:
+        if self.result is None:
+            return {}
+        out = {"planners": self.planner_table(), "scenario": self.result.scenario.to_dict(),
+               "plans": {k: v.to_dict() for k, v in self.result.items()}}
+        mem = self.memory()
+        if mem is not None:
+            out["memory"] = mem
+        return out
+
+    def on_train(self, callback: Callable[[Scenario], None]) -> None:
+        """Show the "Train with these settings" button; a click calls ``callback(scenario)``."""
+        self._train_callbacks.append(callback)
+        self.b_train.layout.display = ""
+
+    def train(self) -> Scenario:
+        """Hand the current scenario to every ``on_train`` callback (what the button does)."""
+        sc = self.scenario
+        for cb in list(self._train_callbacks):
+            cb(sc)
+        return sc
