@@ -662,7 +662,8 @@ class Trainer:
         finally:
             if planner is not None:
                 planner.close()
-        self._write_status(state="done", step=self.step, message=f"done: {self.step} steps")
+        # "done" is the supervisor's word, written once every process of the run has exited
+        self._write_status(step=self.step, message=f"trained {self.step} steps; exiting")
         return 0
 
     def _checkpoint(self, done: int, model, opt, device: torch.device) -> None:
