@@ -23,7 +23,7 @@ from workbench.cost import CostModel, InfeasibleError
 from workbench.solve.options import PlanOptions
 from workbench.solve.plan import Plan, build_plan
 
-__all__ = ["plan_static", "plan_static_max", "plan_best_static", "plan_min_degree", "plan_greedy",
+__all__ = ["plan_static", "plan_static_max", "plan_best_static", "plan_min_degree", "plan_greedy", "greedy_rule_plans",
            "static_max_degree", "pack_best_fit", "list_schedule"]
 
 
@@ -282,25 +282,35 @@ def _better(opt, best, target):
     return opt if (opt[0], opt[1]) < (best[0], best[1]) else best
 
 
-def plan_greedy(lengths, cost: CostModel, opts: PlanOptions) -> Plan:
-    """Heterogeneous greedy plan: list scheduling over every degree that holds each sequence,
-    aiming at the lower bound (and 5% above it), and over minimum degrees only; the fastest wins,
-    so greedy is never behind min-degree."""
+def greedy_rule_plans(lengths, cost: CostModel, opts: PlanOptions, *, deadline: float | None = None) -> list[Plan]:
+    """The plans of greedy's three list-scheduling rules (planner ``greedy`` returns the fastest):
+    every degree that holds each sequence aiming at the lower bound, minimum degrees only, and every
+    degree aiming 5% above the bound. With a ``deadline`` (``time.perf_counter()``) the rules after
+    the first are skipped once it has passed. Raises InfeasibleError when a sequence fits no group."""
     from workbench.solve.plan import lower_bound_ms
 
-    t0 = time.perf_counter()
     s = np.asarray(lengths, dtype=np.int64)
     cost.check_feasible(s)
     lb = lower_bound_ms(s, cost) - cost.grad_sync_ms()
     dmin = cost.min_degree(s)
-    best: Plan | None = None
     every = lambda i: [d for d in cost.degrees if d >= dmin[i]]  # noqa: E731
     smallest = lambda i: (int(dmin[i]),)  # noqa: E731
-    for rule, allowed, target in (("target", every, lb), ("target+5%", every, lb * 1.05),
-                                  ("min-degree", smallest, None)):
+    out: list[Plan] = []
+    for rule, allowed, target in (("target", every, lb), ("min-degree", smallest, None),
+                                  ("target+5%", every, lb * 1.05)):
+        if out and deadline is not None and time.perf_counter() > deadline:
+            break
         micro, blocks = list_schedule(s, cost, allowed, target=target, opts=opts)
-        p = build_plan("greedy", micro, s, cost, blocks=blocks, stats={"rule": rule})
-        if best is None or p.makespan_ms < best.makespan_ms:
-            best = p
-    assert best is not None
+        out.append(build_plan("greedy", micro, s, cost, blocks=blocks, stats={"rule": rule}))
+    return out
+
+
+def plan_greedy(lengths, cost: CostModel, opts: PlanOptions, *, deadline: float | None = None) -> Plan:
+    """Heterogeneous greedy plan: the fastest of ``greedy_rule_plans`` (so greedy is never behind
+    min-degree). ``stats["rules_skipped"]`` counts the rules a ``deadline`` cut."""
+    t0 = time.perf_counter()
+    plans = greedy_rule_plans(lengths, cost, opts, deadline=deadline)
+    best = min(plans, key=lambda p: p.makespan_ms)
+    if len(plans) < 3:
+        best.stats["rules_skipped"] = 3 - len(plans)
     return _with_time(best, time.perf_counter() - t0)
