@@ -29,23 +29,24 @@ __all__ = ["plan_static", "plan_static_max", "plan_best_static", "plan_min_degre
 
 def pack_best_fit(sizes: np.ndarray, capacity: float, order=None) -> list[list[int]]:
     """Best-fit decreasing bin packing: returns bins as lists of item indices (of ``sizes``).
-    Items larger than ``capacity`` get a bin of their own (callers check feasibility first)."""
-    idx = list(order) if order is not None else list(np.argsort(-sizes, kind="stable"))
+    Each item goes to the bin it leaves least room in (the lowest-numbered on ties). Items larger
+    than ``capacity`` get a bin of their own (callers check feasibility first)."""
+    import bisect
+
+    idx = list(order) if order is not None else np.argsort(-sizes, kind="stable").tolist()
+    size = np.asarray(sizes, dtype=np.float64).tolist()
     bins: list[list[int]] = []
-    room: list[float] = []
+    rooms: list[tuple[float, int]] = []  # (room left, bin), sorted: the best fit is a bisection away
     for i in idx:
-        sz = float(sizes[i])
-        best, best_left = -1, math.inf
-        for b, r in enumerate(room):
-            left = r - sz
-            if -1e-12 <= left < best_left:
-                best, best_left = b, left
-        if best < 0:
+        sz = size[i]
+        k = bisect.bisect_left(rooms, (sz - 1e-12, -1))
+        if k == len(rooms):
             bins.append([int(i)])
-            room.append(capacity - sz)
+            bisect.insort(rooms, (capacity - sz, len(bins) - 1))
         else:
-            bins[best].append(int(i))
-            room[best] = best_left
+            room, b = rooms.pop(k)
+            bins[b].append(int(i))
+            bisect.insort(rooms, (room - sz, b))
     return bins
 
 
