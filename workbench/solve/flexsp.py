@@ -73,7 +73,8 @@ SINGLE_ITEMS = 16
 BASELINE_SHARE = 0.3
 """Share of the time limit the baselines may take (greedy stops trying further rules after it)."""
 
-STACK_GREEDY_RULES = ((1.0, None), (1.0, 0.2), (1.02, None), (1.05, 0.2), (1.05, None), (1.02, 0.2))
+STACK_GREEDY_RULES = ((1.0, None), (1.03, 0.5), (1.01, 0.2), (1.0, 0.5), (1.02, None), (1.05, 0.2), (1.01, 0.5),
+                      (1.0, 0.1))
 """``Stack.greedy`` runs (target as a multiple of the lower bound's compute time, ``max_extra_work``),
 in the order they are tried while time allows."""
 
@@ -81,10 +82,16 @@ STARTS_SHARE = 0.5
 """No ``Stack.greedy`` run starts after this share of the time limit (the first always runs)."""
 
 LS_STARTS = 3
-"""How many of the best starts the local search improves."""
+"""How many starts the local search improves (the best of the stack greedy and of the baselines first)."""
 
-TWO_STAGE_SHARE = 0.1
-"""Time limit of the short two-stage run among the baselines, as a share of flexsp's limit."""
+BASELINE_KINDS = ("greedy", "best-static", "two-stage", "micro-step")
+
+TWO_STAGE_SHARE = 0.15
+"""A short two-stage run (this share of flexsp's limit) is one more baseline when greedy and
+best-static took less than this share."""
+
+TWO_STAGE_MAX_SEQS = 4096
+"""No two-stage run above this many sequences (its first pass alone overruns a short limit)."""
 
 MICRO_SHARE = 0.3
 """Share of the time left that the exact per-micro-step model gets (small batches only)."""
@@ -95,6 +102,9 @@ LS_SHARE = 0.3
 CPSAT_SHARE = 0.6
 """Share of the time left after the first local search that the whole-step CP-SAT model gets
 (with the polishing local search of its answer)."""
+
+MIN_CPSAT_S = 0.15
+"""The whole-step model is not built with less time than this left for it (building takes ~0.1 s)."""
 
 POLISH_SHARE = 0.5
 """Share of the time left after a whole-step CP-SAT call for polishing its answer."""
@@ -916,11 +926,11 @@ def plan_flexsp(lengths, cost: CostModel, opts: PlanOptions | None = None, *, bu
     static = plan_best_static(s, cost, opts)
     opts.check_cancel()
     baselines = [greedy, static]
-    if time.perf_counter() < t0 + BASELINE_SHARE * limit:
+    if time.perf_counter() < t0 + TWO_STAGE_SHARE * limit and s.size <= TWO_STAGE_MAX_SEQS:
         # two-stage's replica layouts are stacks too; a short run of it is one more start
         from workbench.solve.two_stage import plan_two_stage
 
-        two = plan_two_stage(s, cost, dataclasses.replace(opts, time_limit=TWO_STAGE_SHARE * limit, progress=None))
+        two = plan_two_stage(s, cost, dataclasses.replace(opts, time_limit=0.5 * TWO_STAGE_SHARE * limit, progress=None))
         baselines.append(two)
     opts.check_cancel()
     baseline = min(baselines, key=lambda p: p.makespan_ms)
@@ -945,7 +955,12 @@ def plan_flexsp(lengths, cost: CostModel, opts: PlanOptions | None = None, *, bu
             if k and time.perf_counter() > t0 + STARTS_SHARE * limit:
                 break
             opts.check_cancel()
-            st = Stack.greedy(tab, target=lbc * tgt, max_extra_work=extra)
+            # the first run may take until the deadline (there is no stack without it); the others
+            # give up a little after the starts' share
+            cut = deadline if k == 0 else min(deadline, t0 + (STARTS_SHARE + 0.1) * limit)
+            st = Stack.greedy(tab, target=lbc * tgt, max_extra_work=extra, deadline=cut)
+            if st is None:
+                break
             cands.append(_Cand(st, "stack-greedy", f"stack-greedy:{tgt:g}" + ("" if extra is None else f",{extra:g}")))
         tick = lap("stack_greedy", tick)
         # 2. the exact per-micro-step model where the batch is small and fits one micro-step
@@ -965,7 +980,13 @@ def plan_flexsp(lengths, cost: CostModel, opts: PlanOptions | None = None, *, bu
         cands.sort(key=lambda c: c.ms)
         opts.report(0.3, "flexsp: local search on the whole step")
         ls_end = time.perf_counter() + LS_SHARE * max(0.0, deadline - time.perf_counter())
-        starts = cands[:LS_STARTS]
+        # the best start of each kind first (a baseline's plan improves most; the stack greedy's
+        # start lower), then the next best
+        firsts = [next((c for c in cands if c.start.split(":")[0] == k), None) for k in ("stack-greedy", *BASELINE_KINDS)]
+        starts = [c for c in firsts if c is not None]
+        starts.sort(key=lambda c: c.ms)
+        starts += [c for c in cands if c not in starts]
+        starts = starts[:LS_STARTS]
         for k, c in enumerate(starts):
             opts.check_cancel()
             left = ls_end - time.perf_counter()
@@ -990,7 +1011,10 @@ def plan_flexsp(lengths, cost: CostModel, opts: PlanOptions | None = None, *, bu
             parts = [None] if split is None else sorted(split, key=lambda p: -split[p].makespan_ms)
             for k, part in enumerate(parts):
                 left = (cp_deadline - time.perf_counter()) / (len(parts) - k)
-                if left < 0.02:
+                if left < MIN_CPSAT_S:
+                    cp_calls.append({"model": "whole-step", "status": f"skipped ({left:.2f}s left)", "objective_ms": None,
+                                     "bound_ms": None, "wall_s": 0.0, "build_s": 0.0, "variables": 0, "hint": "none",
+                                     "used": False})
                     break
                 if part is None:
                     hint = best.stack
@@ -999,7 +1023,8 @@ def plan_flexsp(lengths, cost: CostModel, opts: PlanOptions | None = None, *, bu
                     if split is None:
                         break
                     hint = split[part]
-                out, info = solve_stack(hint.tab, hint, time_limit=left, seed=opts.seed, opts=opts)
+                # part of the share stays for mapping the answer back and polishing it
+                out, info = solve_stack(hint.tab, hint, time_limit=0.7 * left, seed=opts.seed, opts=opts)
                 call = {"model": "whole-step", **info.to_dict(), "used": False}
                 if part is not None:
                     call["part"] = part
@@ -1014,7 +1039,11 @@ def plan_flexsp(lengths, cost: CostModel, opts: PlanOptions | None = None, *, bu
                                           cancel=opts.check_cancel)
                 call["mapped_ms"] = raw
                 call["polished_ms"] = polished.makespan_ms
-                if polished.makespan_ms < best.ms * (1 - 1e-12):
+                # CP-SAT's answer counts only when CP-SAT improved on its hint (else it handed the hint
+                # back, and whatever the mapping and polishing found is the local search's)
+                found = info.objective_ms is not None and info.objective_ms < info.extra["hint_objective_ms"] * (1 - 1e-9)
+                call["improved_hint"] = bool(found)
+                if found and polished.makespan_ms < best.ms * (1 - 1e-12):
                     src = "cp-sat" if polished.makespan_ms >= raw * (1 - 1e-12) else "cp-sat+local-search"
                     best = _Cand(polished if polished.makespan_ms < raw else merged, src, best.start)
                     call["used"] = True

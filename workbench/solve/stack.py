@@ -48,6 +48,12 @@ __all__ = ["Stack", "solve_stack", "StackModelInfo", "run_cpsat", "canonical"]
 
 _TOL = 1e-9
 
+PRESOLVE_ABOVE_S = 5.0
+"""The whole-step model runs CP-SAT's presolve only with at least this many seconds to search."""
+
+GLOBAL_MOVE_ITEMS = 512
+"""``Stack.improve``'s moves that save GPU-time look at this many sequences at most (the most to save)."""
+
 
 # ------------------------------------------------------------------------------------------------
 # the stack
@@ -233,14 +239,16 @@ class Stack:
         return True
 
     @classmethod
-    def greedy(cls, tab, *, target: float | None, seqs=None, max_extra_work: float | None = None) -> "Stack":
+    def greedy(cls, tab, *, target: float | None, seqs=None, max_extra_work: float | None = None,
+               deadline: float | None = None) -> "Stack | None":
         """List scheduling under stack semantics: sequences by least GPU-time (longest first), each
         either into any group with room on any block (every rank of the block gains its time: no
         group needs to be the last on its ranks, unlike ``baselines.list_schedule``) or into a new
         group on any block. Among the options whose ranks all stay within ``target`` (ms) the one
         adding the least GPU-time wins (its time x degree, plus the overhead x degree of a new
         group), else the one ending lowest. ``max_extra_work``: degrees whose GPU-time exceeds the
-        sequence's least by more than this share are not tried (None: all that hold it)."""
+        sequence's least by more than this share are not tried (None: all that hold it). Returns
+        None when ``deadline`` (``time.perf_counter()``) passes first."""
         st = cls(tab)
         idx = np.arange(tab.s.size) if seqs is None else np.asarray(seqs, dtype=np.int64)
         order = idx[np.argsort(-tab.best_work[idx], kind="stable")]
@@ -249,8 +257,9 @@ class Stack:
         # date: loads only grow here, so a block's maximum is its old one or the grown block's)
         minmem = [np.full(nb, np.inf) for nb in st.nb]
         bmax = [np.zeros(nb) for nb in st.nb]
-        for i in order:
-            i = int(i)
+        for step, i in enumerate(order.tolist()):
+            if deadline is not None and step % 64 == 0 and time.perf_counter() > deadline:
+                return None
             best_key, best = None, None
             lim = None if max_extra_work is None else tab.best_work[i] * (1 + max_extra_work)
             for e in range(st.D):
@@ -310,11 +319,10 @@ class Stack:
         self.repack_all()
         moves = 0
         for it in range(max_iter):
-            if it % 4 == 0:
-                if time.perf_counter() > deadline:
-                    break
-                if cancel is not None:
-                    cancel()
+            if time.perf_counter() > deadline:
+                break
+            if cancel is not None and it % 4 == 0:
+                cancel()
             if not (self._step() or self._global_move() or self._eject(deadline)):
                 break
             moves += 1
@@ -347,6 +355,10 @@ class Stack:
         dI = np.asarray(self.d)[EI]
         gsize = np.bincount(G, minlength=len(self.g_e))[G]
         w_out = dI * (tab.t[EI, Q] + tab.over[EI] * (gsize == 1))  # GPU-time the move saves at X
+        if Q.size > GLOBAL_MOVE_ITEMS:
+            # the sequences whose GPU-time is furthest above their cheapest (the most to save)
+            keep = np.argsort(-(w_out - tab.best_work[Q]), kind="stable")[:GLOBAL_MOVE_ITEMS]
+            Q, G, EI, BI, dI, w_out = Q[keep], G[keep], EI[keep], BI[keep], dI[keep], w_out[keep]
         best_val, best = -T * _TOL * self.n, None
         minmem_all = self._min_mem_all()
         for e2 in range(self.D):
@@ -375,10 +387,11 @@ class Stack:
         self._apply(best)
         return True
 
-    def _eject(self, deadline: float, tries: int = 24) -> bool:
+    def _eject(self, deadline: float, tries: int = 8) -> bool:
         """Empty one group of a most-loaded rank (the least full first) into the spare memory of
-        groups on other blocks, each sequence (longest first) where the ranks it raises stay lowest,
-        all of them below the maximum; its overhead disappears. Returns whether one was."""
+        other groups (on any block, its own and overlapping ones included), each sequence (longest
+        first) where the ranks it raises stay lowest, all of them below the maximum once the group's
+        overhead is gone. Returns whether one was."""
         T = float(self.load.max())
         limit = T * (1 - _TOL)
         r = int(np.argmax(self.load))
@@ -404,28 +417,31 @@ class Stack:
         lo0, hi0 = b0 * self.d[e0], (b0 + 1) * self.d[e0]
         load = self.load.copy()
         load[lo0:hi0] -= float(tab.over[e0])
-        room = {h: self.budget - self.g_mem[h] for h in range(len(self.g_e))
-                if self.g_alive[h] and h != g}
+        alive = np.asarray(self.g_alive, dtype=bool)
+        alive[g] = False
+        H = np.flatnonzero(alive)
+        He = np.asarray(self.g_e, dtype=np.int64)[H]
+        Hb = np.asarray(self.g_b, dtype=np.int64)[H]
+        dH = np.asarray(self.d, dtype=np.int64)[He]
+        lo, hi = Hb * dH, (Hb + 1) * dH
+        # groups on blocks overlapping g's count too: g's ranks have lost its overhead already
+        room = self.budget - np.asarray(self.g_mem)[H]
         out = []
         for i in sorted(self.g_members[g], key=lambda i: -float(tab.mem[e0, i])):
             load[lo0:hi0] -= float(tab.t[e0, i])
-            best, best_v = None, limit
-            for h, rm in room.items():
-                e, b = self.g_e[h], self.g_b[h]
-                if rm < tab.mem[e, i] or not tab.ok[e, i]:
-                    continue
-                lo, hi = b * self.d[e], (b + 1) * self.d[e]
-                if lo < hi0 and lo0 < hi:
-                    continue  # a block overlapping g's: its ranks would not gain the overhead
-                v = float(load[lo:hi].max()) + float(tab.t[e, i])
-                if v < best_v:
-                    best, best_v = h, v
-            if best is None:
+            bm = [load[: nb * d].reshape(nb, d).max(axis=1) for nb, d in zip(self.nb, self.d)]
+            top = np.zeros(H.size)
+            for e in range(self.D):
+                sel = He == e
+                top[sel] = bm[e][Hb[sel]]
+            v = top + tab.t[He, i]
+            ok = (room >= tab.mem[He, i]) & tab.ok[He, i] & (v < limit)
+            if not ok.any():
                 return None
-            e, b = self.g_e[best], self.g_b[best]
-            load[b * self.d[e]:(b + 1) * self.d[e]] += float(tab.t[e, i])
-            room[best] -= float(tab.mem[e, i])
-            out.append((i, best))
+            k = int(np.flatnonzero(ok)[np.argmin(v[ok])])
+            load[lo[k]:hi[k]] += float(tab.t[He[k], i])
+            room[k] -= float(tab.mem[He[k], i])
+            out.append((i, int(H[k])))
         return out
 
     def _path_items(self, r: int):
@@ -691,8 +707,9 @@ def _items(tab, idx: np.ndarray, singles: int, buckets: int) -> _ItemSet:
     return _ItemSet(singles=sg, buckets=bks, tokens=np.array([int(tab.s[q].sum()) for q in bks], dtype=np.int64))
 
 
-def solve_stack(tab, hint: Stack, *, time_limit: float, seed: int = 0, opts=None, singles: int = 16,
-                buckets: int = 12, work_slack: float = 0.25, span: int = 3, workers: int = 2):
+def solve_stack(tab, hint: Stack, *, time_limit: float, seed: int = 0, opts=None, singles: int | None = None,
+                single_vars: int = 2000, buckets: int = 12, work_slack: float = 0.25, span: int = 3,
+                workers: int = 2):
     """Run the whole-step CP-SAT model (module docstring) for ``time_limit`` seconds, hinted with
     ``hint``; returns ``(Stack or None, StackModelInfo)``. The stack is CP-SAT's solution mapped back
     to sequences and packed into groups per block (not yet polished); None when CP-SAT found none
@@ -704,6 +721,16 @@ def solve_stack(tab, hint: Stack, *, time_limit: float, seed: int = 0, opts=None
     D, N = hint.D, hint.n
     deg = hint.d
     idx = np.array(sorted(i for _, _, mem in hint.groups() for i in mem), dtype=np.int64)
+    if singles is None:
+        # the longest sequences one by one while their variables (blocks of the levels they may
+        # use) stay within the budget: many on small clusters, a few dozen on large ones
+        order = idx[np.argsort(-tab.s[idx], kind="stable")]
+        dcol0 = np.asarray(deg, dtype=np.float64)[:, None]
+        w = np.where(tab.ok[:, order], tab.t[:, order] * dcol0, np.inf)
+        okl = (tab.ok[:, order] & (w <= w.min(axis=0) * (1 + work_slack))
+               & (np.arange(D)[:, None] <= tab.dmin[order][None, :] + span))
+        cost_v = (okl * np.asarray(hint.nb)[:, None]).sum(axis=0)
+        singles = int(np.searchsorted(np.cumsum(cost_v), single_vars, side="right"))
     items = _items(tab, idx, singles, buckets)
     S, Bk = items.singles.size, len(items.buckets)
     info.singles, info.buckets = S, Bk
@@ -859,8 +886,12 @@ def solve_stack(tab, hint: Stack, *, time_limit: float, seed: int = 0, opts=None
     if left < 0.01:
         info.status = "skipped (no time left after building the model)"
         return None, info
-    solver, status, run = run_cpsat(m, time_limit=left, seed=seed, workers=workers, opts=opts)
+    # under PRESOLVE_ABOVE_S, presolving would take the time the search needs (measured: at 64 GPUs x
+    # 512 sequences CP-SAT still had no solution after 1 s with it, and had the hint at once without)
+    solver, status, run = run_cpsat(m, time_limit=left, seed=seed, workers=workers, opts=opts,
+                                    presolve=left >= PRESOLVE_ABOVE_S)
     info.status, info.wall_s, info.hint = run["status"], run["wall_s"], run["hint"]
+    info.extra["presolve"] = left >= PRESOLVE_ABOVE_S
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, info
     info.objective_ms = float(solver.ObjectiveValue()) / scale
@@ -873,8 +904,10 @@ def solve_stack(tab, hint: Stack, *, time_limit: float, seed: int = 0, opts=None
     for (q, e, b), v in xv.items():
         if solver.Value(v):
             singles_on.setdefault((e, b), []).append(int(items.singles[q]))
-    targets = [{(e, b): int(solver.Value(yv[j, e, b])) for e in lev_b[j] for b in range(hint.nb[e])}
-               for j in range(Bk)]
+    targets = []
+    for j in range(Bk):
+        vals = {(e, b): int(solver.Value(yv[j, e, b])) for e in lev_b[j] for b in range(hint.nb[e])}
+        targets.append({eb: y for eb, y in vals.items() if y > 0})
     block_ms = {eb: solver.Value(v) / scale for eb, v in Lv.items()}
     out = Stack.from_groups(tab, _map_back(tab, kval, singles_on, items, targets, block_ms))
     return out, info
@@ -889,9 +922,11 @@ def _map_back(tab, kval: dict, singles_on: dict, items: _ItemSet, targets: list,
     open only where no block has room."""
     budget = tab.budget * (1 + 1e-12)
     bins: dict = {}  # (e, b) -> [[room, members], ...]
+    maxroom: dict = {}  # (e, b) -> the largest room of its groups
     for eb, k in kval.items():
         if k > 0:
             bins[eb] = [[budget, []] for _ in range(k)]
+            maxroom[eb] = budget
 
     def put(eb, i) -> None:
         e = eb[0]
@@ -905,6 +940,7 @@ def _map_back(tab, kval: dict, singles_on: dict, items: _ItemSet, targets: list,
             bl.append(x)
         x[0] -= m
         x[1].append(int(i))
+        maxroom[eb] = max(x[0] for x in bl)
 
     left = {eb: float(v) - float(tab.over[eb[0]]) * kval.get(eb, 0) for eb, v in block_ms.items()}
     for eb, mem in singles_on.items():
@@ -917,9 +953,9 @@ def _map_back(tab, kval: dict, singles_on: dict, items: _ItemSet, targets: list,
     for i, j in seqs:
         m_i = tab.mem[:, i]
         own = [eb for eb in deficit[j] if tab.ok[eb[0], i]]
-        roomy = [eb for eb in own if any(x[0] >= m_i[eb[0]] for x in bins.get(eb, []))]
+        roomy = [eb for eb in own if maxroom.get(eb, -1.0) >= m_i[eb[0]]]
         if not roomy:  # no group of the bucket's blocks has room: any block with a group that does
-            roomy = [eb for eb in bins if tab.ok[eb[0], i] and any(x[0] >= m_i[eb[0]] for x in bins[eb])]
+            roomy = [eb for eb, r in maxroom.items() if tab.ok[eb[0], i] and r >= m_i[eb[0]]]
         pool = roomy or own or [eb for eb in bins if tab.ok[eb[0], i]]
         if not pool:
             e = int(np.argmax(tab.ok[:, i]))
@@ -958,12 +994,14 @@ HINT_MESSAGES = (
 )
 
 
-def run_cpsat(model, *, time_limit: float, seed: int = 0, workers: int = 2, opts=None):
+def run_cpsat(model, *, time_limit: float, seed: int = 0, workers: int = 2, opts=None, presolve: bool = True):
     """Solve a CP-SAT ``model`` within ``time_limit`` seconds on at most 2 workers (small shared
     machines, planners on background threads); ``random_seed`` is ``seed``. Returns
     ``(solver, status, {"status", "wall_s", "hint"})``, where ``hint`` is what CP-SAT's log says
     of the model's solution hint ("complete, feasible", "complete, infeasible", or "partial or
-    none"). Raises Cancelled when ``opts``' cancel token is set during the search."""
+    none"). ``presolve=False`` skips CP-SAT's presolve (a complete hint is then the first solution at
+    once, where presolving can take a short limit's whole time). Raises Cancelled when ``opts``'
+    cancel token is set during the search."""
     from ortools.sat.python import cp_model
 
     from workbench.solve.options import Cancelled
@@ -972,6 +1010,7 @@ def run_cpsat(model, *, time_limit: float, seed: int = 0, workers: int = 2, opts
     solver.parameters.num_workers = max(1, min(2, int(workers)))
     solver.parameters.random_seed = int(seed) % (2**31)
     solver.parameters.max_time_in_seconds = max(0.001, float(time_limit))
+    solver.parameters.cp_model_presolve = bool(presolve)
     # the log is parsed for what CP-SAT says of the hint; it is not printed
     solver.parameters.log_search_progress = True
     solver.parameters.log_to_stdout = False
