@@ -828,26 +828,6 @@ def min_micro_steps(tab: _Table) -> int:
     return max(1, int(math.ceil(float(tab.share.sum()) / (tab.n_gpus * tab.budget) - 1e-9)))
 
 
-def _chunks(tab: _Table, M: int) -> list[np.ndarray]:
-    """Split the batch into M micro-steps balancing work and memory together: sequences, largest
-    first, each to the micro-step whose larger relative fill (work or memory) stays lowest, so long
-    sequences spread across micro-steps and no micro-step runs out of memory first."""
-    idx = np.arange(tab.s.size)
-    if M == 1:
-        return [idx]
-    w = tab.best_work / max(float(tab.best_work.sum()) / M, 1e-12)
-    m = tab.share / max(float(tab.share.sum()) / M, 1e-12)
-    fw = np.zeros(M)
-    fm = np.zeros(M)
-    out: list[list[int]] = [[] for _ in range(M)]
-    for i in idx[np.argsort(-np.maximum(w, m), kind="stable")]:
-        c = int(np.argmin(np.maximum(fw + w[i], fm + m[i]) + 1e-3 * (fw + fm)))
-        out[c].append(int(i))
-        fw[c] += w[i]
-        fm[c] += m[i]
-    return [np.array(o, dtype=np.int64) for o in out if o]
-
-
 # ------------------------------------------------------------------------------------------------
 # the planner
 # ------------------------------------------------------------------------------------------------
@@ -874,31 +854,39 @@ def plan_flexsp(lengths, cost: CostModel, opts: PlanOptions | None = None, *, bu
                 buckets: int = 16, extra_micro_steps: int = 2, cpsat: bool = True) -> Plan:
     """The FlexSP plan of one step (planner ``flexsp``).
 
-    Steps (module docstring): the baselines ``greedy`` and ``best-static``; their plans as stacks
-    (groups on aligned blocks, larger degrees first), improved by local search on the exact
-    per-rank loads; the whole-step CP-SAT model (``stack.solve_stack``) warm-started from the best
-    stack, its answer polished by the same local search; for small batches that fit one
-    micro-step, the exact per-micro-step model as one more candidate. The best candidate wins.
+    Steps (module docstring): the baselines (greedy's rules, ``best-static``, a short ``two-stage``)
+    and ``Stack.greedy`` runs give stacks (groups on aligned blocks, larger degrees first); local
+    search on the exact per-rank loads improves the best of them; the whole-step CP-SAT model
+    (``stack.solve_stack``) is warm-started from the best stack and its answer polished by the same
+    local search; for small batches that fit one micro-step, the exact per-micro-step model is one
+    more candidate. The fastest candidate wins.
 
     ``cpsat=False`` skips both CP-SAT models (the ablation ``bench/solver.py`` reports).
     ``bucketing`` / ``buckets``: the per-micro-step model's length buckets (None: only above
     ``AUTO_BUCKET_ABOVE`` sequences, False: never). ``extra_micro_steps`` is kept for
     compatibility and unused (stacks choose each rank's number of groups themselves).
 
-    Returns a Plan never slower than greedy's or best-static's for the same batch. ``status``:
-    ``optimal`` when CP-SAT proved the one-micro-step plan optimal and the batch needs one micro-step
-    and nothing beat it, or when the plan meets the lower bound; ``feasible`` otherwise;
-    ``fallback`` when the baselines took the whole time limit and the best of them is returned
-    (``reason`` says why). ``stats`` (plain JSON): ``source`` (``cp-sat`` when CP-SAT's solution
-    is returned as it came, ``cp-sat+local-search`` when the local search then improved it,
-    ``local-search`` when the local search improved a heuristic start (``start`` names it), else
-    the baseline's name), ``cp_sat`` (one entry per CP-SAT call: ``model``, ``status``,
-    ``objective_ms``, ``bound_ms``, ``wall_s``, ``build_s``, ``variables``, ``hint`` (as CP-SAT
-    reported it), ``used``), ``cp_sat_status`` ({status: calls}), ``cp_sat_wall_s``,
+    Returns a Plan never slower than greedy's, best-static's (hence min-degree's and static-max's)
+    or the short two-stage run's for the same batch. ``status``: ``optimal`` when the plan meets the
+    lower bound (nothing else proves a whole step optimal: the per-micro-step model's OPTIMAL is
+    optimal among one-micro-step plans only); ``feasible`` otherwise; ``fallback`` when the
+    baselines took the whole time limit and the best of them is returned (``reason`` says why).
+    ``stats`` (plain JSON): ``source`` (``cp-sat`` when the plan is CP-SAT's answer as mapped
+    back, ``cp-sat+local-search`` when the local search then improved it; CP-SAT's answer counts
+    only when CP-SAT improved on its own hint; ``local-search`` when the local search improved a
+    start, ``stack-greedy`` or a baseline's name when a start won as it was), ``start`` (which
+    start: ``greedy:<rule>``, ``best-static``, ``two-stage``, ``stack-greedy:<target>[,<extra>]``,
+    ``micro-step``), ``cp_sat`` (one entry per CP-SAT call: ``model`` (``whole-step`` or
+    ``micro-step``), ``status`` (CP-SAT's own, or why it was skipped), ``objective_ms`` and
+    ``bound_ms`` (compute time, model units converted to ms; None without a solution),
+    ``wall_s``, ``build_s``, ``variables``, ``hint`` (what CP-SAT reported of the warm start),
+    ``used`` (its answer is the plan returned), and for the whole-step model ``part``,
+    ``hint_objective_ms``, ``improved_hint``, ``mapped_ms``, ``polished_ms``, ``singles``,
+    ``buckets``, ``presolve``), ``cp_sat_status`` ({status: calls}), ``cp_sat_wall_s``,
     ``best_bound_ms``, ``groups``, ``groups_per_gpu``, ``micro_steps``, ``min_micro_steps``,
-    ``greedy_ms``, ``best_static_ms``, ``local_search_moves``, ``wall_s``, ``gap``, ``timing``
-    (seconds per stage). Raises InfeasibleError when a sequence fits no group, Cancelled when
-    cancelled.
+    ``greedy_ms``, ``best_static_ms``, ``two_stage_ms``, ``local_search_moves``, ``wall_s``, ``gap``,
+    ``timing`` (seconds per stage). Raises InfeasibleError when a sequence fits no group,
+    Cancelled when cancelled.
     """
     opts = opts or PlanOptions()
     warm_up()
