@@ -996,7 +996,8 @@ def plan_flexsp(lengths, cost: CostModel, opts: PlanOptions | None = None, *, bu
             cp_deadline = time.perf_counter() + CPSAT_SHARE * left
             split = _split(best.stack)
             # the parts whose ranks end latest first
-            parts = [None] if split is None else sorted(split, key=lambda p: -split[p].makespan_ms)
+            parts = [None] if split is None else sorted((p for p in split if split[p].num_groups()),
+                                                        key=lambda p: -split[p].makespan_ms)
             for k, part in enumerate(parts):
                 left = (cp_deadline - time.perf_counter()) / (len(parts) - k)
                 if left < MIN_CPSAT_S:

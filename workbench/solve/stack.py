@@ -16,22 +16,31 @@ never slows it (``Stack.from_plan``); ``Stack.assignment`` numbers the micro-ste
 ``build_plan`` and ``plan.timeline`` replay exactly this order (tests/test_whole_step.py checks it
 against ``timeline`` on random stacks).
 
-Three tools work on stacks:
+Four tools work on stacks:
 
+- ``Stack.greedy``: list scheduling under stack semantics. Sequences, longest first, each join a
+  group with room on any block or open a new group on any block; among the options that keep the
+  ranks within a target time, the one adding the least GPU-time wins. Unlike greedy's list
+  scheduling (``baselines.list_schedule``), a group need not be the last on its ranks to grow.
 - ``Stack.improve``: local search on the exact loads. It takes a most-loaded rank and moves one
   sequence off a group on one of its blocks (to a group with room on another block, or into a new
   group), or swaps it with a sequence elsewhere, when that brings every rank it changes below the
-  current maximum; groups left empty vanish with their overhead, and a block whose sequences pack
-  into fewer groups (first-fit decreasing on memory) is repacked.
-- ``solve_stack``: the whole-step CP-SAT model (``_StackModel``). Per block ``(degree, b)``: the number
-  of groups ``k``, the longest sequences one by one (booleans), the rest as length buckets counted in
-  *tokens* (activation memory is linear in tokens, so a bucket's memory is exact whatever
-  sequences carry it, and its time is the bucket's time per token). Per block
-  ``tokens <= k * capacity(d)`` (plus the dual-feasible bin-packing cuts on the single sequences), per
-  block load ``L = k * overhead + sum of times``, per rank ``sum of L over its blocks <= T``,
-  minimise T. Sibling blocks are ordered by load (symmetry). The hint is a stack (a feasible plan),
-  so it is a complete, feasible solution of the model. The answer maps back to sequences (bucket
-  tokens by largest deficit first), packs into groups per block, and is polished by ``improve``.
+  current maximum; when none does, a move anywhere that saves GPU-time while every rank it raises
+  stays below the maximum, or the emptying of one of the loaded rank's groups into other groups'
+  spare memory. Groups left empty vanish with their overhead; a block whose sequences pack into
+  fewer groups (first-fit decreasing on memory) is repacked.
+- ``solve_stack``: the whole-step CP-SAT model. Per block ``(degree, b)``: the number of groups
+  ``k``; the longest sequences one by one (booleans; as many as a budget of variables allows); the
+  rest as length buckets counted in *tokens* (activation memory is linear in tokens, so a
+  bucket's memory is exact whatever sequences carry it, and its time is the bucket's time per
+  token). Per block ``tokens <= k * capacity(d)`` (plus dual-feasible bin-packing cuts on the single
+  sequences), per block load ``L = k * overhead + sum of times``, per rank ``sum of L over its
+  blocks <= T``; minimise T. Sibling blocks are ordered by load (symmetry). The hint is a stack
+  (a feasible plan) in the model's units with its siblings put in that order, so it is a complete,
+  feasible solution of the model (CP-SAT says so in its log, which ``run_cpsat`` reads). The answer
+  maps back to sequences (k groups per block; bucket sequences longest first to the block furthest
+  below both its bucket's token target and its load) and is then polished by ``improve``.
+- ``canonical``: the same stack with sibling subtrees reordered by a key (what the hint needs).
 
 Pure numpy + OR-Tools; no torch.
 """
@@ -721,6 +730,9 @@ def solve_stack(tab, hint: Stack, *, time_limit: float, seed: int = 0, opts=None
     D, N = hint.D, hint.n
     deg = hint.d
     idx = np.array(sorted(i for _, _, mem in hint.groups() for i in mem), dtype=np.int64)
+    if idx.size == 0:
+        info.status = "skipped (no sequences)"
+        return None, info
     if singles is None:
         # the longest sequences one by one while their variables (blocks of the levels they may
         # use) stay within the budget: many on small clusters, a few dozen on large ones
