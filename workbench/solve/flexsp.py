@@ -73,10 +73,12 @@ SINGLE_ITEMS = 16
 BASELINE_SHARE = 0.3
 """Share of the time limit the baselines may take (greedy stops trying further rules after it)."""
 
-STACK_GREEDY_RULES = ((1.0, None), (1.03, 0.5), (1.01, 0.2), (1.0, 0.5), (1.02, None), (1.05, 0.2), (1.01, 0.5),
-                      (1.0, 0.1))
-"""``Stack.greedy`` runs (target as a multiple of the lower bound's compute time, ``max_extra_work``),
-in the order they are tried while time allows."""
+STACK_GREEDY_RULES = ((1.03, 0.5, True), (1.0, None, False), (1.02, 0.2, True), (1.02, None, True),
+                      (1.03, 0.1, False), (1.03, 0.05, True), (1.02, None, False), (1.0, 0.1, True))
+"""``Stack.greedy`` runs (target as a multiple of the lower bound's compute time, ``max_extra_work``,
+``lowest``), in the order they are tried while time allows: the first 8 of a greedy choice among 50
+rules on 20 batches that are not the benchmarks' (64 GPUs; sampler seed 1 and synthetic seeds
+10-11), each adding the most to the best of the ones before."""
 
 STARTS_SHARE = 0.5
 """No ``Stack.greedy`` run starts after this share of the time limit (the first always runs)."""
@@ -102,6 +104,11 @@ LS_SHARE = 0.3
 CPSAT_SHARE = 0.6
 """Share of the time left after the first local search that the whole-step CP-SAT model gets
 (with the polishing local search of its answer)."""
+
+CPSAT_MAX_SEQS = 4096
+"""The whole-step model runs on parts of at most this many sequences: above it, mapping the bucket
+tokens back to sequences costs more time than the model gains (measured at 64 GPUs x 8192
+sequences: CP-SAT gain -0.3% to 0% and solve time past the limit)."""
 
 MIN_CPSAT_S = 0.15
 """The whole-step model is not built with less time than this left for it (building takes ~0.1 s)."""
@@ -875,7 +882,7 @@ def plan_flexsp(lengths, cost: CostModel, opts: PlanOptions | None = None, *, bu
     back, ``cp-sat+local-search`` when the local search then improved it; CP-SAT's answer counts
     only when CP-SAT improved on its own hint; ``local-search`` when the local search improved a
     start, ``stack-greedy`` or a baseline's name when a start won as it was), ``start`` (which
-    start: ``greedy:<rule>``, ``best-static``, ``two-stage``, ``stack-greedy:<target>[,<extra>]``,
+    start: ``greedy:<rule>``, ``best-static``, ``two-stage``, ``stack-greedy:<target>,<extra>,<ties>``,
     ``micro-step``), ``cp_sat`` (one entry per CP-SAT call: ``model`` (``whole-step`` or
     ``micro-step``), ``status`` (CP-SAT's own, or why it was skipped), ``objective_ms`` and
     ``bound_ms`` (compute time, model units converted to ms; None without a solution),
@@ -939,17 +946,18 @@ def plan_flexsp(lengths, cost: CostModel, opts: PlanOptions | None = None, *, bu
         # 1. list scheduling under stack semantics, for a few targets (each gives another structure)
         opts.report(0.15, "flexsp: whole-step list scheduling")
         lbc = lb - grad
-        for k, (tgt, extra) in enumerate(STACK_GREEDY_RULES):
+        for k, (tgt, extra, lowest) in enumerate(STACK_GREEDY_RULES):
             if k and time.perf_counter() > t0 + STARTS_SHARE * limit:
                 break
             opts.check_cancel()
             # the first run may take until the deadline (there is no stack without it); the others
             # give up a little after the starts' share
             cut = deadline if k == 0 else min(deadline, t0 + (STARTS_SHARE + 0.1) * limit)
-            st = Stack.greedy(tab, target=lbc * tgt, max_extra_work=extra, deadline=cut)
+            st = Stack.greedy(tab, target=lbc * tgt, max_extra_work=extra, deadline=cut, lowest=lowest)
             if st is None:
                 break
-            cands.append(_Cand(st, "stack-greedy", f"stack-greedy:{tgt:g}" + ("" if extra is None else f",{extra:g}")))
+            name = f"stack-greedy:{tgt:g},{'-' if extra is None else f'{extra:g}'},{'lowest' if lowest else 'first'}"
+            cands.append(_Cand(st, "stack-greedy", name))
         tick = lap("stack_greedy", tick)
         # 2. the exact per-micro-step model where the batch is small and fits one micro-step
         if cpsat and M0 == 1 and s.size <= AUTO_BUCKET_ABOVE and time.perf_counter() < deadline:
@@ -998,6 +1006,7 @@ def plan_flexsp(lengths, cost: CostModel, opts: PlanOptions | None = None, *, bu
             # the parts whose ranks end latest first
             parts = [None] if split is None else sorted((p for p in split if split[p].num_groups()),
                                                         key=lambda p: -split[p].makespan_ms)
+            sizes = {p: sum(len(m) for _, _, m in (best.stack if p is None else split[p]).groups()) for p in parts}
             for k, part in enumerate(parts):
                 left = (cp_deadline - time.perf_counter()) / (len(parts) - k)
                 if left < MIN_CPSAT_S:
@@ -1005,6 +1014,11 @@ def plan_flexsp(lengths, cost: CostModel, opts: PlanOptions | None = None, *, bu
                                      "bound_ms": None, "wall_s": 0.0, "build_s": 0.0, "variables": 0, "hint": "none",
                                      "used": False})
                     break
+                if sizes[part] > CPSAT_MAX_SEQS:
+                    cp_calls.append({"model": "whole-step", "status": f"skipped ({sizes[part]} sequences)",
+                                     "objective_ms": None, "bound_ms": None, "wall_s": 0.0, "build_s": 0.0,
+                                     "variables": 0, "hint": "none", "used": False})
+                    continue
                 if part is None:
                     hint = best.stack
                 else:  # the part as it is now: polishing after an earlier part may have moved sequences

@@ -60,6 +60,10 @@ _TOL = 1e-9
 PRESOLVE_ABOVE_S = 5.0
 """The whole-step model runs CP-SAT's presolve only with at least this many seconds to search."""
 
+SWAP_PAIRS = 200_000
+"""``Stack.improve`` weighs at most this many swap pairs per degree in a round (those with the most
+slack): at 64 GPUs x 8192 sequences all pairs made one round take about a second."""
+
 GLOBAL_MOVE_ITEMS = 512
 """``Stack.improve``'s moves that save GPU-time look at this many sequences at most (the most to save)."""
 
@@ -249,50 +253,59 @@ class Stack:
 
     @classmethod
     def greedy(cls, tab, *, target: float | None, seqs=None, max_extra_work: float | None = None,
-               deadline: float | None = None) -> "Stack | None":
+               deadline: float | None = None, lowest: bool = True) -> "Stack | None":
         """List scheduling under stack semantics: sequences by least GPU-time (longest first), each
         either into any group with room on any block (every rank of the block gains its time: no
         group needs to be the last on its ranks, unlike ``baselines.list_schedule``) or into a new
         group on any block. Among the options whose ranks all stay within ``target`` (ms) the one
         adding the least GPU-time wins (its time x degree, plus the overhead x degree of a new
         group), else the one ending lowest. ``max_extra_work``: degrees whose GPU-time exceeds the
-        sequence's least by more than this share are not tried (None: all that hold it). Returns
-        None when ``deadline`` (``time.perf_counter()``) passes first."""
+        sequence's least by more than this share are not tried (None: all that hold it). Ties
+        among the options adding the least GPU-time go to the block ending lowest (``lowest``) or to
+        each degree's first block (then the lowest of those): two structures to start from.
+        Returns None when ``deadline`` (``time.perf_counter()``) passes first."""
         st = cls(tab)
         idx = np.arange(tab.s.size) if seqs is None else np.asarray(seqs, dtype=np.int64)
         order = idx[np.argsort(-tab.best_work[idx], kind="stable")]
+        # every block of every level in one flat array (level by level), so that a sequence's
+        # options are weighed in a few array operations: per block the least memory of its groups
+        # and its largest rank load, kept up to date (loads only grow here, so a block's maximum is
+        # its old one or the grown block's); per level a view into them
+        off = np.concatenate([[0], np.cumsum(st.nb)]).astype(np.int64)
+        lvl = np.repeat(np.arange(st.D), st.nb)
+        dblk = np.asarray(st.d, dtype=np.float64)[lvl]
+        over_blk = tab.over[lvl]
+        minmem_f = np.full(int(off[-1]), np.inf)
+        bmax_f = np.zeros(int(off[-1]))
+        bmax = [bmax_f[off[e]:off[e + 1]] for e in range(st.D)]
         dd = np.asarray(st.d, dtype=np.float64)
-        # per level: per block, the least memory of its groups and the largest rank load (kept up to
-        # date: loads only grow here, so a block's maximum is its old one or the grown block's)
-        minmem = [np.full(nb, np.inf) for nb in st.nb]
-        bmax = [np.zeros(nb) for nb in st.nb]
         for step, i in enumerate(order.tolist()):
             if deadline is not None and step % 64 == 0 and time.perf_counter() > deadline:
                 return None
-            best_key, best = None, None
-            lim = None if max_extra_work is None else tab.best_work[i] * (1 + max_extra_work)
-            for e in range(st.D):
-                if not tab.ok[e, i] or (lim is not None and dd[e] * tab.t[e, i] > lim and e != tab.dmin[i]):
-                    continue
-                join = minmem[e] + tab.mem[e, i] <= st.budget
-                add = np.where(join, tab.t[e, i], tab.t[e, i] + tab.over[e])
-                end = bmax[e] + add
-                work = dd[e] * add
-                if target is not None:
-                    inside = end <= target
-                    b = int(np.argmin(np.where(inside, work, np.inf)))
-                    if inside[b]:
-                        k = (0, float(work[b]), float(end[b]))
-                    else:
-                        b = int(np.argmin(end))
-                        k = (1, float(end[b]), 0.0)
-                else:
-                    b = int(np.argmin(end + 1e-9 * work))
-                    k = (1, float(end[b]), float(work[b]))
-                if best_key is None or k < best_key:
-                    best_key, best = k, (e, b, bool(join[b]))
-            e, b, join = best
-            if join:
+            use = tab.ok[:, i].copy()
+            if max_extra_work is not None:
+                use &= (dd * tab.t[:, i] <= tab.best_work[i] * (1 + max_extra_work)) | (np.arange(st.D) == tab.dmin[i])
+            valid = use[lvl]
+            join = minmem_f + tab.mem[:, i][lvl] <= st.budget
+            add = tab.t[:, i][lvl] + np.where(join, 0.0, over_blk)
+            end = bmax_f + add
+            work = dblk * add
+            inside = valid & (end <= target) if target is not None else None
+            if inside is not None and inside.any():
+                # the least GPU-time within the target; among those, the block ending lowest
+                w = np.where(inside, work, np.inf)
+                cand = inside & (w <= w.min() * (1 + 1e-12))
+                if lowest:
+                    f = int(np.argmin(np.where(cand, end, np.inf)))
+                else:  # each level's first such block, then the one ending lowest
+                    idx = np.flatnonzero(cand)
+                    firsts = idx[np.unique(lvl[idx], return_index=True)[1]]
+                    f = int(firsts[np.argmin(end[firsts])])
+            else:
+                f = int(np.argmin(np.where(valid, end + 1e-9 * work, np.inf)))
+            e = int(lvl[f])
+            b = f - int(off[e])
+            if join[f]:
                 fit = [g for g in st.by_block.get((e, b), []) if st.g_mem[g] + tab.mem[e, i] <= st.budget]
                 g = max(fit, key=lambda g: st.g_mem[g])
                 st._insert(i, g)
@@ -300,7 +313,7 @@ class Stack:
             else:
                 g = st._add_group(e, b, [i])
                 delta = float(tab.t[e, i] + tab.over[e])
-            minmem[e][b] = min(st.g_mem[h] for h in st.by_block[(e, b)])
+            minmem_f[f] = min(st.g_mem[h] for h in st.by_block[(e, b)])
             lo, hi = b * st.d[e], (b + 1) * st.d[e]
             top = float(st.load[lo:hi].max())
             for e2 in range(st.D):
@@ -562,6 +575,10 @@ class Stack:
             if not sel.any():
                 continue
             J, H, BJ = AJ[sel], AH[sel], AB[sel]
+            cap = max(1, SWAP_PAIRS // max(1, Q.size))
+            if J.size > cap:  # the sequences on the blocks with the most slack (keeps a round cheap)
+                keep = np.argsort(bmax[e2][BJ], kind="stable")[:cap]
+                J, H, BJ = J[keep], H[keep], BJ[keep]
             memx = gmem_I[:, None] - tab.mem[EI, Q][:, None] + tab.mem[EI[:, None], J[None, :]]
             memy = gmem[H][None, :] - tab.mem[e2, J][None, :] + tab.mem[e2, Q][:, None]
             dX = tab.t[EI[:, None], J[None, :]] - tab.t[EI, Q][:, None]
