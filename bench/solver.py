@@ -13,8 +13,12 @@ and feasible, and which plans it produced. ``--batch-tokens T`` draws batches of
 each family instead (``GlobalBatchSampler``, as bench/planners.py does), so the seqs column is
 "T tokens".
 
+``--small N`` instead runs the ablation on N small random instances (1-8 GPUs, 1-10 sequences,
+tight or loose memory, as tests/test_flexsp.py draws them), where the whole-step model has
+every sequence as its own item.
+
 Usage: python bench/solver.py [--gpus 8,64,...] [--seqs 128,...] [--batch-tokens T] [--families a,b]
-       [--steps K] [--time-limit S|auto] [--quick] [--json PATH] [--summary-from JSON]
+       [--steps K] [--time-limit S|auto] [--quick] [--json PATH] [--summary-from JSON] [--small N]
 ``--time-limit auto`` gives flexsp 1 s up to 64 GPUs x 512 sequences, scaling with the problem
 size up to 8 s at 1024 x 8192 (the baselines' own time counts). Progress goes to stderr.
 """
@@ -168,6 +172,37 @@ def print_summary(out: dict, all_others) -> None:
               f"{min(lbr):.3f}-{max(lbr):.3f} | {gain} | " + " | ".join(cols) + f" | {behind} of {steps} |", flush=True)
 
 
+def small_ablation(count: int, time_limit: float, seed: int) -> None:
+    """CP-SAT on against off on ``count`` small random instances; prints one table."""
+    from workbench.solve.flexsp import plan_flexsp
+
+    rng = np.random.default_rng(seed)
+    configs = [("1b", 1, 40), ("1b", 2, 40), ("1b", 4, 40), ("1b", 8, 40), ("1b", 2, 24), ("1b", 4, 80),
+               ("7b", 8, 40), ("7b", 4, 80), ("7b", 8, 80), ("1b", 8, 24)]
+    profile = load_profile("a100-40g-flexsp")
+    better = worse = 0
+    gains, sources = [], {}
+    for k in range(count):
+        name, n, mem = configs[rng.integers(len(configs))]
+        cost = CostModel(profile, get_model(name), ClusterSpec(num_gpus=n, gpus_per_node=8, gpu_memory_gb=mem))
+        tpg = cost.tokens_per_gpu()
+        hi = max(cost.degrees) * tpg
+        f = np.exp(rng.uniform(np.log(0.01), np.log(min(3.0, hi / tpg)), size=int(rng.integers(1, 11))))
+        s = np.minimum(np.maximum(1, (f * tpg).astype(np.int64)), int(hi))
+        p = plan_flexsp(s, cost, PlanOptions(seed=k, time_limit=time_limit))
+        q = plan_flexsp(s, cost, PlanOptions(seed=k, time_limit=time_limit), cpsat=False)
+        g = q.makespan_ms / p.makespan_ms - 1.0
+        gains.append(g)
+        better += g > 1e-9
+        worse += g < -1e-9
+        src = str(p.stats.get("source"))
+        sources[src] = sources.get(src, 0) + 1
+    print(f"\n### Small instances: CP-SAT on vs off ({count} instances, time limit {time_limit:g}s)\n")
+    print("| instances | CP-SAT faster | CP-SAT slower | gain (mean) | gain (max) | source of the plan |")
+    print("|---:|---:|---:|---:|---:|---|")
+    print(f"| {count} | {better} | {worse} | {np.mean(gains):+.2%} | {np.max(gains):+.2%} | {_fmt_counts(sources)} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", default="8,64,256,1024")
@@ -182,7 +217,12 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--summary-from", default=None, metavar="JSON",
                     help="print the summary table of an earlier run's --json file and exit")
+    ap.add_argument("--small", type=int, default=0, metavar="N",
+                    help="run the CP-SAT ablation on N small random instances instead")
     args = ap.parse_args()
+    if args.small:
+        small_ablation(args.small, 0.5 if args.time_limit == "auto" else float(args.time_limit), args.seed)
+        return 0
     if args.summary_from:
         print_summary(json.loads(Path(args.summary_from).read_text()), list(OTHERS))
         return 0
