@@ -61,6 +61,26 @@ def batches(fam: str, gpus: int, seqs: int, steps: int, seed: int, max_len: int,
     return [np.asarray(b.lengths) for b in sampler.take(steps)]
 
 
+def gap_parts(plan, s, cost) -> dict:
+    """Where a plan's distance to the lower bound goes, each as a share of the bound: the busiest
+    rank's load above the mean rank load (imbalance), GPU-time above every sequence at its cheapest
+    degree (wider degrees), group overhead above the activations' minimum number of full groups
+    per GPU, and the groups per GPU themselves."""
+    from workbench.solve.flexsp import _Table
+    from workbench.solve.stack import Stack
+
+    tab = _Table(np.asarray(s, dtype=np.int64), cost)
+    st = Stack.from_plan(plan, tab)
+    n, lb = cost.cluster.num_gpus, plan.lower_bound_ms
+    groups = sum(st.d[e] for e, _, _ in st.groups()) / n
+    work = sum(st.d[e] * float(tab.t[e, m].sum()) for e, _, m in st.groups()) / n
+    need = float(tab.share.sum()) / n / tab.budget
+    return {"imbalance": (st.makespan_ms - float(st.load.mean())) / lb,
+            "extra_work": (work - float(tab.best_work.sum()) / n) / lb,
+            "extra_overhead": (groups - need) * float(tab.over.min()) / lb,
+            "groups_per_gpu": groups, "groups_needed": need}
+
+
 def run_cell(gpus: int, seqs: int, families, steps: int, time_limit, seed: int, others, batch_tokens=None):
     from workbench.solve.flexsp import plan_flexsp
 
@@ -80,6 +100,7 @@ def run_cell(gpus: int, seqs: int, families, steps: int, time_limit, seed: int, 
         hints: dict[str, int] = {}
         behind: list[str] = []
         groups_per_gpu = []
+        gaps: dict[str, list[dict]] = {"flexsp": [], "greedy": []}
         for k, s in enumerate(batches(fam, gpus, seqs, steps, seed, max_len, batch_tokens)):
             p = run_planner("flexsp", s, cost, seed=seed, time_limit=tl, max_len=max_len)
             validate(p, s, cost.cluster, cost)
@@ -102,9 +123,12 @@ def run_cell(gpus: int, seqs: int, families, steps: int, time_limit, seed: int, 
                 cp_status[key] = cp_status.get(key, 0) + 1
                 if not str(c.get("status", "")).startswith("skipped"):
                     hints[str(c.get("hint"))] = hints.get(str(c.get("hint")), 0) + 1
+            gaps["flexsp"].append(gap_parts(p, s, cost))
             for o in others:
                 r = run_planner(o, s, cost, seed=seed, time_limit=tl, max_len=max_len)
                 mk[o].append(r.makespan_ms)
+                if o == "greedy":
+                    gaps["greedy"].append(gap_parts(r, s, cost))
                 if p.makespan_ms > r.makespan_ms * (1 + 1e-9):
                     behind.append(f"step {k}: {o} {r.makespan_ms / p.makespan_ms - 1:+.2%}")
         row = {
@@ -117,6 +141,7 @@ def run_cell(gpus: int, seqs: int, families, steps: int, time_limit, seed: int, 
             "speedup_median": {o: float(np.median(np.asarray(mk[o]) / np.asarray(mk["flexsp"]))) for o in others},
             "status": statuses, "source": sources, "cp_sat_calls": cp_status, "hints": hints, "behind": behind,
             "groups_per_gpu": float(np.mean(groups_per_gpu)), "steps": len(solve),
+            "gap": {k: {f: float(np.median([g[f] for g in v])) for f in v[0]} for k, v in gaps.items() if v},
         }
         rows.append(row)
         print(f"# {gpus} GPUs x {seqs if batch_tokens is None else f'{batch_tokens} tokens'}, {fam}: "
@@ -145,6 +170,13 @@ def print_cell(gpus, seqs, rows, all_others):
     late = [f"{r['family']}: {', '.join(r['behind'])}" for r in rows if r["behind"]]
     if late:
         print("\nBehind: " + "; ".join(late))
+    print("\nWhere the gap to the lower bound goes (medians over the steps, shares of the bound):\n")
+    print("| family | planner | imbalance | wider degrees | group overhead | groups per GPU | groups needed |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        for k, g in r.get("gap", {}).items():
+            print(f"| {r['family']} | {k} | {g['imbalance']:.2%} | {g['extra_work']:.2%} | {g['extra_overhead']:.2%} | "
+                  f"{g['groups_per_gpu']:.2f} | {g['groups_needed']:.2f} |")
 
 
 def print_summary(out: dict, all_others) -> None:
