@@ -953,7 +953,8 @@ def plan_flexsp(lengths, cost: CostModel, opts: PlanOptions | None = None, *, bu
             # the first run may take until the deadline (there is no stack without it); the others
             # give up a little after the starts' share
             cut = deadline if k == 0 else min(deadline, t0 + (STARTS_SHARE + 0.1) * limit)
-            st = Stack.greedy(tab, target=lbc * tgt, max_extra_work=extra, deadline=cut, lowest=lowest)
+            st = Stack.greedy(tab, target=lbc * tgt, max_extra_work=extra, deadline=cut, lowest=lowest,
+                              cancel=opts.check_cancel)
             if st is None:
                 break
             name = f"stack-greedy:{tgt:g},{'-' if extra is None else f'{extra:g}'},{'lowest' if lowest else 'first'}"

@@ -253,7 +253,7 @@ class Stack:
 
     @classmethod
     def greedy(cls, tab, *, target: float | None, seqs=None, max_extra_work: float | None = None,
-               deadline: float | None = None, lowest: bool = True) -> "Stack | None":
+               deadline: float | None = None, lowest: bool = True, cancel=None) -> "Stack | None":
         """List scheduling under stack semantics: sequences by least GPU-time (longest first), each
         either into any group with room on any block (every rank of the block gains its time: no
         group needs to be the last on its ranks, unlike ``baselines.list_schedule``) or into a new
@@ -263,7 +263,8 @@ class Stack:
         sequence's least by more than this share are not tried (None: all that hold it). Ties
         among the options adding the least GPU-time go to the block ending lowest (``lowest``) or to
         each degree's first block (then the lowest of those): two structures to start from.
-        Returns None when ``deadline`` (``time.perf_counter()``) passes first."""
+        Returns None when ``deadline`` (``time.perf_counter()``) passes first; ``cancel()`` is
+        called every 64 sequences (it may raise)."""
         st = cls(tab)
         idx = np.arange(tab.s.size) if seqs is None else np.asarray(seqs, dtype=np.int64)
         order = idx[np.argsort(-tab.best_work[idx], kind="stable")]
@@ -280,8 +281,11 @@ class Stack:
         bmax = [bmax_f[off[e]:off[e + 1]] for e in range(st.D)]
         dd = np.asarray(st.d, dtype=np.float64)
         for step, i in enumerate(order.tolist()):
-            if deadline is not None and step % 64 == 0 and time.perf_counter() > deadline:
-                return None
+            if step % 64 == 0:
+                if cancel is not None:
+                    cancel()
+                if deadline is not None and time.perf_counter() > deadline:
+                    return None
             use = tab.ok[:, i].copy()
             if max_extra_work is not None:
                 use &= (dd * tab.t[:, i] <= tab.best_work[i] * (1 + max_extra_work)) | (np.arange(st.D) == tab.dmin[i])
