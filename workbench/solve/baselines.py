@@ -23,29 +23,30 @@ from workbench.cost import CostModel, InfeasibleError
 from workbench.solve.options import PlanOptions
 from workbench.solve.plan import Plan, build_plan
 
-__all__ = ["plan_static", "plan_static_max", "plan_best_static", "plan_min_degree", "plan_greedy",
+__all__ = ["plan_static", "plan_static_max", "plan_best_static", "plan_min_degree", "plan_greedy", "greedy_rule_plans",
            "static_max_degree", "pack_best_fit", "list_schedule"]
 
 
 def pack_best_fit(sizes: np.ndarray, capacity: float, order=None) -> list[list[int]]:
     """Best-fit decreasing bin packing: returns bins as lists of item indices (of ``sizes``).
-    Items larger than ``capacity`` get a bin of their own (callers check feasibility first)."""
-    idx = list(order) if order is not None else list(np.argsort(-sizes, kind="stable"))
+    Each item goes to the bin it leaves least room in (the lowest-numbered on ties). Items larger
+    than ``capacity`` get a bin of their own (callers check feasibility first)."""
+    import bisect
+
+    idx = list(order) if order is not None else np.argsort(-sizes, kind="stable").tolist()
+    size = np.asarray(sizes, dtype=np.float64).tolist()
     bins: list[list[int]] = []
-    room: list[float] = []
+    rooms: list[tuple[float, int]] = []  # (room left, bin), sorted: the best fit is a bisection away
     for i in idx:
-        sz = float(sizes[i])
-        best, best_left = -1, math.inf
-        for b, r in enumerate(room):
-            left = r - sz
-            if -1e-12 <= left < best_left:
-                best, best_left = b, left
-        if best < 0:
+        sz = size[i]
+        k = bisect.bisect_left(rooms, (sz - 1e-12, -1))
+        if k == len(rooms):
             bins.append([int(i)])
-            room.append(capacity - sz)
+            bisect.insort(rooms, (capacity - sz, len(bins) - 1))
         else:
-            bins[best].append(int(i))
-            room[best] = best_left
+            room, b = rooms.pop(k)
+            bins[b].append(int(i))
+            bisect.insort(rooms, (room - sz, b))
     return bins
 
 
@@ -190,27 +191,70 @@ def list_schedule(s: np.ndarray, cost: CostModel, allowed, *, target: float | No
     ``allowed(i)`` gives the degrees sequence i may use. Returns ``(micro_steps, blocks)`` for
     ``build_plan``.
     """
+    import heapq
+
     n = cost.cluster.num_gpus
     budget = cost.memory_budget_gb * (1 + 1e-9)
     degrees = list(cost.degrees)
-    times = {d: cost.time(s, d) for d in degrees}
-    mems = {d: cost.memory(s, d) for d in degrees}
+    # plain lists: this loop is scalar work, where numpy calls cost more than they save
+    times = {d: cost.time(s, d).tolist() for d in degrees}
+    mems = {d: cost.memory(s, d).tolist() for d in degrees}
     over = {d: cost.group_overhead_ms(d) for d in degrees}
     work = _best_work(s, cost)
-    k = s.size
     ready = np.zeros(n)
     last = np.full(n, -1, dtype=np.int64)  # last group on each rank
     next_ms = np.zeros(n, dtype=np.int64)  # micro-steps each rank has joined
-    g_deg = np.zeros(k, dtype=np.int64)
-    g_end = np.zeros(k)
-    g_mem = np.zeros(k)
-    g_open = np.zeros(k, dtype=bool)
-    g_block = np.zeros(k, dtype=np.int64)
-    g_ms = np.zeros(k, dtype=np.int64)
+    g_deg: list[int] = []
+    g_end: list[float] = []
+    g_mem: list[float] = []
+    g_open: list[bool] = []
+    g_block: list[int] = []
+    g_ms: list[int] = []
     g_seqs: list[list[int]] = []
+    g_end_np = np.zeros(s.size)  # mirrors for the numpy path over many open groups
+    g_mem_np = np.zeros(s.size)
     open_of: dict[int, list[int]] = {d: [] for d in degrees}  # open groups per degree, by index
+    # per degree: each aligned block's latest ready rank and summed ready time, kept up to date (a
+    # placement sets its block's ranks to one finish time, never earlier than before), and a heap
+    # of (ready, block) with stale entries skipped, for the block free earliest (lowest index on ties)
+    nbk = {d: n // d for d in degrees}
+    bmax = {d: np.zeros(nbk[d]) for d in degrees}
+    bsum = {d: np.zeros(nbk[d]) for d in degrees}
+    heaps = {d: [(0.0, b) for b in range(nbk[d])] for d in degrees}
+
+    def earliest(d: int) -> tuple[float, int]:
+        h, bm = heaps[d], bmax[d]
+        while h[0][0] != bm[h[0][1]]:
+            heapq.heappop(h)
+        return h[0]
+
+    def set_ready(lo: int, hi: int, dg: int, finish: float) -> None:
+        old_sum = float(ready[lo:hi].sum())
+        ready[lo:hi] = finish
+        for d2 in degrees:
+            nb2 = nbk[d2]
+            if not nb2:
+                continue
+            if d2 <= dg:
+                a, z = lo // d2, hi // d2
+                bmax[d2][a:z] = finish
+                bsum[d2][a:z] = finish * d2
+                h = heaps[d2]
+                for y in range(a, z):
+                    heapq.heappush(h, (finish, y))
+                if len(h) > 8 * nb2 + 64:
+                    heaps[d2] = [(float(v), y) for y, v in enumerate(bmax[d2])]
+                    heapq.heapify(heaps[d2])
+            else:
+                y = lo // d2
+                if y < nb2:
+                    bsum[d2][y] += dg * finish - old_sum
+                    if finish > bmax[d2][y]:
+                        bmax[d2][y] = finish
+                        heapq.heappush(heaps[d2], (finish, y))
+
     ng = 0
-    for step, i in enumerate(np.argsort(-work, kind="stable")):
+    for step, i in enumerate(np.argsort(-work, kind="stable").tolist()):
         if opts is not None and step % 256 == 0:
             opts.check_cancel()
         best = None  # (finish, added work, kind, degree, group or block, start)
@@ -218,54 +262,60 @@ def list_schedule(s: np.ndarray, cost: CostModel, allowed, *, target: float | No
             t_i, m_i = times[d][i], mems[d][i]
             if m_i > budget:
                 continue
-            # join an extendable group of this degree
-            if open_of[d]:
-                cand = np.asarray(open_of[d], dtype=np.int64)
-                cand = cand[g_mem[cand] + m_i <= budget]
-                if cand.size:
-                    g = int(cand[np.argmin(g_end[cand])])
-                    opt = (g_end[g] + t_i, d * t_i, "join", d, g, 0.0)
-                    best = _better(opt, best, target)
+            # join an extendable group of this degree (the one ending first, lowest index on ties)
+            og = open_of[d]
+            if og:
+                g, ge = -1, math.inf
+                if len(og) <= 32:
+                    for q in og:
+                        if g_mem[q] + m_i <= budget and g_end[q] < ge:
+                            g, ge = q, g_end[q]
+                else:
+                    cand = np.asarray(og, dtype=np.int64)
+                    cand = cand[g_mem_np[cand] + m_i <= budget]
+                    if cand.size:
+                        g = int(cand[np.argmin(g_end_np[cand])])
+                        ge = g_end[g]
+                if g >= 0:
+                    best = _better((ge + t_i, d * t_i, "join", d, g, 0.0), best, target)
             # open a new group on the block free earliest
-            if n // d:
-                blocks = ready[: (n // d) * d].reshape(-1, d)
-                bmax = blocks.max(axis=1)
-                b = int(np.argmin(bmax))
-                start = float(bmax[b])
-                wait = d * start - float(blocks[b].sum())
-                opt = (start + over[d] + t_i, d * (over[d] + t_i) + wait, "open", d, b, start)
-                best = _better(opt, best, target)
+            if nbk[d]:
+                start, b = earliest(d)
+                wait = d * start - float(bsum[d][b])
+                best = _better((start + over[d] + t_i, d * (over[d] + t_i) + wait, "open", d, b, start), best, target)
         if best is None:
             raise InfeasibleError(cost.infeasible_message(int(i), int(s[i])))
         finish, _, kind, d, where, start = best
         if kind == "join":
             g = where
             g_seqs[g].append(int(i))
-            g_end[g] = finish
+            g_end[g] = g_end_np[g] = finish
             g_mem[g] += mems[d][i]
+            g_mem_np[g] = g_mem[g]
             lo, hi = g_block[g] * d, (g_block[g] + 1) * d
-            ready[lo:hi] = finish
+            set_ready(lo, hi, d, finish)
         else:
             lo, hi = where * d, (where + 1) * d
-            for q in np.unique(last[lo:hi]):
+            for q in set(last[lo:hi].tolist()):
                 if q >= 0 and g_open[q]:
                     g_open[q] = False
-                    open_of[int(g_deg[q])].remove(int(q))
+                    open_of[g_deg[q]].remove(q)
             g = ng
             ng += 1
-            g_deg[g], g_end[g], g_mem[g], g_open[g], g_block[g] = d, finish, mems[d][i], True, where
-            g_ms[g] = int(next_ms[lo:hi].max())
-            next_ms[lo:hi] = g_ms[g] + 1
+            ms = int(next_ms[lo:hi].max())
+            g_deg.append(d), g_end.append(finish), g_mem.append(mems[d][i]), g_open.append(True)
+            g_block.append(where), g_ms.append(ms), g_seqs.append([int(i)])
+            g_end_np[g], g_mem_np[g] = finish, mems[d][i]
+            next_ms[lo:hi] = ms + 1
             last[lo:hi] = g
-            ready[lo:hi] = finish
-            g_seqs.append([int(i)])
+            set_ready(lo, hi, d, finish)
             open_of[d].append(g)
-    steps = int(g_ms[:ng].max()) + 1 if ng else 0
+    steps = max(g_ms) + 1 if ng else 0
     micro: list[list] = [[] for _ in range(steps)]
     blks: list[list[int]] = [[] for _ in range(steps)]
     for g in range(ng):
-        micro[g_ms[g]].append((int(g_deg[g]), g_seqs[g]))
-        blks[g_ms[g]].append(int(g_block[g]))
+        micro[g_ms[g]].append((g_deg[g], g_seqs[g]))
+        blks[g_ms[g]].append(g_block[g])
     return micro, blks
 
 
@@ -282,25 +332,35 @@ def _better(opt, best, target):
     return opt if (opt[0], opt[1]) < (best[0], best[1]) else best
 
 
-def plan_greedy(lengths, cost: CostModel, opts: PlanOptions) -> Plan:
-    """Heterogeneous greedy plan: list scheduling over every degree that holds each sequence,
-    aiming at the lower bound (and 5% above it), and over minimum degrees only; the fastest wins,
-    so greedy is never behind min-degree."""
+def greedy_rule_plans(lengths, cost: CostModel, opts: PlanOptions, *, deadline: float | None = None) -> list[Plan]:
+    """The plans of greedy's three list-scheduling rules (planner ``greedy`` returns the fastest):
+    every degree that holds each sequence aiming at the lower bound, minimum degrees only, and every
+    degree aiming 5% above the bound. With a ``deadline`` (``time.perf_counter()``) the rules after
+    the first are skipped once it has passed. Raises InfeasibleError when a sequence fits no group."""
     from workbench.solve.plan import lower_bound_ms
 
-    t0 = time.perf_counter()
     s = np.asarray(lengths, dtype=np.int64)
     cost.check_feasible(s)
     lb = lower_bound_ms(s, cost) - cost.grad_sync_ms()
     dmin = cost.min_degree(s)
-    best: Plan | None = None
     every = lambda i: [d for d in cost.degrees if d >= dmin[i]]  # noqa: E731
     smallest = lambda i: (int(dmin[i]),)  # noqa: E731
-    for rule, allowed, target in (("target", every, lb), ("target+5%", every, lb * 1.05),
-                                  ("min-degree", smallest, None)):
+    out: list[Plan] = []
+    for rule, allowed, target in (("target", every, lb), ("min-degree", smallest, None),
+                                  ("target+5%", every, lb * 1.05)):
+        if out and deadline is not None and time.perf_counter() > deadline:
+            break
         micro, blocks = list_schedule(s, cost, allowed, target=target, opts=opts)
-        p = build_plan("greedy", micro, s, cost, blocks=blocks, stats={"rule": rule})
-        if best is None or p.makespan_ms < best.makespan_ms:
-            best = p
-    assert best is not None
+        out.append(build_plan("greedy", micro, s, cost, blocks=blocks, stats={"rule": rule}))
+    return out
+
+
+def plan_greedy(lengths, cost: CostModel, opts: PlanOptions, *, deadline: float | None = None) -> Plan:
+    """Heterogeneous greedy plan: the fastest of ``greedy_rule_plans`` (so greedy is never behind
+    min-degree). ``stats["rules_skipped"]`` counts the rules a ``deadline`` cut."""
+    t0 = time.perf_counter()
+    plans = greedy_rule_plans(lengths, cost, opts, deadline=deadline)
+    best = min(plans, key=lambda p: p.makespan_ms)
+    if len(plans) < 3:
+        best.stats["rules_skipped"] = 3 - len(plans)
     return _with_time(best, time.perf_counter() - t0)

@@ -1,38 +1,43 @@
-"""The FlexSP planner: heterogeneous SP groups per micro-step, chosen by OR-Tools CP-SAT.
+"""The FlexSP planner: heterogeneous SP groups for a whole step, with OR-Tools CP-SAT.
 
-For one micro-step the problem is (DESIGN.md, "The solver, precisely")::
+A step's plan is a *stack* (``workbench.solve.stack``): every group on an aligned block of ranks,
+each rank running the groups of its blocks larger degrees first, so that the step's compute time is
+exactly the largest per-rank load (the barrier-free timeline of ``plan.timeline``). The problem
+(DESIGN.md, "The solver, precisely"): choose the groups (degree, block, sequences) so that every
+sequence runs once, each group's activations fit the memory budget, and the largest rank load
+(group overheads plus sequence times over the rank's blocks) is least.
+
+How a step is planned (``plan_flexsp``):
+
+1. Baselines: greedy's three list-scheduling rules, ``best-static`` and a short ``two-stage`` run
+   (the answer is never slower than any of them); their plans are stacks already.
+2. ``Stack.greedy``: list scheduling under stack semantics (a sequence may join any group with
+   room, not only the last one on its ranks), aiming at the lower bound and a little above it,
+   with and without a cap on the extra GPU-time of wider degrees: each target gives another
+   structure.
+3. For batches of at most ``AUTO_BUCKET_ABOVE`` sequences whose memory fits one micro-step: the
+   exact per-micro-step CP-SAT model (``_solve_step``; below), one more candidate.
+4. Local search (``Stack.improve``) from the best starts, on the exact per-rank loads.
+5. The whole-step CP-SAT model (``stack.solve_stack``), warm-started from the best stack (on
+   parts of ``CPSAT_PART_GPUS`` ranks for larger clusters), its answer mapped back to sequences
+   and polished by the local search; kept when it is faster.
+6. What time is left: more local search on the best.
+
+The per-micro-step model (one micro-step, groups on disjoint ranks)::
 
     choose a multiset of groups (degree d from cost.degrees, sum of degrees <= N GPUs),
     assign every sequence to exactly one group (degree >= its memory minimum),
     minimise T  s.t.  overhead(d) + sum_i time(s_i, d) <= T   for every group,
                       sum_i memory(s_i, d) <= memory budget    for every group.
 
-With power-of-two degrees any multiset whose degrees sum to at most N packs into aligned blocks,
-so the model never needs rank positions; ``build_plan`` places the groups (larger first).
+With power-of-two degrees any multiset whose degrees sum to at most N packs into aligned blocks.
+Items are single sequences (or, in ``solve_one_step`` with bucketing, length buckets); variables are
+the item counts per candidate group, group activity and T; symmetry between groups of one degree
+is broken by non-increasing activity and load. It is exact for one micro-step and checked against
+an exhaustive search (tests/test_flexsp.py); stacked groups can beat it, so its OPTIMAL proves
+nothing about the step.
 
-How a step is planned (``plan_flexsp``):
-
-1. Baselines: ``plan_greedy`` and ``plan_best_static`` (the answer is never worse than either).
-2. Micro-steps: the fewest ``M_min`` whose GPU memory holds the batch (sum over sequences of their
-   smallest per-GPU memory share x degree, over N x budget), then ``M_min + 1``...: sequences go,
-   heaviest first, to the micro-step with the least work that has memory room (balancing long
-   sequences across micro-steps).
-3. Per micro-step, a fast heuristic: every sequence on its smallest degree; the bottleneck
-   sequences are raised to larger degrees while that lowers the divisible estimate of T; the
-   number of groups per degree comes from a binary search on T; longest-processing-time packing
-   within each degree under memory; then refinement with exact lengths (moves of a sequence out of
-   the slowest group to any group, or a new group on free GPUs, and swaps).
-4. CP-SAT on the micro-steps furthest above their own lower bound, warm-started (AddHint) from the
-   heuristic. Items are single sequences, or for large steps length buckets (a dynamic programme
-   minimising padding, FlexSP's 16 buckets) plus the longest sequences one by one; variables are
-   the item counts per candidate group ``x[item, group]`` (integer), group activity ``a[group]``
-   (bool) and T. Times are integer-scaled (the slowest group is ~1e8 units with exact items) and
-   memory is scaled to 1e9 units per budget. Symmetry between groups of one degree is broken by
-   non-increasing activity and load. The answer is mapped back to sequences, refined with exact
-   lengths and kept when it beats the heuristic. Large clusters are split into parts of 64 GPUs
-   solved one by one (sequences spread across parts by work), then refined as a whole.
-
-CP-SAT runs with ``num_workers`` <= 2 (``CPSAT_WORKERS``): the planning machines are small and
+CP-SAT runs with at most 2 workers (``CPSAT_WORKERS``): the planning machines are small and
 shared, and notebook panels call planners from background threads. With a time limit the search is
 not bit-for-bit repeatable across machines; ``random_seed`` is ``opts.seed``.
 
@@ -49,9 +54,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from workbench.cost import CostModel
-from workbench.solve.baselines import plan_best_static, plan_greedy
-from workbench.solve.options import Cancelled, PlanOptions
+from workbench.solve.baselines import greedy_rule_plans, plan_best_static
+from workbench.solve.options import PlanOptions
 from workbench.solve.plan import Plan, build_plan, lower_bound_ms
+from workbench.solve.stack import Stack, run_cpsat, solve_stack
 
 __all__ = ["plan_flexsp", "solve_one_step", "bucketize", "StepResult", "CPSAT_WORKERS"]
 
@@ -64,11 +70,58 @@ AUTO_BUCKET_ABOVE = 40
 SINGLE_ITEMS = 16
 """With bucketing, this many of the longest sequences stay items of their own."""
 
-CPSAT_SHARE = 0.5
-"""Share of the time left after the heuristics that CP-SAT gets (the rest: timeline refinement)."""
+BASELINE_SHARE = 0.3
+"""Share of the time limit the baselines may take (greedy stops trying further rules after it)."""
+
+STACK_GREEDY_RULES = ((1.03, 0.5, True), (1.0, None, False), (1.02, 0.2, True), (1.02, None, True),
+                      (1.03, 0.1, False), (1.03, 0.05, True), (1.02, None, False), (1.0, 0.1, True))
+"""``Stack.greedy`` runs (target as a multiple of the lower bound's compute time, ``max_extra_work``,
+``lowest``), in the order they are tried while time allows: the first 8 of a greedy choice among 50
+rules on 20 batches that are not the benchmarks' (64 GPUs; sampler seed 1 and synthetic seeds
+10-11), each adding the most to the best of the ones before."""
+
+STARTS_SHARE = 0.5
+"""No ``Stack.greedy`` run starts after this share of the time limit (the first always runs)."""
+
+LS_STARTS = 3
+"""How many starts the local search improves (the best of the stack greedy and of the baselines first)."""
+
+BASELINE_KINDS = ("greedy", "best-static", "two-stage", "micro-step")
+
+TWO_STAGE_SHARE = 0.15
+"""A short two-stage run (this share of flexsp's limit) is one more baseline when greedy and
+best-static took less than this share."""
+
+TWO_STAGE_MAX_SEQS = 4096
+"""No two-stage run above this many sequences (its first pass alone overruns a short limit)."""
+
+MICRO_SHARE = 0.3
+"""Share of the time left that the exact per-micro-step model gets (small batches only)."""
+
+LS_SHARE = 0.3
+"""Share of the time left that the first local search gets."""
+
+CPSAT_SHARE = 0.6
+"""Share of the time left after the first local search that the whole-step CP-SAT model gets
+(with the polishing local search of its answer)."""
+
+CPSAT_MAX_SEQS = 4096
+"""The whole-step model runs on parts of at most this many sequences: above it, mapping the bucket
+tokens back to sequences costs more time than the model gains (measured at 64 GPUs x 8192
+sequences: CP-SAT gain -0.3% to 0% and solve time past the limit)."""
+
+MIN_CPSAT_S = 0.15
+"""The whole-step model is not built with less time than this left for it (building takes ~0.1 s)."""
+
+POLISH_SHARE = 0.5
+"""Share of the time left after a whole-step CP-SAT call for polishing its answer."""
 
 PART_GPUS = 64
-"""Clusters larger than this are solved in parts of this many GPUs (then refined as a whole)."""
+"""The per-micro-step heuristic solves clusters larger than this in parts of this many GPUs."""
+
+CPSAT_PART_GPUS = 64
+"""The whole-step CP-SAT model runs on parts of this many GPUs (aligned blocks no group straddles)
+when the cluster is larger, the parts whose ranks end latest first."""
 
 _EPS = 1e-9
 
@@ -513,29 +566,6 @@ def _make_items(tab: _Table, idx: np.ndarray, bucketed: bool, buckets: int) -> _
     return _Items(seqs=seqs, t=t, mem=mem, ok=ok, cnt=cnt, exact=not bucketed)
 
 
-class _Stopper:
-    """CP-SAT solution callback: cancellation, progress."""
-
-    def __new__(cls, *a, **k):
-        from ortools.sat.python import cp_model
-
-        class _CB(cp_model.CpSolverSolutionCallback):
-            def __init__(self, opts: PlanOptions | None, note):
-                super().__init__()
-                self.opts = opts
-                self.note = note
-                self.cancelled = False
-                self.solutions = 0
-
-            def on_solution_callback(self):
-                self.solutions += 1
-                if self.opts is not None and self.opts.cancel is not None and self.opts.cancel.is_set():
-                    self.cancelled = True
-                    self.stop_search()
-
-        return _CB(*a, **k)
-
-
 def _cpsat(tab: _Table, items: _Items, n_gpus: int, hint_groups, *, time_limit: float, seed: int,
            opts: PlanOptions | None, group_caps=None, workers: int = CPSAT_WORKERS):
     """Solve the one-micro-step model over ``items``; returns (groups as (degree index, counts per
@@ -553,7 +583,8 @@ def _cpsat(tab: _Table, items: _Items, n_gpus: int, hint_groups, *, time_limit: 
     tint = np.rint(items.t * scale).astype(np.int64)
     cint = np.rint(tab.over * scale).astype(np.int64)
     MEMCAP = 1_000_000_000
-    mint = np.rint(items.mem / tab.budget * MEMCAP).astype(np.int64)
+    # rounded down: a group that fits in GB fits in units (so a feasible hint stays feasible)
+    mint = np.floor(items.mem / tab.budget * MEMCAP).astype(np.int64)
     t_build = time.perf_counter()
     m = cp_model.CpModel()
     # candidate groups per degree
@@ -576,7 +607,8 @@ def _cpsat(tab: _Table, items: _Items, n_gpus: int, hint_groups, *, time_limit: 
         G = min(n_gpus // int(deg[e]), int(items.cnt[allowed].sum()))
         if group_caps is not None:
             G = min(G, int(group_caps[e]))
-        hints = sorted(hint_by_e.get(e, []), key=lambda c: -float((items.t[e] * c).sum()))
+        # in the model's own units, so that the non-increasing loads of the symmetry rule hold
+        hints = sorted(hint_by_e.get(e, []), key=lambda c: -int((tint[e] * c).sum()))
         G = max(G, min(len(hints), n_gpus // int(deg[e])))
         prev = None
         for g in range(G):
@@ -612,21 +644,16 @@ def _cpsat(tab: _Table, items: _Items, n_gpus: int, hint_groups, *, time_limit: 
         for v, val in hint_vals:
             m.AddHint(v, val)
     m.Minimize(T)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.01, float(time_limit))
-    solver.parameters.num_workers = max(1, min(2, int(workers)))
-    solver.parameters.random_seed = int(seed) % (2**31)
-    cb = _Stopper(opts, None)
     build_s = time.perf_counter() - t_build
     if float(time_limit) - build_s < 0.01:
         return None, {"cp_sat_status": "skipped (no time left after building the model)", "variables": n_vars,
                       "wall_s": 0.0, "build_s": build_s, "items": n_items}
-    solver.parameters.max_time_in_seconds = float(time_limit) - build_s
-    status = solver.Solve(m, cb)
-    info = {"cp_sat_status": solver.StatusName(status), "variables": n_vars, "wall_s": solver.WallTime(),
-            "build_s": build_s, "items": n_items}
-    if cb.cancelled:
-        raise Cancelled("planning was cancelled")
+    if hint_groups:
+        # every variable is hinted: the group counts, the assignment, and T (the hint's makespan)
+        m.AddHint(T, int(max(int(cint[e]) + int((tint[e] * c).sum()) for e, c in hint_groups)))
+    solver, status, run = run_cpsat(m, time_limit=float(time_limit) - build_s, seed=seed, workers=workers, opts=opts)
+    info = {"cp_sat_status": run["status"], "variables": n_vars, "wall_s": run["wall_s"], "build_s": build_s,
+            "items": n_items, "hint": run["hint"] if hint_groups else "none"}
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, info
     info["objective_ms"] = solver.ObjectiveValue() / scale
@@ -808,182 +835,6 @@ def min_micro_steps(tab: _Table) -> int:
     return max(1, int(math.ceil(float(tab.share.sum()) / (tab.n_gpus * tab.budget) - 1e-9)))
 
 
-def _chunks(tab: _Table, M: int) -> list[np.ndarray]:
-    """Split the batch into M micro-steps balancing work and memory together: sequences, largest
-    first, each to the micro-step whose larger relative fill (work or memory) stays lowest, so long
-    sequences spread across micro-steps and no micro-step runs out of memory first."""
-    idx = np.arange(tab.s.size)
-    if M == 1:
-        return [idx]
-    w = tab.best_work / max(float(tab.best_work.sum()) / M, 1e-12)
-    m = tab.share / max(float(tab.share.sum()) / M, 1e-12)
-    fw = np.zeros(M)
-    fm = np.zeros(M)
-    out: list[list[int]] = [[] for _ in range(M)]
-    for i in idx[np.argsort(-np.maximum(w, m), kind="stable")]:
-        c = int(np.argmin(np.maximum(fw + w[i], fm + m[i]) + 1e-3 * (fw + fm)))
-        out[c].append(int(i))
-        fw[c] += w[i]
-        fm[c] += m[i]
-    return [np.array(o, dtype=np.int64) for o in out if o]
-
-
-# ------------------------------------------------------------------------------------------------
-# improving a whole (multi-micro-step) plan on its timeline
-# ------------------------------------------------------------------------------------------------
-
-
-def _improve_timeline(plan: Plan, tab: _Table, deadline: float, max_iter: int = 20_000):
-    """Local search on a plan's exact timeline (fixed blocks, no barrier between micro-steps).
-
-    The group that ends last is always the last on its ranks, so taking a sequence out of it, or
-    swapping one of its sequences for a shorter one, delays nothing else. A sequence moves to
-    another group that is last on all its ranks (it ends later, still before the makespan), or to a
-    new group on the aligned block that frees earliest; swaps go with such last groups. Groups left
-    empty disappear (their overhead with them). Returns ``(micro_steps, blocks)`` for
-    ``build_plan`` or None when nothing improved.
-    """
-    n = tab.n_gpus
-    e_of = {int(d): e for e, d in enumerate(tab.deg)}
-    gd: list[int] = []
-    blk: list[int] = []
-    members: list[list[int]] = []
-    start: list[float] = []
-    end: list[float] = []
-    mload: list[float] = []
-    stacks: list[list[int]] = [[] for _ in range(n)]
-    ready = np.zeros(n)
-    for ms in plan.micro_steps:
-        for g in ms.groups:
-            e = e_of[g.degree]
-            lo = g.ranks[0]
-            k = len(gd)
-            gd.append(e), blk.append(lo // g.degree), members.append(list(g.sequences))
-            st = float(ready[lo:lo + g.degree].max())
-            dur = float(tab.over[e] + tab.t[e, list(g.sequences)].sum())
-            start.append(st), end.append(st + dur), mload.append(float(tab.mem[e, list(g.sequences)].sum()))
-            ready[lo:lo + g.degree] = st + dur
-            for r in range(lo, lo + g.degree):
-                stacks[r].append(k)
-    alive = [True] * len(gd)
-    budget = tab.budget * (1 + 1e-12)
-    D = tab.deg.size
-    improved = False
-
-    def ranks(k):
-        d = int(tab.deg[gd[k]])
-        return range(blk[k] * d, (blk[k] + 1) * d)
-
-    def is_last(k):
-        return all(stacks[r][-1] == k for r in ranks(k))
-
-    for it in range(max_iter):
-        if it % 8 == 0 and time.perf_counter() > deadline:
-            break
-        live = [k for k in range(len(gd)) if alive[k]]
-        E = np.array([end[k] for k in live])
-        gs = live[int(np.argmax(E))]
-        T = end[gs]
-        eps = T * 1e-9
-        mi = np.asarray(members[gs], dtype=np.int64)
-        e0 = gd[gs]
-        keep = T - tab.t[e0, mi]
-        lasts = sorted({stacks[r][-1] for r in range(n) if stacks[r]} - {gs})
-        lasts = [k for k in lasts if is_last(k)]
-        best_val, best = T - eps, None
-        if lasts:
-            la = np.asarray(lasts)
-            ge = np.asarray([gd[k] for k in lasts])
-            tt = tab.t[ge[:, None], mi[None, :]]
-            ok = tab.ok[ge[:, None], mi[None, :]] & (np.asarray([mload[k] for k in lasts])[:, None]
-                                                     + tab.mem[ge[:, None], mi[None, :]] <= budget)
-            v = np.where(ok, np.maximum(keep[None, :], np.asarray([end[k] for k in lasts])[:, None] + tt), np.inf)
-            h, j = np.unravel_index(int(np.argmin(v)), v.shape)
-            if v[h, j] < best_val:
-                best_val, best = float(v[h, j]), ("move", int(la[h]), int(j))
-        # a new group on the block of each degree that frees earliest (ignoring gs's own ranks' order)
-        for e in range(D):
-            d = int(tab.deg[e])
-            if not tab.ok[e, mi].any():
-                continue
-            bm = ready[: (n // d) * d].reshape(-1, d).max(axis=1)
-            b = int(np.argmin(bm))
-            v = np.where(tab.ok[e, mi], np.maximum(keep, bm[b] + tab.over[e] + tab.t[e, mi]), np.inf)
-            j = int(np.argmin(v))
-            if v[j] < best_val:
-                best_val, best = float(v[j]), ("new", e, b, j)
-        if best is None:
-            for h in lasts:
-                val, i, j = _best_swap(tab, e0, mi, keep, mload[gs], gd[h], members[h], end[h], mload[h], budget)
-                if val < best_val:
-                    best_val, best = val, ("swap", h, i, j)
-        if best is None:
-            break
-        improved = True
-        kind = best[0]
-        if kind == "move":
-            _, h, j = best
-            i = int(mi[j])
-            members[gs].remove(i)
-            members[h].append(i)
-            end[h] += float(tab.t[gd[h], i])
-            mload[h] += float(tab.mem[gd[h], i])
-            for r in ranks(h):
-                ready[r] = end[h]
-        elif kind == "new":
-            _, e, b, j = best
-            i = int(mi[j])
-            members[gs].remove(i)
-            k = len(gd)
-            d = int(tab.deg[e])
-            st = float(ready[b * d:(b + 1) * d].max())
-            gd.append(e), blk.append(b), members.append([i]), start.append(st)
-            end.append(st + float(tab.over[e] + tab.t[e, i])), mload.append(float(tab.mem[e, i])), alive.append(True)
-            for r in range(b * d, (b + 1) * d):
-                stacks[r].append(k)
-                ready[r] = end[k]
-        else:
-            _, h, j, jj = best
-            i = int(mi[j])
-            q = int(members[h][jj])
-            members[gs].remove(i)
-            members[h].remove(q)
-            members[gs].append(q)
-            members[h].append(i)
-            end[h] = start[h] + float(tab.over[gd[h]] + tab.t[gd[h], members[h]].sum())
-            mload[h] = float(tab.mem[gd[h], members[h]].sum())
-            for r in ranks(h):
-                ready[r] = end[h]
-        if members[gs]:
-            end[gs] = start[gs] + float(tab.over[e0] + tab.t[e0, members[gs]].sum())
-            mload[gs] = float(tab.mem[e0, members[gs]].sum())
-            for r in ranks(gs):
-                ready[r] = end[gs]
-        else:
-            alive[gs] = False
-            for r in ranks(gs):
-                stacks[r].pop()
-                ready[r] = end[stacks[r][-1]] if stacks[r] else 0.0
-    if not improved:
-        return None
-    # micro-step of each group: one more than the latest of its predecessors on its ranks
-    level = {}
-    order = sorted((k for k in range(len(gd)) if alive[k]), key=lambda k: (start[k], end[k]))
-    depth = np.zeros(n, dtype=np.int64)
-    for k in order:
-        rr = list(ranks(k))
-        lv = int(depth[rr].max())
-        level[k] = lv
-        depth[rr] = lv + 1
-    steps = int(max(level.values())) + 1 if level else 0
-    micro = [[] for _ in range(steps)]
-    blocks = [[] for _ in range(steps)]
-    for k, lv in level.items():
-        micro[lv].append((int(tab.deg[gd[k]]), list(members[k])))
-        blocks[lv].append(int(blk[k]))
-    return micro, blocks
-
-
 # ------------------------------------------------------------------------------------------------
 # the planner
 # ------------------------------------------------------------------------------------------------
@@ -993,199 +844,343 @@ def _replace(p: Plan, **kw) -> Plan:
     return dataclasses.replace(p, **kw)
 
 
+@dataclass
+class _Cand:
+    """A candidate whole-step plan: its stack, where it came from and its compute time."""
+
+    stack: Stack
+    source: str
+    start: str
+
+    @property
+    def ms(self) -> float:
+        return self.stack.makespan_ms
+
+
 def plan_flexsp(lengths, cost: CostModel, opts: PlanOptions | None = None, *, bucketing: bool | None = None,
-                buckets: int = 16, extra_micro_steps: int = 2) -> Plan:
+                buckets: int = 16, extra_micro_steps: int = 2, cpsat: bool = True) -> Plan:
     """The FlexSP plan of one step (planner ``flexsp``).
 
-    ``bucketing``: None buckets micro-steps of more than ``AUTO_BUCKET_ABOVE`` sequences, True
-    always, False never (exact per-sequence model). ``buckets``: length buckets when bucketing.
-    ``extra_micro_steps``: micro-step counts tried beyond the fewest that fit.
+    Steps (module docstring): the baselines (greedy's rules, ``best-static``, a short ``two-stage``)
+    and ``Stack.greedy`` runs give stacks (groups on aligned blocks, larger degrees first); local
+    search on the exact per-rank loads improves the best of them; the whole-step CP-SAT model
+    (``stack.solve_stack``) is warm-started from the best stack and its answer polished by the same
+    local search; for small batches that fit one micro-step, the exact per-micro-step model is one
+    more candidate. The fastest candidate wins.
 
-    Returns a Plan whose makespan is never above greedy's or best-static's. ``status``:
-    ``optimal`` when CP-SAT proved the one-micro-step plan optimal (exact lengths) and nothing beat
-    it, or when the plan meets the lower bound; ``feasible`` otherwise (``stats["gap"]``: over the
-    lower bound); ``fallback`` when the solver produced nothing and a baseline's plan is returned
-    (``reason`` says why). ``stats`` (plain JSON data):
-    ``micro_steps``, ``min_micro_steps``, ``tried`` ({micro-step count or "<baseline>-split":
-    makespan}), ``buckets``, ``variables``, ``cp_sat_status`` ({status: micro-steps}),
-    ``cp_sat_wall_s``, ``best_bound_ms`` (the lower bound, or CP-SAT's proved bound for one
-    micro-step), ``source`` (where the plan came from: ``heuristic``, ``cp-sat``, ``greedy``,
-    ``best-static``, with ``+timeline`` when the timeline search improved it), ``greedy_ms``,
-    ``best_static_ms``, ``wall_s``, ``gap``; ``solver_ms`` when a baseline won.
-    Raises InfeasibleError when a sequence fits no group, Cancelled when cancelled.
+    ``cpsat=False`` skips both CP-SAT models (the ablation ``bench/solver.py`` reports).
+    ``bucketing`` / ``buckets``: the per-micro-step model's length buckets (None: only above
+    ``AUTO_BUCKET_ABOVE`` sequences, False: never). ``extra_micro_steps`` is kept for
+    compatibility and unused (stacks choose each rank's number of groups themselves).
+
+    Returns a Plan never slower than greedy's, best-static's (hence min-degree's and static-max's)
+    or the short two-stage run's for the same batch. ``status``: ``optimal`` when the plan meets the
+    lower bound (nothing else proves a whole step optimal: the per-micro-step model's OPTIMAL is
+    optimal among one-micro-step plans only); ``feasible`` otherwise; ``fallback`` when the
+    baselines took the whole time limit and the best of them is returned (``reason`` says why).
+    ``stats`` (plain JSON): ``source`` (``cp-sat`` when the plan is CP-SAT's answer as mapped
+    back, ``cp-sat+local-search`` when the local search then improved it; CP-SAT's answer counts
+    only when CP-SAT improved on its own hint; ``local-search`` when the local search improved a
+    start, ``stack-greedy`` or a baseline's name when a start won as it was), ``start`` (which
+    start: ``greedy:<rule>``, ``best-static``, ``two-stage``, ``stack-greedy:<target>,<extra>,<ties>``,
+    ``micro-step``), ``cp_sat`` (one entry per CP-SAT call: ``model`` (``whole-step`` or
+    ``micro-step``), ``status`` (CP-SAT's own, or why it was skipped), ``objective_ms`` and
+    ``bound_ms`` (compute time, model units converted to ms; None without a solution),
+    ``wall_s``, ``build_s``, ``variables``, ``hint`` (what CP-SAT reported of the warm start),
+    ``used`` (its answer is the plan returned), and for the whole-step model ``part``,
+    ``hint_objective_ms``, ``improved_hint``, ``mapped_ms``, ``polished_ms``, ``singles``,
+    ``buckets``, ``presolve``), ``cp_sat_status`` ({status: calls}), ``cp_sat_wall_s``,
+    ``best_bound_ms``, ``groups``, ``groups_per_gpu``, ``micro_steps``, ``min_micro_steps``,
+    ``greedy_ms``, ``best_static_ms``, ``two_stage_ms``, ``local_search_moves``, ``wall_s``, ``gap``,
+    ``timing`` (seconds per stage). Raises InfeasibleError when a sequence fits no group,
+    Cancelled when cancelled.
     """
     opts = opts or PlanOptions()
     warm_up()
     t0 = time.perf_counter()
-    # leave 15% of the limit for building and checking the final plan; stop starting heuristic
-    # candidates at 60% of the rest so that CP-SAT and the timeline refinement get their share
-    deadline = t0 + max(0.05, 0.85 * float(opts.time_limit))
-    cand_deadline = t0 + 0.6 * (deadline - t0)
+    limit = max(0.05, float(opts.time_limit))
+    # 15% of the limit stays for building and checking the final plan
+    deadline = t0 + 0.85 * limit
     s = np.asarray(lengths, dtype=np.int64)
     cost.check_feasible(s)
     lb = lower_bound_ms(s, cost)
+    grad = cost.grad_sync_ms()
     tab = _Table(s, cost)
+    timing: dict[str, float] = {}
 
-    opts.report(0.02, "flexsp: baselines (greedy, best static)")
-    greedy = plan_greedy(s, cost, opts)
+    def lap(name: str, since: float) -> float:
+        now = time.perf_counter()
+        timing[name] = timing.get(name, 0.0) + now - since
+        return now
+
+    tick = time.perf_counter()
+    opts.report(0.02, "flexsp: baselines (greedy, best static, two-stage)")
+    rule_plans = greedy_rule_plans(s, cost, opts, deadline=t0 + BASELINE_SHARE * limit)
+    greedy = min(rule_plans, key=lambda p: p.makespan_ms)
     opts.check_cancel()
     static = plan_best_static(s, cost, opts)
     opts.check_cancel()
-    baseline = min((greedy, static), key=lambda p: p.makespan_ms)
+    baselines = [greedy, static]
+    if time.perf_counter() < t0 + TWO_STAGE_SHARE * limit and s.size <= TWO_STAGE_MAX_SEQS:
+        # two-stage's replica layouts are stacks too; a short run of it is one more start
+        from workbench.solve.two_stage import plan_two_stage
 
+        two = plan_two_stage(s, cost, dataclasses.replace(opts, time_limit=0.5 * TWO_STAGE_SHARE * limit, progress=None))
+        baselines.append(two)
+    opts.check_cancel()
+    baseline = min(baselines, key=lambda p: p.makespan_ms)
+    tick = lap("baselines", tick)
     M0 = min_micro_steps(tab)
-    tried: dict[str, float] = {}
-    cands: list[tuple[float, int, list[StepResult], Plan]] = []
-    # the fewest micro-steps first, then the split of the better baseline re-planned micro-step by
-    # micro-step (it always fits memory, so it is the safe candidate), then more micro-steps and
-    # the other baseline's split
-    splits = [(f"{base.planner}-split", base) for base in sorted((static, greedy), key=lambda p: p.makespan_ms)]
-    Ms: list = [M0, splits[0], *range(M0 + 1, M0 + 1 + max(0, int(extra_micro_steps))), splits[1]]
-    for k, M in enumerate(Ms):
-        opts.check_cancel()
-        if time.perf_counter() > cand_deadline:
-            # out of time (the baselines can take it all on huge batches): keep what we have; with
-            # no candidate yet, the best baseline is returned below with the reason
-            break
-        if isinstance(M, tuple):
-            label, base = M
-            chunks = [np.array(sorted(i for g in ms.groups for i in g.sequences), dtype=np.int64)
-                      for ms in base.micro_steps]
-            M = len(chunks)
-        else:
-            label, chunks = str(M), None
-        opts.report(0.1 + 0.3 * k / len(Ms), f"flexsp: heuristic with {M} micro-step(s)")
-        steps = []
-        for q in (chunks if chunks is not None else _chunks(tab, M)):
+    cp_calls: list[dict] = []
+    cands: list[_Cand] = []
+    moves = 0
+    if time.perf_counter() < deadline:
+        seen = set()
+        for p in sorted([*rule_plans, *baselines[1:]], key=lambda p: p.makespan_ms):
+            key = round(p.makespan_ms, 6)
+            if key in seen:
+                continue
+            seen.add(key)
+            name = p.planner if p.planner != "greedy" else f"greedy:{p.stats.get('rule', '')}"
+            cands.append(_Cand(Stack.from_plan(p, tab), p.planner, name))
+        # 1. list scheduling under stack semantics, for a few targets (each gives another structure)
+        opts.report(0.15, "flexsp: whole-step list scheduling")
+        lbc = lb - grad
+        for k, (tgt, extra, lowest) in enumerate(STACK_GREEDY_RULES):
+            if k and time.perf_counter() > t0 + STARTS_SHARE * limit:
+                break
             opts.check_cancel()
-            left = max(0.0, cand_deadline - time.perf_counter())
-            if left <= 0.0 and (cands or chunks is None):
-                steps = None  # abandoned at the time limit; a baseline split is finished once
+            # the first run may take until the deadline (there is no stack without it); the others
+            # give up a little after the starts' share
+            cut = deadline if k == 0 else min(deadline, t0 + (STARTS_SHARE + 0.1) * limit)
+            st = Stack.greedy(tab, target=lbc * tgt, max_extra_work=extra, deadline=cut, lowest=lowest,
+                              cancel=opts.check_cancel)
+            if st is None:
                 break
-            r = _solve_step(tab, q, bucketing=bucketing, buckets=buckets, time_limit=left / max(1, M),
-                            seed=opts.seed, opts=opts, use_cpsat=False)
-            if r is None:
-                steps = None
-                break
-            steps.append(r)
-        if steps is None:
-            tried[label] = math.inf
-            continue
-        p = build_plan("flexsp", [r.groups for r in steps], s, cost, lower_bound=lb)
-        tried[label] = p.makespan_ms
-        cands.append((p.makespan_ms, M, steps, p))
-
-    source = "heuristic"
-    solver_plan: Plan | None = None
-    steps: list[StepResult] = []
-    if cands:
-        cands.sort(key=lambda c: c[0])
-        _, M, steps, solver_plan = cands[0]
-        # CP-SAT on the micro-steps furthest above their own bound
-        order = sorted(range(len(steps)), key=lambda j: -(steps[j].makespan_ms - steps[j].lower_bound_ms))
-        todo = [j for j in order if not steps[j].proved]
-        improved = False
-        cp_deadline = time.perf_counter() + CPSAT_SHARE * max(0.0, deadline - time.perf_counter())
-        for n_done, j in enumerate(todo):
-            opts.check_cancel()
-            left = cp_deadline - time.perf_counter()
-            if left < 0.03:
-                break
-            opts.report(0.4 + 0.55 * n_done / max(1, len(todo)), f"flexsp: CP-SAT on micro-step {j + 1} of {len(steps)}")
-            idx = np.array(sorted(i for _, g in steps[j].groups for i in g), dtype=np.int64)
-            e_of = {int(d): e for e, d in enumerate(tab.deg)}
-            heur = [(e_of[d], list(g)) for d, g in steps[j].groups]
-            if len(steps) == 1:
-                # warm start from the best one-micro-step plan at hand: ours, greedy's, best static's
-                for base in (greedy, static):
-                    if len(base.micro_steps) == 1:
-                        alt = [(e_of[g.degree], list(g.sequences)) for g in base.micro_steps[0].groups]
-                        if _makespan(alt, tab) < _makespan(heur, tab):
-                            heur = alt
-            share = left / max(1, len(todo) - n_done)
-            r = _solve_step(tab, idx, bucketing=bucketing, buckets=buckets, time_limit=share, seed=opts.seed,
-                            opts=opts, heuristic=heur)
+            name = f"stack-greedy:{tgt:g},{'-' if extra is None else f'{extra:g}'},{'lowest' if lowest else 'first'}"
+            cands.append(_Cand(st, "stack-greedy", name))
+        tick = lap("stack_greedy", tick)
+        # 2. the exact per-micro-step model where the batch is small and fits one micro-step
+        if cpsat and M0 == 1 and s.size <= AUTO_BUCKET_ABOVE and time.perf_counter() < deadline:
+            opts.report(0.2, "flexsp: CP-SAT on the one-micro-step model")
+            left = deadline - time.perf_counter()
+            r = _solve_step(tab, np.arange(s.size), bucketing=bucketing, buckets=buckets,
+                            time_limit=MICRO_SHARE * left, seed=opts.seed, opts=opts)
             if r is not None:
-                r.info = {**steps[j].info, **r.info}
-                if r.makespan_ms < steps[j].makespan_ms * (1 - 1e-12):
-                    improved = True
-                steps[j] = r
-        if improved:
-            p = build_plan("flexsp", [r.groups for r in steps], s, cost, lower_bound=lb)
-            if p.makespan_ms < solver_plan.makespan_ms:
-                solver_plan = p
-                source = "cp-sat"
-
-    # local search on the exact timeline, from the solver's plan and from greedy's
-    opts.report(0.9, "flexsp: refining on the timeline")
-    starts = [(p, src_name) for p, src_name in ((solver_plan, source), (greedy, "greedy")) if p is not None]
-    improved_from = None
-    for k, (p0, src_name) in enumerate(starts):
-        opts.check_cancel()
+                call = {"model": "micro-step", **_step_call_info(r)}
+                cp_calls.append(call)
+                e_of = {int(d): e for e, d in enumerate(tab.deg)}
+                st = Stack.from_groups(tab, _place(tab, [(e_of[d], g) for d, g in r.groups]))
+                cands.append(_Cand(st, "cp-sat" if call["used"] else "heuristic", "micro-step"))
+            tick = lap("micro_step_model", tick)
+        # 3. local search from the best starts, each until it stops improving or its share
+        cands.sort(key=lambda c: c.ms)
+        opts.report(0.3, "flexsp: local search on the whole step")
+        ls_end = time.perf_counter() + LS_SHARE * max(0.0, deadline - time.perf_counter())
+        # the best start of each kind first (a baseline's plan improves most; the stack greedy's
+        # start lower), then the next best
+        firsts = [next((c for c in cands if c.start.split(":")[0] == k), None) for k in ("stack-greedy", *BASELINE_KINDS)]
+        starts = [c for c in firsts if c is not None]
+        starts.sort(key=lambda c: c.ms)
+        starts += [c for c in cands if c not in starts]
+        starts = starts[:LS_STARTS]
+        for k, c in enumerate(starts):
+            opts.check_cancel()
+            left = ls_end - time.perf_counter()
+            if left <= 0:
+                break
+            st = c.stack.copy()
+            before = st.makespan_ms
+            moves += st.improve(time.perf_counter() + left * (0.5 if k + 1 < len(starts) else 1.0),
+                                cancel=opts.check_cancel)
+            if st.makespan_ms < before * (1 - 1e-12):
+                cands.append(_Cand(st, _plus(c.source, "local-search"), c.start))
+        cands.sort(key=lambda c: c.ms)
+        tick = lap("local_search", tick)
+        # 4. the whole-step CP-SAT model, warm-started from the best stack
+        if cpsat and time.perf_counter() < deadline - 0.02:
+            best = cands[0]
+            opts.report(0.55, "flexsp: CP-SAT on the whole-step model")
+            left = deadline - time.perf_counter()
+            cp_deadline = time.perf_counter() + CPSAT_SHARE * left
+            split = _split(best.stack)
+            # the parts whose ranks end latest first
+            parts = [None] if split is None else sorted((p for p in split if split[p].num_groups()),
+                                                        key=lambda p: -split[p].makespan_ms)
+            sizes = {p: sum(len(m) for _, _, m in (best.stack if p is None else split[p]).groups()) for p in parts}
+            for k, part in enumerate(parts):
+                left = (cp_deadline - time.perf_counter()) / (len(parts) - k)
+                if left < MIN_CPSAT_S:
+                    cp_calls.append({"model": "whole-step", "status": f"skipped ({left:.2f}s left)", "objective_ms": None,
+                                     "bound_ms": None, "wall_s": 0.0, "build_s": 0.0, "variables": 0, "hint": "none",
+                                     "used": False})
+                    break
+                if sizes[part] > CPSAT_MAX_SEQS:
+                    cp_calls.append({"model": "whole-step", "status": f"skipped ({sizes[part]} sequences)",
+                                     "objective_ms": None, "bound_ms": None, "wall_s": 0.0, "build_s": 0.0,
+                                     "variables": 0, "hint": "none", "used": False})
+                    continue
+                if part is None:
+                    hint = best.stack
+                else:  # the part as it is now: polishing after an earlier part may have moved sequences
+                    split = _split(best.stack)
+                    if split is None:
+                        break
+                    hint = split[part]
+                # part of the share stays for mapping the answer back and polishing it
+                out, info = solve_stack(hint.tab, hint, time_limit=0.7 * left, seed=opts.seed, opts=opts)
+                call = {"model": "whole-step", **info.to_dict(), "used": False}
+                if part is not None:
+                    call["part"] = part
+                cp_calls.append(call)
+                opts.check_cancel()
+                if out is None:
+                    continue
+                merged = _merge_part(best.stack, part, out)
+                raw = merged.makespan_ms
+                polished = merged.copy()
+                moves += polished.improve(time.perf_counter() + max(0.01, POLISH_SHARE * (deadline - time.perf_counter())),
+                                          cancel=opts.check_cancel)
+                call["mapped_ms"] = raw
+                call["polished_ms"] = polished.makespan_ms
+                # CP-SAT's answer counts only when CP-SAT improved on its hint (else it handed the hint
+                # back, and whatever the mapping and polishing found is the local search's)
+                found = info.objective_ms is not None and info.objective_ms < info.extra["hint_objective_ms"] * (1 - 1e-9)
+                call["improved_hint"] = bool(found)
+                if found and polished.makespan_ms < best.ms * (1 - 1e-12):
+                    src = "cp-sat" if polished.makespan_ms >= raw * (1 - 1e-12) else "cp-sat+local-search"
+                    best = _Cand(polished if polished.makespan_ms < raw else merged, src, best.start)
+                    call["used"] = True
+                    cands.append(best)
+            cands.sort(key=lambda c: c.ms)
+            tick = lap("cp_sat", tick)
+        # 5. what time is left: more local search on the best
         left = deadline - time.perf_counter()
-        r = _improve_timeline(p0, tab, time.perf_counter() + max(0.02, left / (len(starts) - k)))
-        if r is None:
-            continue
-        p1 = build_plan("flexsp", r[0], s, cost, blocks=r[1], lower_bound=lb)
-        if p1.makespan_ms < p0.makespan_ms * (1 - 1e-12) and (
-                solver_plan is None or p1.makespan_ms < solver_plan.makespan_ms):
-            solver_plan, improved_from = p1, src_name
-    if improved_from is not None:
-        source = f"{improved_from}+timeline"
+        if cands and left > 0.01:
+            c = cands[0]
+            st = c.stack.copy()
+            n = st.improve(deadline, cancel=opts.check_cancel)
+            moves += n
+            if st.makespan_ms < c.ms * (1 - 1e-12):
+                cands.insert(0, _Cand(st, _plus(c.source, "local-search"), c.start))
+            tick = lap("local_search", tick)
+    opts.check_cancel()
 
-    wall = time.perf_counter() - t0
-    cp_status: dict[str, int] = {}
-    for r in steps:
-        key = str(r.info.get("cp_sat_status", "not run"))
-        cp_status[key] = cp_status.get(key, 0) + 1
-    stats = {
-        "micro_steps": len(steps),
+    stats: dict = {
         "min_micro_steps": M0,
-        "tried": tried,
-        "buckets": max([r.info.get("buckets", 0) for r in steps], default=0),
-        "variables": int(sum(r.info.get("variables", 0) for r in steps)),
-        "cp_sat_status": cp_status,
-        "cp_sat_wall_s": float(sum(r.info.get("wall_s", 0.0) for r in steps)),
         "greedy_ms": greedy.makespan_ms,
         "best_static_ms": static.makespan_ms,
-        "wall_s": wall,
+        "two_stage_ms": baselines[2].makespan_ms if len(baselines) > 2 else None,
+        "local_search_moves": moves,
+        "cp_sat": cp_calls,
+        "cp_sat_status": _count(str(c.get("status")) for c in cp_calls),
+        "cp_sat_wall_s": float(sum(c.get("wall_s") or 0.0 for c in cp_calls)),
     }
-    all_proved = bool(steps) and all(r.proved for r in steps)
-    if solver_plan is not None and len(steps) == 1 and all_proved:
-        stats["best_bound_ms"] = steps[0].lower_bound_ms + cost.grad_sync_ms()
+    best = min(cands, key=lambda c: c.ms) if cands else None
+    if best is not None and best.ms + grad < baseline.makespan_ms * (1 - 1e-12):
+        micro, blocks = best.stack.assignment()
+        plan = build_plan("flexsp", micro, s, cost, blocks=blocks, lower_bound=lb)
+        # CP-SAT's OPTIMAL on the per-micro-step model is optimal among one-micro-step plans only:
+        # stacking groups on a rank can still be faster, so it proves nothing about the step
+        plan = _replace(plan, status="feasible", reason="")
+        stats["source"] = best.source
+        stats["start"] = best.start
     else:
-        stats["best_bound_ms"] = lb
-    if solver_plan is not None and solver_plan.makespan_ms <= baseline.makespan_ms * (1 + 1e-12):
-        status = "optimal" if (all_proved and len(steps) == 1 and M0 == 1) else "feasible"
-        if status == "optimal":
-            reason = "CP-SAT proved the one-micro-step plan optimal"
-        else:
-            why = [] if all_proved else ["time limit or bucketing: not proved optimal"]
-            if len(steps) > 1:
-                why.append(f"{len(steps)} micro-steps planned one by one")
-            reason = "; ".join(why)
-        plan = _replace(solver_plan, status=status, reason=reason)
-        stats["source"] = source
-    else:
-        if solver_plan is None and not tried:
+        if best is None:
             status, reason = "fallback", (f"the baselines (greedy, best static) took the whole {opts.time_limit:g}s "
                                           f"time limit; returning {baseline.planner}'s plan (raise the time limit "
                                           f"to let the solver improve on it)")
-        elif solver_plan is None:
-            status, reason = "fallback", (f"the solver found no plan within {opts.time_limit:g}s for "
-                                          f"{'/'.join(tried) or M0} micro-step(s); returning {baseline.planner}'s plan")
         else:
-            status, reason = "feasible", (f"{baseline.planner}'s plan ({baseline.makespan_ms:,.1f} ms) beat the "
-                                          f"solver's ({solver_plan.makespan_ms:,.1f} ms); returning it")
+            status, reason = "feasible", f"no candidate beat {baseline.planner}'s plan; returning it"
         plan = _replace(baseline, planner="flexsp", status=status, reason=reason)
         stats["source"] = baseline.planner
-        stats["solver_ms"] = solver_plan.makespan_ms if solver_plan is not None else None
+        stats["start"] = baseline.planner
     if plan.status != "optimal" and plan.makespan_ms <= lb * (1 + 1e-9):
         plan = _replace(plan, status="optimal", reason="the plan meets the lower bound")
+    groups = [g for m in plan.micro_steps for g in m.groups]
+    stats["groups"] = len(groups)
+    stats["groups_per_gpu"] = float(sum(g.degree for g in groups)) / max(1, cost.cluster.num_gpus)
+    stats["micro_steps"] = len(plan.micro_steps)
+    stats["best_bound_ms"] = lb
     stats["gap"] = plan.makespan_ms / lb - 1.0 if lb > 0 else 0.0
+    stats["timing"] = timing
     stats["wall_s"] = time.perf_counter() - t0
     opts.report(0.99, f"flexsp: {plan.makespan_ms:,.0f} ms ({stats['source']})")
     return _replace(plan, solve_seconds=time.perf_counter() - t0, lower_bound_ms=lb, stats=stats)
+
+
+def _plus(source: str, step: str) -> str:
+    """``source`` with ``step`` appended once (``greedy`` + ``local-search`` is ``local-search``)."""
+    if source.startswith("cp-sat"):
+        return "cp-sat+local-search"
+    return step
+
+
+def _count(keys) -> dict:
+    out: dict[str, int] = {}
+    for k in keys:
+        out[k] = out.get(k, 0) + 1
+    return out
+
+
+def _step_call_info(r: "StepResult") -> dict:
+    """The per-micro-step CP-SAT call's figures in the shape of the whole-step ones."""
+    i = r.info
+    used = "cp_sat_ms" in i and i.get("heuristic_ms") is not None and i["cp_sat_ms"] < i["heuristic_ms"] * (1 - 1e-12)
+    return {"status": str(i.get("cp_sat_status", "not run")), "objective_ms": i.get("objective_ms"),
+            "bound_ms": i.get("bound_ms"), "wall_s": float(i.get("wall_s", 0.0)), "build_s": float(i.get("build_s", 0.0)),
+            "variables": int(i.get("variables", 0)), "hint": str(i.get("hint", "none")), "used": bool(used)}
+
+
+def _place(tab: _Table, groups) -> list:
+    """One micro-step's groups ``[(e, members)]`` on aligned blocks (larger degrees first, each to
+    the lowest free block; degrees dividing each other pack without gaps)."""
+    used = np.zeros(tab.n_gpus, dtype=bool)
+    out = []
+    for e, mem in sorted(groups, key=lambda g: -int(tab.deg[g[0]])):
+        d = int(tab.deg[e])
+        free = ~used[: (tab.n_gpus // d) * d].reshape(-1, d).any(axis=1)
+        b = int(np.argmax(free))
+        used[b * d:(b + 1) * d] = True
+        out.append((e, b, list(mem)))
+    return out
+
+
+def _split(stack: Stack) -> dict | None:
+    """The stack's parts ``{part index: sub-stack on its ranks}``, a part being an aligned block
+    of ``CPSAT_PART_GPUS`` ranks, or None when the cluster is not larger than that or some group
+    is wider (it would straddle two parts)."""
+    tab = stack.tab
+    P = int(CPSAT_PART_GPUS)
+    used = max((int(tab.deg[e]) for e, _, _ in stack.groups()), default=1)
+    if stack.n <= P or stack.n % P or used > P:
+        return None
+    sub = _Table.__new__(_Table)
+    sub.__dict__.update(tab.__dict__)
+    sub.n_gpus = P
+    per_part: dict[int, list] = {p: [] for p in range(stack.n // P)}
+    for e, b, mem in stack.groups():
+        d = int(tab.deg[e])
+        p = (b * d) // P
+        per_part[p].append((e, b - p * (P // d), mem))
+    return {p: Stack.from_groups(sub, g) for p, g in per_part.items()}
+
+
+def _merge_part(stack: Stack, part, out: Stack) -> Stack:
+    """``stack`` with part ``part`` replaced by ``out`` (a stack on the part's ranks)."""
+    if part is None:
+        return Stack.from_groups(stack.tab, out.groups())
+    tab = stack.tab
+    P = out.n
+    groups = []
+    for e, b, mem in stack.groups():
+        d = int(tab.deg[e])
+        if (b * d) // P != part:
+            groups.append((e, b, mem))
+    for e, b, mem in out.groups():
+        d = int(tab.deg[e])
+        groups.append((e, b + part * (P // d), mem))
+    return Stack.from_groups(tab, groups)
 
 
 def warm_up() -> None:

@@ -187,6 +187,20 @@ def build_plan(
     ready = np.zeros(n)
     out: list[MicroStep] = []
     fixed = [list(b) for b in blocks] if blocks is not None else None
+    # each degree's per-sequence times and memories once (the same figures as group_time's)
+    t_of: dict[int, np.ndarray] = {}
+    m_of: dict[int, np.ndarray] = {}
+
+    def _group_time(d: int, seqs) -> float:
+        if d not in t_of:
+            t_of[d] = cost.time(lengths, d)
+        return cost.group_overhead_ms(d) + float(t_of[d][list(seqs)].sum())
+
+    def _group_memory(d: int, seqs) -> float:
+        if d not in m_of:
+            m_of[d] = cost.memory(lengths, d)
+        return float(m_of[d][list(seqs)].sum())
+
     for m, groups in enumerate(micro_steps):
         groups = [(int(d), list(s)) for d, s in groups]
         fixed_m = fixed[m] if fixed is not None else None
@@ -195,7 +209,7 @@ def build_plan(
         need = sum(d for d, s in groups if s)
         if need > n:
             raise PlanError(f"micro-step {m}: groups need {need} ranks but the cluster has {n}")
-        timed = [(d, s, group_time(cost, lengths, d, s), k) for k, (d, s) in enumerate(groups) if s]
+        timed = [(d, s, _group_time(d, s), k) for k, (d, s) in enumerate(groups) if s]
         timed.sort(key=lambda x: (-x[0], -x[2]))
         used = np.zeros(n, dtype=bool)
         placed: list[Group] = []
@@ -217,7 +231,7 @@ def build_plan(
             ready[lo:hi] = start + t
             placed.append(Group(degree=d, ranks=tuple(range(lo, hi)), sequences=tuple(int(i) for i in s),
                                 lengths=tuple(int(lengths[i]) for i in s), time_ms=t,
-                                memory_gb=group_memory(cost, lengths, d, s)))
+                                memory_gb=_group_memory(d, s)))
         placed.sort(key=lambda g: g.ranks[0])
         if placed:
             out.append(MicroStep(groups=tuple(placed)))
