@@ -36,11 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from workbench.cli import default_max_len  # noqa: E402
-from workbench.cost import CostModel  # noqa: E402
-from workbench.data import GlobalBatchSampler, load_lengths, synthetic_lengths  # noqa: E402
+from workbench.data import synthetic_lengths  # noqa: E402
+from workbench.scenario import Scenario  # noqa: E402
 from workbench.solve import PlanOptions, planner_names, run_planner, validate  # noqa: E402
-from workbench.specs import ClusterSpec, get_model, load_profile  # noqa: E402
 
 FAMILIES = ("wikipedia", "commoncrawl", "github", "byted")
 OTHERS = ("static-max", "best-static", "min-degree", "greedy", "two-stage")
@@ -56,9 +54,8 @@ def batches(fam: str, gpus: int, seqs: int, steps: int, seed: int, max_len: int,
     sampled from 200,000 lengths of the family (both clipped to ``max_len``)."""
     if batch_tokens is None:
         return [np.minimum(synthetic_lengths(fam, seqs, seed=seed + k), max_len) for k in range(steps)]
-    ls = load_lengths(fam, samples=200_000, seed=seed, max_len=max_len, policy="clip")
-    sampler = GlobalBatchSampler(ls.lengths, batch_tokens=batch_tokens, seed=seed)
-    return [np.asarray(b.lengths) for b in sampler.take(steps)]
+    sc = Scenario(source=fam, samples=200_000, seed=seed, max_len=max_len, policy="clip", batch_tokens=batch_tokens)
+    return [np.asarray(b.lengths) for b in sc.batches(steps)]
 
 
 def gap_parts(plan, s, cost) -> dict:
@@ -84,9 +81,8 @@ def gap_parts(plan, s, cost) -> dict:
 def run_cell(gpus: int, seqs: int, families, steps: int, time_limit, seed: int, others, batch_tokens=None):
     from workbench.solve.flexsp import plan_flexsp
 
-    profile, model = load_profile("a100-40g-flexsp"), get_model("7b")
-    cost = CostModel(profile, model, ClusterSpec(num_gpus=gpus))
-    max_len = default_max_len(cost)
+    sc = Scenario(model="7b", profile="a100-40g-flexsp", num_gpus=gpus)
+    cost, max_len = sc.cost(), sc.resolved_max_len()
     size = seqs if batch_tokens is None else 1024
     tl = auto_time_limit(gpus, size) if time_limit == "auto" else float(time_limit)
     rows = []
@@ -211,12 +207,11 @@ def small_ablation(count: int, time_limit: float, seed: int) -> None:
     rng = np.random.default_rng(seed)
     configs = [("1b", 1, 40), ("1b", 2, 40), ("1b", 4, 40), ("1b", 8, 40), ("1b", 2, 24), ("1b", 4, 80),
                ("7b", 8, 40), ("7b", 4, 80), ("7b", 8, 80), ("1b", 8, 24)]
-    profile = load_profile("a100-40g-flexsp")
     better = worse = 0
     gains, sources = [], {}
     for k in range(count):
         name, n, mem = configs[rng.integers(len(configs))]
-        cost = CostModel(profile, get_model(name), ClusterSpec(num_gpus=n, gpus_per_node=8, gpu_memory_gb=mem))
+        cost = Scenario(model=name, profile="a100-40g-flexsp", num_gpus=n, gpus_per_node=8, gpu_memory_gb=mem).cost()
         tpg = cost.tokens_per_gpu()
         hi = max(cost.degrees) * tpg
         f = np.exp(rng.uniform(np.log(0.01), np.log(min(3.0, hi / tpg)), size=int(rng.integers(1, 11))))
