@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import signal
 import sys
 import time
 from pathlib import Path
@@ -349,15 +348,10 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug-step-sleep", type=float, default=None, help=argparse.SUPPRESS)
 
 
-class _Interrupted(Exception):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 def cmd_train(args) -> int:
     """``workbench train``: prepare a new run (or check a resume), start it under the supervisor,
-    show its progress, and return its exit status. Signals stop the whole run."""
+    show its progress, and return its exit status. Signals stop the whole run
+    (``workbench.launch.terminal``)."""
     from workbench import runs, training
     from workbench.launch import process
 
@@ -407,29 +401,9 @@ def cmd_train(args) -> int:
              f"`workbench runs stop {run.id}`")
         return 0
 
-    def on_signal(signum, frame):  # noqa: ARG001
-        raise _Interrupted(signum)
+    from workbench.launch.terminal import follow_in_terminal
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
-        st = _follow(handle, spec, quiet=args.quiet)
-    except _Interrupted as e:
-        for s in old:
-            signal.signal(s, signal.SIG_IGN)
-        st = process.stop(handle)
-        _say(f"workbench train: {e} received; run {run.path} {st.state}")
-        return 128 + e.signum
-    finally:
-        for s, h in old.items():
-            if signal.getsignal(s) is on_signal:
-                signal.signal(s, h)
-    if st.state != "done":
-        for line in st.log_tail[-10:]:
-            _say(f"  | {line}")
-        err = str(st.error or f"the run ended {st.state}").splitlines()[0]
-        _say(f"workbench train: error: {err} (run {run.path}; log {run.file(runs.LOG_FILE)})")
-        return 1 if st.state == "failed" else 3
-    return 0
+    return follow_in_terminal(handle, name="train", follow=lambda: _follow(handle, spec, quiet=args.quiet), say=_say)
 
 
 def _follow(handle, spec, *, quiet: bool):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -143,12 +142,6 @@ def profile_table(res) -> str:
     return "\n".join(lines)
 
 
-class _Interrupted(Exception):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 def _check(args) -> int:
     from workbench import runs
     from workbench.profile import check_fidelity
@@ -223,7 +216,6 @@ def run(args) -> int:
     if args.check:
         return _check(args)
     from workbench import runs
-    from workbench.launch import process
     from workbench.profile import load_result, prepare_profile, start_profile
 
     for flag in ("profile", "html"):
@@ -244,28 +236,11 @@ def run(args) -> int:
              f"`workbench runs stop {run_.id}`")
         return 0
 
-    def on_signal(signum, frame):  # noqa: ARG001
-        raise _Interrupted(signum)
+    from workbench.launch.terminal import follow_in_terminal
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
-        st = _follow(handle, args.quiet)
-    except _Interrupted as e:
-        for s in old:
-            signal.signal(s, signal.SIG_IGN)
-        st = process.stop(handle)
-        _say(f"workbench profile: {e} received; run {run_.path} {st.state}")
-        return 128 + e.signum
-    finally:
-        for s, h in old.items():
-            if signal.getsignal(s) is on_signal:
-                signal.signal(s, h)
-    if st.state != "done":
-        for line in st.log_tail[-10:]:
-            _say(f"  | {line}")
-        err = str(st.error or f"the run ended {st.state}").splitlines()[0]
-        _say(f"workbench profile: error: {err} (run {run_.path}; log {run_.file(runs.LOG_FILE)})")
-        return 1 if st.state == "failed" else 3
+    code = follow_in_terminal(handle, name="profile", follow=lambda: _follow(handle, args.quiet), say=_say)
+    if code != 0:
+        return code
     res = load_result(run_)
     if args.json:
         from workbench.util import dumps
