@@ -125,7 +125,15 @@ def test_hardware_and_lengths_notebooks(tmp_path):
     run = run_notebook("01_hardware", {"profile": "cpu-gloo-tiny", "save_as": str(saved)}, root=tmp_path)
     assert run.status().state == "done" and errors_in(executed(run, "01_hardware")) == []
     pts = json.loads((run.path / "tables" / "points.json").read_text())
-    assert len(pts) == 16 and all(abs(p["relative_error"]) < 0.2 for p in pts)
+    from workbench.specs import load_profile
+
+    prof = load_profile("cpu-gloo-tiny").to_dict()
+    packs = prof["provenance"]["measurements"]
+    assert len(pts) == 2 * len(packs)  # forward and backward of every measured pack
+    assert all(abs(p["relative_error"]) < 0.2 for p in pts if p["role"] == "fit")
+    one = next(p for p in pts if p["kind"] == "forward" and len(p["pack"]) == 1)
+    s, f = one["pack"][0], prof["forward"]  # the fitted time by hand: a*s^2 + b*s + c
+    assert one["fitted_ms"] == pytest.approx(f["a"] * s * s + f["b"] * s + f["c"])
     assert json.loads(saved.read_text())["name"] == "cpu-gloo-tiny"
     assert (run.path / "figures" / "residuals.html").is_file()
 

@@ -37,7 +37,8 @@ def profile_curves(profile, lengths: Sequence[int] | None = None) -> dict:
 def profile_points(profile) -> list[dict]:
     """The measured packs a profile keeps in ``provenance.measurements`` (quick-fit profiles do),
     each with the fit's prediction and the relative error: ``[{pack, tokens, kind, measured_ms,
-    fitted_ms, relative_error}]`` (kind: forward or backward). Empty for a reference profile."""
+    fitted_ms, relative_error, role}]`` (kind: forward or backward; role: ``fit`` or ``heldout``, a
+    pack kept out of the fit). Empty for a reference profile."""
     pd = profile.to_dict() if hasattr(profile, "to_dict") else dict(profile)
     out = []
     for m in (pd.get("provenance") or {}).get("measurements") or []:
@@ -50,7 +51,8 @@ def profile_points(profile) -> list[dict]:
                 continue
             fit = _curve_ms(pd[kind], pack)
             out.append({"pack": pack, "tokens": sum(pack), "kind": kind, "measured_ms": float(meas), "fitted_ms": fit,
-                        "relative_error": (float(meas) - fit) / fit if fit > 0 else None})
+                        "relative_error": (float(meas) - fit) / fit if fit > 0 else None,
+                        "role": m.get("role", "fit")})
     return out
 
 
