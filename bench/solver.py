@@ -9,7 +9,10 @@ makespan over the lower bound (median), the speedup of flexsp over static-max, b
 min-degree, greedy and two-stage (ratio of mean step times), CP-SAT's contribution (the median over
 the steps of flexsp-without-CP-SAT's makespan / flexsp's, minus one), the steps where flexsp is
 behind any other planner, and what CP-SAT did: how many calls reported the warm-start hint complete
-and feasible, and which plans it produced. ``--batch-tokens T`` draws batches of T tokens from
+and feasible, and which plans it produced. It also divides each makespan by the larger of the lower
+bound and the packing bound (``workbench.solve.bound``: sequences over half a group cannot share
+it, a long sequence's wide group pays its whole overhead), given the best plan of the step as the
+bound's ``upper_ms``. ``--batch-tokens T`` draws batches of T tokens from
 each family instead (``GlobalBatchSampler``, as bench/planners.py does), so the seqs column is
 "T tokens".
 
@@ -79,6 +82,7 @@ def gap_parts(plan, s, cost) -> dict:
 
 
 def run_cell(gpus: int, seqs: int, families, steps: int, time_limit, seed: int, others, batch_tokens=None):
+    from workbench.solve.bound import packing_bound_ms
     from workbench.solve.flexsp import plan_flexsp
 
     sc = Scenario(model="7b", profile="a100-40g-flexsp", num_gpus=gpus)
@@ -89,6 +93,7 @@ def run_cell(gpus: int, seqs: int, families, steps: int, time_limit, seed: int, 
     for fam in families:
         t0 = time.perf_counter()
         solve, solve_off, ratio, ratio_off, gain = [], [], [], [], []
+        ratio_pack, ratio_pack_off = [], []
         mk = {p: [] for p in ("flexsp", *others)}
         statuses: dict[str, int] = {}
         sources: dict[str, int] = {}
@@ -127,11 +132,18 @@ def run_cell(gpus: int, seqs: int, families, steps: int, time_limit, seed: int, 
                     gaps["greedy"].append(gap_parts(r, s, cost))
                 if p.makespan_ms > r.makespan_ms * (1 + 1e-9):
                     behind.append(f"step {k}: {o} {r.makespan_ms / p.makespan_ms - 1:+.2%}")
+            # the packing bound, given the step's best plan (its compute time) as the upper limit
+            best_ms = min(p.makespan_ms, q.makespan_ms, *(mk[o][-1] for o in others))
+            bound = max(p.lower_bound_ms, packing_bound_ms(s, cost, upper_ms=best_ms - cost.grad_sync_ms()))
+            ratio_pack.append(p.makespan_ms / bound)
+            ratio_pack_off.append(q.makespan_ms / bound)
         row = {
             "family": fam, "time_limit": tl, "solve_p50": float(np.percentile(solve, 50)),
             "solve_p95": float(np.percentile(solve, 95)), "solve_p95_off": float(np.percentile(solve_off, 95)),
             "x_lower_bound": float(np.mean(ratio)), "x_lower_bound_median": float(np.median(ratio)),
             "x_lower_bound_median_off": float(np.median(ratio_off)),
+            "x_packing_bound_median": float(np.median(ratio_pack)),
+            "x_packing_bound_median_off": float(np.median(ratio_pack_off)),
             "cp_sat_gain_median": float(np.median(gain)), "cp_sat_gain_max": float(np.max(gain)),
             "speedup": {o: float(np.mean(mk[o]) / np.mean(mk["flexsp"])) for o in others},
             "speedup_median": {o: float(np.median(np.asarray(mk[o]) / np.asarray(mk["flexsp"]))) for o in others},
@@ -154,12 +166,14 @@ def print_cell(gpus, seqs, rows, all_others):
     print(f"\n### {gpus} GPUs x {seqs} per step (flexsp time limit {tl:g}s)\n")
     head = " | ".join(f"vs {o}" for o in all_others)
     print(f"| family | solve p50 (s) | solve p95 (s) | makespan / LB (median) | CP-SAT off: makespan / LB | "
-          f"CP-SAT gain (median, max) | {head} | behind | groups per GPU | source |")
-    print("|---|---:|---:|---:|---:|---:|" + "---:|" * len(all_others) + "---:|---:|---|")
+          f"makespan / packing bound (median; CP-SAT off) | CP-SAT gain (median, max) | {head} | behind | "
+          f"groups per GPU | source |")
+    print("|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(all_others) + "---:|---:|---|")
     for r in rows:
         sp = " | ".join(f"{r['speedup'][o]:.3f}x" if o in r["speedup"] else "n/a" for o in all_others)
         print(f"| {r['family']} | {r['solve_p50']:.2f} | {r['solve_p95']:.2f} | {r['x_lower_bound_median']:.3f} | "
-              f"{r['x_lower_bound_median_off']:.3f} | {r['cp_sat_gain_median']:+.2%}, {r['cp_sat_gain_max']:+.2%} | {sp} | "
+              f"{r['x_lower_bound_median_off']:.3f} | {r['x_packing_bound_median']:.3f}; "
+              f"{r['x_packing_bound_median_off']:.3f} | {r['cp_sat_gain_median']:+.2%}, {r['cp_sat_gain_max']:+.2%} | {sp} | "
               f"{len(r['behind'])} of {r['steps']} | {r['groups_per_gpu']:.2f} | {_fmt_counts(r['source'])} |", flush=True)
     print("\nCP-SAT calls: " + "; ".join(f"{r['family']}: {_fmt_counts(r['cp_sat_calls'])} (hint: "
                                         f"{_fmt_counts(r['hints'])})" for r in rows))

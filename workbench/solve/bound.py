@@ -1,0 +1,100 @@
+"""A lower bound on a step's makespan that counts how sequences pack into groups.
+
+``plan.lower_bound_ms`` charges group overhead for the activations' memory as if groups could be
+filled to the byte (``sum(activations) / budget`` GPU-slots). Sequences are not divisible: two
+sequences that each need more than half a group's memory at some degree never share a group of it,
+and a long sequence that needs a wide degree pays that group's whole overhead however little of its
+memory it uses (unless other sequences fill the rest, at that degree's cost). ``packing_bound_ms``
+is the linear programme that says so.
+
+The linear programme (every plan of the step gives a solution, so its optimum is a lower bound):
+
+- ``x[i, d]`` in [0, 1]: the share of sequence i run at degree d (sum over d = 1; only degrees that
+  hold it, and whose single-group time ``time(i, d) + overhead(d)`` is within ``upper_ms``);
+- ``y[d] >= 0``: the number of groups of degree d;
+- memory: ``sum_i x[i, d] * memory(i, d) <= budget * y[d]`` for each d;
+- each group holds at most one sequence that needs more than half its memory:
+  ``sum over those i of x[i, d] <= y[d]``; and, weighing a sequence over two thirds 2 and one over
+  a third 1, at most 2 per group: ``sum w_i x[i, d] <= 2 y[d]`` (dual-feasible functions of
+  bin packing, both valid for any group);
+- GPU-time: ``sum_d d * (overhead(d) * y[d] + sum_i x[i, d] * time(i, d)) <= N * T``, as each of the
+  N GPUs computes at most the compute time T;
+- T is at least every sequence's fastest single-group time on the degrees it may use;
+- minimise T. The bound is T plus the gradient sync.
+
+A plan's integer group counts and assignment satisfy every constraint with its own compute time as
+T, so the optimum's T is at most any plan's. ``upper_ms`` restricts the degrees only to those a
+plan at least as fast as ``upper_ms`` (compute time) could use, so the bound holds for the optimum
+whenever ``upper_ms`` is some plan's compute time (or None: no restriction). Sequences of equal
+length are one variable per degree (their count as its upper limit): exact, and small at thousands
+of sequences. Uses OR-Tools' GLOP; pure numpy otherwise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["packing_bound_ms"]
+
+
+def packing_bound_ms(lengths, cost, upper_ms: float | None = None) -> float:
+    """The packing lower bound (module docstring) in ms, gradient sync included. ``upper_ms``: the
+    compute time (no gradient sync) of some plan of these lengths, or None."""
+    from ortools.linear_solver import pywraplp
+
+    s = np.asarray(lengths, dtype=np.int64)
+    grad = float(cost.grad_sync_ms())
+    if s.size == 0:
+        return grad
+    cost.check_feasible(s)
+    n = int(cost.cluster.num_gpus)
+    degs = [int(d) for d in cost.degrees if d <= n]
+    B = float(cost.memory_budget_gb)
+    u, cnt = np.unique(s, return_counts=True)
+    t = np.stack([cost.time(u, d) for d in degs])
+    mem = np.stack([cost.memory(u, d) for d in degs])
+    over = np.array([float(cost.group_overhead_ms(d)) for d in degs])
+    allowed = mem <= B
+    if upper_ms is not None:
+        # a plan no slower than upper_ms runs no group longer than that (small slack for rounding)
+        allowed &= t + over[:, None] <= float(upper_ms) * (1 + 1e-9)
+    if not allowed.any(axis=0).all():  # upper_ms below some sequence's fastest group: no such plan
+        allowed = mem <= B
+    lp = pywraplp.Solver.CreateSolver("GLOP")
+    inf = lp.infinity()
+    # no plan is faster than its slowest sequence alone on its fastest allowed degree
+    alone = float(np.where(allowed, t + over[:, None], np.inf).min(axis=0).max())
+    T = lp.NumVar(alone, inf, "T")
+    y = [lp.NumVar(0.0, inf, f"y{e}") for e in range(len(degs))]
+    x: dict = {}
+    for j in range(u.size):
+        row = []
+        for e in range(len(degs)):
+            if allowed[e, j]:
+                v = lp.NumVar(0.0, float(cnt[j]), f"x{j}_{e}")
+                x[j, e] = v
+                row.append(v)
+        lp.Add(lp.Sum(row) == float(cnt[j]))
+    work = []
+    for e, d in enumerate(degs):
+        js = [j for j in range(u.size) if (j, e) in x]
+        if not js:
+            continue
+        f = mem[e, js] / B
+        lp.Add(lp.Sum([x[j, e] * float(mem[e, j]) for j in js]) <= B * y[e])
+        half = [x[j, e] for j, fj in zip(js, f) if fj > 0.5 * (1 + 1e-12)]
+        if half:
+            lp.Add(lp.Sum(half) <= y[e])
+        third = [x[j, e] * (2.0 if fj > (2 / 3) * (1 + 1e-12) else 1.0) for j, fj in zip(js, f)
+                 if fj > (1 / 3) * (1 + 1e-12)]
+        if third:
+            lp.Add(lp.Sum(third) <= 2 * y[e])
+        work.append(y[e] * float(d * over[e]))
+        work.extend(x[j, e] * float(d * t[e, j]) for j in js)
+    lp.Add(lp.Sum(work) <= n * T)
+    lp.Minimize(T)
+    status = lp.Solve()
+    if status != pywraplp.Solver.OPTIMAL:
+        return grad  # claim nothing
+    # GLOP's optimum is a floating-point vertex: step back by its tolerance so it stays a bound
+    return max(0.0, float(T.solution_value()) * (1 - 1e-7)) + grad
