@@ -16,7 +16,7 @@ from pathlib import Path
 
 from workbench.scenario import DEFAULT_PLANNERS, Scenario, is_length_list
 from workbench.simulate import summary_table
-from workbench.util import dumps
+from workbench.util import dumps, positive_float, positive_int
 
 DEFAULT_MODEL = "7b"
 DEFAULT_PROFILE = "a100-40g-flexsp"
@@ -57,37 +57,17 @@ def _positive_list(text: str, what: str) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (v > 0 and v < float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return v
-
-
 def _add_data_args(p: argparse.ArgumentParser, source_flag: bool) -> None:
     if source_flag:
         p.add_argument("--lengths", required=True, metavar="SOURCE",
                        help="family name (wikipedia, commoncrawl, github, byted, uniform, lognormal, stdlib), "
                             "a file, or a comma-separated list of lengths taken in order as the whole batch")
-    p.add_argument("--max-len", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--max-len", type=positive_int, default=None, metavar="N",
                    help="max context; longer sequences are handled by --policy (plan/simulate default: the "
                         "largest power of two the cluster can hold, at most the model's max context)")
     p.add_argument("--policy", default="clip", choices=["clip", "split", "drop", "error"],
                    help="what to do with sequences over --max-len (default clip; always reported)")
-    p.add_argument("--samples", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--samples", type=positive_int, default=None, metavar="N",
                    help="sequences to generate from a family or draw from a file (default: family 100000, file all)")
     p.add_argument("--seed", type=int, default=0, help="seeds data sampling and planners")
     p.add_argument("--column", default=None, help="CSV/Parquet/JSONL/dataset column holding lengths or text")
@@ -97,8 +77,8 @@ def _add_data_args(p: argparse.ArgumentParser, source_flag: bool) -> None:
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", type=int, default=DEFAULT_GPUS, metavar="N", help=f"GPUs (default {DEFAULT_GPUS})")
-    p.add_argument("--gpus-per-node", type=_positive_int, default=8, metavar="G", help="GPUs per node (default 8)")
-    p.add_argument("--gpu-memory", type=_positive_float, default=None, metavar="GB",
+    p.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="G", help="GPUs per node (default 8)")
+    p.add_argument("--gpu-memory", type=positive_float, default=None, metavar="GB",
                    help="memory per GPU in GB (default: the profile's GPU)")
     p.add_argument("--memory-fraction", type=float, default=0.7,
                    help="share of GPU memory plans may fill (default 0.7, as FlexSP's 28 of 40 GB)")
@@ -113,9 +93,9 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
 
 def _add_batch_args(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--batch-tokens", type=_positive_int, default=None, metavar="T", help="global batch by token budget")
-    g.add_argument("--batch-size", type=_positive_int, default=None, metavar="B", help="global batch by sequence count")
-    p.add_argument("--time-limit", type=_positive_float, default=1.0, metavar="S", help="solver time limit per step (s)")
+    g.add_argument("--batch-tokens", type=positive_int, default=None, metavar="T", help="global batch by token budget")
+    g.add_argument("--batch-size", type=positive_int, default=None, metavar="B", help="global batch by sequence count")
+    p.add_argument("--time-limit", type=positive_float, default=1.0, metavar="S", help="solver time limit per step (s)")
 
 
 def scenario_from_args(args, **extra) -> Scenario:
@@ -288,9 +268,9 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     from workbench.training import ATTENTION, DEVICES, OPTIMIZERS
 
     g = p.add_argument_group("processes")
-    g.add_argument("--nproc", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--nproc", type=positive_int, default=None, metavar="N",
                    help="processes (GPUs) per node (new run: default 1; a resumed run keeps its own)")
-    g.add_argument("--nnodes", type=_positive_int, default=None, metavar="N", help="nodes (default 1)")
+    g.add_argument("--nnodes", type=positive_int, default=None, metavar="N", help="nodes (default 1)")
     g.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node's rank (multi-node)")
     g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                    help="rendezvous endpoint (multi-node; a single node binds 127.0.0.1 only)")
@@ -303,28 +283,28 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lengths", dest="source", default=None, metavar="SOURCE",
                    help="stdlib (default: the embedded corpus, one document per sequence), a family, a file, or "
                         "L1,L2,... (that batch every step)")
-    g.add_argument("--samples", type=_positive_int, default=None, metavar="N", help="sequences drawn from the source")
+    g.add_argument("--samples", type=positive_int, default=None, metavar="N", help="sequences drawn from the source")
     g.add_argument("--column", default=None, help="file column holding lengths or text")
-    g.add_argument("--max-len", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--max-len", type=positive_int, default=None, metavar="N",
                    help="max context (default: 1024 on CPU, what the cluster holds on CUDA; at most the model's)")
     g.add_argument("--policy", default=None, choices=["clip", "split", "drop", "error"],
                    help="sequences over --max-len (default split: every token kept; always reported)")
     b = g.add_mutually_exclusive_group()
-    b.add_argument("--batch-tokens", type=_positive_int, default=None, metavar="T",
+    b.add_argument("--batch-tokens", type=positive_int, default=None, metavar="T",
                    help="global batch token budget (default 16384)")
-    b.add_argument("--batch-size", type=_positive_int, default=None, metavar="B", help="global batch in sequences")
+    b.add_argument("--batch-size", type=positive_int, default=None, metavar="B", help="global batch in sequences")
     g.add_argument("--planner", default=None, help="planner (default greedy)")
-    g.add_argument("--time-limit", type=_positive_float, default=None, metavar="S", help="planner time limit per step")
+    g.add_argument("--time-limit", type=positive_float, default=None, metavar="S", help="planner time limit per step")
     g.add_argument("--profile", default=None, metavar="NAME|PATH",
                    help="profile for the cost model (default cpu-gloo-tiny on CPU, a100-40g-flexsp on CUDA)")
-    g.add_argument("--gpu-memory", dest="gpu_memory_gb", type=_positive_float, default=None, metavar="GB",
+    g.add_argument("--gpu-memory", dest="gpu_memory_gb", type=positive_float, default=None, metavar="GB",
                    help="memory per device for the cost model (default: the profile's)")
     g.add_argument("--attention", default=None, choices=ATTENTION, help="attention backend (default auto)")
-    g.add_argument("--steps", type=_positive_int, default=None, metavar="K",
+    g.add_argument("--steps", type=positive_int, default=None, metavar="K",
                    help="optimizer steps in total (required for a new run; a resumed run goes on up to K)")
     g.add_argument("--seed", type=int, default=None, help="seeds weights, batches and plans (default 0)")
     g.add_argument("--optimizer", default=None, choices=OPTIMIZERS, help="default adamw")
-    g.add_argument("--lr", type=_positive_float, default=None, help="learning rate (default sgd 0.05, adamw 1e-3)")
+    g.add_argument("--lr", type=positive_float, default=None, help="learning rate (default sgd 0.05, adamw 1e-3)")
     g.add_argument("--weight-decay", type=float, default=None)
     g.add_argument("--momentum", type=float, default=None, help="SGD momentum (default 0)")
     g.add_argument("--grad-clip", type=float, default=None, metavar="NORM", help="clip the gradient norm (0: off)")
@@ -332,7 +312,7 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="checkpoint every K steps and after the last (default 100; 0: never)")
     g.add_argument("--no-plan-ahead", dest="plan_ahead", action="store_const", const=False, default=None,
                    help="plan each step inline instead of one step ahead")
-    g.add_argument("--timeout", dest="timeout_s", type=_positive_float, default=None, metavar="S",
+    g.add_argument("--timeout", dest="timeout_s", type=positive_float, default=None, metavar="S",
                    help="collective timeout: a rank waiting longer fails (default 600)")
     g = p.add_argument_group("where")
     g.add_argument("--run-dir", default=None, metavar="DIR",
@@ -647,8 +627,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--run-root", default="runs", metavar="DIR")
     q.add_argument("--steps", type=int, default=8, metavar="K", help="steps of the training run (default 8)")
     q.add_argument("--no-train", action="store_true", help="leave out the training run")
-    q.add_argument("--time-limit", type=_positive_float, default=1.0, metavar="S", help="flexsp time limit per step")
-    q.add_argument("--samples", type=_positive_int, default=100_000, help="sequences drawn from the length family")
+    q.add_argument("--time-limit", type=positive_float, default=1.0, metavar="S", help="flexsp time limit per step")
+    q.add_argument("--samples", type=positive_int, default=100_000, help="sequences drawn from the length family")
     q.add_argument("--seed", type=int, default=0)
     q.set_defaults(func=cmd_demo)
 
@@ -681,7 +661,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="set a parameter of the notebook's parameters cell (repeatable)")
     q.add_argument("--run-root", default=None, metavar="DIR", help="the run store (default runs, or $WORKBENCH_RUNS)")
     q.add_argument("--id", dest="run_id", default=None, metavar="ID", help="the run's folder name (default: a fresh id)")
-    q.add_argument("--timeout", type=_positive_float, default=900.0, metavar="S",
+    q.add_argument("--timeout", type=positive_float, default=900.0, metavar="S",
                    help="longest a cell may run (default 900 s)")
     q.set_defaults(func=cmd_notebook)
     return p

@@ -1,4 +1,5 @@
-"""Small I/O helpers shared by the CLI, the run store and the profiler: atomic JSON writes."""
+"""Small helpers shared by the CLI, the run store and the profiler: atomic JSON writes, strict
+JSON, and argparse types for positive numbers."""
 
 from __future__ import annotations
 
@@ -75,3 +76,29 @@ def append_jsonl(path: str | Path, obj: Any) -> None:
     line = dumps(obj) + "\n"
     with open(path, "a") as f:
         f.write(line)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (the message says what was given)."""
+    import argparse
+
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    import argparse
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (0 < v < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return v

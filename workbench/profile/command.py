@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from workbench.util import positive_int
+
 __all__ = ["add_arguments", "run", "profile_table"]
 
 
@@ -37,20 +39,10 @@ def _int_list(text: str) -> list[int]:
     return out
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``workbench profile`` options."""
     g = p.add_argument_group("measure")
-    g.add_argument("--nproc", type=_positive, default=None, metavar="N",
+    g.add_argument("--nproc", type=positive_int, default=None, metavar="N",
                    help="processes measuring at once (default: the GPUs; on CPU min(2, cores)); the collectives' "
                         "group sizes and the contention a training run of N ranks sees")
     g.add_argument("--model", default="tiny", help="model preset whose layers are timed (default tiny)")
@@ -59,9 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--attention", default="auto", choices=["auto", "flash", "torch"],
                    help="attention backend timed (default auto: flash-attn on CUDA when installed)")
-    g.add_argument("--max-len", type=_positive, default=None, metavar="N",
+    g.add_argument("--max-len", type=positive_int, default=None, metavar="N",
                    help="longest sequence timed (default 4096 on CPU, 32768 on CUDA, at most the model's)")
-    g.add_argument("--reps", type=_positive, default=None, help="timed samples per pack (default 5 quick, 9 full)")
+    g.add_argument("--reps", type=positive_int, default=None, help="timed samples per pack (default 5 quick, 9 full)")
     g.add_argument("--warmup", type=int, default=None, help="untimed runs per pack (default 1 quick, 2 full)")
     g.add_argument("--group-sizes", type=_int_list, default=None, metavar="D1,D2",
                    help="collective group sizes (default: every power of two dividing --nproc)")
