@@ -226,23 +226,9 @@ class Stack:
         gs = self.by_block.get((e, b), [])
         if len(gs) < 2:
             return False
-        tab = self.tab
-        mem = [i for g in gs for i in self.g_members[g]]
-        m = tab.mem[e, mem]
-        bins: list[list[int]] = []
-        room: list[float] = []
-        for j in np.argsort(-m, kind="stable"):
-            x = float(m[j])
-            for k in range(len(bins)):
-                if room[k] >= x:
-                    bins[k].append(mem[j])
-                    room[k] -= x
-                    break
-            else:
-                bins.append([mem[j]])
-                room.append(self.budget - x)
-            if len(bins) >= len(gs):
-                return False
+        bins = _ffd(self.tab, e, [i for g in gs for i in self.g_members[g]])
+        if len(bins) >= len(gs):
+            return False
         for g in list(gs):
             for i in list(self.g_members[g]):
                 self._remove(i)
