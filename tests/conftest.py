@@ -45,3 +45,16 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
     setattr(item, f"rep_{rep.when}", rep)
+
+
+def set_partitions(items):
+    """Every partition of ``items`` into non-empty groups (the exhaustive searches enumerate plans
+    by it): yields lists of lists."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for p in set_partitions(rest):
+        for j in range(len(p)):
+            yield p[:j] + [[first] + p[j]] + p[j + 1:]
+        yield [[first]] + p

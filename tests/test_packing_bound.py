@@ -12,6 +12,7 @@ from workbench.cost import CostModel
 from workbench.solve import lower_bound_ms
 from workbench.solve.bound import packing_bound_ms
 from workbench.specs import ClusterSpec, get_model, load_profile
+from conftest import set_partitions
 
 PROFILE = load_profile("a100-40g-flexsp")
 
@@ -19,17 +20,6 @@ PROFILE = load_profile("a100-40g-flexsp")
 def _cost(n, degrees, model="1b", mem=24):
     return CostModel(PROFILE, get_model(model), ClusterSpec(num_gpus=n, gpus_per_node=n, gpu_memory_gb=mem,
                                                             degrees=degrees))
-
-
-def _partitions(items):
-    if not items:
-        yield []
-        return
-    first, rest = items[0], items[1:]
-    for p in _partitions(rest):
-        for j in range(len(p)):
-            yield p[:j] + [[first] + p[j]] + p[j + 1:]
-        yield [[first]] + p
 
 
 def _least_max_load(s, cost):
@@ -43,7 +33,7 @@ def _least_max_load(s, cost):
     m = {d: cost.memory(s, d) for d in degs}
     places = [(d, r) for d in degs for r in itertools.combinations(range(n), d)]
     best = math.inf
-    for part in _partitions(list(range(len(s)))):
+    for part in set_partitions(list(range(len(s)))):
         opts = []
         for grp in part:
             opts.append([(d, r, cost.group_overhead_ms(d) + float(t[d][grp].sum())) for d, r in places

@@ -10,6 +10,7 @@ import pytest
 
 from workbench.solve import PlanError, build_plan, lower_bound_ms, run_planner, timeline, validate
 from workbench.solve.plan import Group, MicroStep, Plan
+from conftest import set_partitions
 
 
 def _plan(groups_per_step, n=4, grad=0.0):
@@ -271,17 +272,7 @@ def _brute_force_any_micro_steps(s, cost):
     c = {d: cost.group_overhead_ms(d) for d in (1, 2)}
     best = np.inf
 
-    def partitions(items):
-        if not items:
-            yield []
-            return
-        first, rest = items[0], items[1:]
-        for p in partitions(rest):
-            for j in range(len(p)):
-                yield p[:j] + [[first] + p[j]] + p[j + 1:]
-            yield [[first]] + p
-
-    for part in partitions(list(range(k))):
+    for part in set_partitions(list(range(k))):
         for place in itertools.product((0, 1, 2), repeat=len(part)):  # rank 0, rank 1, both
             load = [0.0, 0.0]
             ok = True

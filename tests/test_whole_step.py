@@ -15,6 +15,7 @@ from workbench.solve import PlanOptions, build_plan, run_planner, timeline, vali
 from workbench.solve.flexsp import _Table, plan_flexsp
 from workbench.solve.stack import Stack, solve_stack
 from workbench.specs import ClusterSpec, get_model, load_profile
+from conftest import set_partitions
 
 PROFILE = load_profile("a100-40g-flexsp")
 
@@ -170,17 +171,6 @@ def test_flexsp_is_never_behind_the_baselines_on_each_batch_and_its_provenance_i
 # ------------------------------------------------------------------------------------------------
 
 
-def _partitions(items):
-    if not items:
-        yield []
-        return
-    first, rest = items[0], items[1:]
-    for p in _partitions(rest):
-        for j in range(len(p)):
-            yield p[:j] + [[first] + p[j]] + p[j + 1:]
-        yield [[first]] + p
-
-
 def _brute_force_two_gpus(s, cost):
     """Least makespan over every plan on 2 GPUs (degrees 1 and 2): every set partition of the
     sequences into groups, each group on rank 0, rank 1 or both, within memory. A rank's groups
@@ -188,7 +178,7 @@ def _brute_force_two_gpus(s, cost):
     t = {d: cost.time(s, d) for d in (1, 2)}
     m = {d: cost.memory(s, d) for d in (1, 2)}
     best = math.inf
-    for part in _partitions(list(range(len(s)))):
+    for part in set_partitions(list(range(len(s)))):
         for place in itertools.product((0, 1, 2), repeat=len(part)):
             load = [0.0, 0.0]
             ok = True
