@@ -47,8 +47,10 @@ class InfeasibleError(ValueError):
     """A sequence (or a batch) that no group of the cluster can hold."""
 
 
-def _interp_bw(table: dict[int, float], d: int) -> float:
-    """Bandwidth for group size ``d``: log-log interpolation between measured sizes, clamped."""
+def _interp(table: dict[int, float], d: int, *, log_values: bool) -> float:
+    """Value for group size ``d`` between measured sizes, clamped at the ends: interpolated
+    linearly in log(d), on log values (``log_values``: power laws, as bandwidths follow) or on the
+    values themselves."""
     keys = sorted(table)
     if d in table:
         return table[d]
@@ -59,27 +61,21 @@ def _interp_bw(table: dict[int, float], d: int) -> float:
     for lo, hi in zip(keys, keys[1:]):
         if lo < d < hi:
             t = (math.log(d) - math.log(lo)) / (math.log(hi) - math.log(lo))
-            return math.exp(math.log(table[lo]) * (1 - t) + math.log(table[hi]) * t)
+            if log_values:
+                return math.exp(math.log(table[lo]) * (1 - t) + math.log(table[hi]) * t)
+            return table[lo] * (1 - t) + table[hi] * t
     raise AssertionError("unreachable")
+
+
+def _interp_bw(table: dict[int, float], d: int) -> float:
+    """Bandwidth for group size ``d``: log-log interpolation between measured sizes, clamped."""
+    return _interp(table, d, log_values=True)
 
 
 def _interp_latency(table: dict[int, float], d: int) -> float:
     """Latency (ms) for group size ``d``: linear in log(d) between measured sizes, clamped; 0 when
     the profile has none."""
-    if not table:
-        return 0.0
-    keys = sorted(table)
-    if d in table:
-        return table[d]
-    if d <= keys[0]:
-        return table[keys[0]]
-    if d >= keys[-1]:
-        return table[keys[-1]]
-    for lo, hi in zip(keys, keys[1:]):
-        if lo < d < hi:
-            t = (math.log(d) - math.log(lo)) / (math.log(hi) - math.log(lo))
-            return table[lo] * (1 - t) + table[hi] * t
-    raise AssertionError("unreachable")
+    return _interp(table, d, log_values=False) if table else 0.0
 
 
 def _quadratic_coeff(m: ModelSpec) -> float:
