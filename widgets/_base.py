@@ -276,6 +276,21 @@ class Panel:
         return {}
 
 
+class ScenarioSource:
+    """A panel whose controls describe a Scenario that other panels follow (the Workbench wires
+    Lengths and Solver to each other this way): ``on_scenario(callback)`` registers a listener,
+    ``_notify_scenario()`` calls every listener with the panel's current ``scenario``."""
+
+    def on_scenario(self, callback: Callable[[Any], None]) -> None:
+        """Call ``callback(scenario)`` whenever the panel's controls change its scenario."""
+        self.__dict__.setdefault("_scenario_callbacks", []).append(callback)
+
+    def _notify_scenario(self) -> None:
+        sc = self.scenario
+        for cb in list(self.__dict__.get("_scenario_callbacks", [])):
+            cb(sc)
+
+
 def labelled(widget: W.Widget, note: W.HTML | None = None, width: str = "auto") -> W.Widget:
     """A control with its constraint note beside it (shown only when it says something)."""
     if note is None:

@@ -10,11 +10,11 @@ background thread (debounced); :meth:`LengthsPanel.refresh` does it synchronousl
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Any
 
 import ipywidgets as W
 
-from widgets._base import LatestWorker, Panel, figure_box, figure_widget, html_table, note_html, one_line, set_figure
+from widgets._base import LatestWorker, Panel, ScenarioSource, figure_box, figure_widget, html_table, note_html, one_line, set_figure
 from workbench.scenario import Scenario
 
 __all__ = ["LengthsPanel"]
@@ -22,7 +22,7 @@ __all__ = ["LengthsPanel"]
 _FILE = "(a file...)"
 
 
-class LengthsPanel(Panel):
+class LengthsPanel(ScenarioSource, Panel):
     """Look at a length source the way the planner will see it.
 
     Python API: :meth:`set` (Scenario data fields: ``source``, ``samples``, ``seed``, ``max_len``,
@@ -43,7 +43,6 @@ class LengthsPanel(Panel):
         self.error: str | None = None
         self._quiet = 0
         self._lock = threading.RLock()
-        self._callbacks: list[Callable[[Scenario], None]] = []
         self._build(batches)
         self._static_degree = static_degree
         self._worker = LatestWorker(self._job, done=self._apply, failed=self._fail, debounce=debounce,
@@ -197,7 +196,7 @@ class LengthsPanel(Panel):
                 self.w_batches.value = int(nb)
             finally:
                 self._quiet -= 1
-        self._notify()
+        self._notify_scenario()
         if self.auto:
             self.request_refresh()
         return sc
@@ -209,15 +208,6 @@ class LengthsPanel(Panel):
         self._load_controls(sc)
         if self.auto if refresh is None else refresh:
             self.request_refresh()
-
-    def on_scenario(self, callback: Callable[[Scenario], None]) -> None:
-        """Call ``callback(scenario)`` whenever the data controls change."""
-        self._callbacks.append(callback)
-
-    def _notify(self) -> None:
-        sc = self.scenario
-        for cb in list(self._callbacks):
-            cb(sc)
 
     def _on_control(self, change) -> None:
         if self._quiet:
@@ -234,7 +224,7 @@ class LengthsPanel(Panel):
                 return
         if change["owner"] is self.w_degree:
             self._static_degree = change["new"]
-        self._notify()
+        self._notify_scenario()
         if self.auto:
             self.request_refresh()
 

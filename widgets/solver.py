@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import ipywidgets as W
 
-from widgets._base import LatestWorker, Panel, figure_box, figure_widget, html_table, note_html, one_line, set_figure
+from widgets._base import LatestWorker, Panel, ScenarioSource, figure_box, figure_widget, html_table, note_html, one_line, set_figure
 from workbench.scenario import DEFAULT_PLANNERS, Scenario
 
 __all__ = ["SolverPanel", "SolveResult"]
@@ -54,7 +54,7 @@ class SolveResult(dict):
         self.generation = generation
 
 
-class SolverPanel(Panel):
+class SolverPanel(ScenarioSource, Panel):
     """Plan one step's batch with every planner and draw the plans.
 
     Python API (what the buttons call; usable headless): :meth:`set`, :attr:`scenario`,
@@ -80,7 +80,6 @@ class SolverPanel(Panel):
         self._quiet = 0
         self._lock = threading.RLock()
         self._train_callbacks: list[Callable[[Scenario], None]] = []
-        self._scenario_callbacks: list[Callable[[Scenario], None]] = []
         self._chosen_group: tuple[int, int] | None = None
         self._last_progress = 0.0
         self._build()
@@ -341,15 +340,6 @@ class SolverPanel(Panel):
         self._load_controls(sc)
         if self.auto if solve is None else solve:
             self.request_solve()
-
-    def on_scenario(self, callback: Callable[[Scenario], None]) -> None:
-        """Call ``callback(scenario)`` whenever the controls change the scenario."""
-        self._scenario_callbacks.append(callback)
-
-    def _notify_scenario(self) -> None:
-        sc = self.scenario
-        for cb in list(self._scenario_callbacks):
-            cb(sc)
 
     def _on_control(self, change) -> None:
         if self._quiet:
