@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from workbench.util import write_json_atomic, write_text_atomic
+from workbench.util import json_safe, write_json_atomic, write_text_atomic
 
 __all__ = [
     "SPEC_FILE", "STATUS_FILE", "METRICS_FILE", "PLANS_FILE", "LOG_FILE", "CHECKPOINTS_DIR", "RANKS_DIR",
@@ -144,7 +144,7 @@ class RunStatus:
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
         out.update(self.extra)
-        return _json_safe(out)
+        return json_safe(out)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "RunStatus":
@@ -163,19 +163,6 @@ class RunStatus:
         if not isinstance(st.exit_codes, dict):
             st.exit_codes = {}
         return st
-
-
-def _json_safe(obj: Any) -> Any:
-    """Plain JSON only: non-finite floats become None (strict parsers reject Infinity/NaN)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, Mapping):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    if hasattr(obj, "tolist"):
-        return _json_safe(obj.tolist())
-    return obj
 
 
 @contextlib.contextmanager
@@ -272,7 +259,7 @@ def append_jsonl(path: str | Path, obj: Any) -> None:
     """Append one strict-JSON line in a single write (appenders do not interleave lines)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps(_json_safe(obj), allow_nan=False) + "\n"
+    line = json.dumps(json_safe(obj), allow_nan=False) + "\n"
     with open(path, "a", encoding="utf-8") as f:
         f.write(line)
 
@@ -520,7 +507,7 @@ class Run:
             "median_predicted_ms": statistics.median(pred) if pred else None,
             "problems": list(dict.fromkeys(self.problems)),
         }
-        return _json_safe(out)
+        return json_safe(out)
 
     def _problem(self, msg: str) -> None:
         if msg not in self.problems:
@@ -619,7 +606,7 @@ def new_run(kind: str, spec: Mapping[str, Any] | None = None, *, root: str | Pat
     except OSError as e:
         raise ValueError(f"cannot create run folder {path}: {e.strerror or e}") from None
     run = Run(path)
-    write_json_atomic(run.file(SPEC_FILE), _json_safe({"kind": kind, **dict(spec or {})}))
+    write_json_atomic(run.file(SPEC_FILE), {"kind": kind, **dict(spec or {})})
     update_status(path, run_id=run_id, kind=kind, state="created", created=now(), host=socket.gethostname())
     return run
 
@@ -703,5 +690,5 @@ def compare(a: str | Path | Run, b: str | Path | Run, *, root: str | Path | None
     ra, rb = rows
     pred = (ra["median_predicted_ms"] / rb["median_predicted_ms"]
             if ra["median_predicted_ms"] and rb["median_predicted_ms"] else None)
-    return _json_safe({"runs": rows, "speedup_b_over_a": ra["median_measured_ms"] / rb["median_measured_ms"],
+    return json_safe({"runs": rows, "speedup_b_over_a": ra["median_measured_ms"] / rb["median_measured_ms"],
                        "predicted_speedup": pred})

@@ -1,5 +1,5 @@
 """Small helpers shared by the CLI, the run store and the profiler: atomic JSON writes, strict
-JSON, and argparse types for positive numbers."""
+JSON, and argparse types for positive numbers. (JSON lines: ``workbench.runs.append_jsonl``.)"""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 
 def _json_default(o: Any):
@@ -25,7 +25,7 @@ def json_safe(obj: Any) -> Any:
     non-finite floats (inf, nan) replaced by None, since strict JSON parsers reject them."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
+    if isinstance(obj, Mapping):
         return {str(k) if not isinstance(k, str) else k: json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
@@ -67,15 +67,6 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
 def write_json_atomic(path: str | Path, obj: Any, indent: int | None = 2) -> Path:
     """Write ``obj`` as JSON atomically; returns the path."""
     return write_text_atomic(path, dumps(obj, indent=indent) + "\n")
-
-
-def append_jsonl(path: str | Path, obj: Any) -> None:
-    """Append one JSON line (a single write call, so concurrent appenders do not interleave lines)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    line = dumps(obj) + "\n"
-    with open(path, "a") as f:
-        f.write(line)
 
 
 def positive_int(text: str) -> int:
