@@ -22,10 +22,11 @@ from typing import Callable, Sequence
 from workbench import runs
 
 __all__ = ["RunHandle", "start", "attach", "poll", "wait", "stop", "run_alive", "supervisor_command", "new_steps",
-           "SUPERVISOR_MODULE", "TRAINER_MODULE", "RunBusy"]
+           "SUPERVISOR_MODULE", "TRAINER_MODULE", "RunBusy", "sweep"]
 
 SUPERVISOR_MODULE = "workbench.launch.supervisor"
 TRAINER_MODULE = "workbench.runtime.train"
+SWEEP_GRACE_S = 2.0
 
 
 class RunBusy(ValueError):
@@ -148,8 +149,6 @@ def poll(handle: RunHandle) -> runs.RunStatus | None:
         return None
     st = runs.read_status(handle.run_dir)
     if not st.final:
-        from workbench.launch.supervisor import sweep  # imports no torch at module level
-
         left = sweep(handle.run_dir)
         rc = handle.process.returncode if handle.process is not None else None
         st = runs.update_status(handle.run_dir, state="failed", finished=runs.now(), exit_code=rc,
@@ -183,17 +182,31 @@ def new_steps(handle: RunHandle) -> list[runs.StepRecord]:
     return out
 
 
-def _signal_tree(st: runs.RunStatus, sig: int) -> None:
-    for pid, t in runs.status_pids(st):
-        if not runs.pid_alive(pid, t):
-            continue
-        try:
-            if os.getpgid(pid) == pid:
-                os.killpg(pid, sig)
-            else:
+def sweep(run_dir: str | Path, grace: float = SWEEP_GRACE_S) -> list[int]:
+    """End every process the run recorded, except this one: SIGTERM to each recorded process's
+    group (ranks lead their own; their plan-ahead worker and resource tracker are in it) and to the
+    process itself, SIGKILL after ``grace`` seconds. Returns the pids that were still alive."""
+    st = runs.read_status(run_dir)
+    me = os.getpid()
+    targets = [(p, t) for p, t in runs.status_pids(st) if p != me and runs.pid_alive(p, t)]
+    if not targets:
+        return []
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid, t in targets:
+            if not runs.pid_alive(pid, t):
+                continue
+            try:
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, sig)
                 os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + (grace if sig == signal.SIGTERM else 1.0)
+        while time.monotonic() < deadline and any(runs.pid_alive(p, t) for p, t in targets):
+            time.sleep(0.05)
+        if not any(runs.pid_alive(p, t) for p, t in targets):
+            break
+    return [p for p, _ in targets]
 
 
 def stop(target: RunHandle | runs.Run | str | Path, grace: float = 4.0) -> runs.RunStatus:
@@ -206,25 +219,21 @@ def stop(target: RunHandle | runs.Run | str | Path, grace: float = 4.0) -> runs.
     sup = (st.pids or {}).get("supervisor")
     was_final = st.final
     if isinstance(sup, int) and runs.pid_alive(sup):
+        # the supervisor has torchrun stop the ranks and sweeps what is left; give it ``grace``
         try:
             os.kill(sup, signal.SIGTERM)
         except ProcessLookupError:
             pass
-    else:
-        _signal_tree(st, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        if handle is not None and handle.process is not None:
-            handle.process.poll()
-        if not run_alive(runs.read_status(run.path)):
-            break
-        time.sleep(0.05)
-    st = runs.read_status(run.path)
-    if run_alive(st):
-        _signal_tree(st, signal.SIGKILL)
-        end = time.monotonic() + 2.0
-        while time.monotonic() < end and run_alive(runs.read_status(run.path)):
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if handle is not None and handle.process is not None:
+                handle.process.poll()
+            if not run_alive(runs.read_status(run.path)):
+                break
             time.sleep(0.05)
+        sweep(run.path, grace=0.0)  # whatever outlived it: SIGKILL
+    else:
+        sweep(run.path, grace=grace)  # no supervisor: SIGTERM every recorded process, SIGKILL after grace
     if handle is not None and handle.process is not None:
         try:
             handle.process.wait(timeout=1.0)

@@ -37,10 +37,10 @@ import time
 from pathlib import Path
 
 from workbench import runs
+from workbench.launch.process import sweep
 
 LOOPBACK_BACKEND = "workbench-loopback"
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-SWEEP_GRACE_S = 2.0
 
 
 class _Stop(Exception):
@@ -112,35 +112,8 @@ def torchrun_args(run_dir: Path, *, nproc: int, nnodes: int, node_rank: int, rdz
 
 
 # ------------------------------------------------------------------------------------------------
-# cleaning up
+# reporting
 # ------------------------------------------------------------------------------------------------
-
-
-def sweep(run_dir: Path, grace: float = SWEEP_GRACE_S) -> list[int]:
-    """End every process the run recorded, except this one: SIGTERM to each recorded process's
-    group (ranks lead their own; their plan-ahead worker and resource tracker are in it) and to the
-    process itself, SIGKILL after ``grace`` seconds. Returns the pids that were still alive."""
-    st = runs.read_status(run_dir)
-    me = os.getpid()
-    targets = [(p, t) for p, t in runs.status_pids(st) if p != me and runs.pid_alive(p, t)]
-    if not targets:
-        return []
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid, t in targets:
-            if not runs.pid_alive(pid, t):
-                continue
-            try:
-                if os.getpgid(pid) == pid:
-                    os.killpg(pid, sig)
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        deadline = time.monotonic() + (grace if sig == signal.SIGTERM else 1.0)
-        while time.monotonic() < deadline and any(runs.pid_alive(p, t) for p, t in targets):
-            time.sleep(0.05)
-        if not any(runs.pid_alive(p, t) for p, t in targets):
-            break
-    return [p for p, _ in targets]
 
 
 def _rank_log_tail(run_dir: Path, attempt: int, local_rank: int, lines: int = 15) -> list[str]:
