@@ -82,7 +82,7 @@ def gap_parts(plan, s, cost) -> dict:
 
 
 def run_cell(gpus: int, seqs: int, families, steps: int, time_limit, seed: int, others, batch_tokens=None):
-    from workbench.solve.bound import packing_bound_ms
+    from workbench.solve.bound import step_bound_ms
     from workbench.solve.flexsp import plan_flexsp
 
     sc = Scenario(model="7b", profile="a100-40g-flexsp", num_gpus=gpus)
@@ -125,16 +125,17 @@ def run_cell(gpus: int, seqs: int, families, steps: int, time_limit, seed: int, 
                 if not str(c.get("status", "")).startswith("skipped"):
                     hints[str(c.get("hint"))] = hints.get(str(c.get("hint")), 0) + 1
             gaps["flexsp"].append(gap_parts(p, s, cost))
+            step_plans = [p, q]
             for o in others:
                 r = run_planner(o, s, cost, seed=seed, time_limit=tl, max_len=max_len)
+                step_plans.append(r)
                 mk[o].append(r.makespan_ms)
                 if o == "greedy":
                     gaps["greedy"].append(gap_parts(r, s, cost))
                 if p.makespan_ms > r.makespan_ms * (1 + 1e-9):
                     behind.append(f"step {k}: {o} {r.makespan_ms / p.makespan_ms - 1:+.2%}")
             # the packing bound, given the step's best plan (its compute time) as the upper limit
-            best_ms = min(p.makespan_ms, q.makespan_ms, *(mk[o][-1] for o in others))
-            bound = max(p.lower_bound_ms, packing_bound_ms(s, cost, upper_ms=best_ms - cost.grad_sync_ms()))
+            bound = step_bound_ms(s, cost, step_plans)
             ratio_pack.append(p.makespan_ms / bound)
             ratio_pack_off.append(q.makespan_ms / bound)
         row = {

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from workbench.cost import CostModel
-from workbench.solve import lower_bound_ms
-from workbench.solve.bound import packing_bound_ms
+from workbench.solve import lower_bound_ms, run_planner
+from workbench.solve.bound import packing_bound_ms, step_bound_ms
 from workbench.specs import ClusterSpec, get_model, load_profile
 from conftest import set_partitions
 
@@ -94,3 +94,37 @@ def test_a_long_sequence_pays_its_wide_group_by_hand():
     assert cost.min_degree(s)[0] == 2
     hand = cost.group_overhead_ms(2) + float(cost.time(s, 2)[0]) + cost.grad_sync_ms()
     assert packing_bound_ms(s, cost) == pytest.approx(hand, rel=1e-6)
+
+
+def test_step_bound_is_the_tighter_bound_below_the_optimum():
+    """``step_bound_ms`` (what the Solver panel and ``workbench plan`` report as the packing
+    bound): on random tight-memory batches on 2 GPUs, given the planners' plans, never above the
+    exhaustive optimum nor below ``lower_bound_ms``, and restricted by the fastest plan given; on
+    the three-sequences case by hand, exactly the optimum where ``lower_bound_ms`` is below it."""
+    cost = _cost(2, (1, 2))
+    tpg = cost.tokens_per_gpu()
+    rng = np.random.default_rng(3)
+    done = tighter = 0
+    while done < 8:
+        s = (rng.uniform(0.2, 1.6, size=int(rng.integers(2, 6))) * tpg).astype(np.int64)
+        if (cost.min_degree(s) == 0).any():
+            continue
+        opt = _least_max_load(s, cost)
+        plans = [run_planner(name, s, cost, seed=0, time_limit=2) for name in ("greedy", "flexsp")]
+        b = step_bound_ms(s, cost, plans)
+        assert lower_bound_ms(s, cost) * (1 - 1e-9) <= b <= opt * (1 + 1e-9), (s.tolist(), b, opt)
+        assert b <= min(p.makespan_ms for p in plans) * (1 + 1e-9)
+        fastest = min(p.makespan_ms for p in plans) - cost.grad_sync_ms()
+        assert b >= packing_bound_ms(s, cost, upper_ms=fastest) * (1 - 1e-9)
+        assert step_bound_ms(s, cost) <= b * (1 + 1e-9)  # without plans: no restriction, never tighter
+        tighter += b > lower_bound_ms(s, cost) * (1 + 1e-6)
+        done += 1
+    assert tighter >= 1
+    one = _cost(1, (1,), mem=80)
+    x = int(0.6 * one.tokens_per_gpu())
+    s = np.array([x, x, x])
+    hand = 3 * one.group_overhead_ms(1) + 3 * float(one.time(s[:1], 1)[0]) + one.grad_sync_ms()
+    plan = run_planner("flexsp", s, one, seed=0, time_limit=2)
+    assert plan.makespan_ms == pytest.approx(hand, rel=1e-9)
+    assert step_bound_ms(s, one, [plan]) == pytest.approx(hand, rel=1e-6)
+    assert lower_bound_ms(s, one) < hand * (1 - 1e-3)

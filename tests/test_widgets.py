@@ -106,6 +106,32 @@ def test_solver_solve_plans_every_planner_and_draws_them(solved):
     assert "plan #1: flexsp" in panel.status.value and panel.solves == 1
 
 
+def test_solver_reports_the_packing_bound_of_the_step(solved):
+    """The step's packing bound (whole sequences; ``test_packing_bound.py`` checks it against
+    exhaustive search) sits between every plan's lower bound and the fastest plan; the table's
+    "over packing bound" is each makespan over it, and the planners figure marks it."""
+    from workbench.solve.bound import packing_bound_ms
+
+    panel, res = solved
+    cost = res.scenario.cost()
+    pb = res.packing_bound_ms
+    fastest = min(p.makespan_ms for p in res.values())
+    assert max(p.lower_bound_ms for p in res.values()) * (1 - 1e-9) <= pb <= fastest * (1 + 1e-9)
+    assert pb >= packing_bound_ms(res.batch.lengths, cost, upper_ms=fastest - cost.grad_sync_ms()) * (1 - 1e-9)
+    rows = {r["planner"]: r for r in panel.planner_table() if "error" not in r}
+    assert set(rows) == set(res)
+    for name, plan in res.items():
+        assert rows[name]["packing_gap"] == pytest.approx(plan.makespan_ms / pb - 1)
+        assert rows[name]["packing_gap"] <= rows[name]["gap"] + 1e-12
+    assert "over packing bound" in panel.table.value
+    marks = [s.x0 for s in panel.fig_planners.layout.shapes]
+    if pb > res["flexsp"].lower_bound_ms * (1 + 1e-9):
+        assert pb / 1e3 in [pytest.approx(x) for x in marks] and len(marks) == 2
+        assert "packing bound" in panel.status.value
+    else:
+        assert len(marks) == 1
+
+
 def test_solver_memory_breakdown_of_the_chosen_group(solved):
     panel, res = solved
     plan = res["flexsp"]

@@ -43,15 +43,18 @@ def _ctx_label(n: int) -> str:
 
 class SolveResult(dict):
     """Plans of one solve by planner name (``Plan`` objects), with ``errors`` (planner: one line),
-    ``scenario``, ``batch`` (lengths) and ``seconds``."""
+    ``scenario``, ``batch`` (lengths), ``seconds`` and ``packing_bound_ms`` (the step's
+    ``workbench.solve.bound.step_bound_ms`` given these plans; None without plans)."""
 
-    def __init__(self, plans: dict, errors: dict, scenario: Scenario, batch, seconds: float, generation: int) -> None:
+    def __init__(self, plans: dict, errors: dict, scenario: Scenario, batch, seconds: float, generation: int,
+                 packing_bound_ms: float | None = None) -> None:
         super().__init__(plans)
         self.errors = errors
         self.scenario = scenario
         self.batch = batch
         self.seconds = seconds
         self.generation = generation
+        self.packing_bound_ms = packing_bound_ms
 
 
 class SolverPanel(ScenarioSource, Panel):
@@ -427,7 +430,13 @@ class SolverPanel(ScenarioSource, Panel):
             if k == 0 and name in plans and not cancel.is_set() and generation == self._worker.generation:
                 # the chosen plan first, so the timeline appears while the others are solved
                 self._draw_timeline(plans[name].to_dict())
-        return SolveResult(plans, errors, sc, batch, time.perf_counter() - t0, generation)
+        bound = None
+        if plans and not cancel.is_set():
+            from workbench.solve.bound import step_bound_ms
+
+            self._progress(1.0 - 1e-6, "packing bound: how fast any plan of whole groups could be")
+            bound = step_bound_ms(batch.lengths, sc.cost(), plans.values())
+        return SolveResult(plans, errors, sc, batch, time.perf_counter() - t0, generation, bound)
 
     def _progress(self, frac: float, msg: str) -> None:
         now = time.monotonic()
@@ -524,9 +533,12 @@ class SolverPanel(ScenarioSource, Panel):
                 return
             self._mark(None)
             p = res[chosen]
+            pb = res.packing_bound_ms
+            packing = (f", packing bound {pb / 1e3:.3f}s (gap {100 * (p.makespan_ms / pb - 1):.1f}%)"
+                       if pb and pb > p.lower_bound_ms * (1 + 1e-9) else "")
             self.status.value = note_html(
                 f"plan #{self.solves}: {chosen} {p.makespan_ms / 1e3:.3f}s per step, lower bound "
-                f"{p.lower_bound_ms / 1e3:.3f}s (gap {100 * p.gap:.1f}%), {len(p.micro_steps)} micro-step(s), "
+                f"{p.lower_bound_ms / 1e3:.3f}s (gap {100 * p.gap:.1f}%){packing}, {len(p.micro_steps)} micro-step(s), "
                 f"{len(res)} planner(s) in {res.seconds:.1f}s", "ok")
             self._draw_all()
 
@@ -545,15 +557,17 @@ class SolverPanel(ScenarioSource, Panel):
             return
         self._draw_timeline(res[self.w_show.value].to_dict())
         dicts = {k: v.to_dict() for k, v in res.items()}
-        set_figure(self.fig_planners, planners_figure(dicts, title=f"Every planner on batch #{int(self.w_batch_index.value)}"))
+        set_figure(self.fig_planners, planners_figure(dicts, title=f"Every planner on batch #{int(self.w_batch_index.value)}",
+                                                      packing_bound_ms=res.packing_bound_ms))
         set_figure(self.fig_work, work_figure(dicts, res.scenario.cost()))
-        rows = planner_rows(dicts)
+        rows = planner_rows(dicts, res.packing_bound_ms)
         for r in rows:
             r["_style"] = "font-weight:600" if r["planner"] == self.w_show.value else ""
         err_rows = [{"planner": k, "status": f"cannot plan: {v}"} for k, v in res.errors.items()]
         self.table.value = html_table(rows + err_rows, [
             ("planner", "planner", None), ("makespan_ms", "step (s)", lambda v: f"{v / 1e3:.3f}"),
-            ("gap", "over LB", lambda v: f"{100 * v:.1f}%"), ("micro_steps", "micro-steps", "d"),
+            ("gap", "over LB", lambda v: f"{100 * v:.1f}%"),
+            ("packing_gap", "over packing bound", lambda v: f"{100 * v:.1f}%"), ("micro_steps", "micro-steps", "d"),
             ("groups", "groups", "d"), ("degrees", "degrees", lambda v: ",".join(map(str, v))),
             ("imbalance", "imbalance", ".3f"), ("solve_seconds", "solve (s)", ".2f"), ("status", "status", None)])
         self._draw_memory(reset_group=True)
@@ -714,7 +728,7 @@ class SolverPanel(ScenarioSource, Panel):
 
         if self.result is None:
             return []
-        rows = planner_rows({k: v.to_dict() for k, v in self.result.items()})
+        rows = planner_rows({k: v.to_dict() for k, v in self.result.items()}, self.result.packing_bound_ms)
         return rows + [{"planner": k, "error": v} for k, v in self.result.errors.items()]
 
     def tables(self) -> dict:

@@ -89,9 +89,10 @@ def timeline_figure(plan: Mapping[str, Any], title: str | None = None, *, max_la
     return fig
 
 
-def planner_rows(plans: Mapping[str, Mapping[str, Any]]) -> list[dict]:
+def planner_rows(plans: Mapping[str, Mapping[str, Any]], packing_bound_ms: float | None = None) -> list[dict]:
     """One row of plain data per planner: makespan, lower bound, gap, micro-steps, groups,
-    degrees used, imbalance, solve seconds and status."""
+    degrees used, imbalance, solve seconds and status; with ``packing_bound_ms`` (the step's
+    ``workbench.solve.bound.step_bound_ms``) also ``packing_gap``, the makespan over it."""
     rows = []
     for name, p in plans.items():
         tl = timeline_data(p)
@@ -101,13 +102,16 @@ def planner_rows(plans: Mapping[str, Mapping[str, Any]]) -> list[dict]:
                      "micro_steps": len(p["micro_steps"]), "groups": sum(len(m["groups"]) for m in p["micro_steps"]),
                      "degrees": degs, "imbalance": tl["imbalance"], "grad_sync_ms": tl["grad_sync_ms"],
                      "solve_seconds": float(p.get("solve_seconds") or 0.0), "status": p.get("status", "")})
+        if packing_bound_ms:
+            rows[-1]["packing_gap"] = float(p["makespan_ms"]) / float(packing_bound_ms) - 1
     return rows
 
 
 def planners_figure(plans: Mapping[str, Mapping[str, Any]], title: str = "Every planner on the same batch",
-                    baseline: str | None = "static-max"):
+                    baseline: str | None = "static-max", packing_bound_ms: float | None = None):
     """Step time of every planner's plan for the same batch (bars, with the gap to the lower
-    bound and the speedup over ``baseline`` as text), and the lower bound as a dashed line."""
+    bound and the speedup over ``baseline`` as text), and the lower bound as a dashed line; with
+    ``packing_bound_ms`` that bound too (dotted), when it is above the lower bound."""
     import plotly.graph_objects as go
 
     rows = planner_rows(plans)
@@ -130,6 +134,9 @@ def planners_figure(plans: Mapping[str, Mapping[str, Any]], title: str = "Every 
         lb = min(r["lower_bound_ms"] for r in rows) / 1e3
         fig.add_vline(x=lb, line_dash="dash", line_color="#222", annotation_text=f"lower bound {lb:.2f}s",
                       annotation_position="bottom right")
+        if packing_bound_ms and packing_bound_ms / 1e3 > lb * (1 + 1e-9):
+            fig.add_vline(x=packing_bound_ms / 1e3, line_dash="dot", line_color="#54A24B",
+                          annotation_text=f"packing bound {packing_bound_ms / 1e3:.2f}s", annotation_position="top right")
     fig.update_xaxes(title="predicted step time (s)", rangemode="tozero")
     fig.update_yaxes(autorange="reversed", automargin=True)
     fig.update_layout(template="plotly_white", title=title, height=max(260, 110 + 42 * len(rows)), showlegend=False,

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["packing_bound_ms"]
+__all__ = ["packing_bound_ms", "step_bound_ms"]
 
 
 def packing_bound_ms(lengths, cost, upper_ms: float | None = None) -> float:
@@ -98,3 +98,16 @@ def packing_bound_ms(lengths, cost, upper_ms: float | None = None) -> float:
         return grad  # claim nothing
     # GLOP's optimum is a floating-point vertex: step back by its tolerance so it stays a bound
     return max(0.0, float(T.solution_value()) * (1 - 1e-7)) + grad
+
+
+def step_bound_ms(lengths, cost, plans=()) -> float:
+    """The tightest lower bound on one step this package knows: the larger of
+    ``plan.lower_bound_ms`` and the packing bound, the packing bound restricted by the fastest of
+    ``plans`` (Plans of these lengths over ``cost``; their compute time is ``upper_ms``). What the
+    Solver panel, ``workbench plan`` and ``bench/solver.py`` call "packing bound"."""
+    from workbench.solve.plan import lower_bound_ms
+
+    weak = float(lower_bound_ms(lengths, cost))
+    makespans = [float(p.makespan_ms) for p in plans]
+    upper = min(makespans) - float(cost.grad_sync_ms()) if makespans else None
+    return max(weak, packing_bound_ms(lengths, cost, upper_ms=upper))
