@@ -197,14 +197,10 @@ def cmd_plan(args) -> int:
     print(f"{plan.planner} [{plan.status}] {batch_len} sequences, {tokens:,} tokens on {sc.num_gpus} GPUs")
     print(f"  makespan {plan.makespan_ms:,.1f} ms, lower bound {plan.lower_bound_ms:,.1f} ms (gap {plan.gap:.1%}), "
           f"solved in {plan.solve_seconds:.2f}s")
-    lengths = [0] * batch_len
-    for m in plan.micro_steps:
-        for g in m.groups:
-            for i, n in zip(g.sequences, g.lengths):
-                lengths[i] = n
+    from workbench.solve.ahead import plan_lengths
     from workbench.solve.bound import step_bound_ms
 
-    pb = step_bound_ms(lengths, sc.cost(), [plan])
+    pb = step_bound_ms(plan_lengths(plan), sc.cost(), [plan])
     if pb > plan.lower_bound_ms * (1 + 1e-9):
         print(f"  packing bound {pb:,.1f} ms (gap {plan.makespan_ms / pb - 1:.1%}): no plan is faster, each sequence counted whole")
     if plan.reason:
