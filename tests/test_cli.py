@@ -42,6 +42,24 @@ def test_plan_json_shape_and_validity():
     assert len(g["ranks"]) == g["degree"]
 
 
+def test_plan_text_reports_the_packing_bound_by_hand():
+    """Three sequences that each need 60% of a 1-GPU group: three groups whatever the plan, so the
+    packing bound is 3 x (overhead + time) + gradient sync (the optimum, computed here from the
+    cost model), where the lower bound, counting memory alone, is below it."""
+    import re
+
+    from workbench.scenario import Scenario
+
+    cost = Scenario(model="1b", num_gpus=1, gpus_per_node=1, gpu_memory_gb=80).cost()
+    x = int(0.6 * cost.tokens_per_gpu())
+    hand = 3 * (cost.group_overhead_ms(1) + float(cost.time([x], 1)[0])) + cost.grad_sync_ms()
+    out = run_cli("plan", "--lengths", f"{x},{x},{x}", "--gpus", "1", "--gpus-per-node", "1", "--model", "1b",
+                  "--gpu-memory", "80", "--max-len", str(x)).stdout
+    lb = float(re.search(r"lower bound ([\d,.]+) ms", out).group(1).replace(",", ""))
+    pb = float(re.search(r"packing bound ([\d,.]+) ms \(gap 0\.0%\)", out).group(1).replace(",", ""))
+    assert pb == pytest.approx(hand, abs=0.1) and lb < hand - 1.0
+
+
 def test_simulate_json_shape():
     out = json.loads(run_cli("simulate", "--lengths", "wikipedia", "--samples", "20000", "--batch-tokens", "400000",
                              "--gpus", "64", "--planners", "static-max,best-static,greedy", "--steps", "2",
