@@ -8,6 +8,14 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _token_cache_in_tmp(tmp_path_factory):
+    """Token caches go to a temporary folder, never the user's ~/.cache (subprocesses inherit it)."""
+    if "WORKBENCH_CACHE" not in os.environ:
+        os.environ["WORKBENCH_CACHE"] = str(tmp_path_factory.mktemp("workbench-cache"))
+    yield
+
+
 @pytest.fixture
 def a100_7b_64():
     """The FlexSP reference setting: 7B on 64 A100-40G."""
