@@ -429,9 +429,6 @@ def cmd_train(args) -> int:
                                node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)  # bad counts fail here
     if spec is None:
         run, spec, changes = training.prepare_train(settings, root=args.run_root or runs.default_root(), name=args.name)
-    sc = spec.scenario
-    if not args.detach:  # tokenised here with a progress bar; otherwise the first rank does it (progress in log.txt)
-        _tokenise_with_progress(sc.source, sc.column, sc.tokenizer)
     else:
         if changes or spec.steps != training.read_train_spec(run.path).steps:
             from workbench.util import write_json_atomic
@@ -439,6 +436,9 @@ def cmd_train(args) -> int:
             write_json_atomic(run.file(runs.SPEC_FILE), spec.to_dict())
         for c in changes:
             _say(f"workbench train: applying a changed setting on resume: {c.describe()}")
+    sc = spec.scenario
+    if not args.detach:  # tokenised here with a progress bar; otherwise the first rank does it (progress in log.txt)
+        _tokenise_with_progress(sc.source, sc.column, sc.tokenizer)
     print(run.path, flush=True)
     handle = process.start(run, nproc=spec.nproc, nnodes=spec.nnodes, node_rank=args.node_rank,
                            rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, stop_with_parent=not args.detach)

@@ -264,11 +264,13 @@ def model_from_config_dict(cfg: Mapping[str, Any], *, name: str = "hf-model", wh
         raise ValueError(f"{where}: {e}") from None
 
 
-def config_from_model(spec: ModelSpec, *, dtype: str = "float32", extra: Mapping[str, Any] | None = None) -> dict:
+def config_from_model(spec: ModelSpec, *, dtype: str | None = None, extra: Mapping[str, Any] | None = None) -> dict:
     """A Hugging Face ``config.json`` dict for ``spec`` (transformers 4 style, which transformers 5
     reads too): ``model_type`` = ``spec.family``, every shape field, rotary base and scaling, norm
-    epsilon, tied embeddings, ``dtype``/``torch_dtype`` = ``dtype``. ``extra`` (e.g. token ids from
-    the config the run started from) is added where it does not describe the architecture."""
+    epsilon, tied embeddings, ``dtype``/``torch_dtype``. ``extra`` (e.g. token ids from
+    the config the run started from) is added where it does not describe the architecture. ``dtype``
+    None: float32 for a 4-byte model, else bfloat16."""
+    dtype = dtype or ("float32" if spec.dtype_bytes == 4 else "bfloat16")
     cfg: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[spec.family]],
         "model_type": spec.family,

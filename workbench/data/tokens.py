@@ -208,7 +208,10 @@ def text_source(source: str, *, column: str | None = None, tokenizer: Any = None
 
         return TextSource("stdlib", stdlib_root())
     p = Path(os.path.expanduser(key))
-    if not p.exists():
+    try:
+        if not p.exists():
+            return None
+    except (OSError, ValueError):  # a length list too long to be a file name, say
         return None
     fmt = detect_format(p)
     if fmt in ("text", "text-dir"):
@@ -436,7 +439,7 @@ def _source_digest(src: TextSource, files: list[Path], root: Path) -> str:
     sig = []
     for f in files:
         st = f.stat()
-        rel = os.path.relpath(f, base) if base.is_dir() else f.name
+        rel = os.path.relpath(f, base) if base.is_dir() else ""  # one file: its content alone
         sig.append([rel, st.st_size, st.st_mtime_ns, st.st_ino])
     memo = root / "sources" / (hashlib.sha256(f"{src.kind}:{src.path}".encode()).hexdigest()[:32] + ".json")
     try:
