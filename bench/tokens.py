@@ -13,13 +13,14 @@ Tables:
    pays: the stat check of the source and the memory maps) in seconds and seconds per 100 M tokens;
 2. reading sequences out (``TokenData.tokens`` over random global batches): tokens/s from the
    cache and from the stdlib byte path;
-3. with ``--train-steps K`` (default 8; 0 skips it): two real ``workbench train`` runs of the tiny
-   model on ``--nproc`` ranks, the same documents through each path (``--lengths stdlib``, and the
-   stdlib's UTF-8 files as a JSONL read byte-level from the token cache), median tokens/s of the
-   steps after the first.
+3. with ``--train-steps K`` (default 8; 0 skips it): real ``workbench train`` runs of the tiny model
+   on ``--nproc`` ranks through each path, alternating ``--train-repeats`` times: ``--lengths
+   stdlib`` (the byte path) and the stdlib's UTF-8 files as a JSONL read byte-level from the token
+   cache (the same text but for the few non-UTF-8 files, so the shuffled batches differ); the
+   median tokens/s of each run's steps after the first.
 
-The machine is shared: figures are of one run at that moment; the training comparison alternates
-nothing, so re-run it to see the spread.
+The machine is shared: figures are of one run at that moment; the spread of the repeated training
+runs shows how much of a difference is noise.
 
 Usage: python bench/tokens.py [--jsonl-mb 200] [--vocab 8192] [--tokenizer PATH] [--train-steps 8]
 [--nproc 2] [--keep DIR] [--json PATH]
@@ -48,6 +49,8 @@ def _args(argv=None):
     ap.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary trained here")
     ap.add_argument("--tokenizer", default=None, help="use this tokenizer.json instead of training one")
     ap.add_argument("--train-steps", type=int, default=8)
+    ap.add_argument("--train-repeats", type=int, default=2, help="runs of each path, alternating (A B A B ...)")
+    ap.add_argument("--sections", default="build,read,train", help="which tables to make (build, read, train)")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", default=None, help="work in this folder (kept) instead of a temporary one")
@@ -118,18 +121,18 @@ def _stdlib_jsonl(path: Path) -> int:
     return len(texts)
 
 
-def _build_and_reopen(source: str, tokenizer: str | None, cache: Path) -> dict:
+def _build_and_reopen(source: str, tokenizer: str | None) -> dict:
     from workbench.data.tokens import token_cache
 
     t0 = time.perf_counter()
-    c = token_cache(source, tokenizer=tokenizer, root=cache, say=lambda m: None)
+    c = token_cache(source, tokenizer=tokenizer, say=lambda m: None)  # under $WORKBENCH_CACHE, set in main
     build = time.perf_counter() - t0
     assert not c.reused
     src_bytes = c.meta["source_size"] if c.meta["source_unit"] == "bytes" else None
     opens = []
     for _ in range(3):
         t0 = time.perf_counter()
-        again = token_cache(source, tokenizer=tokenizer, root=cache, say=lambda m: None)
+        again = token_cache(source, tokenizer=tokenizer, say=lambda m: None)
         n = int(again.lengths.sum())  # touch the offsets: what a reader needs
         opens.append(time.perf_counter() - t0)
         assert again.reused and n == c.meta["tokens"]
@@ -189,12 +192,28 @@ def main(argv=None) -> int:
     from workbench.data.tokens import load_tokenizer
 
     out["tokenizer"] = load_tokenizer(tok).describe()
+    sections = set(args.sections.split(","))
     jsonl = work / "generated.jsonl"
-    docs, gen_s = _make_jsonl(jsonl, args.jsonl_mb, args.seed)
-    out["generated"] = {"documents": docs, "mb": jsonl.stat().st_size / 1e6, "seconds": gen_s}
-    rows = [_build_and_reopen("stdlib", tok, cache), _build_and_reopen(str(jsonl), tok, cache)]
-    out["build"] = rows
+    if sections & {"build", "read"}:
+        docs, gen_s = _make_jsonl(jsonl, args.jsonl_mb, args.seed)
+        out["generated"] = {"documents": docs, "mb": jsonl.stat().st_size / 1e6, "seconds": gen_s}
     print(f"token cache on {out['cores']} cores ({out['note']}); {out['tokenizer']}")
+    if "build" in sections:
+        _build_table(out, tok, jsonl)
+    if "read" in sections:
+        _read_table(out, tok, jsonl, args.seed)
+    if "train" in sections and args.train_steps > 0:
+        _train_table(out, work, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+def _build_table(out: dict, tok: str, jsonl: Path) -> None:
+    rows = [_build_and_reopen("stdlib", tok), _build_and_reopen(str(jsonl), tok)]
+    out["build"] = rows
     print(f"{'source':<16} {'docs':>9} {'tokens':>13} {'MB':>8} {'build s':>8} {'docs/s':>9} {'tokens/s':>12} "
           f"{'MB/s':>6} {'reopen s':>9} {'s/100M tok':>10} {'cache MB':>9}  skipped")
     for r in rows:
@@ -203,30 +222,30 @@ def main(argv=None) -> int:
               f"{r['docs_per_s']:>9,.0f} {r['tokens_per_s']:>12,.0f} {r['mb_per_s']:>6.1f} {r['reopen_s']:>9.4f} "
               f"{r['reopen_s_per_100m']:>10.4f} {r['cache_mb']:>9.1f}  {sk}")
 
+
+def _read_table(out: dict, tok: str, jsonl: Path, seed: int) -> None:
     from workbench.data.sequences import TokenData
 
-    cached = TokenData(str(jsonl), max_len=4096, policy="split", seed=args.seed, tokenizer=tok)
-    byte = TokenData("stdlib", max_len=4096, policy="split", seed=args.seed)
-    out["read"] = {"cache_tokens_per_s": _read_rate(cached, args.seed), "stdlib_tokens_per_s": _read_rate(byte, args.seed)}
+    cached = TokenData(str(jsonl), max_len=4096, policy="split", seed=seed, tokenizer=tok)
+    byte = TokenData("stdlib", max_len=4096, policy="split", seed=seed)
+    out["read"] = {"cache_tokens_per_s": _read_rate(cached, seed), "stdlib_tokens_per_s": _read_rate(byte, seed)}
     print(f"\nreading sequences (TokenData.tokens, 30 batches of 65,536 tokens): token cache "
           f"{out['read']['cache_tokens_per_s']:,.0f} tokens/s, stdlib bytes {out['read']['stdlib_tokens_per_s']:,.0f} tokens/s")
 
-    if args.train_steps > 0:
-        sj = work / "stdlib.jsonl"
-        n = _stdlib_jsonl(sj)
-        a = _train(work, "stdlib", "stdlib", args.train_steps, args.nproc)
-        b = _train(work, "cache", str(sj), args.train_steps, args.nproc)
-        out["train"] = {"stdlib": a, "token_cache": b, "documents": n}
-        print(f"\ntraining the tiny model, {args.nproc} ranks, greedy, {args.train_steps} steps of 16,384 tokens "
-              f"(median of the steps after the first):")
-        print(f"  {'stdlib byte path':<36} {a['median_tokens_per_s']:>10,.0f} tokens/s")
-        print(f"  {'the same text via the token cache':<36} {b['median_tokens_per_s']:>10,.0f} tokens/s "
-              f"({b['median_tokens_per_s'] / a['median_tokens_per_s']:.2f}x)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
-    if tmp is not None:
-        tmp.cleanup()
-    return 0
+
+def _train_table(out: dict, work: Path, args) -> None:
+    sj = work / "stdlib.jsonl"
+    n = _stdlib_jsonl(sj)
+    a, b = [], []
+    for k in range(args.train_repeats):
+        a.append(_train(work, f"stdlib-{k}", "stdlib", args.train_steps, args.nproc)["median_tokens_per_s"])
+        b.append(_train(work, f"cache-{k}", str(sj), args.train_steps, args.nproc)["median_tokens_per_s"])
+    out["train"] = {"stdlib_tokens_per_s": a, "token_cache_tokens_per_s": b, "documents": n}
+    print(f"\ntraining the tiny model, {args.nproc} ranks, greedy, {args.train_steps} steps of 16,384 tokens, "
+          f"{args.train_repeats} runs per path alternating (median tokens/s of each run's steps after the first):")
+    print(f"  {'stdlib byte path':<34} " + "  ".join(f"{x:>9,.0f}" for x in a))
+    print(f"  {'stdlib text via the token cache':<34} " + "  ".join(f"{x:>9,.0f}" for x in b)
+          + f"   (median {statistics.median(b) / statistics.median(a):.2f}x)")
 
 
 if __name__ == "__main__":

@@ -76,3 +76,15 @@ def test_launch_panel_passes_model_data_tokenizer_and_init_on(own, tmp_path):
     with pytest.raises(ValueError, match="--init: .*nowhere.safetensors: no such file"):
         panel.launch()
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_lengths_panel_tokenises_text_with_the_tokenizer(own):
+    from widgets import LengthsPanel
+
+    panel = LengthsPanel(Scenario(num_gpus=8, batch_tokens=20_000), auto=False)
+    panel.set(source=str(own / "corpus.jsonl"), tokenizer=str(own / "tokenizer.json"), samples=400)
+    assert panel.w_tokenizer.value.endswith("tokenizer.json") and panel.file_row.layout.display == ""
+    data = panel.refresh()
+    counts = sorted(len(json.loads(x)["text"].split()) for x in (own / "corpus.jsonl").read_text().splitlines())
+    assert data["summary"]["count"] == 400 and data["summary"]["tokens"] == sum(counts)  # word-level: one per word
+    assert data["provenance"]["token_cache"] and "token cache" in panel.summary.value

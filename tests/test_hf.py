@@ -420,3 +420,15 @@ def test_prepare_train_checks_init_and_tokenizer_before_any_folder(hf_dirs, tmp_
     with pytest.raises(SpecError, match="vocabulary of 400 tokens but model llama has 300 embeddings"):
         prepare_train({"steps": 1, "model": str(folder), "tokenizer": str(tmp_path / "tokenizer.json")}, root=runs)
     assert not runs.exists() or not any(runs.iterdir())
+
+
+def test_profile_spec_takes_a_config_path(tmp_path):
+    from workbench.profile import ProfileSpec
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(MISTRAL_7B_V03))
+    spec = ProfileSpec(model=str(d), nproc=1)
+    assert spec.model == str((d / "config.json").resolve())  # a path that names the model wherever it is read
+    assert get_model(spec.model).family == "mistral" and spec.resolved("cpu")["max_len"] >= 512
+    assert ProfileSpec(model="tiny", nproc=1).model == "tiny"

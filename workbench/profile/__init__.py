@@ -133,7 +133,8 @@ class ProfileSpec:
     """What a profile run measures (its ``spec.json``, kind ``profile``). Validated; plain JSON."""
 
     model: str = "tiny"
-    """Model preset whose layers are timed (``workbench.specs.MODEL_PRESETS``)."""
+    """Model preset whose layers are timed (``workbench.specs.MODEL_PRESETS``), or a Hugging Face
+    ``config.json`` path (kept absolute)."""
     nproc: int = 2
     """Processes (ranks) measuring at once: the group sizes of the collectives, and the contention
     training will see."""
