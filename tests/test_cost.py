@@ -33,8 +33,16 @@ def test_ulysses_all_to_all_by_hand(a100_7b_64):
 def test_memory_and_budget_by_hand(a100_7b_64):
     m = get_model("7b")
     assert a100_7b_64.memory([8192], 2)[0] == pytest.approx(4.48e6 * 8192 / 2 / 1e9)
-    states = 16 * m.params() / 64 / 1e9  # ZeRO-3 over 64 GPUs
-    assert a100_7b_64.memory_budget_gb == pytest.approx(40 * 0.7 - states)
+    # ZeRO-3 over 64 GPUs (FSDP2): fp32 parameters, fp32 gradients and Adam's two fp32 moments, all
+    # sharded (7B's rows all divide by 64: no padding) ...
+    states = (4 + 4 + 8) * m.params() / 64 / 1e9
+    # ... plus FSDP's working set: two blocks all-gathered in bf16 (the one computing and the one
+    # prefetched) and one block's fp32 gradient awaiting its reduce-scatter
+    h, ffn = 4096, 11008
+    block = 4 * h * h + 3 * h * ffn + 2 * h  # q, k, v, o; gate, up, down; two norms (MHA: kv_dim = h)
+    working = (2 * 2 * block + 4 * block) / 1e9
+    assert a100_7b_64.model_states_gb == pytest.approx(states + working)
+    assert a100_7b_64.memory_budget_gb == pytest.approx(40 * 0.7 - states - working)
 
 
 def test_min_degree_is_next_candidate_that_fits(a100_7b_64):

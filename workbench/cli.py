@@ -27,7 +27,8 @@ _FLAGS = {"num_gpus": "--gpus", "gpus_per_node": "--gpus-per-node", "gpu_memory_
           "memory_fraction": "--memory-fraction", "zero_stage": "--zero-stage", "source": "--lengths",
           "max_len": "--max-len", "batch_tokens": "--batch-tokens", "batch_size": "--batch-size",
           "time_limit": "--time-limit", "samples": "--samples", "seed": "--seed", "policy": "--policy",
-          "model": "--model", "profile": "--profile", "planner": "--planner", "degrees": "--degrees"}
+          "model": "--model", "profile": "--profile", "planner": "--planner", "degrees": "--degrees",
+          "precision": "--precision", "optimizer": "--optimizer"}
 
 
 class CliError(Exception):
@@ -82,7 +83,12 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="memory per GPU in GB (default: the profile's GPU)")
     p.add_argument("--memory-fraction", type=float, default=0.7,
                    help="share of GPU memory plans may fill (default 0.7, as FlexSP's 28 of 40 GB)")
-    p.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)")
+    p.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3],
+                   help="ZeRO stage (default 3: lockstep passes; 0-2: free micro-steps, replicated parameters)")
+    p.add_argument("--precision", default=None, choices=["bf16", "fp32"],
+                   help="activation and collective precision (default: the model's, bf16; fp32 for tiny)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd-momentum", "sgd"],
+                   help="optimizer whose states the memory model counts (default adamw)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model preset (default {DEFAULT_MODEL})")
     p.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME|PATH",
                    help=f"hardware profile: shipped name or JSON file (default {DEFAULT_PROFILE})")
@@ -104,7 +110,7 @@ def scenario_from_args(args, **extra) -> Scenario:
         raise CliError(f"--gpus must be at least 1, got {args.gpus}")
     fields = dict(model=args.model, profile=args.profile, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node,
                   gpu_memory_gb=args.gpu_memory, memory_fraction=args.memory_fraction, zero_stage=args.zero_stage,
-                  strategy=args.strategy, recompute=args.recompute)
+                  strategy=args.strategy, recompute=args.recompute, precision=args.precision, optimizer=args.optimizer)
     if hasattr(args, "policy"):
         fields.update(source=getattr(args, "source", None) or args.lengths, samples=args.samples, seed=args.seed,
                       column=args.column, tokenizer=args.tokenizer, max_len=args.max_len, policy=args.policy)
