@@ -179,7 +179,7 @@ def model_states(model, *, zero_stage: int, num_ranks: int, precision: str = "bf
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks!r}")
     if rank is not None and not 0 <= rank < n:
         raise ValueError(f"rank {rank} is outside a world of {n}")
-    O = OPTIMIZER_STATE_BYTES[optimizer]
+    opt_bytes = OPTIMIZER_STATE_BYTES[optimizer]
     shapes = parameter_shapes(model)
     numels = [_numel(s) for _, s in shapes]
     P = float(sum(numels))
@@ -191,17 +191,17 @@ def model_states(model, *, zero_stage: int, num_ranks: int, precision: str = "bf
         working = 2.0 * unit * compute_bytes + unit * MASTER_BYTES if n > 1 else 0.0
         return ModelStates(zero_stage=3, execution="lockstep", precision=precision, optimizer=optimizer, num_ranks=n,
                            parameters=MASTER_BYTES * local, gradients=MASTER_BYTES * local,
-                           optimizer_states=O * local, working=working,
+                           optimizer_states=opt_bytes * local, working=working,
                            gradients_after_reduce=MASTER_BYTES * local,
                            note=(f"FSDP2 shards parameters, gradients and optimizer states over {n} ranks; each pass "
                                  f"all-gathers one unit at a time (its working set, {working / 1e9:.2f} GB, is transient)"))
     if zero_stage == 0:
-        opt = O * P
+        opt = opt_bytes * P
         note = "full replicas: parameters, gradients and optimizer states on every rank"
     else:
         owned = zero_partition(numels, n)
         mine = float(owned[rank] if rank is not None else max(owned))
-        opt = O * mine
+        opt = opt_bytes * mine
         note = f"optimizer states sharded over {n} ranks (whole parameters per rank)"
     grads_after = MASTER_BYTES * P
     if zero_stage == 2:
