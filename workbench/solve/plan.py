@@ -45,6 +45,7 @@ __all__ = [
     "validate",
     "plan_from_dict",
     "pass_loads",
+    "arrange_passes",
     "EXECUTIONS",
 ]
 
@@ -263,6 +264,8 @@ def build_plan(
         return float(m_of[d][list(seqs)].sum())
 
     shared = cost.call_overhead_ms() if lockstep else 0.0
+    if lockstep and fixed is None:
+        micro_steps = _arranged(micro_steps, lengths, cost, n, _group_time)
     total = 0.0
     for m, groups in enumerate(micro_steps):
         groups = [(int(d), list(s)) for d, s in groups]
@@ -322,6 +325,52 @@ def build_plan(
                 execution=cost.execution, zero_stage=cost.cluster.zero_stage, precision=cost.precision,
                 recompute=cost.recompute, shared_overhead_ms=shared,
                 pass_comm_ms=cost.pass_comm_ms(), pass_overhead_ms=cost.pass_overhead_ms())
+
+
+def _arranged(micro_steps, lengths, cost: CostModel, n: int, group_time) -> list:
+    """A lockstep step's passes from a planner's micro-steps: as given, or the same groups arranged
+    longest first into passes (``arrange_passes``), whichever sums to less. Planners whose
+    micro-step index means "the k-th group of a replica" (barrier-free thinking) thus get the
+    passes a lockstep run would pick for the same groups."""
+    given = [[(int(d), list(s)) for d, s in groups if len(s)] for groups in micro_steps]
+    given = [g for g in given if g]
+    flat = [g for groups in given for g in groups]
+    if not flat:
+        return given
+    times = [group_time(d, s) for d, s in flat]
+
+    def total(passes) -> float:
+        return sum(cost.pass_ms(max(times[k] for k in ks)) for ks in passes)
+
+    k = 0
+    as_given = []
+    for groups in given:
+        as_given.append(list(range(k, k + len(groups))))
+        k += len(groups)
+    ffd = arrange_passes(flat, times, n)
+    best = ffd if total(ffd) < total(as_given) * (1 - 1e-12) else as_given
+    return [[flat[k] for k in ks] for ks in best]
+
+
+def arrange_passes(groups, times, n: int) -> list[list[int]]:
+    """Indices of ``groups`` (``(degree, members)``) per lockstep pass: longest first, each into the
+    first pass with ranks to spare (the degrees of a pass sum to at most ``n``; powers of two that
+    each divide the next then always pack into aligned blocks). Longest first makes every pass as
+    long as its first group, which keeps the passes' sum small."""
+    order = np.argsort(-np.asarray(times, dtype=np.float64), kind="stable")
+    free: list[int] = []
+    out: list[list[int]] = []
+    for k in order:
+        d = int(groups[k][0])
+        for p, f in enumerate(free):
+            if f >= d:
+                out[p].append(int(k))
+                free[p] -= d
+                break
+        else:
+            out.append([int(k)])
+            free.append(n - d)
+    return out
 
 
 def _rank_loads(groups: Sequence[Group], n: int, shared: float) -> np.ndarray:
