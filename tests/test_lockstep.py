@@ -194,3 +194,23 @@ def test_flexsp_lockstep_beats_the_lockstep_baselines(family):
             validate(q, s, cost.cluster, cost)
             assert q.execution == "lockstep"
             assert p.makespan_ms <= q.makespan_ms * (1 + 1e-9), (other, p.makespan_ms, q.makespan_ms)
+
+
+def test_packing_bound_holds_for_every_lockstep_plan():
+    from workbench.solve.bound import lockstep_packing_bound_ms, step_bound_ms
+
+    tighter = 0
+    for s, cost in _instances(8, seed=7):
+        single = _exhaustive(s, cost, multi=False)
+        multi = _exhaustive(s, cost, multi=True)
+        pb_single = lockstep_packing_bound_ms(s, cost, multi=False)
+        pb_multi = lockstep_packing_bound_ms(s, cost, multi=True)
+        assert pb_multi <= multi * (1 + 1e-9), (s.tolist(), pb_multi, multi)
+        assert pb_single <= single * (1 + 1e-9), (s.tolist(), pb_single, single)
+        # restricted by a plan's step it stays a bound
+        p = plan_lockstep(s, cost, PlanOptions(time_limit=0.3))
+        assert lockstep_packing_bound_ms(s, cost, p.makespan_ms, multi=True) <= multi * (1 + 1e-9)
+        sb = step_bound_ms(s, cost, [p])
+        assert lower_bound_ms(s, cost) <= sb * (1 + 1e-12) and sb <= multi * (1 + 1e-9)
+        tighter += pb_single > lower_bound_ms(s, cost) * (1 + 1e-6)
+    assert tighter >= 1
