@@ -405,7 +405,8 @@ def timeline(plan: Plan) -> dict:
     Lockstep plans replay pass by pass: a pass starts when the previous one ended on every rank; a
     rank runs its groups of the pass in the listed order (the first carries the shared overhead);
     ``passes`` gives each pass's ``start_ms``, ``end_ms``, ``compute_ms`` (its largest rank load),
-    ``comm_ms`` and ``overhead_ms``.
+    ``comm_ms`` and ``overhead_ms``, and ``waits`` every rank's wait for the end of a pass
+    (``{micro_step, rank, start_ms, end_ms}``; empty for free plans).
     """
     n = plan.num_gpus
     busy = np.zeros(n)
@@ -413,6 +414,7 @@ def timeline(plan: Plan) -> dict:
     if plan.execution == "lockstep":
         t = 0.0
         passes = []
+        waits = []
         for m, ms in enumerate(plan.micro_steps):
             cursor = np.full(n, t)
             first = np.ones(n, dtype=bool)
@@ -429,10 +431,14 @@ def timeline(plan: Plan) -> dict:
             dur = ms.time_ms if ms.time_ms is not None else _pass_ms(plan, load)
             passes.append({"micro_step": m, "start_ms": t, "end_ms": t + dur, "compute_ms": float(load.max()),
                            "comm_ms": plan.pass_comm_ms, "overhead_ms": plan.pass_overhead_ms})
+            # every rank waits from the end of its own work to the end of the pass
+            for r in range(n):
+                if t + dur - (t + load[r]) > 1e-9:
+                    waits.append({"micro_step": m, "rank": r, "start_ms": float(t + load[r]), "end_ms": float(t + dur)})
             t += dur
         finish = np.full(n, t)
         return {"execution": "lockstep", "groups": rows, "rank_busy_ms": busy.tolist(), "rank_finish_ms": finish.tolist(),
-                "compute_end_ms": t, "makespan_ms": t + plan.grad_sync_ms, "passes": passes}
+                "compute_end_ms": t, "makespan_ms": t + plan.grad_sync_ms, "passes": passes, "waits": waits}
     ready = np.zeros(n)
     for m, ms in enumerate(plan.micro_steps):
         for g in sorted(ms.groups, key=lambda g: (-g.degree, -g.time_ms)):
@@ -444,7 +450,7 @@ def timeline(plan: Plan) -> dict:
                          "end_ms": start + g.time_ms, "sequences": len(g.sequences)})
     end = float(ready.max()) if rows else 0.0
     return {"execution": "free", "groups": rows, "rank_busy_ms": busy.tolist(), "rank_finish_ms": ready.tolist(),
-            "compute_end_ms": end, "makespan_ms": end + plan.grad_sync_ms, "passes": []}
+            "compute_end_ms": end, "makespan_ms": end + plan.grad_sync_ms, "passes": [], "waits": []}
 
 
 MAX_GROUPS_PER_GPU = 4096
