@@ -37,6 +37,7 @@ Pure numpy (and OR-Tools through ``flexsp``): no torch.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -57,11 +58,23 @@ EXTRA_PASSES = 2
 CONSTRUCT_SHARE = 0.35
 """Share of the time limit the splits may take (the first split always completes)."""
 
-LS_SHARE = 0.5
-"""Share of the time left after the splits that the first local search gets."""
+IMPROVE_SHARE = 0.65
+"""Share of the time left after the splits that the local search and the pair re-splits get."""
+
+IMPROVE_STARTS = 3
+"""They improve the best start of this many pass counts (the fastest counts first)."""
 
 CPSAT_SHARE = 0.5
 """Share of the time left after the first local search that CP-SAT on the longest passes gets."""
+
+LAYOUT_MAX_SEQS = 96
+"""Passes of at most this many sequences are also tried on fixed two-degree layouts (``_layout_pass``)."""
+
+SWAP_CANDIDATES = 8
+"""The local search tries swaps for this many sequences of a pass's most loaded rank (longest first)."""
+
+SWAP_GROUPS = 256
+"""... against this many groups at most (those with the most slack in their pass first)."""
 
 _EPS = 1e-9
 
@@ -331,6 +344,77 @@ class Passes:
                     best = (delta, kind, where, q)
         return best
 
+    def best_swap(self, i: int, limit_groups: int | None = None):
+        """The swap of sequence ``i`` with a sequence of another group (any pass) that lowers the
+        step most: ``(delta_ms, j)`` or None. Both groups keep their degrees and blocks; the pass
+        lengths are exact when the groups are in different passes and recomputed when they share
+        one. ``limit_groups``: look at this many groups at most (those of the other passes with the
+        most slack first)."""
+        tab = self.tab
+        g = int(self.where[i])
+        p, eg = self.g_p[g], self.g_e[g]
+        rg = self._ranks(eg, self.g_b[g])
+        rl_p = self.rank_loads(p)
+        out_g = np.ones(self.n, dtype=bool)
+        out_g[rg] = False
+        a_p = float(rl_p[out_g].max()) if out_g.any() else 0.0
+        b_p = float(rl_p[rg].max())
+        mem_g = float(self.mem[p][rg].max()) - tab.mem[eg, i]
+        base_p = self.pass_cost(p)
+        best = None
+        groups = [h for h in self.groups() if h != g]
+        if limit_groups is not None and len(groups) > limit_groups:
+            slack = [self.pass_len(self.g_p[h]) - float(self.rank_loads(self.g_p[h])[self._ranks(self.g_e[h], self.g_b[h])].max())
+                     for h in groups]
+            groups = [groups[k] for k in np.argsort(slack)[::-1][:limit_groups]]
+        for h in groups:
+            q, eh = self.g_p[h], self.g_e[h]
+            if not tab.ok[eh, i]:
+                continue
+            js = np.asarray(self.g_members[h], dtype=np.int64)
+            rh = self._ranks(eh, self.g_b[h])
+            ok = tab.ok[eg, js] & (mem_g + tab.mem[eg, js] <= self.budget)
+            ok &= float(self.mem[q][rh].max()) - tab.mem[eh, js] + tab.mem[eh, i] <= self.budget
+            if not ok.any():
+                continue
+            dg = tab.t[eg, js] - tab.t[eg, i]
+            dh = tab.t[eh, i] - tab.t[eh, js]
+            if q != p:
+                rl_q = self.rank_loads(q)
+                out_h = np.ones(self.n, dtype=bool)
+                out_h[rh] = False
+                a_q = float(rl_q[out_h].max()) if out_h.any() else 0.0
+                b_q = float(rl_q[rh].max())
+                lp = np.maximum(a_p, b_p + dg)
+                lq = np.maximum(a_q, b_q + dh)
+                delta = (np.maximum(lp, self.comm) - max(self.pass_len(p), self.comm)
+                         + np.maximum(lq, self.comm) - max(self.pass_len(q), self.comm))
+            else:
+                if rg.start < rh.stop and rh.start < rg.stop:
+                    continue  # nested blocks of one pass: a swap moves both ways on shared ranks
+                load = rl_p.copy()
+                delta = np.full(js.size, np.inf)
+                for k in np.flatnonzero(ok):
+                    load[rg] = rl_p[rg] + dg[k]
+                    load[rh] = rl_p[rh] + dh[k]
+                    delta[k] = self._cost_of(float(load.max())) - base_p
+            delta = np.where(ok, delta, np.inf)
+            k = int(np.argmin(delta))
+            if np.isfinite(delta[k]) and (best is None or delta[k] < best[0]):
+                best = (float(delta[k]), int(js[k]))
+        return best
+
+    def swap(self, i: int, j: int) -> None:
+        """Exchange sequences ``i`` and ``j`` between their groups."""
+        g, h = int(self.where[i]), int(self.where[j])
+        for x, frm, to in ((i, g, h), (j, h, g)):
+            e, r = self.g_e[frm], self._ranks(self.g_e[frm], self.g_b[frm])
+            self.g_members[frm].remove(x)
+            self.load[self.g_p[frm]][r] -= self.tab.t[e, x]
+            self.mem[self.g_p[frm]][r] -= self.tab.mem[e, x]
+        self._insert(i, h)
+        self._insert(j, g)
+
     def _pass_empty_after(self, i: int) -> bool:
         g = int(self.where[i])
         p = self.g_p[g]
@@ -408,6 +492,11 @@ class Passes:
                     delta, kind, where, q = mv
                     self.apply(i, kind, where, q)
                     return True
+            for _, i in cands[:SWAP_CANDIDATES]:
+                sw = self.best_swap(i, limit_groups=SWAP_GROUPS)
+                if sw is not None and sw[0] < -_EPS * max(1.0, top):
+                    self.swap(i, sw[1])
+                    return True
         return False
 
     def _eject_lightest(self, deadline: float) -> bool:
@@ -479,15 +568,157 @@ def split_passes(tab, M: int, rule: str) -> list[np.ndarray] | None:
     return [np.array(o, dtype=np.int64) for o in out if o]
 
 
-def _plan_pass(tab, idx: np.ndarray, deadline: float):
-    """One pass of sequences ``idx`` as single groups ``[(e, members)]`` (``flexsp``'s per-micro-step
-    heuristic and refinement), or None when they do not fit one pass."""
-    from workbench.solve.flexsp import _heuristic_step, _refine
+def _two_way_splits(tab, idx: np.ndarray, current: np.ndarray):
+    """Ways to split the sequences ``idx`` of two passes into two (``current``: the indices the
+    first pass holds now): by length, the longest ones first, at the point of equal activations and
+    a few points around it; and longest-processing-time on time with memory caps. Yields index
+    arrays of the first pass."""
+    order = idx[np.argsort(-tab.s[idx], kind="stable")]
+    cum = np.cumsum(tab.share[order])
+    k_eq = int(np.searchsorted(cum, cum[-1] / 2))
+    k_cur = int(np.isin(order, current).sum())
+    seen = set()
+    for k in (k_eq, k_cur - 1, k_cur + 1, k_eq - 2, k_eq + 2, k_cur - 3, k_cur + 3, k_eq - 6, k_eq + 6):
+        if 0 < k < order.size and k not in seen:
+            seen.add(k)
+            yield order[:k]
+    cap = tab.n_gpus * tab.budget
+    load, memw = np.zeros(2), np.zeros(2)
+    first: list[int] = []
+    for i in idx[np.argsort(-tab.best_work[idx], kind="stable")]:
+        room = memw + tab.share[i] <= cap * (1 + 1e-9)
+        if not room.any():
+            return
+        k = int(np.flatnonzero(room)[np.argmin(load[room])])
+        load[k] += tab.best_work[i]
+        memw[k] += tab.share[i]
+        if k == 0:
+            first.append(int(i))
+    yield np.array(first, dtype=np.int64)
 
-    groups = _heuristic_step(tab, idx, tab.n_gpus)
-    if groups is None:
+
+def _resplit_pair(ps: "Passes", cost: CostModel, p: int, q: int, deadline: float) -> "Passes | None":
+    """Pool passes ``p`` and ``q`` and split them again (``_two_way_splits``), each half planned as
+    one pass; the stack with the shortest pair, when shorter than now, else None."""
+    tab = ps.tab
+    a = np.array(sorted(i for g in ps.groups(p) for i in ps.g_members[g]), dtype=np.int64)
+    b = np.array(sorted(i for g in ps.groups(q) for i in ps.g_members[g]), dtype=np.int64)
+    pool = np.concatenate([a, b])
+    now = ps.pass_cost(p) + ps.pass_cost(q)
+    best, best_ms = None, now * (1 - 1e-9)
+    for first in _two_way_splits(tab, pool, a):
+        if time.perf_counter() > deadline:
+            break
+        second = np.setdiff1d(pool, first)
+        if first.size == 0 or second.size == 0:
+            continue
+        halves = []
+        for part in (first, second):
+            g = _plan_pass(tab, part, deadline)
+            if g is None:
+                break
+            halves.append(g)
+        if len(halves) < 2:
+            continue
+        ms = sum(ps._cost_of(max(float(tab.over[e] + tab.t[e, m].sum()) for e, m in g)) for g in halves)
+        if ms < best_ms:
+            best, best_ms = halves, ms
+    if best is None:
         return None
-    return _refine(groups, tab, tab.n_gpus, deadline)
+    rebuilt = [[(ps.g_e[g], ps.g_b[g], list(ps.g_members[g])) for g in ps.groups(r)] for r in ps.passes()
+               if r not in (p, q)]
+    return _rebuild(tab, cost, rebuilt + [list(h) for h in best], multi=ps.multi)
+
+
+def _pair_search(ps: "Passes", cost: CostModel, deadline: float, cancel=None) -> tuple["Passes", int]:
+    """Re-split pairs of passes (``_resplit_pair``) until no pair gets shorter or ``deadline``:
+    neighbours by their longest sequence first (splits by length make them the likeliest to trade),
+    then every pair. Returns the passes and the number of pairs re-split."""
+    done = 0
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        order = sorted(ps.passes(), key=lambda r: -max(int(ps.tab.s[i]) for g in ps.groups(r) for i in ps.g_members[g]))
+        pairs = list(zip(order, order[1:])) + [(x, y) for k, x in enumerate(order) for y in order[k + 2:]]
+        for p, q in pairs:
+            if time.perf_counter() > deadline:
+                break
+            if cancel is not None:
+                cancel()
+            new = _resplit_pair(ps, cost, p, q, deadline)
+            if new is not None:
+                ps, improved = new, True
+                done += 1
+                break
+    return ps, done
+
+
+def _layout_pass(tab, idx: np.ndarray):
+    """One pass of sequences ``idx`` on fixed layouts: ``a`` groups of a wide degree and the rest of
+    the ranks in groups of a narrower one (or all of one degree); sequences, longest first, each to
+    the group where it would finish first among those with memory room. The fastest layout's groups
+    ``[(e, members)]``, or None when no layout holds them. When memory binds, the per-micro-step
+    heuristic (which raises degrees one sequence at a time) misses what these find: a wide group
+    holding the longest sequence *and* others in its spare memory."""
+    n = int(tab.n_gpus)
+    D = tab.deg.size
+    order = idx[np.argsort(-(tab.t[0, idx] if tab.ok[0, idx].all() else tab.best_single[idx]), kind="stable")]
+    dmin = int(tab.deg[tab.dmin[order[0]]])
+    best, best_ms = None, math.inf
+    layouts = []
+    for e1 in range(D):
+        d1 = int(tab.deg[e1])
+        if d1 < dmin:
+            continue
+        for a in (1, 2, 3):
+            if a * d1 > n:
+                break
+            for e2 in range(e1 + 1):
+                d2 = int(tab.deg[e2])
+                rest = n - a * d1
+                layouts.append([e1] * a + [e2] * (rest // d2) if e2 != e1 else [e1] * (n // d1))
+    seen = set()
+    for lay in layouts:
+        key = tuple(sorted(lay))
+        if key in seen:
+            continue
+        seen.add(key)
+        ge = np.asarray(lay, dtype=np.int64)
+        load = tab.over[ge].copy()
+        mload = np.zeros(ge.size)
+        members: list[list[int]] = [[] for _ in ge]
+        ok = True
+        for i in order:
+            fit = tab.ok[ge, i] & (mload + tab.mem[ge, i] <= tab.budget * (1 + 1e-12))
+            if not fit.any():
+                ok = False
+                break
+            fin = np.where(fit, load + tab.t[ge, i], np.inf)
+            g = int(np.argmin(fin))
+            members[g].append(int(i))
+            load[g] += tab.t[ge[g], i]
+            mload[g] += tab.mem[ge[g], i]
+            if load[g] >= best_ms:
+                ok = False
+                break
+        if not ok:
+            continue
+        ms = float(max(load[g] for g in range(ge.size) if members[g]))
+        if ms < best_ms:
+            best, best_ms = [(int(e), m) for e, m in zip(ge, members) if m], ms
+    return best
+
+
+def _plan_pass(tab, idx: np.ndarray, deadline: float):
+    """One pass of sequences ``idx`` as single groups ``[(e, members)]``: the better of ``flexsp``'s
+    per-micro-step heuristic and (for passes of at most ``LAYOUT_MAX_SEQS`` sequences) the fixed
+    layouts of ``_layout_pass``, refined by moves and swaps; None when they do not fit one pass."""
+    from workbench.solve.flexsp import _heuristic_step, _makespan, _refine
+
+    found = [_refine(g, tab, tab.n_gpus, deadline)
+             for g in (_heuristic_step(tab, idx, tab.n_gpus), _layout_pass(tab, idx) if idx.size <= LAYOUT_MAX_SEQS else None)
+             if g is not None]
+    return min(found, key=lambda g: _makespan(g, tab)) if found else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -580,18 +811,30 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
     cands.sort(key=lambda c: c.ms)
     best = cands[0]
     moves = 0
-    # 2. local search on the best two starts (single groups per rank)
+    # 2. local search and pair re-splits on the best start of each pass count (a count above the
+    # memory minimum often starts ahead, and the minimum often ends ahead)
     opts.report(0.4, "flexsp (lockstep): local search")
-    ls_end = time.perf_counter() + LS_SHARE * max(0.0, deadline - time.perf_counter())
-    starts = cands[:2]
+    improve_end = time.perf_counter() + IMPROVE_SHARE * max(0.0, deadline - time.perf_counter())
+    by_count: dict[int, _Cand] = {}
+    for c in cands:
+        k = len(c.passes.passes())
+        if k not in by_count or c.ms < by_count[k].ms:
+            by_count[k] = c
+    starts = sorted(by_count.values(), key=lambda c: c.ms)[:IMPROVE_STARTS]
+    resplit = 0
     for k, c in enumerate(starts):
-        left = ls_end - time.perf_counter()
+        left = improve_end - time.perf_counter()
         if left <= 0:
             break
+        end = time.perf_counter() + left / (len(starts) - k)
         ps = c.passes.copy()
-        moves += ps.improve(time.perf_counter() + left * (0.5 if k + 1 < len(starts) else 1.0), cancel=opts.check_cancel)
+        moves += ps.improve(time.perf_counter() + 0.4 * (end - time.perf_counter()), cancel=opts.check_cancel)
+        ps, n_pairs = _pair_search(ps, cost, end, cancel=opts.check_cancel)
+        resplit += n_pairs
+        if n_pairs:
+            moves += ps.improve(end, cancel=opts.check_cancel)
         if ps.step_ms() < best.ms * (1 - 1e-12):
-            best = _Cand(ps, c.source + "+local-search")
+            best = _Cand(ps, c.source + ("+local-search+pairs" if n_pairs else "+local-search"))
     lap("local_search")
     # 3. CP-SAT on the longest passes (one-micro-step model, warm-started from the pass's groups)
     cp_calls = []
@@ -634,6 +877,7 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
     lap("final_search")
     opts.check_cancel()
     stats = {"passes": len(best.passes.passes()), "min_passes": M0, "tried": tried, "local_search_moves": moves,
+             "pairs_resplit": resplit,
              "cp_sat": cp_calls, "greedy_ms": baselines[0].makespan_ms, "best_static_ms": baselines[1].makespan_ms,
              "multi_group": multi, "stacked_groups": int(sum(int((best.passes.cnt[p] > 1).sum())
                                                             for p in best.passes.passes())),
