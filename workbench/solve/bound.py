@@ -23,7 +23,11 @@ The linear programme (every plan of the step gives a solution, so its optimum is
 - minimise T. The bound is T plus the gradient sync.
 
 A plan's integer group counts and assignment satisfy every constraint with its own compute time as
-T, so the optimum's T is at most any plan's.
+T, so the optimum's T is at most any plan's. ``upper_ms`` restricts the degrees only to those a
+plan at least as fast as ``upper_ms`` (compute time) could use, so the bound holds for the optimum
+whenever ``upper_ms`` is some plan's compute time (or None: no restriction). Sequences of equal
+length are one variable per degree (their count as its upper limit): exact, and small at thousands
+of sequences. Uses OR-Tools' GLOP; pure numpy otherwise.
 
 Under lockstep execution (ZeRO-3) the step is a sum of passes and ``lockstep_packing_bound_ms``
 solves the same programme with the passes in it: ``M >= 1`` passes (continuous, at least the
@@ -33,11 +37,7 @@ call's constant C once per pass, each group its extras and sequences, so ``N * L
 at least ``M`` and the activations over the budget (and, when every rank serves one group per
 pass, ``sum_d d * y[d]`` with ``sum_d d * y[d] <= N * M``). Every pass is at least
 ``P = max(C, comm)``, the longest at least the slowest sequence's fastest group, so ``T >= Lam + M
-* overhead``, ``T >= M * (comm + overhead)`` and ``T >= alone + (M - 1) * P + M * overhead``. ``upper_ms`` restricts the degrees only to those a
-plan at least as fast as ``upper_ms`` (compute time) could use, so the bound holds for the optimum
-whenever ``upper_ms`` is some plan's compute time (or None: no restriction). Sequences of equal
-length are one variable per degree (their count as its upper limit): exact, and small at thousands
-of sequences. Uses OR-Tools' GLOP; pure numpy otherwise.
+* overhead``, ``T >= M * (comm + overhead)`` and ``T >= alone + (M - 1) * P + M * overhead``.
 """
 
 from __future__ import annotations

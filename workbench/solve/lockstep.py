@@ -407,7 +407,7 @@ class Passes:
     def swap(self, i: int, j: int) -> None:
         """Exchange sequences ``i`` and ``j`` between their groups."""
         g, h = int(self.where[i]), int(self.where[j])
-        for x, frm, to in ((i, g, h), (j, h, g)):
+        for x, frm in ((i, g), (j, h)):
             e, r = self.g_e[frm], self._ranks(self.g_e[frm], self.g_b[frm])
             self.g_members[frm].remove(x)
             self.load[self.g_p[frm]][r] -= self.tab.t[e, x]
