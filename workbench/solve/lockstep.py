@@ -50,6 +50,9 @@ from workbench.solve.plan import Plan, build_plan, lower_bound_ms
 __all__ = ["Passes", "plan_lockstep", "split_passes", "MULTI_GROUP"]
 
 MULTI_GROUP = True
+
+STACK_EARLY = False
+"""Whether the first local search may stack groups already (else only the last one does)."""
 """Whether ``plan_lockstep`` lets a rank serve several groups in a pass (see the module docstring)."""
 
 EXTRA_PASSES = 2
@@ -828,6 +831,7 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
             break
         end = time.perf_counter() + left / (len(starts) - k)
         ps = c.passes.copy()
+        ps.multi = multi and STACK_EARLY
         moves += ps.improve(time.perf_counter() + 0.4 * (end - time.perf_counter()), cancel=opts.check_cancel)
         ps, n_pairs = _pair_search(ps, cost, end, cancel=opts.check_cancel)
         resplit += n_pairs
