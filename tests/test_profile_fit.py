@@ -421,3 +421,36 @@ def test_profile_package_imports_without_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_step_extras_by_hand():
+    """What a step costs beyond its layers: the embedding, head and loss per token (split over a
+    group's ranks like the rest of its tokens), a fixed cost per micro-step (in the packed call's
+    constant), and the optimizer step after the last micro-step, per million parameters the most
+    loaded rank updates."""
+    from workbench.cost.memory import parameter_shapes, zero_partition
+    from workbench.solve import build_plan, lower_bound_ms
+
+    tiny = get_model("tiny")
+    prof = _profile(head_ms_per_token=0.01, micro_step_ms=5.0, optimizer_ms_per_mparam=2.0, allreduce_gbps={4: 1.0})
+    base = CostModel(_profile(allreduce_gbps={4: 1.0}), tiny, ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=8.0))
+    cost = CostModel(prof, tiny, ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=8.0))
+    s = np.array([600, 300])
+    assert cost.time(s, 2) == pytest.approx(base.time(s, 2) + 0.01 * s / 2)
+    assert cost.group_overhead_ms(2) == pytest.approx(base.group_overhead_ms(2) + 5.0)
+    assert cost.call_overhead_ms() == pytest.approx(base.call_overhead_ms() + 5.0)
+    numels = [int(np.prod(x)) for _, x in parameter_shapes(tiny)]
+    shard = sum(-(-x[0] // 4) * int(np.prod(x[1:])) for _, x in parameter_shapes(tiny))  # FSDP: ceil(rows/4) rows
+    assert cost.optimizer_ms() == pytest.approx(2.0 * shard / 1e6)  # ZeRO-3
+    for stage, updated in ((0, sum(numels)), (2, max(zero_partition(numels, 4)))):
+        c = CostModel(prof, tiny, ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=8.0, zero_stage=stage))
+        assert c.optimizer_ms() == pytest.approx(2.0 * updated / 1e6)
+        p = build_plan("hand", [[(2, [0]), (2, [1])]], s, c)
+        assert p.optimizer_ms == pytest.approx(c.optimizer_ms())
+        assert p.makespan_ms == pytest.approx(max(g.time_ms for g in p.micro_steps[0].groups) + c.grad_sync_ms()
+                                              + c.optimizer_ms())
+        assert lower_bound_ms(s, c) <= p.makespan_ms
+    unmeasured = CostModel(_profile(), tiny, ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=8.0))
+    assert unmeasured.optimizer_ms() == 0.0
+    with pytest.raises(ValueError, match="micro_step_ms must be a finite number >= 0"):
+        _profile(micro_step_ms=-1.0)

@@ -37,6 +37,7 @@ def timeline_data(plan: Mapping[str, Any]) -> dict:
     busy = tl["rank_busy_ms"]
     mean = sum(busy) / len(busy) if busy else 0.0
     return {"groups": tl["groups"], "compute_end_ms": tl["compute_end_ms"], "grad_sync_ms": float(plan.get("grad_sync_ms") or 0.0),
+            "optimizer_ms": float(plan.get("optimizer_ms") or 0.0),
             "makespan_ms": float(plan["makespan_ms"]), "lower_bound_ms": float(plan["lower_bound_ms"]),
             "num_gpus": int(plan["num_gpus"]), "rank_busy_ms": busy,
             "imbalance": tl["compute_end_ms"] / mean if mean > 0 else 1.0,
@@ -92,6 +93,13 @@ def timeline_figure(plan: Mapping[str, Any], title: str | None = None, *, max_la
                     text=["gradient sync"], textposition="inside", insidetextanchor="middle", textangle=-90,
                     textfont=dict(size=12, color="#333"),
                     hovertemplate=f"gradient all-reduce: {sync:.3f}s after the last micro-step<extra></extra>")
+    opt = tl["optimizer_ms"] / 1e3
+    if opt > 0:
+        fig.add_bar(base=[end + sync], x=[opt], y=[(n - 1) / 2], width=[n - 0.14], orientation="h",
+                    name="optimizer step (all ranks)", marker=dict(color="#DDDDDD", line=dict(color="#666", width=1)),
+                    text=["optimizer"], textposition="inside", insidetextanchor="middle", textangle=-90,
+                    textfont=dict(size=12, color="#333"),
+                    hovertemplate=f"optimizer step: {opt:.3f}s<extra></extra>")
     lb = tl["lower_bound_ms"] / 1e3
     fig.add_vline(x=lb, line_dash="dash", line_color="#222", annotation_text=f"lower bound {lb:.2f}s",
                   annotation_position="bottom left", annotation_bgcolor="rgba(255,255,255,0.8)")

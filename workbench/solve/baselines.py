@@ -384,7 +384,7 @@ def greedy_rule_plans(lengths, cost: CostModel, opts: PlanOptions, *, deadline: 
 
     s = np.asarray(lengths, dtype=np.int64)
     cost.check_feasible(s)
-    lb = lower_bound_ms(s, cost) - cost.grad_sync_ms()
+    lb = lower_bound_ms(s, cost) - cost.step_end_ms()
     dmin = cost.min_degree(s)
     every = lambda i: [d for d in cost.degrees if d >= dmin[i]]  # noqa: E731
     smallest = lambda i: (int(dmin[i]),)  # noqa: E731

@@ -48,14 +48,14 @@ __all__ = ["packing_bound_ms", "lockstep_packing_bound_ms", "step_bound_ms"]
 
 
 def packing_bound_ms(lengths, cost, upper_ms: float | None = None) -> float:
-    """The packing lower bound (module docstring) in ms, gradient sync included. ``upper_ms``: the
+    """The packing lower bound (module docstring) in ms, gradient sync and optimizer step included. ``upper_ms``: the
     compute time (no gradient sync) of some plan of these lengths, or None."""
     from ortools.linear_solver import pywraplp
 
     if cost.execution == "lockstep":
         return lockstep_packing_bound_ms(lengths, cost, upper_ms)
     s = np.asarray(lengths, dtype=np.int64)
-    grad = float(cost.grad_sync_ms())
+    grad = float(cost.step_end_ms())  # the gradient sync and the optimizer step
     if s.size == 0:
         return grad
     cost.check_feasible(s)
@@ -113,8 +113,9 @@ def packing_bound_ms(lengths, cost, upper_ms: float | None = None) -> float:
 
 
 def lockstep_packing_bound_ms(lengths, cost, upper_ms: float | None = None, *, multi: bool | None = None) -> float:
-    """The packing lower bound for lockstep plans (module docstring), in ms. ``upper_ms``: some
-    plan's step (its makespan); ``multi``: whether plans may give a rank several groups in a pass
+    """The packing lower bound for lockstep plans (module docstring), in ms, the step's end (gradient
+    sync and optimizer) included. ``upper_ms``: some plan's compute time (its makespan less the
+    step's end; a larger figure restricts less); ``multi``: whether plans may give a rank several groups in a pass
     (default: as the lockstep planner does, ``lockstep.MULTI_GROUP``), which leaves out the
     one-group-per-rank constraints."""
     from ortools.linear_solver import pywraplp
@@ -123,8 +124,9 @@ def lockstep_packing_bound_ms(lengths, cost, upper_ms: float | None = None, *, m
 
     multi = MULTI_GROUP if multi is None else bool(multi)
     s = np.asarray(lengths, dtype=np.int64)
+    end = float(cost.step_end_ms())
     if s.size == 0:
-        return 0.0
+        return end
     cost.check_feasible(s)
     n = int(cost.cluster.num_gpus)
     degs = [int(d) for d in cost.degrees if d <= n]
@@ -190,8 +192,8 @@ def lockstep_packing_bound_ms(lengths, cost, upper_ms: float | None = None, *, m
     lp.Add(T >= alone - P + (P + ovh) * M)
     lp.Minimize(T)
     if lp.Solve() != pywraplp.Solver.OPTIMAL:
-        return 0.0  # claim nothing
-    return max(0.0, float(T.solution_value()) * (1 - 1e-7))
+        return end  # claim nothing
+    return max(0.0, float(T.solution_value()) * (1 - 1e-7)) + end
 
 
 def step_bound_ms(lengths, cost, plans=()) -> float:
@@ -203,5 +205,5 @@ def step_bound_ms(lengths, cost, plans=()) -> float:
 
     weak = float(lower_bound_ms(lengths, cost))
     makespans = [float(p.makespan_ms) for p in plans]
-    upper = min(makespans) - float(cost.grad_sync_ms()) if makespans else None
+    upper = min(makespans) - float(cost.step_end_ms()) if makespans else None
     return max(weak, packing_bound_ms(lengths, cost, upper_ms=upper))

@@ -886,7 +886,7 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
              "multi_group": multi, "stacked_groups": int(sum(int((best.passes.cnt[p] > 1).sum())
                                                             for p in best.passes.passes())),
              "timing": timing}
-    grad = cost.grad_sync_ms()
+    grad = cost.step_end_ms()
     if best.ms + grad < baseline.makespan_ms * (1 - 1e-12):
         micro, blocks = best.passes.assignment()
         plan = build_plan(name, micro, s, cost, blocks=blocks, lower_bound=lb, status="feasible")
