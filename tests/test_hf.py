@@ -208,6 +208,10 @@ def test_adapter_table_is_transformers_own(hf_dirs, kind):
     assert sorted(to_hf_name(n) for n in names) == sorted(theirs)
     assert all(from_hf_name(to_hf_name(n)) == n for n in names)
     assert ours.num_params() == spec.params() == sum(p.numel() for p in ref.parameters())
+    # the memory model's table of the runtime's tensors (what ZeRO shards) has the biases too
+    from workbench.cost.memory import parameter_shapes
+
+    assert parameter_shapes(spec) == [(n, tuple(p.shape)) for n, p in ours.named_parameters()]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ _FLAGS = {"num_gpus": "--gpus", "gpus_per_node": "--gpus-per-node", "gpu_memory_
           "max_len": "--max-len", "batch_tokens": "--batch-tokens", "batch_size": "--batch-size",
           "time_limit": "--time-limit", "samples": "--samples", "seed": "--seed", "policy": "--policy",
           "model": "--model", "profile": "--profile", "planner": "--planner", "degrees": "--degrees",
-          "tokenizer": "--tokenizer", "column": "--column", "init": "--init"}
+          "precision": "--precision", "optimizer": "--optimizer", "tokenizer": "--tokenizer", "column": "--column",
+          "init": "--init"}
 
 
 class CliError(Exception):
@@ -83,7 +84,12 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="memory per GPU in GB (default: the profile's GPU)")
     p.add_argument("--memory-fraction", type=float, default=0.7,
                    help="share of GPU memory plans may fill (default 0.7, as FlexSP's 28 of 40 GB)")
-    p.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)")
+    p.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3],
+                   help="ZeRO stage (default 3: lockstep passes; 0-2: free micro-steps, replicated parameters)")
+    p.add_argument("--precision", default=None, choices=["bf16", "fp32"],
+                   help="activation and collective precision (default: the model's, bf16; fp32 for tiny)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd-momentum", "sgd"],
+                   help="optimizer whose states the memory model counts (default adamw)")
     p.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME|PATH",
                    help=f"model preset (default {DEFAULT_MODEL}) or a Hugging Face config.json (or its folder)")
     p.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME|PATH",
@@ -106,7 +112,7 @@ def scenario_from_args(args, **extra) -> Scenario:
         raise CliError(f"--gpus must be at least 1, got {args.gpus}")
     fields = dict(model=args.model, profile=args.profile, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node,
                   gpu_memory_gb=args.gpu_memory, memory_fraction=args.memory_fraction, zero_stage=args.zero_stage,
-                  strategy=args.strategy, recompute=args.recompute)
+                  strategy=args.strategy, recompute=args.recompute, precision=args.precision, optimizer=args.optimizer)
     if hasattr(args, "policy"):
         fields.update(source=getattr(args, "source", None) or args.lengths, samples=args.samples, seed=args.seed,
                       column=args.column, tokenizer=args.tokenizer, max_len=args.max_len, policy=args.policy)
@@ -242,6 +248,13 @@ def cmd_plan(args) -> int:
     print(f"{plan.planner} [{plan.status}] {batch_len} sequences, {tokens:,} tokens on {sc.num_gpus} GPUs")
     print(f"  makespan {plan.makespan_ms:,.1f} ms, lower bound {plan.lower_bound_ms:,.1f} ms (gap {plan.gap:.1%}), "
           f"solved in {plan.solve_seconds:.2f}s")
+    if plan.execution == "lockstep":
+        print(f"  ZeRO-{plan.zero_stage}: {len(plan.micro_steps)} lockstep pass(es), every rank in every pass; a pass lasts "
+              f"as long as its busiest rank (at least FSDP's {plan.pass_comm_ms:,.0f} ms of gathers and reduces) "
+              f"+ {plan.pass_overhead_ms:,.0f} ms")
+    else:
+        print(f"  ZeRO-{plan.zero_stage}: {len(plan.micro_steps)} barrier-free micro-step(s), then "
+              f"{plan.grad_sync_ms:,.0f} ms of gradient sync")
     from workbench.solve.ahead import plan_lengths
     from workbench.solve.bound import step_bound_ms
 
@@ -256,7 +269,10 @@ def cmd_plan(args) -> int:
             by_deg.setdefault(g.degree, []).append(g)
         desc = ", ".join(f"{len(v)}x degree {d} ({sum(len(g.sequences) for g in v)} seqs, "
                          f"max {max(g.time_ms for g in v):,.0f} ms)" for d, v in sorted(by_deg.items(), reverse=True))
-        print(f"  micro-step {m}: {desc}")
+        if ms.time_ms is not None:
+            print(f"  pass {m} ({ms.time_ms:,.0f} ms): {desc}")
+        else:
+            print(f"  micro-step {m}: {desc}")
     return 0
 
 

@@ -344,7 +344,8 @@ class ClusterSpec(_JsonMixin):
     """Candidate sequence-parallel degrees, each dividing the next (default: powers of two up to
     ``num_gpus``)."""
     zero_stage: int = 3
-    """ZeRO stage of the model states sharding over all ranks (0, 1, 2 or 3)."""
+    """ZeRO stage of the model states sharding over all ranks (0, 1, 2 or 3). It fixes how a step
+    executes (``execution``): ZeRO-3 in lockstep passes, ZeRO 0-2 barrier-free."""
 
     def __post_init__(self) -> None:
         _positive_int("ClusterSpec", "num_gpus", self.num_gpus)
@@ -390,9 +391,18 @@ class ClusterSpec(_JsonMixin):
     def usable_memory_gb(self) -> float:
         return self.gpu_memory_gb * self.usable_memory_fraction
 
+    @property
+    def execution(self) -> str:
+        """``lockstep`` under ZeRO-3 (every forward and backward all-gathers parameters over all
+        ranks, so every rank runs the same passes together), ``free`` under ZeRO 0-2 (replicated
+        parameters: a rank runs its groups back to back, meeting the others only at the step's end)."""
+        return "lockstep" if self.zero_stage == 3 else "free"
+
     def model_state_gb(self, model: ModelSpec) -> float:
-        """Per-GPU memory of parameters, gradients and Adam states (16 bytes/parameter in mixed
-        precision) under this ZeRO stage sharded over all ranks (FlexSP's formula)."""
+        """FlexSP's published formula for the per-GPU memory of parameters, gradients and Adam
+        states (16 bytes/parameter in mixed precision) under this ZeRO stage sharded over all ranks.
+        The planners use what the runtime holds instead (``workbench.cost.memory.model_states``);
+        this is kept to compare with FlexSP's figures."""
         n = self.num_gpus
         share = {0: 1.0, 1: 6 / 8 / n + 2 / 8, 2: 7 / 8 / n + 1 / 8, 3: 1.0 / n}[self.zero_stage]
         return 16.0 * model.params() * share / 1e9
@@ -492,9 +502,34 @@ class HardwareProfile(_JsonMixin):
     beyond its compute and its all-to-all bytes and latency: the runtime's layout work (slicing,
     packing, index gathers, KV repeats) and the waits of ranks that must meet every layer. Fitted
     from real micro-steps of each group size; empty: none."""
+    allgather_gbps: dict = field(default_factory=dict, metadata={"from_json": _bw_table})
+    """All-gather bus bandwidth in GB/s by group size (FSDP's parameter all-gather under ZeRO-3: each
+    rank receives (n-1)/n of the bytes); empty: estimated from ``allreduce_gbps``."""
+    reduce_scatter_gbps: dict = field(default_factory=dict, metadata={"from_json": _bw_table})
+    """Reduce-scatter bus bandwidth in GB/s by group size (FSDP's gradient reduce-scatter under ZeRO-3);
+    empty: estimated from ``allreduce_gbps``."""
+    allgather_latency_ms: dict = field(default_factory=dict, metadata={"from_json": _latency_table})
+    """Fixed time of one all-gather call by group size (ms)."""
+    reduce_scatter_latency_ms: dict = field(default_factory=dict, metadata={"from_json": _latency_table})
+    """Fixed time of one reduce-scatter call by group size (ms)."""
+    pass_overhead_ms: dict = field(default_factory=dict, metadata={"from_json": _latency_table})
+    """Measured fixed time of one lockstep pass by world size (ms): what a ZeRO-3 forward and backward
+    costs every rank beyond its groups' work and the exposed all-gather / reduce-scatter (FSDP's
+    hooks, the empty pass of an idle rank); empty: none."""
     activation_mb_per_token: float | None = None
     """Activation memory of the whole ``model`` per token in MB (1e6 bytes), measured; None to
     estimate it from the model's shape."""
+    head_ms_per_token: float | None = None
+    """Forward and backward time per token of what is not a transformer block (the embedding, the
+    final norm, the output head and the loss) on ``model`` (ms), measured from real steps; None: the
+    compute curves include it (the published whole-model fits do) or it was not measured."""
+    micro_step_ms: float | None = None
+    """Fixed time of one micro-step outside the layers (ms): the Python of a forward and backward,
+    building the shard, the loss's reduction; paid once per group in free execution and once per
+    rank and pass in lockstep. None: not measured."""
+    optimizer_ms_per_mparam: float | None = None
+    """Time of the optimizer step per million parameters a rank updates (ms), measured with the
+    profiled optimizer; None: not measured."""
     gpu_memory_gb: float = 40.0
     """Memory of the profiled GPU (GB)."""
     provenance: dict = field(default_factory=dict)
@@ -504,15 +539,20 @@ class HardwareProfile(_JsonMixin):
         _require(isinstance(self.name, str) and self.name, "HardwareProfile.name must be a non-empty string")
         object.__setattr__(self, "forward", _curve(self.forward))
         object.__setattr__(self, "backward", _curve(self.backward))
-        for n in ("all_to_all_gbps", "p2p_gbps", "allreduce_gbps"):
+        for n in ("all_to_all_gbps", "p2p_gbps", "allreduce_gbps", "allgather_gbps", "reduce_scatter_gbps"):
             object.__setattr__(self, n, _bw_table(getattr(self, n)))
-        for n in ("all_to_all_latency_ms", "p2p_latency_ms", "allreduce_latency_ms", "sp_overhead_ms", "sp_token_ms"):
+        for n in ("all_to_all_latency_ms", "p2p_latency_ms", "allreduce_latency_ms", "sp_overhead_ms", "sp_token_ms",
+                  "allgather_latency_ms", "reduce_scatter_latency_ms", "pass_overhead_ms"):
             object.__setattr__(self, n, _latency_table(getattr(self, n)))
         _require(bool(self.all_to_all_gbps), f"HardwareProfile {self.name}: all_to_all_gbps is empty; "
                                              f"give at least one {{group size: GB/s}} entry")
         if self.activation_mb_per_token is not None:
             _require(self.activation_mb_per_token > 0,
                      f"HardwareProfile {self.name}: activation_mb_per_token must be > 0 or null")
+        for n in ("head_ms_per_token", "micro_step_ms", "optimizer_ms_per_mparam"):
+            v = getattr(self, n)
+            _require(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0),
+                     f"HardwareProfile {self.name}: {n} must be a finite number >= 0 or null, got {v!r}")
         _require(self.gpu_memory_gb > 0, f"HardwareProfile {self.name}: gpu_memory_gb must be > 0")
         kind = self.provenance.get("kind") if isinstance(self.provenance, Mapping) else None
         _require(kind in ("measured", "reference", "estimate"),
