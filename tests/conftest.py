@@ -8,6 +8,14 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _token_cache_in_tmp(tmp_path_factory):
+    """Token caches go to a temporary folder, never the user's ~/.cache (subprocesses inherit it)."""
+    if "WORKBENCH_CACHE" not in os.environ:
+        os.environ["WORKBENCH_CACHE"] = str(tmp_path_factory.mktemp("workbench-cache"))
+    yield
+
+
 def free_cost(model="7b", n=8, *, mem=40.0, per_node=None, degrees=(), profile="a100-40g-flexsp", **kw):
     """A cost model with free execution (ZeRO-2: replicated parameters, barrier-free micro-steps) whose
     activation budget is the one FlexSP's textbook ZeRO-3 formula gives ``n`` GPUs of ``mem`` GB

@@ -18,7 +18,8 @@ from typing import Any, Callable, Sequence
 
 import ipywidgets as W
 
-from widgets._base import LatestWorker, Panel, ScenarioSource, figure_box, figure_widget, html_table, note_html, one_line, set_figure
+from widgets._base import (LatestWorker, Panel, ScenarioSource, figure_box, figure_widget, html_table, model_control, note_html,
+                           one_line, path_control, set_figure)
 from workbench.scenario import DEFAULT_PLANNERS, Scenario
 
 __all__ = ["SolverPanel", "SolveResult"]
@@ -102,12 +103,18 @@ class SolverPanel(ScenarioSource, Panel):
         return is_length_list(sc.source)
 
     def _build(self) -> None:
+        from workbench.data import SOURCE_NAMES
         from workbench.solve import planner_names
-        from workbench.specs import MODEL_PRESETS
 
         st = {"description_width": "initial"}
         lay = W.Layout(width="210px")
-        self.w_model = W.Dropdown(options=list(MODEL_PRESETS), description="model", style=st, layout=lay)
+        self.w_model = model_control("7b", width="250px")
+        # the data: a name, or your text (with your tokenizer) or lengths file typed in
+        self.w_source = W.Combobox(options=list(SOURCE_NAMES), ensure_option=False, continuous_update=False,
+                                   placeholder="family, stdlib, or path/to/data.jsonl", description="data", style=st,
+                                   layout=W.Layout(width="330px"))
+        self.w_tokenizer = path_control("tokenizer", "path/to/tokenizer.json (empty: byte-level)", width="330px")
+        self.w_column = path_control("column", "text column (auto)", width="200px")
         self.w_gpus = W.Dropdown(options=_GPUS, description="GPUs", style=st, layout=lay)
         self.w_per_node = W.Dropdown(options=_PER_NODE, description="GPUs per node", style=st, layout=lay)
         self.w_memory = W.BoundedFloatText(min=0.5, max=4096, step=1, description="GPU memory (GB)", style=st,
@@ -166,7 +173,8 @@ class SolverPanel(ScenarioSource, Panel):
         self.fig_run_memory = figure_widget()
         self.run_memory_line = W.HTML()
 
-        for w in (self.w_model, self.w_gpus, self.w_per_node, self.w_memory, self.w_fraction, self.w_zero,
+        for w in (self.w_model, self.w_source, self.w_tokenizer, self.w_column, self.w_gpus, self.w_per_node,
+                  self.w_memory, self.w_fraction, self.w_zero,
                   self.w_max_len, self.w_batch, self.w_batch_index, self.w_recompute, self.w_strategy, self.w_planner,
                   self.w_time_limit, self.w_compare, self.w_degrees_auto):
             w.observe(self._on_control, names="value")
@@ -187,6 +195,7 @@ class SolverPanel(ScenarioSource, Panel):
             W.HBox([self.w_model, self.w_gpus, self.w_per_node, self.n_cluster], layout=W.Layout(flex_flow="row wrap")),
             W.HBox([self.w_memory, self.w_fraction, self.w_zero, self.w_recompute, self.n_memory],
                    layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([self.w_source, self.w_tokenizer, self.w_column], layout=W.Layout(flex_flow="row wrap")),
             W.HBox([self.w_max_len, self.w_batch, self.w_batch_index, self.w_strategy, self.n_data],
                    layout=W.Layout(flex_flow="row wrap")),
             W.HBox([W.Label("candidate degrees", layout=W.Layout(width="130px")), self.w_degrees_auto, self.w_degrees,
@@ -244,6 +253,9 @@ class SolverPanel(ScenarioSource, Panel):
             if sc.gpus_per_node not in self.w_per_node.options:
                 self.w_per_node.options = sorted({*self.w_per_node.options, sc.gpus_per_node})
             self.w_model.value = sc.model
+            self.w_source.value = sc.source
+            self.w_tokenizer.value = sc.tokenizer or ""
+            self.w_column.value = sc.column or ""
             self.w_gpus.value = sc.num_gpus
             self.w_per_node.value = sc.gpus_per_node
             self.w_memory.value = float(sc.gpu_memory_gb if sc.gpu_memory_gb is not None else self._profile_memory(sc))
@@ -298,10 +310,12 @@ class SolverPanel(ScenarioSource, Panel):
     def _controls_scenario(self) -> Scenario:
         """The Scenario the controls describe; ValueError (marked beside its control) when invalid."""
         base = self._base
-        prof_mem = self._profile_memory(base.replace(model=self.w_model.value))
+        prof_mem = self._profile_memory(base.replace(model=self.w_model.value.strip()))
         mem = float(self.w_memory.value)
         fields: dict[str, Any] = dict(
-            model=self.w_model.value, num_gpus=int(self.w_gpus.value), gpus_per_node=int(self.w_per_node.value),
+            model=self.w_model.value.strip(), source=self.w_source.value.strip() or base.source,
+            tokenizer=self.w_tokenizer.value.strip() or None, column=self.w_column.value.strip() or None,
+            num_gpus=int(self.w_gpus.value), gpus_per_node=int(self.w_per_node.value),
             gpu_memory_gb=None if abs(mem - prof_mem) < 1e-9 else mem, memory_fraction=float(self.w_fraction.value),
             zero_stage=int(self.w_zero.value), max_len=self.w_max_len.value or None, recompute=bool(self.w_recompute.value),
             strategy=self.w_strategy.value, planner=self.w_planner.value, time_limit=float(self.w_time_limit.value))
@@ -371,7 +385,10 @@ class SolverPanel(ScenarioSource, Panel):
             self._quiet += 1
             try:
                 cur = self.w_max_len.value
-                self._set_max_len_options(self._base.replace(model=self.w_model.value, max_len=None))
+                try:
+                    self._set_max_len_options(self._base.replace(model=self.w_model.value.strip(), max_len=None))
+                except ValueError:
+                    pass  # a path that is not a supported config: said beside the control below
                 if cur and cur in [v for _, v in self.w_max_len.options]:
                     self.w_max_len.value = cur
             finally:
@@ -384,7 +401,8 @@ class SolverPanel(ScenarioSource, Panel):
     _FIELD_NOTES = (("num_gpus", "cluster"), ("gpus_per_node", "cluster"), ("--gpus", "cluster"),
                     ("gpu_memory", "memory"), ("memory_fraction", "memory"), ("ZeRO", "memory"),
                     ("model states", "memory"), ("GB per GPU of parameters", "memory"), ("max_len", "data"),
-                    ("max context", "data"), ("batch", "data"), ("tokens)", "data"), ("degree", "degrees"),
+                    ("max context", "data"), ("batch", "data"), ("tokens)", "data"), ("tokenizer", "data"),
+                    ("column", "data"), ("config.json", "cluster"), ("unknown model", "cluster"), ("degree", "degrees"),
                     ("planner", "planner"), ("time_limit", "planner"))
 
     def _mark(self, msg: str | None) -> None:
@@ -396,6 +414,7 @@ class SolverPanel(ScenarioSource, Panel):
             return
         where = next((w for key, w in self._FIELD_NOTES if key in msg), "planner")
         short = re.sub(r"Scenario\.", "", msg)
+        short = re.sub(r"(?:/[^/\s:,;]+)+(/[^/\s:,;]+/[^/\s:,;]+)", r"...\1", short)  # long paths: their last two parts
         notes[where].value = note_html(short if len(short) < 220 else short[:217] + "...", "error")
 
     def _check_controls(self) -> Scenario | None:
@@ -418,6 +437,8 @@ class SolverPanel(ScenarioSource, Panel):
 
     def _job(self, sc: Scenario, planners: list[str], generation: int, *, cancel) -> SolveResult:
         t0 = time.perf_counter()
+        # the user's text is tokenised once (into the token cache) before its lengths are planned
+        sc.token_cache(progress=lambda f, m: self._progress(0.0, f"{m} ({100 * f:.0f}%)"), say=self._note)
         batch = self._batch(sc)
         plans, errors = {}, {}
         order = [sc.planner] + [p for p in planners if p != sc.planner]
@@ -445,6 +466,9 @@ class SolverPanel(ScenarioSource, Panel):
             self._progress(1.0 - 1e-6, "packing bound: how fast any plan of whole groups could be")
             bound = step_bound_ms(batch.lengths, sc.cost(), plans.values())
         return SolveResult(plans, errors, sc, batch, time.perf_counter() - t0, generation, bound)
+
+    def _note(self, msg: str) -> None:
+        self.status.value = note_html(msg, "warn")
 
     def _progress(self, frac: float, msg: str) -> None:
         now = time.monotonic()

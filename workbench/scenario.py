@@ -82,7 +82,8 @@ class Scenario:
 
     # ---- the model and the hardware ---------------------------------------------------------
     model: str = "7b"
-    """Model preset (``workbench.specs.MODEL_PRESETS``)."""
+    """Model preset (``workbench.specs.MODEL_PRESETS``), or the path of a Hugging Face
+    ``config.json`` (or its folder) of a supported Llama-family architecture."""
     profile: str = "a100-40g-flexsp"
     """Hardware profile: a shipped name (``workbench.specs.list_profiles()``) or a JSON file."""
     num_gpus: int = 64
@@ -110,7 +111,9 @@ class Scenario:
 
     # ---- the data ------------------------------------------------------------------------------
     source: str = "wikipedia"
-    """Length source: a family name, ``stdlib``, a file, or a comma-separated list (one batch)."""
+    """Length source: a family name, ``stdlib``, a file, or a comma-separated list (one batch). A
+    text source (documents, JSONL/CSV/Parquet/dataset with a text column) is tokenised into the
+    token cache (``workbench.data.tokens``)."""
     samples: int | None = None
     """Sequences drawn from the source (None: a family 100,000; a file or the corpus: all)."""
     column: str | None = None
@@ -178,7 +181,7 @@ class Scenario:
             raise ValueError("Scenario: give batch_tokens or batch_size, not both")
         _check_int("seed", self.seed, 0)
         _check_num("time_limit", self.time_limit, 0.0)
-        model = get_model(self.model)  # ValueError listing the presets
+        model = get_model(self.model)  # ValueError listing the presets, or naming a config's bad field
         if self.max_len is not None and self.max_len > model.max_context:
             raise ValueError(f"Scenario.max_len {self.max_len:,} exceeds model {model.name}'s max context "
                              f"{model.max_context:,}; lower max_len or pick a model with a longer context")
@@ -257,8 +260,8 @@ class Scenario:
         return _cost(self._cost_key())
 
     def _cost_key(self) -> tuple:
-        return (self.model, self.profile, _mtime(self.profile), self.num_gpus, self.gpus_per_node,
-                self.gpu_memory_gb, self.memory_fraction, self.zero_stage, self.degrees, self.strategy,
+        return (self.model, _model_mtime(self.model), self.profile, _mtime(self.profile), self.num_gpus,
+                self.gpus_per_node, self.gpu_memory_gb, self.memory_fraction, self.zero_stage, self.degrees, self.strategy,
                 self.recompute, self.precision, self.optimizer)
 
     def resolved_max_len(self) -> int | None:
@@ -277,6 +280,18 @@ class Scenario:
         max_len = self.resolved_max_len() if apply_policy else None
         return _lengths(self.source, self.samples, self.seed, max_len, self.policy, self.column, self.tokenizer,
                         _mtime(self.source))
+
+    def token_cache(self, *, progress: Callable[[float, str], None] | None = None,
+                    say: Callable[[str], None] | None = None):
+        """The token cache of the source when it is text (``workbench.data.tokens.TokenCache``),
+        built now if it does not exist yet (``progress(fraction, message)`` while tokenising), or
+        None for a lengths-only source. Call it before :meth:`lengths_set` to show progress. Raises
+        ValueError for a bad column, file or tokenizer."""
+        from workbench.data.tokens import text_source, token_cache
+
+        if text_source(self.source, column=self.column, tokenizer=self.tokenizer) is None:
+            return None
+        return token_cache(self.source, column=self.column, tokenizer=self.tokenizer, progress=progress, say=say)
 
     def lengths(self) -> np.ndarray:
         """The source's sequence lengths after the max-context policy (read-only int64 array)."""
@@ -379,6 +394,20 @@ def _mtime(source: str) -> float | None:
         return None
 
 
+def _model_mtime(model: str) -> float | None:
+    """A model config's modification time (part of the cost cache key); None for presets."""
+    from workbench.specs import MODEL_PRESETS
+
+    if model.strip().lower() in MODEL_PRESETS:
+        return None
+    try:
+        from workbench.hf import config_path
+
+        return config_path(model).stat().st_mtime
+    except (OSError, ValueError):
+        return None
+
+
 @functools.lru_cache(maxsize=32)
 def _profile(name: str, mtime: float | None):
     from workbench.specs import load_profile
@@ -390,7 +419,8 @@ def _profile(name: str, mtime: float | None):
 def _cost(key: tuple):
     from workbench.cost import CostModel
 
-    (model, profile, mtime, num_gpus, per, mem, frac, zero, degrees, strategy, recompute, precision, optimizer) = key
+    (model, _model_mt, profile, mtime, num_gpus, per, mem, frac, zero, degrees, strategy, recompute, precision,
+     optimizer) = key
     sc = Scenario(model=model, profile=profile, num_gpus=num_gpus, gpus_per_node=per, gpu_memory_gb=mem,
                   memory_fraction=frac, zero_stage=zero, degrees=degrees, strategy=strategy, recompute=recompute,
                   precision=precision, optimizer=optimizer)

@@ -4,7 +4,7 @@ Time of one sequence of ``s`` tokens on a group of ``d`` GPUs (whole model, ms):
 
     compute(s, d) = (A*s^2 + B*s) / d                 # fitted per-layer curves x layers
     ulysses(s, d) = passes * layers * bytes(s, d) / all_to_all_bw(d)
-        bytes(s, d) = dtype * (s/d) * (2*hidden + 2*kv_dim_eff) * (d-1)/d   # q, k, v, o; each rank
+        bytes(s, d) = dtype * (s/d) * (2*q_dim + 2*kv_dim_eff) * (d-1)/d    # q, k, v, o; each rank
                                                                             # sends (d-1)/d of its share
     ring(s, d)    = max(0, passes * layers * p2p_bytes(s, d) / p2p_bw(d) - A*s^2/d)   # overlapped
                                                                                       # with attention
@@ -116,10 +116,11 @@ def activation_bytes_per_token(model: ModelSpec, recompute: bool = False) -> flo
     """Analytic activation memory per token of the whole model (bytes), Llama block with a
     flash-style attention (no s^2 buffers). Per block the backward pass keeps: the block input
     and normed input, q, k, v, the attention output, the second norm's input and output, the
-    gate and up projections, their SwiGLU product and activation (``6h + 2*kv_dim + 4*ffn``
-    elements); plus fp32 logits. With full recomputation only each block's input stays, plus one
-    block's working set while it is recomputed."""
-    per_layer = model.dtype_bytes * (6 * model.hidden + 2 * model.kv_dim + 4 * model.ffn)
+    gate and up projections, their SwiGLU product and activation (``4h + 2*q_dim + 2*kv_dim + 4*ffn``
+    elements, q_dim = heads x head_dim = h unless the head width is explicit); plus fp32 logits.
+    With full recomputation only each block's input stays, plus one block's working set while it
+    is recomputed."""
+    per_layer = model.dtype_bytes * (4 * model.hidden + 2 * model.q_dim + 2 * model.kv_dim + 4 * model.ffn)
     logits = 4 * model.vocab
     if recompute:
         return model.layers * model.dtype_bytes * model.hidden + per_layer + logits
@@ -262,7 +263,7 @@ class CostModel:
         passes = 3.0 if self.recompute else 2.0
         if self.strategy == "ulysses":
             kv_eff = max(m.kv_heads, d) * m.head_dim  # KV replicated when d exceeds the KV heads
-            per_layer = m.dtype_bytes * (s / d) * (2 * m.hidden + 2 * kv_eff) * (d - 1) / d
+            per_layer = m.dtype_bytes * (s / d) * (2 * m.q_dim + 2 * kv_eff) * (d - 1) / d  # q and o, k and v
             return passes * m.layers * per_layer / (_interp_bw(p.all_to_all_gbps, d) * 1e9) * 1e3
         # ring: every rank passes its K/V block d-1 times forward; backward passes K/V and dK/dV
         ring_passes = (passes - 1) + 2.0

@@ -69,11 +69,12 @@ def parameter_shapes(model) -> list[tuple[str, tuple[int, ...]]]:
     out: list[tuple[str, tuple[int, ...]]] = [("embed.weight", (model.vocab, h))]
     for i in range(model.layers):
         p = f"blocks.{i}."
-        out += [(p + "attn_norm.weight", (h,)),
-                (p + "attn.q_proj.weight", (model.heads * hd, h)),
-                (p + "attn.k_proj.weight", (model.kv_heads * hd, h)),
-                (p + "attn.v_proj.weight", (model.kv_heads * hd, h)),
-                (p + "attn.o_proj.weight", (h, model.heads * hd)),
+        out.append((p + "attn_norm.weight", (h,)))
+        for proj, rows in (("q", model.heads * hd), ("k", model.kv_heads * hd), ("v", model.kv_heads * hd)):
+            out.append((p + f"attn.{proj}_proj.weight", (rows, h)))
+            if model.qkv_bias:  # Qwen2's q/k/v biases
+                out.append((p + f"attn.{proj}_proj.bias", (rows,)))
+        out += [(p + "attn.o_proj.weight", (h, model.heads * hd)),
                 (p + "mlp_norm.weight", (h,)),
                 (p + "mlp.gate.weight", (model.ffn, h)),
                 (p + "mlp.up.weight", (model.ffn, h)),
