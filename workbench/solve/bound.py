@@ -35,7 +35,9 @@ memory minimum), ``Lam`` the sum of the passes' largest rank loads. A busy rank 
 call's constant C once per pass, each group its extras and sequences, so ``N * Lam >= sum_d d *
 (extra(d) * y[d] + sum_i x[i, d] * time(i, d)) + C * busy`` with ``busy`` the busy rank-passes:
 at least ``M`` and the activations over the budget (and, when every rank serves one group per
-pass, ``sum_d d * y[d]`` with ``sum_d d * y[d] <= N * M``). Every pass is at least
+pass, ``sum_d d * y[d]`` with ``sum_d d * y[d] <= N * M``). A rank holds in a pass at most one
+sequence's share over half its budget (and two "units", shares over a third), so those shares'
+rank-slots are at most ``N * M`` (``2 * N * M``). Every pass is at least
 ``P = max(C, comm)``, the longest at least the slowest sequence's fastest group, so ``T >= Lam + M
 * overhead``, ``T >= M * (comm + overhead)`` and ``T >= alone + (M - 1) * P + M * overhead``.
 """
@@ -164,6 +166,7 @@ def lockstep_packing_bound_ms(lengths, cost, upper_ms: float | None = None, *, m
         lp.Add(lp.Sum(row) == float(cnt[j]))
     work = []
     slots = []
+    big_half, big_third = [], []  # rank-pass slots of sequences over half / a third of a rank's budget
     for e, d in enumerate(degs):
         js = [j for j in range(u.size) if (j, e) in x]
         if not js:
@@ -173,13 +176,21 @@ def lockstep_packing_bound_ms(lengths, cost, upper_ms: float | None = None, *, m
         half = [x[j, e] for j, fj in zip(js, f) if fj > 0.5 * (1 + 1e-12)]
         if half:
             lp.Add(lp.Sum(half) <= y[e])
+            big_half.extend(v * float(d) for v in half)
         third = [x[j, e] * (2.0 if fj > (2 / 3) * (1 + 1e-12) else 1.0) for j, fj in zip(js, f)
                  if fj > (1 / 3) * (1 + 1e-12)]
         if third:
             lp.Add(lp.Sum(third) <= 2 * y[e])
+            big_third.extend(v * float(d) for v in third)
         work.append(y[e] * float(d * extra[e]))
         work.extend(x[j, e] * float(d * t[e, j]) for j in js)
         slots.append(y[e] * float(d))
+    # a rank holds, in one pass, at most one sequence share over half its budget (and at most two
+    # "units", a share over two thirds weighing 2, one over a third 1), whatever groups it serves
+    if big_half:
+        lp.Add(lp.Sum(big_half) <= n * M)
+    if big_third:
+        lp.Add(lp.Sum(big_third) <= 2 * n * M)
     busy = lp.NumVar(max(m_min, act / B), inf, "busy")
     lp.Add(busy >= M)
     if not multi:
