@@ -28,9 +28,9 @@ def tiny():
     return get_model("tiny")
 
 
-def _cost(num_gpus: int = 4):
+def _cost(num_gpus: int = 4, zero_stage: int = 0):
     return CostModel(load_profile("cpu-gloo-tiny"), get_model("tiny"),
-                     ClusterSpec(num_gpus=num_gpus, gpus_per_node=num_gpus, gpu_memory_gb=4.0))
+                     ClusterSpec(num_gpus=num_gpus, gpus_per_node=num_gpus, gpu_memory_gb=4.0, zero_stage=zero_stage))
 
 
 def _cu(lengths):
