@@ -318,3 +318,105 @@ def test_shipped_cpu_profile_loads(tiny):
     assert prof.model == "tiny" and prof.provenance["when"]
     cost = _cost()
     assert cost.time([1024], 1)[0] > cost.time([1024], 4)[0] > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# activation memory: what autograd keeps for backward, against the cost model's formula
+# ------------------------------------------------------------------------------------------------
+
+
+class _FlashSaves(torch.autograd.Function):
+    """A stand-in for flash-attn's varlen kernel (CUDA only) that keeps for backward exactly what
+    ``flash_attn_varlen_func`` keeps: q, k, v, the output and the fp32 softmax log-sum-exp (heads
+    x tokens). The values come from the PyTorch path; the backward recomputes through it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_seqlen):
+        out = torch_varlen_attention(q, k, v, cu, max_seqlen)
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)  # (H, T) as flash-attn's varlen
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cu, ctx.max_seqlen = cu, max_seqlen
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        with torch.enable_grad():
+            qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+            out = torch_varlen_attention(qq, kk, vv, ctx.cu, ctx.max_seqlen)
+            dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), grad)
+        return dq, dk, dv, None, None
+
+
+def _flash_saves(q, k, v, cu, max_seqlen):
+    return _FlashSaves.apply(q, k, v, cu, max_seqlen)
+
+
+def _saved_bytes(tiny, length: int, mode: str, *, recompute: bool, block: int | None = None) -> int:
+    """Bytes of the distinct storages autograd saves for backward in one forward of one sequence
+    of ``length`` tokens (parameters and their casts, which do not grow with tokens, cancel in the
+    per-token slope). ``mode``: fp32, bf16 (weights and activations bf16, as FSDP2 runs) or autocast
+    (bf16 over fp32 weights, as ZeRO 0-2 run). ``block``: count only what block ``block`` saves."""
+    from workbench.runtime.zero import apply_recompute
+
+    model = Transformer(tiny, seed=0)
+    if mode == "bf16":
+        model = model.to(torch.bfloat16)
+    if recompute:
+        apply_recompute(model)
+    inside = [block is None]
+    if block is not None:
+        model.blocks[block].register_forward_pre_hook(lambda *a: inside.__setitem__(0, True))
+        model.blocks[block].register_forward_hook(lambda *a: inside.__setitem__(0, False))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if inside[0] and st.data_ptr() not in params:
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        return t
+
+    sh = make_shard([torch.randint(0, tiny.vocab, (length,), generator=torch.Generator().manual_seed(length))], 1, 0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+            logits = model(sh.tokens, sh.positions, sh.cu_seqlens, sh.max_seqlen, _flash_saves)
+        torch.nn.functional.cross_entropy(logits.float(), sh.labels, ignore_index=IGNORE, reduction="sum")
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("mode, stage, precision", [("fp32", 3, "fp32"), ("fp32", 0, "fp32"), ("bf16", 3, "bf16"),
+                                                    ("autocast", 0, "bf16"), ("autocast", 2, "bf16")])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_activation_bytes_per_token_match_what_autograd_keeps(tiny, mode, stage, precision, recompute):
+    """Per token, the bytes autograd keeps for backward (slope between two lengths, so fixed
+    buffers cancel) equal the cost model's activation figure in each precision and stage (a
+    profile without a measured figure for the model: the formula). With recomputation the peak
+    is what the forward keeps (the blocks' inputs and what lies outside them) plus one block's
+    working set while it is recomputed, measured from the plain model."""
+    a, b = 256, 512
+
+    def slope(**kw):
+        return (_saved_bytes(tiny, b, mode, **kw) - _saved_bytes(tiny, a, mode, **kw)) / (b - a)
+
+    measured = slope(recompute=recompute)
+    if recompute:
+        measured += max(slope(recompute=False, block=i) for i in range(tiny.layers))
+    cost = CostModel(load_profile("h100-80g"), tiny, ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=4.0,
+                                                                 zero_stage=stage),
+                     precision=precision, recompute=recompute)
+    assert cost.activation_bytes_per_token == pytest.approx(measured, rel=0.01), (mode, recompute)
+
+
+def test_activation_formula_recompute_keeps_far_less_for_a_large_model():
+    from workbench.cost import activation_bytes_per_token
+
+    m = get_model("7b")
+    full, rc = activation_bytes_per_token(m), activation_bytes_per_token(m, True)
+    # by hand, bf16: per block 2 (6h + 2kv + 4ffn) + 8h + 4 heads + 8; outside: ids and targets,
+    # rotary tables, final norm, fp32 log-softmax
+    h, f = m.hidden, m.ffn
+    per_block = 2 * (6 * h + 2 * h + 4 * f) + 8 * h + 4 * m.heads + 8
+    outside = 16 + 2 * m.head_dim + (4 * h + 4 * h + 4) + 4 * m.vocab
+    assert full == m.layers * per_block + outside
+    assert rc == m.layers * 2 * h + per_block + outside

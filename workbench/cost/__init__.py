@@ -112,18 +112,41 @@ def _linear_coeff(m: ModelSpec) -> float:
     return m.layers * m.layer_params() + m.vocab * m.hidden
 
 
-def activation_bytes_per_token(model: ModelSpec, recompute: bool = False) -> float:
-    """Analytic activation memory per token of the whole model (bytes), Llama block with a
-    flash-style attention (no s^2 buffers). Per block the backward pass keeps: the block input
-    and normed input, q, k, v, the attention output, the second norm's input and output, the
-    gate and up projections, their SwiGLU product and activation (``6h + 2*kv_dim + 4*ffn``
-    elements); plus fp32 logits. With full recomputation only each block's input stays, plus one
-    block's working set while it is recomputed."""
-    per_layer = model.dtype_bytes * (6 * model.hidden + 2 * model.kv_dim + 4 * model.ffn)
-    logits = 4 * model.vocab
+def activation_bytes_per_token(model: ModelSpec, recompute: bool = False, *, autocast: bool = False) -> float:
+    """Bytes per token the runtime's model keeps for backward (whole model), counted tensor by
+    tensor as autograd saves them, with a flash-style attention (q, k, v, the output and the fp32
+    softmax statistics; no s^2 buffers). ``c = model.dtype_bytes`` is the compute precision; every
+    tensor is in it (fp32, or bf16 weights and activations as FSDP2 runs ZeRO-3) unless ``autocast``
+    (bf16 matmuls over fp32 weights, ZeRO 0-2)::
+
+        per block, c everywhere          autocast (c = 2)
+        RMSNorm x2: input (fp32: its     input and normed input fp32 (the residual stream is
+          statistics), rstd, normed        fp32); each projection keeps its own bf16 copy of the
+          input and output (c each)        normed output (q, k, v, gate, up: 5 x 2h)
+        q, k, v (after rotary), attention output, softmax lse (4 bytes x heads)
+        gate, up, silu(gate), product (c x ffn each)
+        = c (6h + 2 kv + 4 ffn)           = 30h + 4 kv + 8 ffn + 4 heads + 8
+          + 8h + 4 heads + 8
+        outside the blocks: token ids and targets (int64), the rotary tables (c), the final norm,
+        the fp32 log-softmax of the logits (4 vocab)
+
+    (RMSNorm keeps both its normed input, for its weight's gradient, and its output, the next
+    matmul's input: a fused norm kernel would keep less.) With full recomputation each block keeps
+    only its input (the residual stream: c, or 4 under autocast, bytes x h), plus one block's
+    working set while it is recomputed; the outside terms stay."""
+    h, kv, f, H, V = model.hidden, model.kv_dim, model.ffn, model.heads, model.vocab
+    c = model.dtype_bytes
+    if autocast:
+        per_layer = 30 * h + 4 * kv + 8 * f + 4 * H + 8
+        resid = 4  # the residual stream (embedding output, norms, additions) stays fp32
+        outside = 16 + 2 * c * (model.head_dim // 2) + (8 * h + 4 + 2 * h) + 4 * V
+    else:
+        per_layer = c * (6 * h + 2 * kv + 4 * f) + 8 * h + 4 * H + 8
+        resid = c
+        outside = 16 + 2 * c * (model.head_dim // 2) + (4 * h + 2 * c * h + 4) + 4 * V
     if recompute:
-        return model.layers * model.dtype_bytes * model.hidden + per_layer + logits
-    return model.layers * per_layer + logits
+        return model.layers * resid * h + per_layer + outside
+    return model.layers * per_layer + outside
 
 
 @dataclass(frozen=True)
@@ -213,13 +236,16 @@ class CostModel:
             A *= _quadratic_coeff(m) / _quadratic_coeff(ref)
             B *= _linear_coeff(m) / _linear_coeff(ref)
             C *= m.layers / ref.layers
+        # bf16 under ZeRO 0-2 is autocast over the fp32 replica; under ZeRO-3 FSDP2 casts the weights
+        autocast = self.precision == "bf16" and self.cluster.zero_stage < 3
+        mine = activation_bytes_per_token(m, self.recompute, autocast=autocast)
         if act_mb is not None and p.model == m.name:
-            # measured in the model's own precision; another precision scales what is stored
-            act = act_mb * 1e6 * m.dtype_bytes / self._native_bytes
-            if self.recompute:
-                act *= activation_bytes_per_token(m, True) / activation_bytes_per_token(m, False)
+            # measured in the model's own precision, without recomputation (the profile's attention
+            # may keep more than the formula's flash-style one): scaled by the formula's ratio
+            native = dataclasses.replace(m, dtype_bytes=self._native_bytes)
+            act = act_mb * 1e6 * mine / activation_bytes_per_token(native, False)
         else:
-            act = activation_bytes_per_token(m, self.recompute)
+            act = mine
         return _Fit(A=A, B=B, C=C, act_bytes=act)
 
     # ---- degrees ---------------------------------------------------------------------------
