@@ -420,3 +420,39 @@ def test_activation_formula_recompute_keeps_far_less_for_a_large_model():
     outside = 16 + 2 * m.head_dim + (4 * h + 4 * h + 4) + 4 * m.vocab
     assert full == m.layers * per_block + outside
     assert rc == m.layers * 2 * h + per_block + outside
+
+
+def test_autocast_weight_copies_are_the_free_stages_bf16_working_set(tiny):
+    """Under autocast every matmul keeps a bf16 copy of its weight for backward: the part of what
+    autograd keeps that does not grow with the tokens (the intercept of two lengths) is the memory
+    model's ZeRO 0-2 bf16 working set."""
+    from workbench.cost.memory import model_states
+
+    a, b = 300, 600  # no activation shaped like a weight
+    sa, sb = _saved_bytes(tiny, a, "autocast", recompute=False), _saved_bytes(tiny, b, "autocast", recompute=False)
+    fixed = sa - (sb - sa) / (b - a) * a
+
+    # the same forward without the parameter filter: the copies are storages derived from weights
+    def with_casts(length):
+        model = Transformer(tiny, seed=0)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        shapes = {s for p in model.parameters() if p.dim() == 2 for s in (tuple(p.shape), tuple(p.shape)[::-1])}
+        seen = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in params and t.dtype == torch.bfloat16 and tuple(t.shape) in shapes:
+                seen[st.data_ptr()] = st.nbytes()
+            return t
+
+        sh = make_shard([torch.randint(0, tiny.vocab, (length,))], 1, 0)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(sh.tokens, sh.positions, sh.cu_seqlens, sh.max_seqlen, _flash_saves)
+        return sum(seen.values())
+
+    for stage in (0, 1, 2):
+        want = model_states(tiny, zero_stage=stage, num_ranks=4, precision="bf16").working
+        assert with_casts(a) == pytest.approx(want, rel=1e-9)
+        assert fixed == pytest.approx(want, rel=0.01)
+        assert model_states(tiny, zero_stage=stage, num_ranks=4, precision="fp32").working == 0
