@@ -194,6 +194,22 @@ class ZeroRuntime:
         self.optimizer = opt
         return opt
 
+    def optimizer_state_dict(self) -> dict | None:
+        """The optimizer's whole state dict (every parameter's states, keyed by index) for a
+        whole-file checkpoint: this rank's own under ZeRO-0; under ZeRO 1-2 consolidated on rank 0
+        (collective: every rank calls it; the others get None). Not for ZeRO-3 (sharded checkpoints)."""
+        opt = self.optimizer
+        if not hasattr(opt, "consolidate_state_dict"):
+            return opt.state_dict()
+        opt.consolidate_state_dict(to=0)
+        if self.rank != 0:
+            return None
+        sd = opt.state_dict()
+        # ZeroRedundancyOptimizer keeps the gathered copies until the next consolidation: a whole
+        # optimizer's states on rank 0 that no one needs once the checkpoint is written
+        opt._all_state_dicts = []
+        return sd
+
     def owner(self, p: torch.Tensor) -> int:
         """The rank whose optimizer updates ``p`` (ZeRO 1-2; every rank's own otherwise)."""
         return self._owner.get(id(p), self.rank)
