@@ -456,3 +456,98 @@ def test_autocast_weight_copies_are_the_free_stages_bf16_working_set(tiny):
         assert with_casts(a) == pytest.approx(want, rel=1e-9)
         assert fixed == pytest.approx(want, rel=0.01)
         assert model_states(tiny, zero_stage=stage, num_ranks=4, precision="fp32").working == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# plans against the run's stage; lockstep passes
+# ------------------------------------------------------------------------------------------------
+
+
+def test_check_plan_refuses_a_plan_of_another_stage_naming_both():
+    lengths = [30, 7, 12]
+    free = build_plan("hand", [[(2, [0, 1]), (1, [2])]], lengths, _cost(4, 2))
+    lock = build_plan("hand", [[(2, [0, 1]), (1, [2])]], lengths, _cost(4, 3))
+    assert (free.execution, lock.execution) == ("free", "lockstep")
+    with pytest.raises(PlanError, match=r"^the plan is free \(ZeRO 0-2\) but this run is ZeRO-3 \(lockstep\); "
+                                        r"plan for ZeRO-3$"):
+        check_plan(free, lengths, 4, zero_stage=3)
+    with pytest.raises(PlanError, match=r"^the plan is lockstep \(ZeRO-3\) but this run is ZeRO-1 \(free\); "
+                                        r"plan for ZeRO-1$"):
+        check_plan(lock, lengths, 4, zero_stage=1)
+    with pytest.raises(PlanError, match="the plan is for ZeRO-2 but this run is ZeRO-0; plan for ZeRO-0"):
+        check_plan(free, lengths, 4, zero_stage=0)
+    with pytest.raises(PlanError, match="the plan assumes fp32 but this run computes in bf16"):
+        check_plan(lock, lengths, 4, zero_stage=3, precision="bf16")
+    with pytest.raises(PlanError, match="the plan assumes no activation recomputation but this run recomputes"):
+        check_plan(lock, lengths, 4, zero_stage=3, precision="fp32", recompute=True)
+    check_plan(free, lengths, 4, zero_stage=2, precision="fp32", recompute=False)
+    check_plan(lock, lengths, 4, zero_stage=3, precision="fp32", recompute=False)
+
+
+def test_check_plan_accepts_ranks_serving_several_groups_only_in_lockstep_passes():
+    lengths = [30, 7, 12]
+    lock = build_plan("hand", [[(4, [0]), (2, [1]), (1, [2])]], lengths, _cost(4, 3), blocks=[[0, 0, 1]])
+    assert [g.ranks for g in lock.micro_steps[0].groups] == [(0, 1, 2, 3), (0, 1), (1,)]
+    check_plan(lock, lengths, 4, [1, 2, 4], zero_stage=3)
+    import dataclasses
+
+    as_free = dataclasses.replace(lock, execution="free", zero_stage=None)
+    with pytest.raises(PlanError, match=r"rank\(s\) \[0, 1\] are in two groups"):
+        check_plan(as_free, lengths, 4)
+
+
+def test_pack_shards_and_pass_attention_equal_separate_groups(tiny):
+    """One packed forward through PassAttention (two degree-1 groups) gives each group's logits as
+    two separate forwards do."""
+    from workbench.runtime.step import PassAttention, pack_shards
+
+    model = Transformer(tiny, seed=2).double()
+    gen = torch.Generator().manual_seed(2)
+    a = [torch.randint(0, tiny.vocab, (n,), generator=gen) for n in (9, 4)]
+    b = [torch.randint(0, tiny.vocab, (n,), generator=gen) for n in (13,)]
+    sa, sb = make_shard(a, 1, 0), make_shard(b, 1, 0)
+    packed = pack_shards([sa, sb])
+    assert packed.cu_seqlens.tolist() == [0, 9, 13, 26] and packed.targets == sa.targets + sb.targets
+    seen = []
+
+    def spy(name):
+        def attn(q, k, v, cu, mx):
+            seen.append((name, q.shape[0], cu.tolist()))
+            return torch_varlen_attention(q, k, v, cu, mx)
+        return attn
+
+    pa = PassAttention([(0, 13, spy("a"), sa.cu_seqlens, sa.max_seqlen), (13, 26, spy("b"), sb.cu_seqlens, sb.max_seqlen)])
+    out = model(packed.tokens, packed.positions, packed.cu_seqlens, packed.max_seqlen, pa)
+    ra = model(sa.tokens, sa.positions, sa.cu_seqlens, sa.max_seqlen, torch_varlen_attention)
+    rb = model(sb.tokens, sb.positions, sb.cu_seqlens, sb.max_seqlen, torch_varlen_attention)
+    torch.testing.assert_close(out, torch.cat([ra, rb]), rtol=1e-12, atol=1e-12)
+    assert seen[:2] == [("a", 13, [0, 9, 13]), ("b", 13, [0, 13])]  # in the pass's order, every layer
+
+
+def test_recompute_keeps_names_and_values(tiny):
+    from workbench.runtime.zero import apply_recompute
+
+    model, ref = Transformer(tiny, seed=5).double(), Transformer(tiny, seed=5).double()
+    apply_recompute(model)
+    assert list(model.state_dict()) == list(ref.state_dict())
+    seqs = [torch.randint(0, tiny.vocab, (n,)) for n in (17, 5)]
+    batch_loss(model, seqs, torch_varlen_attention).backward()
+    batch_loss(ref, seqs, torch_varlen_attention).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_fsdp_units_are_the_memory_models():
+    """The modules the runtime wraps with fully_shard hold exactly the tensors of each unit of
+    workbench.cost.memory.fsdp_units (tied and untied heads)."""
+    import dataclasses
+
+    from workbench.cost.memory import fsdp_units
+    from workbench.runtime.zero import fsdp_modules
+
+    for spec in (get_model("tiny"), dataclasses.replace(get_model("tiny"), tied_embeddings=True)):
+        model = Transformer(spec, seed=0)
+        name = {id(p): n for n, p in model.named_parameters()}
+        got = [sorted({name[id(p)] for m in unit for p in m.parameters()}) for unit in fsdp_modules(model)]
+        want = [sorted(n for n, _ in unit) for unit in fsdp_units(spec)]
+        assert got == want
