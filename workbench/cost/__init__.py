@@ -382,7 +382,9 @@ class CostModel:
     def grad_sync_ms(self, num_ranks: int | None = None) -> float:
         """The step's gradient reduction after the last micro-step of a free step, fp32 gradients
         (4 bytes per parameter): ZeRO-0 one all-reduce; ZeRO-1 an all-reduce, then the sharded
-        optimizer's parameter broadcast (fp32, costed as an all-gather); ZeRO-2 a reduce-scatter and that
+        optimizer's parameter broadcast (ZeroRedundancyOptimizer broadcasts each parameter from its
+        owner: fp32, costed as one all-gather); ZeRO-2 a reduce of each owner's gradients to it (the
+        runtime's ``dist.reduce`` per owner: a reduce-scatter's bytes, costed as one) and that
         broadcast. 0 under ZeRO-3 (every pass reduce-scatters its gradients: ``pass_comm_ms``), on one
         rank, or when the profile has no collective figures."""
         n = num_ranks or self.cluster.num_gpus
