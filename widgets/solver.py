@@ -113,8 +113,12 @@ class SolverPanel(ScenarioSource, Panel):
                                            layout=lay)
         self.w_fraction = W.FloatSlider(min=0.3, max=1.0, step=0.05, description="usable share", style=st,
                                         readout_format=".2f", continuous_update=False, layout=W.Layout(width="260px"))
-        self.w_zero = W.Dropdown(options=[("ZeRO-0", 0), ("ZeRO-1", 1), ("ZeRO-2", 2), ("ZeRO-3", 3)],
-                                 description="model states", style=st, layout=lay)
+        self.w_zero = W.Dropdown(options=[("ZeRO-0 (free)", 0), ("ZeRO-1 (free)", 1), ("ZeRO-2 (free)", 2),
+                                          ("ZeRO-3 (lockstep)", 3)],
+                                 description="model states", style=st, layout=lay,
+                                 tooltip="ZeRO-3 shards everything (most memory for activations) but every pass "
+                                         "all-gathers parameters, so all GPUs run the passes together; ZeRO 0-2 "
+                                         "replicate parameters (less memory) and run barrier-free")
         self.w_max_len = W.Dropdown(description="max context", style=st, layout=lay)
         self.w_batch = W.BoundedIntText(min=1, max=10**10, step=65536, description="batch tokens", style=st, layout=lay)
         self.w_batch_index = W.BoundedIntText(min=0, max=10**6, description="batch #", style=st,
@@ -194,11 +198,15 @@ class SolverPanel(ScenarioSource, Panel):
             head, controls, actions, self.status, self.data_line,
             W.HTML("<h4 style='margin:10px 0 2px'>The plan on a timeline</h4>"),
             cap("Each bar is one SP group: a block of consecutive GPUs (ranks, the rows) that runs its sequences "
-                "together, coloured by its <b>degree</b> (how many GPUs share each sequence). <b>m0, m1, ...</b> "
-                "are <b>micro-steps</b>: when the batch does not fit in memory at once it is run in several passes "
-                "whose gradients add up; a group starts as soon as its own GPUs are free. The grey block is the "
-                "gradient all-reduce that every GPU joins after its last micro-step; the dashed line is the "
-                "<b>lower bound</b>: no plan can finish the step before it."),
+                "together, coloured by its <b>degree</b> (how many GPUs share each sequence). When the batch does "
+                "not fit in memory at once it runs in several parts whose gradients add up, and how those line up "
+                "depends on the <b>ZeRO stage</b>. Under <b>ZeRO-3</b> every forward and backward all-gathers the "
+                "parameters over all GPUs, so the parts are <b>lockstep passes</b> (p0, p1, ..., shaded bands): "
+                "every GPU runs every pass, a GPU done early waits for the pass to end (hatched), and a GPU may "
+                "serve several groups in one pass. Under <b>ZeRO 0-2</b> parameters are replicated, so the parts "
+                "are barrier-free <b>micro-steps</b> (m0, m1, ...): a group starts as soon as its own GPUs are "
+                "free, and the grey block is the gradient reduction every GPU joins at the end. The dashed line "
+                "is the <b>lower bound</b>: no plan can finish the step before it."),
             self.w_show, figure_box(self.fig_timeline),
             W.HTML("<h4 style='margin:10px 0 2px'>Every planner on the same batch</h4>"),
             cap("Predicted step time of each planner's plan for this batch. <i>static-max</i> is the fixed layout "
@@ -524,7 +532,9 @@ class SolverPanel(ScenarioSource, Panel):
                 f"<span style='color:#555'>batch #{int(self.w_batch_index.value)} of <b>{sc.source}</b>: "
                 f"{len(s):,} sequences, {int(sum(s)):,} tokens, longest {int(max(s)):,}; "
                 f"{rep.describe() if rep is not None else 'no max context applied'}. "
-                f"Activation budget {sc.cost().memory_budget_gb:.2f} GB per GPU.</span>")
+                f"Activation budget {sc.cost().memory_budget_gb:.2f} GB per GPU (model states "
+                f"{sc.cost().model_states_gb:.2f} GB under ZeRO-{sc.zero_stage}, "
+                f"{'lockstep passes' if sc.cost().execution == 'lockstep' else 'barrier-free micro-steps'}).</span>")
             if chosen is None:
                 self.status.value = note_html("no planner could plan this batch: " +
                                               "; ".join(f"{k}: {v}" for k, v in res.errors.items()), "error")
@@ -537,7 +547,8 @@ class SolverPanel(ScenarioSource, Panel):
                        if pb and pb > p.lower_bound_ms * (1 + 1e-9) else "")
             self.status.value = note_html(
                 f"plan #{self.solves}: {chosen} {p.makespan_ms / 1e3:.3f}s per step, lower bound "
-                f"{p.lower_bound_ms / 1e3:.3f}s (gap {100 * p.gap:.1f}%){packing}, {len(p.micro_steps)} micro-step(s), "
+                f"{p.lower_bound_ms / 1e3:.3f}s (gap {100 * p.gap:.1f}%){packing}, {len(p.micro_steps)} "
+                f"{'lockstep pass(es) (ZeRO-3)' if p.execution == 'lockstep' else 'micro-step(s), barrier-free'}, "
                 f"{len(res)} planner(s) in {res.seconds:.1f}s", "ok")
             self._draw_all()
 
@@ -566,7 +577,8 @@ class SolverPanel(ScenarioSource, Panel):
         self.table.value = html_table(rows + err_rows, [
             ("planner", "planner", None), ("makespan_ms", "step (s)", lambda v: f"{v / 1e3:.3f}"),
             ("gap", "over LB", lambda v: f"{100 * v:.1f}%"),
-            ("packing_gap", "over packing bound", lambda v: f"{100 * v:.1f}%"), ("micro_steps", "micro-steps", "d"),
+            ("packing_gap", "over packing bound", lambda v: f"{100 * v:.1f}%"),
+            ("micro_steps", "passes" if res.scenario.zero_stage == 3 else "micro-steps", "d"),
             ("groups", "groups", "d"), ("degrees", "degrees", lambda v: ",".join(map(str, v))),
             ("imbalance", "imbalance", ".3f"), ("solve_seconds", "solve (s)", ".2f"), ("status", "status", None)])
         self._draw_memory(reset_group=True)

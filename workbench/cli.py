@@ -203,6 +203,13 @@ def cmd_plan(args) -> int:
     print(f"{plan.planner} [{plan.status}] {batch_len} sequences, {tokens:,} tokens on {sc.num_gpus} GPUs")
     print(f"  makespan {plan.makespan_ms:,.1f} ms, lower bound {plan.lower_bound_ms:,.1f} ms (gap {plan.gap:.1%}), "
           f"solved in {plan.solve_seconds:.2f}s")
+    if plan.execution == "lockstep":
+        print(f"  ZeRO-{plan.zero_stage}: {len(plan.micro_steps)} lockstep pass(es), every rank in every pass; a pass lasts "
+              f"as long as its busiest rank (at least FSDP's {plan.pass_comm_ms:,.0f} ms of gathers and reduces) "
+              f"+ {plan.pass_overhead_ms:,.0f} ms")
+    else:
+        print(f"  ZeRO-{plan.zero_stage}: {len(plan.micro_steps)} barrier-free micro-step(s), then "
+              f"{plan.grad_sync_ms:,.0f} ms of gradient sync")
     from workbench.solve.ahead import plan_lengths
     from workbench.solve.bound import step_bound_ms
 
@@ -217,7 +224,10 @@ def cmd_plan(args) -> int:
             by_deg.setdefault(g.degree, []).append(g)
         desc = ", ".join(f"{len(v)}x degree {d} ({sum(len(g.sequences) for g in v)} seqs, "
                          f"max {max(g.time_ms for g in v):,.0f} ms)" for d, v in sorted(by_deg.items(), reverse=True))
-        print(f"  micro-step {m}: {desc}")
+        if ms.time_ms is not None:
+            print(f"  pass {m} ({ms.time_ms:,.0f} ms): {desc}")
+        else:
+            print(f"  micro-step {m}: {desc}")
     return 0
 
 

@@ -416,6 +416,17 @@ class HardwareProfile(_JsonMixin):
     activation_mb_per_token: float | None = None
     """Activation memory of the whole ``model`` per token in MB (1e6 bytes), measured; None to
     estimate it from the model's shape."""
+    head_ms_per_token: float | None = None
+    """Forward and backward time per token of what is not a transformer block (the embedding, the
+    final norm, the output head and the loss) on ``model`` (ms), measured from real steps; None: the
+    compute curves include it (the published whole-model fits do) or it was not measured."""
+    micro_step_ms: float | None = None
+    """Fixed time of one micro-step outside the layers (ms): the Python of a forward and backward,
+    building the shard, the loss's reduction; paid once per group in free execution and once per
+    rank and pass in lockstep. None: not measured."""
+    optimizer_ms_per_mparam: float | None = None
+    """Time of the optimizer step per million parameters a rank updates (ms), measured with the
+    profiled optimizer; None: not measured."""
     gpu_memory_gb: float = 40.0
     """Memory of the profiled GPU (GB)."""
     provenance: dict = field(default_factory=dict)
@@ -435,6 +446,10 @@ class HardwareProfile(_JsonMixin):
         if self.activation_mb_per_token is not None:
             _require(self.activation_mb_per_token > 0,
                      f"HardwareProfile {self.name}: activation_mb_per_token must be > 0 or null")
+        for n in ("head_ms_per_token", "micro_step_ms", "optimizer_ms_per_mparam"):
+            v = getattr(self, n)
+            _require(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0),
+                     f"HardwareProfile {self.name}: {n} must be a finite number >= 0 or null, got {v!r}")
         _require(self.gpu_memory_gb > 0, f"HardwareProfile {self.name}: gpu_memory_gb must be > 0")
         kind = self.provenance.get("kind") if isinstance(self.provenance, Mapping) else None
         _require(kind in ("measured", "reference", "estimate"),

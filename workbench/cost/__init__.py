@@ -152,8 +152,8 @@ def activation_bytes_per_token(model: ModelSpec, recompute: bool = False, *, aut
 @dataclass(frozen=True)
 class _Fit:
     A: float  # ms per token^2, whole model, forward+backward (+recompute)
-    B: float  # ms per token
-    C: float  # ms per packed call (group and micro-step)
+    B: float  # ms per token: the blocks, and the embedding, head and loss when measured apart
+    C: float  # ms per packed call (group and micro-step), the micro-step's fixed cost included
     act_bytes: float  # per token, whole model
 
 
@@ -231,11 +231,15 @@ class CostModel:
         A = passes_f * af + ab
         B = passes_f * bf + bb
         C = passes_f * cf + cb
+        head = float(p.head_ms_per_token or 0.0)  # embedding, final norm, head and loss, per token
         if ref is not m:
             # scale by FLOPs: quadratic (attention) and linear (dense) parts separately
             A *= _quadratic_coeff(m) / _quadratic_coeff(ref)
             B *= _linear_coeff(m) / _linear_coeff(ref)
             C *= m.layers / ref.layers
+            head *= (m.vocab * m.hidden) / (ref.vocab * ref.hidden)
+        B += head
+        C += float(p.micro_step_ms or 0.0)
         # bf16 under ZeRO 0-2 is autocast over the fp32 replica; under ZeRO-3 FSDP2 casts the weights
         autocast = self.precision == "bf16" and self.cluster.zero_stage < 3
         mine = activation_bytes_per_token(m, self.recompute, autocast=autocast)
@@ -350,9 +354,9 @@ class CostModel:
         return self.model.layers * _interp_latency(self.profile.sp_overhead_ms, d)
 
     def group_overhead_ms(self, degree: int) -> float:
-        """Fixed time a group pays once per micro-step: the fitted constant c of every layer, plus
-        the latency of the group's collective calls and the measured extra of its SP layout when
-        the profile has them."""
+        """Fixed time a group pays once per micro-step: the fitted constant c of every layer and the
+        profile's measured fixed cost of a micro-step, plus the latency of the group's collective
+        calls and the measured extra of its SP layout when the profile has them."""
         return self._fit.C + self.collective_latency_ms(degree) + self.sp_overhead_ms(degree)
 
     @property
@@ -396,6 +400,30 @@ class CostModel:
             return self._bus("allreduce", nbytes, n)
         first = self._bus("allreduce" if stage == 1 else "reduce_scatter", nbytes, n)
         return first + self._bus("allgather", nbytes, n)
+
+    def step_end_ms(self) -> float:
+        """What every step costs after its last micro-step: the gradient reduction and the optimizer
+        step (``grad_sync_ms + optimizer_ms``)."""
+        return self.grad_sync_ms() + self.optimizer_ms()
+
+    def updated_params(self) -> float:
+        """Parameters the most loaded rank's optimizer updates: all of them under ZeRO-0, its
+        ZeroRedundancyOptimizer partition under ZeRO-1/2, its FSDP shard under ZeRO-3."""
+        from workbench.cost.memory import parameter_shapes, zero_partition
+
+        n, stage = self.cluster.num_gpus, self.cluster.zero_stage
+        shapes = [shape for _, shape in parameter_shapes(self.model)]
+        if stage == 0 or n == 1:
+            return float(sum(math.prod(x) for x in shapes))
+        if stage == 3:
+            return float(sum(math.ceil(x[0] / n) * math.prod(x[1:]) for x in shapes))
+        return float(max(zero_partition([math.prod(x) for x in shapes], n)))
+
+    def optimizer_ms(self) -> float:
+        """The optimizer step after the step's last micro-step (ms): the profile's measured time per
+        million updated parameters times ``updated_params``; 0 when the profile did not measure it."""
+        rate = self.profile.optimizer_ms_per_mparam
+        return float(rate) * self.updated_params() / 1e6 if rate else 0.0
 
     # ---- lockstep passes (ZeRO-3) ---------------------------------------------------------------------
     def call_overhead_ms(self) -> float:
@@ -504,6 +532,7 @@ class CostModel:
             "group_overhead_ms": {str(d): self.group_overhead_ms(d) for d in degrees},
             "memory_budget_gb": self.memory_budget_gb,
             "grad_sync_ms": self.grad_sync_ms(),
+            "optimizer_ms": self.optimizer_ms(),
             "execution": self.execution,
             "zero_stage": self.cluster.zero_stage,
             "precision": self.precision,

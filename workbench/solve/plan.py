@@ -45,6 +45,7 @@ __all__ = [
     "validate",
     "plan_from_dict",
     "pass_loads",
+    "arrange_passes",
     "EXECUTIONS",
 ]
 
@@ -129,6 +130,8 @@ class Plan:
     """Lockstep: FSDP's all-gathers and reduce-scatters of one pass; a pass is at least this long."""
     pass_overhead_ms: float = 0.0
     """Lockstep: what every pass costs on top of its compute (or its collectives)."""
+    optimizer_ms: float = 0.0
+    """The optimizer step after the last micro-step (in the makespan, after the gradient sync)."""
 
     @property
     def gap(self) -> float:
@@ -164,6 +167,7 @@ class Plan:
             "shared_overhead_ms": self.shared_overhead_ms,
             "pass_comm_ms": self.pass_comm_ms,
             "pass_overhead_ms": self.pass_overhead_ms,
+            "optimizer_ms": self.optimizer_ms,
             "micro_steps": [m.to_dict() for m in self.micro_steps],
         }
 
@@ -189,7 +193,8 @@ def plan_from_dict(d: Mapping[str, Any]) -> Plan:
                     zero_stage=None if zero is None else int(zero), precision=d.get("precision"),
                     recompute=bool(d.get("recompute", False)),
                     shared_overhead_ms=float(d.get("shared_overhead_ms", 0.0)),
-                    pass_comm_ms=float(d.get("pass_comm_ms", 0.0)), pass_overhead_ms=float(d.get("pass_overhead_ms", 0.0)))
+                    pass_comm_ms=float(d.get("pass_comm_ms", 0.0)), pass_overhead_ms=float(d.get("pass_overhead_ms", 0.0)),
+                    optimizer_ms=float(d.get("optimizer_ms", 0.0)))
     except (KeyError, TypeError, ValueError) as e:
         raise PlanError(f"not a plan: {e!r} (expected the shape of `workbench plan --json`)") from None
     if plan.execution not in EXECUTIONS:
@@ -263,6 +268,8 @@ def build_plan(
         return float(m_of[d][list(seqs)].sum())
 
     shared = cost.call_overhead_ms() if lockstep else 0.0
+    if lockstep and fixed is None:
+        micro_steps = _arranged(micro_steps, lengths, cost, n, _group_time)
     total = 0.0
     for m, groups in enumerate(micro_steps):
         groups = [(int(d), list(s)) for d, s in groups]
@@ -313,15 +320,61 @@ def build_plan(
             out.append(MicroStep(groups=tuple(placed), time_ms=pass_ms))
         else:
             out.append(MicroStep(groups=tuple(placed)))
-    grad = cost.grad_sync_ms()
+    grad, opt = cost.grad_sync_ms(), cost.optimizer_ms()
     compute = total if lockstep else (float(ready.max()) if out else 0.0)
     lb = lower_bound_ms(lengths, cost) if lower_bound is None else lower_bound
-    return Plan(planner=planner, status=status, makespan_ms=compute + grad, lower_bound_ms=lb,
+    return Plan(planner=planner, status=status, makespan_ms=compute + grad + opt, lower_bound_ms=lb,
                 solve_seconds=solve_seconds, micro_steps=tuple(out), num_gpus=n, grad_sync_ms=grad,
                 memory_budget_gb=cost.memory_budget_gb, reason=reason, stats=dict(stats or {}),
                 execution=cost.execution, zero_stage=cost.cluster.zero_stage, precision=cost.precision,
                 recompute=cost.recompute, shared_overhead_ms=shared,
-                pass_comm_ms=cost.pass_comm_ms(), pass_overhead_ms=cost.pass_overhead_ms())
+                pass_comm_ms=cost.pass_comm_ms(), pass_overhead_ms=cost.pass_overhead_ms(), optimizer_ms=opt)
+
+
+def _arranged(micro_steps, lengths, cost: CostModel, n: int, group_time) -> list:
+    """A lockstep step's passes from a planner's micro-steps: as given, or the same groups arranged
+    longest first into passes (``arrange_passes``), whichever sums to less. Planners whose
+    micro-step index means "the k-th group of a replica" (barrier-free thinking) thus get the
+    passes a lockstep run would pick for the same groups."""
+    given = [[(int(d), list(s)) for d, s in groups if len(s)] for groups in micro_steps]
+    given = [g for g in given if g]
+    flat = [g for groups in given for g in groups]
+    if not flat:
+        return given
+    times = [group_time(d, s) for d, s in flat]
+
+    def total(passes) -> float:
+        return sum(cost.pass_ms(max(times[k] for k in ks)) for ks in passes)
+
+    k = 0
+    as_given = []
+    for groups in given:
+        as_given.append(list(range(k, k + len(groups))))
+        k += len(groups)
+    ffd = arrange_passes(flat, times, n)
+    best = ffd if total(ffd) < total(as_given) * (1 - 1e-12) else as_given
+    return [[flat[k] for k in ks] for ks in best]
+
+
+def arrange_passes(groups, times, n: int) -> list[list[int]]:
+    """Indices of ``groups`` (``(degree, members)``) per lockstep pass: longest first, each into the
+    first pass with ranks to spare (the degrees of a pass sum to at most ``n``; powers of two that
+    each divide the next then always pack into aligned blocks). Longest first makes every pass as
+    long as its first group, which keeps the passes' sum small."""
+    order = np.argsort(-np.asarray(times, dtype=np.float64), kind="stable")
+    free: list[int] = []
+    out: list[list[int]] = []
+    for k in order:
+        d = int(groups[k][0])
+        for p, f in enumerate(free):
+            if f >= d:
+                out[p].append(int(k))
+                free[p] -= d
+                break
+        else:
+            out.append([int(k)])
+            free.append(n - d)
+    return out
 
 
 def _rank_loads(groups: Sequence[Group], n: int, shared: float) -> np.ndarray:
@@ -356,7 +409,8 @@ def timeline(plan: Plan) -> dict:
     Lockstep plans replay pass by pass: a pass starts when the previous one ended on every rank; a
     rank runs its groups of the pass in the listed order (the first carries the shared overhead);
     ``passes`` gives each pass's ``start_ms``, ``end_ms``, ``compute_ms`` (its largest rank load),
-    ``comm_ms`` and ``overhead_ms``.
+    ``comm_ms`` and ``overhead_ms``, and ``waits`` every rank's wait for the end of a pass
+    (``{micro_step, rank, start_ms, end_ms}``; empty for free plans).
     """
     n = plan.num_gpus
     busy = np.zeros(n)
@@ -364,6 +418,7 @@ def timeline(plan: Plan) -> dict:
     if plan.execution == "lockstep":
         t = 0.0
         passes = []
+        waits = []
         for m, ms in enumerate(plan.micro_steps):
             cursor = np.full(n, t)
             first = np.ones(n, dtype=bool)
@@ -380,10 +435,15 @@ def timeline(plan: Plan) -> dict:
             dur = ms.time_ms if ms.time_ms is not None else _pass_ms(plan, load)
             passes.append({"micro_step": m, "start_ms": t, "end_ms": t + dur, "compute_ms": float(load.max()),
                            "comm_ms": plan.pass_comm_ms, "overhead_ms": plan.pass_overhead_ms})
+            # every rank waits from the end of its own work to the end of the pass
+            for r in range(n):
+                if t + dur - (t + load[r]) > 1e-9:
+                    waits.append({"micro_step": m, "rank": r, "start_ms": float(t + load[r]), "end_ms": float(t + dur)})
             t += dur
         finish = np.full(n, t)
         return {"execution": "lockstep", "groups": rows, "rank_busy_ms": busy.tolist(), "rank_finish_ms": finish.tolist(),
-                "compute_end_ms": t, "makespan_ms": t + plan.grad_sync_ms, "passes": passes}
+                "compute_end_ms": t, "makespan_ms": t + plan.grad_sync_ms + plan.optimizer_ms, "passes": passes,
+                "waits": waits}
     ready = np.zeros(n)
     for m, ms in enumerate(plan.micro_steps):
         for g in sorted(ms.groups, key=lambda g: (-g.degree, -g.time_ms)):
@@ -395,7 +455,7 @@ def timeline(plan: Plan) -> dict:
                          "end_ms": start + g.time_ms, "sequences": len(g.sequences)})
     end = float(ready.max()) if rows else 0.0
     return {"execution": "free", "groups": rows, "rank_busy_ms": busy.tolist(), "rank_finish_ms": ready.tolist(),
-            "compute_end_ms": end, "makespan_ms": end + plan.grad_sync_ms, "passes": []}
+            "compute_end_ms": end, "makespan_ms": end + plan.grad_sync_ms + plan.optimizer_ms, "passes": [], "waits": []}
 
 
 MAX_GROUPS_PER_GPU = 4096
@@ -421,7 +481,7 @@ def lower_bound_ms(lengths, cost: CostModel) -> float:
     """
     s = np.asarray(lengths, dtype=np.int64)
     if s.size == 0:
-        return cost.grad_sync_ms()
+        return cost.step_end_ms()
     cost.check_feasible(s)
     if cost.execution == "lockstep":
         return lockstep_lower_bound_ms(s, cost)
@@ -463,7 +523,7 @@ def lower_bound_ms(lengths, cost: CostModel) -> float:
     else:
         t_lb = min(float(b[lo]), need(float(b[lo - 1])))
     t_lb = _slot_bound(t_lb, single, work, gpu_mem, cost)
-    return t_lb + cost.grad_sync_ms()
+    return t_lb + cost.step_end_ms()
 
 
 def lockstep_lower_bound_ms(lengths, cost: CostModel) -> float:
@@ -489,9 +549,10 @@ def lockstep_lower_bound_ms(lengths, cost: CostModel) -> float:
     """
     s = np.asarray(lengths, dtype=np.int64)
     if s.size == 0:
-        return 0.0
+        return cost.step_end_ms()
     cost.check_feasible(s)
     n = cost.cluster.num_gpus
+    end = float(cost.step_end_ms())
     degs = list(cost.degrees)
     single = np.full((len(degs), s.size), np.inf)
     work = np.full((len(degs), s.size), np.inf)
@@ -517,14 +578,14 @@ def lockstep_lower_bound_ms(lengths, cost: CostModel) -> float:
 
     lo = M * ovh + max(float(work.min(axis=0).sum() + C * slots) / n, M * C, M * comm, x0 + (M - 1) * P)
     if need(lo) <= lo:
-        return lo
+        return lo + end
     hi = max(lo, 1e-9) * 2.0
     for _ in range(200):
         if need(hi) <= hi:
             break
         lo, hi = hi, hi * 2.0
     else:
-        return lo
+        return lo + end
     for _ in range(100):
         mid = 0.5 * (lo + hi)
         if need(mid) <= mid:
@@ -533,7 +594,7 @@ def lockstep_lower_bound_ms(lengths, cost: CostModel) -> float:
             lo = mid
         if hi - lo <= 1e-9 * hi:
             break
-    return lo  # a step of lo cannot be, so every plan is longer
+    return lo + end  # a step of lo cannot be, so every plan is longer
 
 
 def _least_work(single: np.ndarray, work: np.ndarray, x: float) -> float:
