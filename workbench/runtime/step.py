@@ -131,7 +131,9 @@ class PassAttention:
         outs = []
         for i, (lo, hi, fn, cu, mx) in enumerate(self.segments):
             if cu.device != q.device:  # moved once per device, not once per layer
-                cu = self._moved.setdefault((i, q.device), cu.to(q.device))
+                if (i, q.device) not in self._moved:
+                    self._moved[(i, q.device)] = cu.to(q.device)
+                cu = self._moved[(i, q.device)]
             outs.append(fn(q[lo:hi], k[lo:hi], v[lo:hi], cu, mx))  # (hi-lo, H, hd)
         return outs[0] if len(outs) == 1 else torch.cat(outs)  # (T, H, hd)
 
