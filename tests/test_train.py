@@ -377,11 +377,11 @@ def _update_error(got: dict, ref: dict, before: dict) -> float:
 @pytest.mark.slow
 def test_checkpoints_resume_on_another_world_and_stage(tmp_path):
     """SGD with momentum (the optimizer state matters, and its update is linear in it): a ZeRO-3
-    run saved on 4 ranks resumes on 2 (DCP reshards the folder) and a ZeRO-1 run's whole file
-    resumes under ZeRO-3 on 4; the step after the resume gives the uninterrupted run's loss and
-    weights."""
+    run saved on 4 ranks resumes on 2 (DCP reshards the folder); a ZeRO-1 run's whole file resumes
+    under ZeRO-3 on 4, and its sharded folder under ZeRO-2 on 2; each step after a resume gives the
+    uninterrupted run's loss and weights."""
     ref = tmp_path / "ref"
-    _ok(_train(ref, "--nproc", "4", "--steps", "3", "--checkpoint-every", "1", *ZARGS), ref)
+    _ok(_train(ref, "--nproc", "4", "--steps", "4", "--checkpoint-every", "1", *ZARGS), ref)
     loss = {s: r["loss"] for s, r in metrics(ref).items()}
     # ZeRO-3, 4 ranks -> 2 ranks
     a = tmp_path / "a"
@@ -404,6 +404,12 @@ def test_checkpoints_resume_on_another_world_and_stage(tmp_path):
     assert status(b)["resolved"]["execution"] == "lockstep"
     assert metrics(b)[2]["loss"] == pytest.approx(loss[2], rel=1e-5)
     assert _update_error(params_of(b, 3), params_of(ref, 3), params_of(ref, 2)) < 1e-4
+    # and that sharded folder, on 2 ranks under ZeRO-2 (the momentum buffers into ZeroRedundancyOptimizer's shards)
+    p = workbench("train", "--run-dir", str(b), "--steps", "4", "--nproc", "2", "--zero-stage", "2", "--change",
+                  "--quiet")
+    _ok(p, b)
+    assert metrics(b)[3]["loss"] == pytest.approx(loss[3], rel=1e-5)
+    assert _update_error(params_of(b, 4), params_of(ref, 4), params_of(ref, 3)) < 1e-4
 
 
 @pytest.mark.slow
