@@ -276,7 +276,7 @@ class Trainer:
             raise TrainError("the scenario has neither batch_tokens nor batch_size; give --batch-tokens T")
         self.batch_size, self.batch_tokens = bs, bt
         self.sampler = GlobalBatchSampler(self.data, batch_size=bs, batch_tokens=bt, seed=sc.seed)
-        self.attn, self.attn_name = select_attention(spec.attention, device)
+        self.attn, self.attn_name = select_attention(spec.attention, device, sc.precision)
         if spec.debug.get("plan_num_gpus") is not None:
             k = int(spec.debug["plan_num_gpus"])
             self.plan_cost = sc.replace(num_gpus=k, gpus_per_node=min(sc.gpus_per_node, k)).cost()
@@ -327,6 +327,10 @@ class Trainer:
             device = resolve_device(self.spec, env)
         except TrainError as e:
             err = err or str(e)
+        if device.type == "cuda":
+            # before anything touches CUDA (and before the process group): every later CUDA call and
+            # NCCL's communicator use this rank's own GPU, never GPU 0 of every rank
+            torch.cuda.set_device(device)
         if err is None:
             try:
                 self._setup_local(device)
@@ -335,15 +339,16 @@ class Trainer:
             except Exception as e:  # noqa: BLE001 - reported, never left to hang the others
                 err = f"{type(e).__name__}: {e}"
                 traceback.print_exc()
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
         # decided the same way on every rank (not from this rank's device, which a failed set-up
         # may have left on CPU): ranks on different backends would never meet
         cuda = torch.cuda.is_available() and (self.spec is None or self.spec.device != "cpu")
         backend = "nccl" if cuda else "gloo"
         timeout = datetime.timedelta(seconds=self.spec.timeout_s if self.spec is not None else 600.0)
         try:
-            dist.init_process_group(backend, timeout=timeout, rank=env.rank, world_size=env.world_size)
+            # NCCL bound to this rank's GPU (``device_id``): the communicator forms now, and subgroups
+            # split from it
+            bind = {"device_id": device} if backend == "nccl" and device.type == "cuda" else {}
+            dist.init_process_group(backend, timeout=timeout, rank=env.rank, world_size=env.world_size, **bind)
         except Exception as e:  # noqa: BLE001
             return self._fail(f"process group ({backend}) did not start: {e}", where="init")
         agreed = self._agree(err)
