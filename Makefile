@@ -33,7 +33,9 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# the doctor's summary first: what this machine can do (a failing line does not stop the demo)
 demo: $(STAMP)
+	-$(BIN)/workbench doctor
 	$(BIN)/workbench demo
 
 # the run store is the project's runs/ whatever folder the notebooks run in; the token stays on

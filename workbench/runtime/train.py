@@ -26,6 +26,13 @@ failure ``failures/rank<k>.json``. A restarted run resumes from its latest check
 Setup errors (a missing or invalid spec, a bad source, a sequence over the max context under
 policy ``error``...) are collected on every rank *before* the first collective that could block,
 then agreed on with one ``all_gather_object``: every rank stops, rank 0 writes the message.
+
+Over several nodes (torchrun's ``GROUP_WORLD_SIZE`` > 1) that same gather also compares the nodes:
+another ``--nproc``, another run or another spec on some node stops every rank with one line naming
+it (``workbench.runtime.peers.node_problem``). Each rank records its pid in its node's record
+(``nodes/node<k>.json``) and, on nodes other than 0, appends its metrics to that node's file;
+heartbeats through torchrun's store (``PeerWatch``) let a rank whose collective failed name the node
+that went away.
 """
 
 from __future__ import annotations
@@ -86,6 +93,14 @@ class DistEnv:
     world_size: int
     local_rank: int
     local_world_size: int
+    node: int = 0
+    """This node's rank (torchrun's ``GROUP_RANK``: the ``--node-rank`` it was started with)."""
+    nnodes: int = 1
+    """Nodes of the run (torchrun's ``GROUP_WORLD_SIZE``)."""
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes > 1
 
     @classmethod
     def from_env(cls) -> "DistEnv":
@@ -96,7 +111,8 @@ class DistEnv:
             env.setdefault("MASTER_PORT", str(_free_port()))
         return cls(rank=int(env.get("RANK", 0)), world_size=int(env.get("WORLD_SIZE", 1)),
                    local_rank=int(env.get("LOCAL_RANK", 0)),
-                   local_world_size=int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1))))
+                   local_world_size=int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1))),
+                   node=int(env.get("GROUP_RANK", 0)), nnodes=int(env.get("GROUP_WORLD_SIZE", 1)))
 
 
 def _free_port() -> int:
@@ -235,6 +251,11 @@ class Trainer:
         self.spec: TrainSpec | None = None
         self.step = 0
         self.attempt = 1
+        self.node = env.node if env.multi_node else None
+        """This rank's node record (``nodes/node<k>.json``) in a run over several nodes, else None."""
+        self.peers = None
+        self.members: dict[int, tuple[int, str]] = {}
+        """Every rank's ``(node, host)``, agreed at start."""
 
     # ---- status and artefacts (rank 0 writes the run's progress; every rank its pid) ---------------
     def _write_status(self, **fields) -> None:
@@ -244,6 +265,8 @@ class Trainer:
 
     def _fail(self, msg: str, *, where: str = "") -> int:
         """Report a failure on this rank (stderr, failures/rank<k>.json; status.json on rank 0)."""
+        if self.peers is not None:
+            self.peers.mark_ended("failed")
         _say(f"workbench train: error (rank {self.rank}{', ' + where if where else ''}): {msg}")
         if self.run_dir.is_dir():
             try:
@@ -301,14 +324,61 @@ class Trainer:
                                  f"({', '.join(f'{k}: {a!r} there, {b!r} now' for k, (a, b) in diff.items())}); "
                                  f"use a new run folder")
 
+    def _info(self) -> dict:
+        """What this rank says about itself at start, for the nodes' comparison."""
+        spec = self.spec.to_dict() if self.spec is not None else None
+        if spec is not None:
+            spec.pop("steps", None)  # a resume may raise the steps on one node first; the rest must match
+        return {"rank": self.rank, "node": self.env.node, "host": socket.gethostname(),
+                "local_world_size": self.env.local_world_size, "run_id": self.run_dir.name, "spec": spec}
+
     def _agree(self, err: str | None) -> tuple[int, str] | None:
-        """All ranks' setup errors, gathered on every rank: ``(rank, message)`` of the first, or None."""
-        errs: list = [None] * self.env.world_size
-        dist.all_gather_object(errs, err)
-        for r, e in enumerate(errs):
+        """All ranks' setup errors (and, over several nodes, what differs between the nodes), gathered
+        on every rank: ``(rank, message)`` of the first, or None. Also keeps every rank's node and
+        host (``self.members``) for naming a node that goes away later."""
+        from workbench.runtime.peers import node_problem
+
+        got: list = [None] * self.env.world_size
+        dist.all_gather_object(got, (err, self._info()))
+        self.members = {int(i["rank"]): (int(i["node"]), str(i["host"])) for _, i in got}
+        nodes = node_problem([i for _, i in got], self.spec.nproc if self.spec is not None else None)
+        if nodes is not None:
+            return nodes  # before the errors it causes (a world of another size, say)
+        for r, (e, _) in enumerate(got):
             if e is not None:
                 return r, e
         return None
+
+    def _watch_peers(self) -> None:
+        """Heartbeats through torchrun's store (several nodes only), so a failure can name the node gone."""
+        from workbench.runtime.peers import PeerWatch, store_from_env
+
+        if not self.env.multi_node:
+            return
+        try:
+            found = store_from_env(timeout_s=10.0)
+        except Exception as e:  # noqa: BLE001 - without it a failure is reported as it comes
+            _say(f"workbench train: warning (rank {self.rank}): no heartbeats through the rendezvous store: {e}")
+            return
+        if found is None:
+            return
+        store, where = found
+        stall = min(60.0, float(self.spec.timeout_s)) if self.spec is not None else 60.0
+
+        def stalled(msg: str) -> None:
+            # a peer vanished without closing its sockets: end now rather than wait in a collective
+            self._fail(msg, where=f"step {self.step}")
+            os._exit(1)
+
+        self.peers = PeerWatch(store, self.rank, self.members, stall_s=stall, on_stall=stalled,
+                               store_host=where).start()
+
+    def _explain(self, msg: str) -> str:
+        """A failure's message, prefixed with which node went away when a peer is gone."""
+        if self.peers is None:
+            return msg
+        why = self.peers.diagnose()
+        return f"{why}: {msg}" if why else msg
 
     # ---- the run ----------------------------------------------------------------------------------
     def run(self) -> int:
@@ -317,8 +387,10 @@ class Trainer:
         device = torch.device("cpu")
         if self.run_dir.is_dir():
             # where every rank lives, so that a stop can reach processes torchrun put in their own sessions
-            runs.update_status(self.run_dir, pids={"ranks": {str(self.rank): os.getpid()}, **runs.process_record()})
-            self.attempt = max(1, runs.read_status(self.run_dir).attempt)
+            # (over several nodes: in this node's record, written on this host only)
+            runs.update_status(self.run_dir, node=self.node,
+                               pids={"ranks": {str(self.rank): os.getpid()}, **runs.process_record()})
+            self.attempt = max(1, runs.read_status(self.run_dir, self.node).attempt)
         try:
             self.spec = read_train_spec(self.run_dir)
         except SpecError as e:
@@ -361,13 +433,19 @@ class Trainer:
             # everybody agreed to stop: nothing is pending, so the group can be torn down cleanly
             dist.destroy_process_group()
             return 1
+        self._watch_peers()
         try:
             code = self._train(device, backend)
         except (TrainError, ValueError) as e:
-            return self._fail(str(e).splitlines()[0] if str(e) else type(e).__name__, where=f"step {self.step}")
+            return self._fail(self._explain(str(e).splitlines()[0] if str(e) else type(e).__name__),
+                              where=f"step {self.step}")
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            return self._fail(f"{type(e).__name__}: {e}", where=f"step {self.step}")
+            first = str(e).splitlines()[0] if str(e) else ""
+            return self._fail(self._explain(f"{type(e).__name__}: {first}"), where=f"step {self.step}")
+        if self.peers is not None:
+            self.peers.mark_ended("done")
+            self.peers.stop()
         dist.destroy_process_group()
         return code
 
@@ -411,13 +489,15 @@ class Trainer:
             planner = RankZeroPlanner(sc.planner, self.plan_cost, seed=sc.seed, time_limit=sc.time_limit,
                                       max_len=self.max_len, ahead=spec.plan_ahead)
             if planner.worker_pids():  # the plan-ahead worker and its helpers: a stop must reach them too
-                runs.update_status(self.run_dir, pids={"workers": planner.worker_pids(),
+                runs.update_status(self.run_dir, node=self.node, pids={"workers": planner.worker_pids(),
                                                        **{k: v for p in planner.worker_pids()
                                                           for k, v in runs.process_record(p).items()}})
         # steps that ran in an earlier attempt after the checkpoint we resume from run again: say so
         ran_before = max((r.step for r in runs.Run(self.run_dir).steps()), default=0) if self.rank == 0 else 0
         resolved = {
-            "world_size": world, "local_world_size": env.local_world_size, "device": device.type, "backend": backend,
+            "world_size": world, "local_world_size": env.local_world_size, "nnodes": env.nnodes,
+            "hosts": sorted({h for _, h in self.members.values()}),
+            "device": device.type, "backend": backend,
             "attention": self.attn_name, "profile": self.cost.profile.name, "profile_note": self.cost_note,
             "max_len": self.max_len, "batch_size": self.batch_size, "batch_tokens": self.batch_tokens,
             "lr": lr, "degrees": list(self.cost.degrees), "planning": planner.mode if planner else None,
@@ -482,7 +562,7 @@ class Trainer:
                 if not math.isfinite(res.loss):
                     raise TrainError(f"loss is {res.loss} at step {step}; lower --lr or set a gradient clip")
                 peak = max([r.peak_memory_mb for r in res.records] + [peak_memory_mb(device)])
-                runs.append_jsonl(self.run_dir / runs.METRICS_FILE, {
+                runs.append_jsonl(runs.metrics_path(self.run_dir, self.node), {
                     "step": step, "rank": self.rank, "attempt": self.attempt, "repeat": step < ran_before,
                     "batch_id": batch.batch_id, "loss": res.loss,
                     "tokens": sum(r.tokens for r in res.records), "batch_tokens": res.tokens,
