@@ -61,10 +61,10 @@ def spec_differences(a: Mapping, b: Mapping, limit: int = 3) -> list[str]:
     return [f"{k.replace('scenario.', '')}: {fa.get(k)!r} on node 0, {fb.get(k)!r} here" for k in keys[:limit]]
 
 
-def node_problem(infos: Sequence[Mapping[str, Any]], nproc: int | None = None) -> tuple[int, str] | None:
+def node_problem(infos: Sequence[Mapping[str, Any]]) -> tuple[int, str] | None:
     """``(rank, message)`` of the first thing that differs between the nodes, from every rank's
     ``{"rank", "node", "host", "local_world_size", "run_id", "spec"}`` (rank order), or None.
-    ``nproc`` is the run's processes per node, when the spec says it."""
+    Every rank gets the same answer from the same gathered list (node 0's spec is the run's)."""
     by_node: dict[int, list[Mapping]] = {}
     for info in infos:
         by_node.setdefault(int(info["node"]), []).append(info)
@@ -73,7 +73,8 @@ def node_problem(infos: Sequence[Mapping[str, Any]], nproc: int | None = None) -
     first = by_node[min(by_node)][0]
     sizes = {k: int(v[0]["local_world_size"]) for k, v in by_node.items()}
     if len(set(sizes.values())) > 1:
-        want = nproc or sizes[min(sizes)]
+        spec0 = first.get("spec") or {}
+        want = int(spec0.get("nproc") or sizes[min(sizes)])
         odd = next(k for k, n in sizes.items() if n != want) if want in sizes.values() else max(sizes)
         seen = ", ".join(f"node {k}: {n}" for k, n in sizes.items())
         return (int(by_node[odd][0]["rank"]),

@@ -312,15 +312,26 @@ def stop(target: RunHandle | runs.Run | str | Path, grace: float = 4.0, *, wait_
             nst = runs.read_status(run.path, handle.node)
             if not nst.final:
                 runs.update_status(run.path, node=handle.node, state="stopped", finished=runs.now(), note="stopped")
-    else:
-        if nodes:
-            runs.request_stop(run.path, reason=f"workbench runs stop from {socket.gethostname()}")
+    elif not nodes:
         _stop_one(run, None, None, grace)
-        for k, _ in _records_here(run.path):
-            if k is not None:
-                _stop_one(run, k, None, grace)
-                if not runs.read_status(run.path, k).final:
-                    runs.update_status(run.path, node=k, state="stopped", finished=runs.now(), note="stopped")
+    else:
+        # every node at once: a node stopped before the others would see them as failed peers
+        runs.request_stop(run.path, reason=f"workbench runs stop from {socket.gethostname()}")
+        here = [k for k, _ in _records_here(run.path) if k is not None]
+        for k in here:
+            sup = (runs.read_status(run.path, k).pids or {}).get("supervisor")
+            if isinstance(sup, int) and runs.pid_alive(sup):
+                try:
+                    os.kill(sup, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(run_alive(runs.read_status(run.path, k)) for k in here):
+            time.sleep(0.05)
+        for k in here:
+            sweep(run.path, grace=0.0, node=k)  # whatever outlived the grace: SIGKILL
+            if not runs.read_status(run.path, k).final:
+                runs.update_status(run.path, node=k, state="stopped", finished=runs.now(), note="stopped")
         deadline = time.monotonic() + wait_nodes
         while nodes and time.monotonic() < deadline:
             if all(r.final for r in run.nodes().values()):

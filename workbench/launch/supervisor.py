@@ -291,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         for s in HANDLED_SIGNALS:  # a second signal must not interrupt the sweep
             signal.signal(s, signal.SIG_IGN)
         left = sweep(run_dir, node=node)
+    asked = runs.stop_requested(run_dir, started) if node is not None else None
+    if asked is not None and state == "failed":
+        # every node was asked to stop: a rank that saw its peers go first failed only because of it
+        state, code = "stopped", 128 + signal.SIGTERM
+        fields = {"note": f"stopped: the run store asked every node to stop ({asked.get('reason') or 'stop.json'})"}
     if _PARENT_GONE and state == "stopped":
         fields["note"] = f"stopped: the process that started it (pid {_PARENT_GONE[0]}) ended"
     if left:

@@ -42,6 +42,7 @@ import datetime
 import json
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -341,7 +342,7 @@ class Trainer:
         got: list = [None] * self.env.world_size
         dist.all_gather_object(got, (err, self._info()))
         self.members = {int(i["rank"]): (int(i["node"]), str(i["host"])) for _, i in got}
-        nodes = node_problem([i for _, i in got], self.spec.nproc if self.spec is not None else None)
+        nodes = node_problem([i for _, i in got])
         if nodes is not None:
             return nodes  # before the errors it causes (a world of another size, say)
         for r, (e, _) in enumerate(got):
@@ -374,11 +375,16 @@ class Trainer:
                                store_host=where).start()
 
     def _explain(self, msg: str) -> str:
-        """A failure's message, prefixed with which node went away when a peer is gone."""
+        """A failure's message, prefixed with which node went away when a peer is gone (the
+        collective's own words then shortened to their first sentence, without gloo's source path)."""
         if self.peers is None:
             return msg
         why = self.peers.diagnose()
-        return f"{why}: {msg}" if why else msg
+        if not why:
+            return msg
+        short = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", msg)
+        short = re.split(r"(?<=[.!?])\s", short, maxsplit=1)[0]
+        return f"{why} ({short})"
 
     # ---- the run ----------------------------------------------------------------------------------
     def run(self) -> int:
@@ -426,10 +432,12 @@ class Trainer:
         agreed = self._agree(err)
         if agreed is not None:
             origin, msg = agreed
-            if self.rank == 0:  # one report of the first error, naming the rank it came from
-                self._fail(msg if origin == 0 else f"rank {origin}: {msg}", where="setup")
-            elif self.rank == origin:
+            if self.rank == origin:
                 self._fail(msg, where="setup")
+            elif self.rank == 0 or (self.env.multi_node and self.env.local_rank == 0):
+                # one report of the first error, naming the rank it came from (and one on every node,
+                # whose run store may not be rank 0's)
+                self._fail(f"rank {origin}: {msg}", where="setup")
             # everybody agreed to stop: nothing is pending, so the group can be torn down cleanly
             dist.destroy_process_group()
             return 1
