@@ -513,46 +513,19 @@ def cmd_train(args) -> int:
 def _emit(args, settings: dict) -> int:
     """``workbench train ... --emit slurm|torchrun``: print what runs this run on several nodes
     (nothing is started or written, except the run root's folder for Slurm's output file)."""
-    from workbench import runs, training
+    from workbench import runs
     from workbench.launch import cluster
 
     if args.run_dir is not None:
         raise CliError("--emit writes the commands of a new run; leave --run-dir out (give --name to choose its id)")
-    nnodes = int(settings.get("nnodes", 1))
-    if args.emit == "torchrun" and nnodes < 2:
-        raise CliError("--emit torchrun prints one command per node; give --nnodes N (N >= 2)")
     if args.sbatch and args.emit != "slurm":
         raise CliError("--sbatch goes with --emit slurm")
-    for opt in args.sbatch:
-        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*(=\S.*)?", opt.strip().lstrip("-")):
-            raise CliError(f"--sbatch {opt!r} is not an sbatch option; write e.g. --sbatch partition=gpu")
-    device = settings.get("device", "auto")
-    if device == "auto":
-        settings["device"] = "cuda"  # a cluster script is for the GPU nodes, wherever it is written
-    _, spec, _ = training.prepare_train(settings, dry_run=True, on_gpu=settings["device"] == "cuda")
-    root = Path(args.run_root or runs.default_root()).resolve()
-    name = args.name or f"{time.strftime('%Y%m%d-%H%M%S')}-train-{os.urandom(2).hex()}"
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
-        raise CliError(f"--name {name!r} may hold only letters, digits, '.', '_' and '-'")
-    if (root / name).exists():
-        raise CliError(f"{root / name} already exists; pick another --name")
-    if args.emit == "slurm":
-        port = cluster.DEFAULT_RDZV_PORT
-        if args.rdzv_endpoint:
-            try:
-                port = int(args.rdzv_endpoint.rsplit(":", 1)[1])
-            except (IndexError, ValueError):
-                raise CliError(f"--rdzv-endpoint {args.rdzv_endpoint!r} has no port; with --emit slurm give :PORT "
-                               f"(the host is the job's first node)") from None
-        root.mkdir(parents=True, exist_ok=True)  # Slurm writes the job's output file there
-        text = cluster.slurm_script(spec, run_root=root, name=name, port=port, rdzv_timeout=args.rdzv_timeout,
-                                    sbatch=args.sbatch)
-    else:
-        text = cluster.torchrun_commands(spec, run_root=root, name=name, endpoint=args.rdzv_endpoint,
-                                         rdzv_timeout=args.rdzv_timeout)
+    text, spec, name = cluster.emit(args.emit, settings, run_root=args.run_root or runs.default_root(), name=args.name,
+                                    endpoint=args.rdzv_endpoint, rdzv_timeout=args.rdzv_timeout, sbatch=args.sbatch)
     sys.stdout.write(text)
     _say(f"workbench train: {args.emit} {'script' if args.emit == 'slurm' else 'commands'} for run {name} on "
-         f"{spec.nnodes} node(s) x {spec.nproc}; the run store {root} must be shared by the nodes")
+         f"{spec.nnodes} node(s) x {spec.nproc}; the run store "
+         f"{Path(args.run_root or runs.default_root()).resolve()} must be shared by the nodes")
     return 0
 
 

@@ -164,7 +164,7 @@ def _attention_checks(device: torch.device) -> list[dict]:
 
 def _train_step_check(device: torch.device, precision: str, steps: int = 4) -> dict:
     """``steps`` steps of the tiny model on one process (ZeRO-0), timed and measured; returns the check."""
-    from workbench.cost import CostModel
+    from workbench.cost import CostModel, activation_bytes_per_token
     from workbench.runtime.attention import select_attention
     from workbench.runtime.groups import GroupRegistry
     from workbench.runtime.model import Transformer
@@ -218,8 +218,10 @@ def _train_step_check(device: torch.device, precision: str, steps: int = 4) -> d
         opt.zero_grad(set_to_none=False)
         losses.append(res.loss)
     s = stats.summary()
+    # the memory model's own figures (not a profile's measured activation bytes): model states as the
+    # runtime holds them under ZeRO-0, activations by the per-token formula (autocast under bf16)
     states = cost.states.total
-    act = cost.activation_bytes_per_token * sum(lengths)
+    act = activation_bytes_per_token(cost.model, False, autocast=precision == "bf16") * sum(lengths)
     predicted = states + act
     ratio = s["peak_bytes"] / predicted if s["peak_bytes"] else float("nan")
     finite = all(math.isfinite(x) for x in losses)
@@ -269,10 +271,15 @@ def probe(*, device: str = "auto", precision: str | None = None, nvidia_visible:
 # ------------------------------------------------------------------------------------------------
 
 
-def _nccl_checks(device: torch.device, rank: int, world: int) -> list[dict]:
+def _collective_checks(device: torch.device, rank: int, world: int, backend: str) -> list[dict]:
+    """All-to-all and all-gather on the default group: values checked, the all-to-all timed (CUDA
+    events on GPUs, 64 MiB; 4 MiB with gloo on CPU), the first call left out."""
     import torch.distributed as dist
 
     from workbench.runtime.timing import Clock
+
+    def barrier() -> None:
+        dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
 
     out = []
     # all-to-all: rank r sends block j (filled with 100*r + j) to rank j
@@ -287,25 +294,29 @@ def _nccl_checks(device: torch.device, rank: int, world: int) -> list[dict]:
     gathered = torch.empty(world * n, device=device)
     dist.all_gather_into_tensor(gathered, mine)
     ag_ok = bool(torch.equal(gathered, torch.cat([torch.full((n,), float(r + 1), device=device) for r in range(world)])))
-    # bandwidth of a 64 MiB all-to-all, CUDA events, the first call left out
-    big = torch.empty(16 << 20, device=device)
+    # bandwidth of one large all-to-all, the first call left out
+    big = torch.empty((16 if device.type == "cuda" else 1) << 20, device=device)
     big_out = torch.empty_like(big)
     clock, times = Clock(device), []
     for _ in range(6):
-        dist.barrier(device_ids=[device.index])
+        barrier()
         clock.mark()
         dist.all_to_all_single(big_out, big)
         clock.mark()
         times += clock.intervals()
     ms = sorted(times[1:])[len(times[1:]) // 2]
     gbps = big.numel() * 4 * (world - 1) / world / (ms / 1e3) / 1e9
-    out.append(_check("nccl all-to-all", "ok" if a2a_ok else "fail",
-                      f"{world} ranks: values {'right' if a2a_ok else 'WRONG'}; 64 MiB in {ms:.2f} ms, {gbps:.1f} GB/s "
-                      f"per GPU (CUDA events, median of 5 after one warm-up)",
-                      "" if a2a_ok else "NCCL returned wrong data: check the driver, NCCL_P2P_DISABLE, and nvidia-smi topo -m",
-                      gbps=gbps, ms=ms))
-    out.append(_check("nccl all-gather", "ok" if ag_ok else "fail", f"{world} ranks: values {'right' if ag_ok else 'WRONG'}",
-                      "" if ag_ok else "NCCL returned wrong data: check the driver and NCCL's environment"))
+    mib = big.numel() * 4 >> 20
+    timer = "CUDA events" if device.type == "cuda" else "perf_counter"
+    per = "per GPU" if device.type == "cuda" else "per rank, loopback"
+    out.append(_check(f"{backend} all-to-all", "ok" if a2a_ok else "fail",
+                      f"{world} ranks: values {'right' if a2a_ok else 'WRONG'}; {mib} MiB in {ms:.2f} ms, {gbps:.2f} GB/s "
+                      f"{per} ({timer}, median of 5 after one warm-up)",
+                      "" if a2a_ok else f"{backend} returned wrong data: check the driver, NCCL_P2P_DISABLE, and "
+                                        f"nvidia-smi topo -m", gbps=gbps, ms=ms))
+    out.append(_check(f"{backend} all-gather", "ok" if ag_ok else "fail",
+                      f"{world} ranks: values {'right' if ag_ok else 'WRONG'}",
+                      "" if ag_ok else f"{backend} returned wrong data: check the driver and its environment"))
     return out
 
 
@@ -379,12 +390,13 @@ def dist_check(rank: int, world: int, port: int, listen_fd: int | None, out: str
     checks = []
     try:
         if cuda:
-            checks += _nccl_checks(device, rank, world)
+            checks += _collective_checks(device, rank, world, "nccl")
         else:
             why = (f"one GPU here: NCCL needs {world}" if gpus == 1 else "no GPU here") + \
-                  "; the collectives were checked with gloo below"
+                  "; the same collectives were checked with gloo"
             checks.append(_check("nccl all-to-all", "skip", why))
             checks.append(_check("nccl all-gather", "skip", why))
+            checks += _collective_checks(device, rank, world, "gloo")
         prec = precision or ("bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32")
         checks.append(_sharded_check(device, prec, backend))
     except Exception as e:  # noqa: BLE001
