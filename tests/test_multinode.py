@@ -458,6 +458,21 @@ def test_two_nodes_give_the_single_process_update(hetero_reference, tmp_path):
     assert sorted({r["rank"] for r in run.metrics()}) == [0, 1, 2, 3]
     show = subprocess.run([*_exe(), "runs", "show", "mn3", "--root", str(d.parent)], capture_output=True, text=True)
     assert "node 0 (" in show.stdout and "node 1 (" in show.stdout and ": done, attempt 1" in show.stdout
+    listed = subprocess.run([*_exe(), "runs", "list", "--json", "--root", str(d.parent)], capture_output=True, text=True)
+    assert [r["id"] for r in json.loads(listed.stdout)["runs"]] == ["mn3"]  # one run, not one per node
+    _none_left(d)
+    # both nodes resume it from its (sharded) checkpoint for one more step
+    port = _free_port()
+    procs = [subprocess.Popen([*_exe(), "train", "--run-dir", str(d), "--steps", "2", "--nnodes", "2", "--node-rank", str(k),
+                               "--rdzv-endpoint", f"127.0.0.1:{port}", "--quiet"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env(), start_new_session=True)
+             for k in (0, 1)]
+    for k, pr in enumerate(procs):
+        _, err = pr.communicate(timeout=TIMEOUT)
+        assert pr.returncode == 0, f"node {k}: {err[-3000:]}"
+    st = run.status()
+    assert st.state == "done" and st.step == 2 and st.resumed_from == 1 and st.attempt == 2
+    assert all(n.attempt == 2 and n.state == "done" for n in run.nodes().values())
     _none_left(d)
 
 
