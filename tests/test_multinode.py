@@ -483,7 +483,8 @@ def test_emitted_torchrun_commands_run_two_local_nodes(hetero_reference, tmp_pat
                         "--zero-stage", "0", "--rdzv-endpoint", f"127.0.0.1:{port}", "--run-root", str(tmp_path / "s"),
                         "--name", "emitted", *EXACT], capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=120)
     assert p.returncode == 0, p.stderr
-    cmds = [shlex.split(ln) for ln in p.stdout.splitlines() if ln and not ln.startswith("#")]
+    # one command per node (continued over lines with backslashes, as a shell reads them)
+    cmds = [shlex.split(ln) for ln in p.stdout.replace("\\\n", " ").splitlines() if ln and not ln.startswith("#")]
     assert len(cmds) == 2 and [c[c.index("--node-rank") + 1] for c in cmds] == ["0", "1"]
     assert not (tmp_path / "s" / "emitted").exists()  # emitting starts and writes nothing
     procs = []

@@ -711,7 +711,8 @@ def test_launch_panel_cluster_script_runs_the_panels_settings_on_n_nodes(tmp_pat
     panel.set(steps=7, nproc=4, model="tiny", max_len=512, batch_tokens=8192, planner="flexsp", seed=3)
     text = panel.cluster_script("slurm", nnodes=3, run_root=str(tmp_path / "shared"), name="job")
     assert panel.cluster.area.value == text and "#SBATCH --nodes=3" in text and "#SBATCH --gpus-per-node=4" in text
-    cmd = shlex.split(text.strip().splitlines()[-1])
+    # the command srun runs on every node: the script's last (backslash-continued) line after srun's own
+    cmd = shlex.split(text.split("workbench-node \\\n", 1)[1].replace("\\\n", " "))
     args = build_parser().parse_args(cmd[1:] + ["--node-rank", "1"])
     got = {k: getattr(args, k) for k in _TRAIN_SETTINGS if getattr(args, k, None) is not None}
     _, spec, _ = prepare_train(got, dry_run=True, on_gpu=True)
@@ -723,7 +724,7 @@ def test_launch_panel_cluster_script_runs_the_panels_settings_on_n_nodes(tmp_pat
     # without Slurm: one command per node, node ranks 0..N-1, node 0's endpoint on every line
     text = panel.cluster_script("torchrun", nnodes=2, run_root=str(tmp_path / "shared"), endpoint="10.1.2.3:29511",
                                 name="byhand")
-    lines = [shlex.split(x) for x in text.splitlines() if x and not x.startswith("#")]
+    lines = [shlex.split(x) for x in text.replace("\\\n", " ").splitlines() if x and not x.startswith("#")]
     assert [x[x.index("--node-rank") + 1] for x in lines] == ["0", "1"]
     assert {x[x.index("--rdzv-endpoint") + 1] for x in lines} == {"10.1.2.3:29511"}
     # settings that cannot run are refused beside the button, in one line

@@ -523,6 +523,7 @@ def _emit(args, settings: dict) -> int:
     text, spec, name = cluster.emit(args.emit, settings, run_root=args.run_root or runs.default_root(), name=args.name,
                                     endpoint=args.rdzv_endpoint, rdzv_timeout=args.rdzv_timeout, sbatch=args.sbatch)
     sys.stdout.write(text)
+    sys.stdout.flush()
     _say(f"workbench train: {args.emit} {'script' if args.emit == 'slurm' else 'commands'} for run {name} on "
          f"{spec.nnodes} node(s) x {spec.nproc}; the run store "
          f"{Path(args.run_root or runs.default_root()).resolve()} must be shared by the nodes")

@@ -156,10 +156,10 @@ def _text(v: Any) -> str:
     return str(v)
 
 
-def _node_command(base: Sequence[str], *, nnodes: int, node_rank: int | str, endpoint: str, rdzv_id: str,
+def _node_command(base: Sequence[str], *, node_rank: int | str, endpoint: str, rdzv_id: str,
                   run_root: str, name: str, rdzv_timeout: float | None) -> list[str]:
-    cmd = [*base, "--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-endpoint", endpoint,
-           "--rdzv-id", rdzv_id, "--run-root", run_root, "--name", name]
+    cmd = [*base, "--node-rank", str(node_rank), "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
+           "--run-root", run_root, "--name", name]
     if rdzv_timeout is not None:
         cmd += ["--rdzv-timeout", f"{float(rdzv_timeout):g}"]
     return cmd
@@ -184,9 +184,9 @@ def torchrun_commands(spec, *, run_root: str | Path, name: str, endpoint: str | 
              "# Start node 0 first; every node waits for the others (--rdzv-timeout). Follow it from any node:",
              f"#   workbench runs show {name} --root {root}      stop it: workbench runs stop {name} --root {root}"]
     for k in range(spec.nnodes):
-        cmd = _node_command(base, nnodes=spec.nnodes, node_rank=k, endpoint=ep, rdzv_id=name, run_root=root,
-                            name=name, rdzv_timeout=rdzv_timeout)
-        lines += ["", f"# node {k}", shlex.join(cmd)]
+        cmd = _node_command(base, node_rank=k, endpoint=ep, rdzv_id=name, run_root=root, name=name,
+                            rdzv_timeout=rdzv_timeout)
+        lines += ["", f"# node {k}", _wrapped([shlex.quote(w) for w in cmd])]
     return "\n".join(lines) + "\n"
 
 
@@ -217,11 +217,11 @@ def slurm_script(spec, *, run_root: str | Path, name: str, port: int = DEFAULT_R
         if not opt:
             continue
         head.append(f"#SBATCH --{opt}")
-    node_cmd = [*base, "--nnodes", str(spec.nnodes), "--rdzv-endpoint", "$HEAD:$PORT", "--rdzv-id", "slurm-$SLURM_JOB_ID",
-                "--run-root", root, "--name", name]
+    node_cmd = [*base, "--rdzv-endpoint", "$HEAD:$PORT", "--rdzv-id", "slurm-$SLURM_JOB_ID", "--run-root", root,
+                "--name", name]
     if rdzv_timeout is not None:
         node_cmd += ["--rdzv-timeout", f"{float(rdzv_timeout):g}"]
-    quoted = " ".join(_shell_word(w) for w in node_cmd)
+    quoted = _wrapped([_shell_word(w) for w in node_cmd], indent="    ")
     body = [
         "set -euo pipefail",
         "# the rendezvous: node 0 of the job (the first host of the allocation) listens on PORT",
@@ -232,9 +232,29 @@ def slurm_script(spec, *, run_root: str | Path, name: str, port: int = DEFAULT_R
         "# its processes through the workbench supervisor; the run store is shared by every node",
         "srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 --kill-on-bad-exit=1 \\",
         "  bash -c 'exec \"$@\" --node-rank \"$SLURM_NODEID\"' workbench-node \\",
-        f"  {quoted}",
+        f"    {quoted}",
     ]
     return "\n".join(head + [""] + body) + "\n"
+
+
+def _wrapped(words: Sequence[str], indent: str = "    ", width: int = 110) -> str:
+    """Shell words joined into lines of at most ``width`` characters, continued with a backslash; a
+    flag stays on the line of its value."""
+    groups: list[str] = []
+    for w in words:
+        if groups and not w.startswith("-") and groups[-1].startswith("-") and " " not in groups[-1]:
+            groups[-1] += " " + w
+        else:
+            groups.append(w)
+    lines, cur = [], ""
+    for g in groups:
+        if cur and len(cur) + 1 + len(g) > width:
+            lines.append(cur)
+            cur = g
+        else:
+            cur = f"{cur} {g}" if cur else g
+    lines.append(cur)
+    return (" \\\n" + indent).join(lines)
 
 
 def _shell_word(w: str) -> str:
