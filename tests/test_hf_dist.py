@@ -55,8 +55,9 @@ def _check_kind(registry, rank: int, folder: Path, ref: dict) -> dict:
     load_initial_weights(model, folder)
     seqs, logits_ref = ref["sequences"], ref["logits"]
     scale = max(float(x.abs().max()) for x in logits_ref)
+    # replicated weights (ZeRO-0, free micro-steps): the executor below holds the plain model
     cost = CostModel(load_profile("cpu-gloo-tiny"), spec, ClusterSpec(num_gpus=WORLD, gpus_per_node=WORLD,
-                                                                       gpu_memory_gb=4.0))
+                                                                       gpu_memory_gb=4.0, zero_stage=0))
     plan = build_plan("mixed", MICRO, LENGTHS, cost, blocks=BLOCKS)
     worst, compared, degrees = 0.0, 0, set()
     with torch.no_grad():
