@@ -4,7 +4,9 @@ imports them).
 A heavy test is one marked ``slow``: it starts a torchrun tree (2-4 ranks, a supervisor, a planning
 worker), a papermill kernel, or JupyterLab and Chromium. Two of them at once on a 2-core machine
 fight over the cores, and their timing checks (a stop within 5 s, a killed rank noticed within
-10 s) with them. So under ``pytest -n N`` (``--dist load``, the default with ``-n``, or
+10 s) with them. A test marked ``serial`` is fast but checks what a time-limited solver finds in
+its time, which a heavy test beside it would starve: it runs among the heavy ones (and stays in the
+fast subset, ``-m "not slow"``). So under ``pytest -n N`` (``--dist load``, the default with ``-n``, or
 ``loadgroup``) this scheduler hands every heavy test to one worker, in one work unit, first: that
 worker runs them one after another from the start (they are the longest chain: the run lasts at
 least as long as they do), while the other workers run the fast tests beside them, a module at a
@@ -37,8 +39,9 @@ _INPUT_KEY = "workbench_heavy_tests_file"
 
 
 def is_heavy(item) -> bool:
-    """Whether a test is heavy: marked ``slow`` (multi-process, notebook and browser runs)."""
-    return item.get_closest_marker("slow") is not None
+    """Whether a test runs in the heavy work unit: marked ``slow`` (multi-process, notebook and
+    browser runs) or ``serial`` (needs the cores to itself)."""
+    return item.get_closest_marker("slow") is not None or item.get_closest_marker("serial") is not None
 
 
 def _distributing(config) -> bool:

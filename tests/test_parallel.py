@@ -1,5 +1,6 @@
 """``make test``'s parallel scheme (``_xdist_heavy.py``), checked on a small suite of its own run by a
-real ``pytest -n 2``: every heavy (``slow``) test on one worker, never two at once, started first;
+real ``pytest -n 2``: every heavy (``slow`` or ``serial``) test on one worker, never two at once,
+started first;
 the fast tests beside them, each module on one worker (its module fixture built once)."""
 
 from __future__ import annotations
@@ -36,12 +37,17 @@ MODULE = textwrap.dedent("""
     @pytest.mark.parametrize("i", range(2))
     def test_heavy(i):
         t0 = time.time(); time.sleep(0.3); record(f"{__name__}:heavy{i}", t0, time.time())
+
+    @pytest.mark.serial
+    def test_serial():
+        t0 = time.time(); time.sleep(0.1); record(f"{__name__}:heavy_serial", t0, time.time())
 """)
 
 
 def _suite(root: Path) -> None:
     (root / "tests").mkdir()
-    (root / "pyproject.toml").write_text('[tool.pytest.ini_options]\ntestpaths = ["tests"]\nmarkers = ["slow: heavy"]\n')
+    (root / "pyproject.toml").write_text('[tool.pytest.ini_options]\ntestpaths = ["tests"]\n'
+                                         'markers = ["slow: heavy", "serial: cores"]\n')
     (root / "tests" / "conftest.py").write_text(
         f"import sys\nsys.path.insert(0, {str(TESTS)!r})\n"
         "from _xdist_heavy import (pytest_collection_modifyitems, pytest_configure, pytest_configure_node,  # noqa\n"
@@ -66,7 +72,7 @@ def test_heavy_tests_run_on_one_worker_one_at_a_time_and_first(tmp_path):
     rows = _run(tmp_path, "-n", "2")
     heavy = sorted((r for r in rows if ":heavy" in r["name"]), key=lambda r: r["t0"])
     fast = [r for r in rows if ":fast" in r["name"]]
-    assert len(heavy) == 6 and len(fast) == 12
+    assert len(heavy) == 9 and len(fast) == 12  # 2 slow and 1 serial test per module
     assert len({r["worker"] for r in heavy}) == 1, heavy
     for a, b in zip(heavy, heavy[1:]):
         assert b["t0"] >= a["t1"], f"{a['name']} and {b['name']} overlapped"
@@ -88,4 +94,4 @@ def test_without_xdist_nothing_changes(tmp_path):
     rows = _run(tmp_path, "-p", "no:xdist")
     names = [r["name"] for r in sorted(rows, key=lambda r: r["t0"]) if ":fixture" not in r["name"]]
     assert names == [f"{m}:{k}" for m in ("test_a", "test_b", "test_c")
-                     for k in ("fast0", "fast1", "fast2", "fast3", "heavy0", "heavy1")]
+                     for k in ("fast0", "fast1", "fast2", "fast3", "heavy0", "heavy1", "heavy_serial")]
