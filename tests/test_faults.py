@@ -121,7 +121,7 @@ def test_a_killed_plan_ahead_worker_costs_time_not_the_run(tmp_path):
     from workbench.solve import plan_from_dict, run_planner
     from workbench.solve.ahead import plan_lengths
 
-    steps = 8
+    steps = 6
     run, h = _start(tmp_path, "worker", steps=steps)
     try:
         st = _wait_for_step(run, 2, h)
