@@ -120,8 +120,9 @@ def test_a_killed_plan_ahead_worker_costs_time_not_the_run(tmp_path):
     from workbench.scenario import Scenario
     from workbench.solve import plan_from_dict, run_planner
     from workbench.solve.ahead import plan_lengths
+    from widgets import LaunchPanel
 
-    steps = 6
+    steps = 10  # 2 before the kill; the rest leave time to open a panel on the live run
     run, h = _start(tmp_path, "worker", steps=steps)
     try:
         st = _wait_for_step(run, 2, h)
@@ -129,9 +130,20 @@ def test_a_killed_plan_ahead_worker_costs_time_not_the_run(tmp_path):
         worker = [p for p in st.pids["workers"] if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
         assert len(worker) == 1, st.pids
         os.kill(worker[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        while not run.status().warnings:
+            assert time.monotonic() - t0 < 60 and launch.poll(h) is None, run.log_tail(30)
+            time.sleep(0.1)
+        # a Launch panel opened now (a notebook reattaching) shows the warning beside the progress
+        panel = LaunchPanel(root=tmp_path, follow=False)
+        assert panel.run == run, "the panel reattached to the live run"
+        panel.refresh()
+        shown = panel.status.value
+        panel.close()
         final = launch.wait(h, timeout=TIMEOUT)
     finally:
         launch.stop(run)
+    assert "warning: the planning worker process died" in shown and "planning the remaining steps inline" in shown
     assert final.state == "done" and final.step == steps, final.to_dict()
     assert [s.step for s in run.steps()] == list(range(1, steps + 1))
     # said once: in the status (what `workbench runs show` and the Launch panel print) and in the log
