@@ -20,8 +20,22 @@ each family instead (``GlobalBatchSampler``, as bench/planners.py does), so the 
 tight or loose memory, as tests/test_flexsp.py draws them), where the whole-step model has
 every sequence as its own item.
 
+Lockstep (ZeRO-3, the default stage) and free execution (``--zero-stage 0..2``) are planned and timed
+as a run of that stage would be (``workbench.solve.plan``). Two more tables:
+
+``--peer RESULTS.json`` plans the batches of FlexSP's released solver (the peer harness's
+results.json, run outside the project: REFERENCE.md) with flexsp in FlexSP's own cost model
+(``bench/flexsp_model.py``), one group per GPU and pass (FlexSP's rule) and with stacked groups, and
+prints each plan's step time in that model (``flexsp_model.step_ms``, the formulas alone) against
+the peer's.
+
+``--stages`` plans 64 GPUs x 1M-token batches of each family under ZeRO-3 (lockstep; with and
+without stacked groups) and ZeRO-2 (free), for 7B and 1B on A100-40G and 7B on H100-80G: which stage
+is faster, and by how much, where both hold the model.
+
 Usage: python bench/solver.py [--gpus 8,64,...] [--seqs 128,...] [--batch-tokens T] [--families a,b]
-       [--steps K] [--time-limit S|auto] [--quick] [--json PATH] [--summary-from JSON] [--small N]
+       [--steps K] [--time-limit S|auto] [--zero-stage Z] [--quick] [--json PATH] [--summary-from JSON]
+       [--small N] [--peer RESULTS.json] [--stages]
 ``--time-limit auto`` gives flexsp 1 s up to 64 GPUs x 512 sequences, scaling with the problem
 size up to 8 s at 1024 x 8192 (the baselines' own time counts). Progress goes to stderr.
 """
@@ -36,6 +50,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 
@@ -81,11 +96,18 @@ def gap_parts(plan, s, cost) -> dict:
             "groups_per_gpu": groups, "groups_needed": need}
 
 
-def run_cell(gpus: int, seqs: int, families, steps: int, time_limit, seed: int, others, batch_tokens=None):
+def run_cell(gpus: int, seqs: int, families, steps: int, time_limit, seed: int, others, batch_tokens=None,
+             zero_stage: int = 3):
     from workbench.solve.bound import step_bound_ms
     from workbench.solve.flexsp import plan_flexsp
 
-    sc = Scenario(model="7b", profile="a100-40g-flexsp", num_gpus=gpus)
+    sc = Scenario(model="7b", profile="a100-40g-flexsp", num_gpus=gpus, zero_stage=zero_stage)
+    if zero_stage != 3:
+        # 7B's replicated fp32 weights and gradients do not fit 40 GB: GPUs as large as ZeRO-2's states
+        # plus ZeRO-3's activation budget, so both stages plan the same memory pressure
+        z3 = Scenario(model="7b", profile="a100-40g-flexsp", num_gpus=gpus).cost()
+        states = sc.replace(gpu_memory_gb=1000.0).cost().model_states_gb
+        sc = sc.replace(gpu_memory_gb=(z3.memory_budget_gb + states) / sc.memory_fraction)
     cost, max_len = sc.cost(), sc.resolved_max_len()
     size = seqs if batch_tokens is None else 1024
     tl = auto_time_limit(gpus, size) if time_limit == "auto" else float(time_limit)
@@ -124,13 +146,14 @@ def run_cell(gpus: int, seqs: int, families, steps: int, time_limit, seed: int, 
                 cp_status[key] = cp_status.get(key, 0) + 1
                 if not str(c.get("status", "")).startswith("skipped"):
                     hints[str(c.get("hint"))] = hints.get(str(c.get("hint")), 0) + 1
-            gaps["flexsp"].append(gap_parts(p, s, cost))
+            if p.execution == "free":
+                gaps["flexsp"].append(gap_parts(p, s, cost))
             step_plans = [p, q]
             for o in others:
                 r = run_planner(o, s, cost, seed=seed, time_limit=tl, max_len=max_len)
                 step_plans.append(r)
                 mk[o].append(r.makespan_ms)
-                if o == "greedy":
+                if o == "greedy" and r.execution == "free":
                     gaps["greedy"].append(gap_parts(r, s, cost))
                 if p.makespan_ms > r.makespan_ms * (1 + 1e-9):
                     behind.append(f"step {k}: {o} {r.makespan_ms / p.makespan_ms - 1:+.2%}")
@@ -245,6 +268,114 @@ def small_ablation(count: int, time_limit: float, seed: int) -> None:
     print(f"| {count} | {better} | {worse} | {np.mean(gains):+.2%} | {np.max(gains):+.2%} | {_fmt_counts(sources)} |")
 
 
+def peer_table(path: str, time_limit: float, seed: int) -> dict:
+    """FlexSP's released solver against flexsp in FlexSP's own cost model (module docstring)."""
+    from flexsp_model import FlexSPCost, step_ms
+
+    from workbench.solve.lockstep import plan_lockstep
+
+    data = json.loads(Path(path).read_text())
+    consts = data["cost_model"]
+    cost = FlexSPCost(consts)
+    rows = []
+    for b in data["batches"]:
+        s = np.asarray(b["lengths"], dtype=np.int64)
+        peer = float(b["total_ms"])
+        peer_check = step_ms([[(g["sp_size"], g["lengths"]) for g in mb["groups"]] for mb in b["micro_batches"]], consts)
+        row = {"dataset": b["dataset"], "iteration": b["iteration"], "sequences": int(s.size), "tokens": int(s.sum()),
+               "peer_ms": peer, "peer_check_ms": peer_check, "peer_passes": len(b["micro_batches"]),
+               "peer_solve_s": b.get("solve_wall_s_if_unbounded_cores_est", b.get("solve_wall_s"))}
+        for multi in (False, True):
+            p = plan_lockstep(s, cost, PlanOptions(seed=seed, time_limit=time_limit), multi=multi)
+            validate(p, s, cost.cluster, cost)
+            key = "stacked" if multi else "ours"
+            if not multi:
+                # one group per GPU and pass: FlexSP's own formulas give the same step
+                mine = step_ms([[(g.degree, list(g.lengths)) for g in ms.groups] for ms in p.micro_steps], consts)
+                assert abs(mine - p.makespan_ms) <= 1e-6 * mine, (mine, p.makespan_ms)
+            row[f"{key}_ms"] = p.makespan_ms
+            row[f"{key}_passes"] = len(p.micro_steps)
+            row[f"{key}_solve_s"] = p.solve_seconds
+            row[f"{key}_stacked_groups"] = p.stats.get("stacked_groups", 0)
+        rows.append(row)
+        print(f"# peer batch {b['dataset']} {b['iteration']} done", file=sys.stderr, flush=True)
+    print(f"\n### Against FlexSP's released solver, in its own cost model (flexsp time limit {time_limit:g}s)\n")
+    print("| batch | sequences | tokens | FlexSP (ms) | passes | FlexSP solve (s) | flexsp (ms) | vs FlexSP | passes | "
+          "solve (s) | stacked groups allowed (ms) | vs FlexSP |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['dataset']} {r['iteration']} | {r['sequences']} | {r['tokens']:,} | {r['peer_ms']:,.0f} | "
+              f"{r['peer_passes']} | {r['peer_solve_s']:.1f} | {r['ours_ms']:,.0f} | {r['ours_ms'] / r['peer_ms'] - 1:+.1%} | "
+              f"{r['ours_passes']} | {r['ours_solve_s']:.2f} | {r['stacked_ms']:,.0f} | {r['stacked_ms'] / r['peer_ms'] - 1:+.1%} |")
+    rel = [r["ours_ms"] / r["peer_ms"] - 1 for r in rows]
+    rel_m = [r["stacked_ms"] / r["peer_ms"] - 1 for r in rows]
+    print(f"\nflexsp vs FlexSP: median {np.median(rel):+.1%}, worst {max(rel):+.1%}; with stacked groups: median "
+          f"{np.median(rel_m):+.1%}, worst {max(rel_m):+.1%}. FlexSP's totals recomputed from its plans with "
+          f"flexsp_model.step_ms: largest difference {max(abs(r['peer_check_ms'] / r['peer_ms'] - 1) for r in rows):.1e}.")
+    return {"rows": rows}
+
+
+def stage_table(families, steps: int, time_limit: float, seed: int, batch_tokens: int = 1_000_000) -> dict:
+    """ZeRO-3 (lockstep) against ZeRO-2 (free) at 64 GPUs x ``batch_tokens`` (module docstring)."""
+    from workbench.solve.lockstep import plan_lockstep
+
+    cases = [("7b", "a100-40g-flexsp"), ("1b", "a100-40g-flexsp"), ("7b", "h100-80g")]
+    rows = []
+    for model, prof in cases:
+        for fam in families:
+            base = Scenario(model=model, profile=prof, num_gpus=64, source=fam, samples=200_000, seed=seed,
+                            batch_tokens=batch_tokens, time_limit=time_limit)
+            row = {"model": model, "profile": prof, "family": fam}
+            for zero in (3, 2):
+                sc = base.replace(zero_stage=zero)
+                try:
+                    cost = sc.cost()
+                except ValueError as e:
+                    row[f"z{zero}"] = {"fits": False, "why": str(e).split(";")[0]}
+                    continue
+                ms, ms_single, passes = [], [], []
+                batches = sc.replace(max_len=base.resolved_max_len()).batches(steps)
+                try:
+                    for b in batches:
+                        cost.check_feasible(b.lengths)
+                except ValueError as e:  # the budget left holds the batch's sequences on no group
+                    row[f"z{zero}"] = {"fits": False, "why": str(e).split("; ")[0]}
+                    continue
+                for b in batches:
+                    s = np.asarray(b.lengths, dtype=np.int64)
+                    p = run_planner("flexsp", s, cost, seed=seed, time_limit=time_limit)
+                    validate(p, s, cost.cluster, cost)
+                    ms.append(p.makespan_ms)
+                    passes.append(len(p.micro_steps))
+                    if zero == 3:
+                        q = plan_lockstep(s, cost, PlanOptions(seed=seed, time_limit=time_limit), multi=False)
+                        ms_single.append(q.makespan_ms)
+                row[f"z{zero}"] = {"fits": True, "mean_ms": float(np.mean(ms)), "budget_gb": cost.memory_budget_gb,
+                                   "states_gb": cost.model_states_gb, "parts": float(np.mean(passes)),
+                                   "single_mean_ms": float(np.mean(ms_single)) if ms_single else None}
+            rows.append(row)
+            print(f"# stages {model} {prof} {fam} done", file=sys.stderr, flush=True)
+    print(f"\n### ZeRO-3 (lockstep) against ZeRO-2 (free): 64 GPUs x {batch_tokens:,}-token batches, {steps} steps, "
+          f"flexsp {time_limit:g}s\n")
+    print("| model, GPU | family | ZeRO-3 states / budget (GB) | ZeRO-3 step (s) | passes | one group per GPU (s) | "
+          "stacked gain | ZeRO-2 states / budget (GB) | ZeRO-2 step (s) | micro-steps | faster |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        z3, z2 = r["z3"], r["z2"]
+        a = (f"{z3['states_gb']:.1f} / {z3['budget_gb']:.1f} | {z3['mean_ms'] / 1e3:.2f} | {z3['parts']:.1f} | "
+             f"{z3['single_mean_ms'] / 1e3:.2f} | {z3['single_mean_ms'] / z3['mean_ms'] - 1:+.1%}") if z3["fits"] else \
+            "does not fit | | | |"
+        if z2["fits"]:
+            b = f"{z2['states_gb']:.1f} / {z2['budget_gb']:.1f} | {z2['mean_ms'] / 1e3:.2f} | {z2['parts']:.1f}"
+        else:
+            b = f"does not fit ({z2['why'].split(' but ')[0]}) | | "
+        faster = ("ZeRO-3" if z3["mean_ms"] < z2["mean_ms"] else "ZeRO-2") + \
+            f" by {max(z3['mean_ms'], z2['mean_ms']) / min(z3['mean_ms'], z2['mean_ms']) - 1:.1%}" \
+            if z3["fits"] and z2["fits"] else ("ZeRO-3 (only it fits)" if z3["fits"] else "-")
+        print(f"| {r['model']}, {r['profile']} | {r['family']} | {a} | {b} | {faster} |")
+    return {"rows": rows}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", default="8,64,256,1024")
@@ -261,7 +392,25 @@ def main() -> int:
                     help="print the summary table of an earlier run's --json file and exit")
     ap.add_argument("--small", type=int, default=0, metavar="N",
                     help="run the CP-SAT ablation on N small random instances instead")
+    ap.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3],
+                    help="ZeRO stage of the cells (default 3: lockstep passes)")
+    ap.add_argument("--peer", default=None, metavar="RESULTS.json",
+                    help="compare with FlexSP's released solver on the batches of its results.json instead")
+    ap.add_argument("--stages", action="store_true", help="ZeRO-3 against ZeRO-2 at 64 GPUs x 1M tokens instead")
     args = ap.parse_args()
+    if args.peer or args.stages:
+        tl = 1.0 if args.time_limit == "auto" else float(args.time_limit)
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        print(f"# load average {load:.2f} at start")
+        out = peer_table(args.peer, tl, args.seed) if args.peer else stage_table(
+            args.families.split(","), args.steps, tl, args.seed)
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        print(f"\n# load average {load:.2f} at the end")
+        if args.json:
+            from workbench.util import write_json_atomic
+
+            write_json_atomic(args.json, out)
+        return 0
     if args.small:
         small_ablation(args.small, 0.5 if args.time_limit == "auto" else float(args.time_limit), args.seed)
         return 0
@@ -285,7 +434,8 @@ def main() -> int:
     out = {}
     for g in gpus:
         for n in seqs:
-            rows = run_cell(g, n, families, args.steps, args.time_limit, args.seed, others, args.batch_tokens)
+            rows = run_cell(g, n, families, args.steps, args.time_limit, args.seed, others, args.batch_tokens,
+                            zero_stage=args.zero_stage)
             label = f"{n} sequences" if args.batch_tokens is None else f"{args.batch_tokens:,}-token batches"
             print_cell(g, label, rows, list(OTHERS))
             out[f"{g}x{n if args.batch_tokens is None else args.batch_tokens}"] = rows

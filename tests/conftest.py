@@ -12,9 +12,38 @@ from _xdist_heavy import (pytest_collection_modifyitems, pytest_configure, pytes
                           pytest_unconfigure, pytest_xdist_make_scheduler)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _token_cache_in_tmp(tmp_path_factory):
+    """Token caches go to a temporary folder, never the user's ~/.cache (subprocesses inherit it)."""
+    if "WORKBENCH_CACHE" not in os.environ:
+        os.environ["WORKBENCH_CACHE"] = str(tmp_path_factory.mktemp("workbench-cache"))
+    yield
+
+
+def free_cost(model="7b", n=8, *, mem=40.0, per_node=None, degrees=(), profile="a100-40g-flexsp", **kw):
+    """A cost model with free execution (ZeRO-2: replicated parameters, barrier-free micro-steps) whose
+    activation budget is the one FlexSP's textbook ZeRO-3 formula gives ``n`` GPUs of ``mem`` GB
+    (70% usable less 16 bytes per parameter over the GPUs). The runtime's ZeRO-2 holds far more model
+    states (whole fp32 weights and gradients), so the GPUs are made larger by exactly that much: the
+    free planners' tests keep the memory pressure they were written for, on an execution model a run
+    can have."""
+    from workbench.cost import CostModel
+    from workbench.cost.memory import model_states
+    from workbench.specs import ClusterSpec, get_model, load_profile
+
+    m = get_model(model)
+    per = per_node if per_node is not None else min(8, n)
+    budget = 0.7 * mem - 16.0 * m.params() / n / 1e9
+    states = model_states(m, zero_stage=2, num_ranks=n, precision=kw.get("precision") or "bf16",
+                          optimizer=kw.get("optimizer", "adamw")).total / 1e9
+    cl = ClusterSpec(num_gpus=n, gpus_per_node=per, gpu_memory_gb=(budget + states) / 0.7, degrees=degrees,
+                     zero_stage=2)
+    return CostModel(load_profile(profile) if isinstance(profile, str) else profile, m, cl, **kw)
+
+
 @pytest.fixture
 def a100_7b_64():
-    """The FlexSP reference setting: 7B on 64 A100-40G."""
+    """The FlexSP reference setting: 7B on 64 A100-40G (ZeRO-3: lockstep passes)."""
     from workbench.cost import CostModel
     from workbench.specs import ClusterSpec, get_model, load_profile
 
@@ -22,8 +51,21 @@ def a100_7b_64():
 
 
 @pytest.fixture
+def free_7b_64():
+    """7B on 64 GPUs with free execution and the activation budget of FlexSP's 64 A100-40G (``free_cost``)."""
+    return free_cost("7b", 64)
+
+
+@pytest.fixture
 def small_cost():
-    """7B on 8 A100-40G: memory binds at a few thousand tokens, so small cases exercise every rule."""
+    """7B on 8 GPUs, free execution, with the activation budget of 8 A100-40G under FlexSP's ZeRO-3
+    formula (``free_cost``): memory binds at a few thousand tokens, so small cases exercise every rule."""
+    return free_cost("7b", 8)
+
+
+@pytest.fixture
+def small_lockstep():
+    """7B on 8 A100-40G under ZeRO-3 (lockstep passes)."""
     from workbench.cost import CostModel
     from workbench.specs import ClusterSpec, get_model, load_profile
 

@@ -18,7 +18,8 @@ from workbench.cost import CostModel, InfeasibleError
 from workbench.solve import Cancelled, PlanOptions, planner_names, run_planner, validate
 from workbench.solve.baselines import plan_best_static, plan_greedy
 from workbench.solve.flexsp import bucketize, min_micro_steps, plan_flexsp, solve_one_step, _Table
-from workbench.specs import ClusterSpec, get_model, load_profile
+from conftest import free_cost
+from workbench.specs import load_profile
 
 PROFILE = load_profile("a100-40g-flexsp")
 
@@ -85,7 +86,7 @@ def _random_instance(rng):
     configs = [("1b", 1, 40), ("1b", 2, 40), ("1b", 4, 40), ("1b", 8, 40), ("1b", 2, 24), ("1b", 4, 80),
                ("7b", 8, 40), ("7b", 4, 80), ("7b", 8, 80), ("1b", 8, 24)]
     name, N, mem = configs[rng.integers(len(configs))]
-    cost = CostModel(PROFILE, get_model(name), ClusterSpec(num_gpus=N, gpus_per_node=8, gpu_memory_gb=mem))
+    cost = free_cost(name, N, mem=mem, per_node=8)
     tpg = cost.tokens_per_gpu()
     k = int(rng.integers(1, 11))
     hi = max(cost.degrees) * tpg
@@ -164,10 +165,10 @@ def test_plan_flexsp_never_behind_the_one_step_optimum():
 
 
 @pytest.mark.parametrize("family", ["wikipedia", "commoncrawl", "github", "byted"])
-def test_families_64_gpus(a100_7b_64, family):
+def test_families_64_gpus(free_7b_64, family):
     from workbench.data import synthetic_lengths
 
-    cost = a100_7b_64
+    cost = free_7b_64
     s = np.minimum(synthetic_lengths(family, 512, seed=3), 131072)
     opts = PlanOptions(seed=0, time_limit=0.5)
     p = plan_flexsp(s, cost, opts)

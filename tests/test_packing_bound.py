@@ -8,18 +8,17 @@ import math
 import numpy as np
 import pytest
 
-from workbench.cost import CostModel
 from workbench.solve import lower_bound_ms, run_planner
 from workbench.solve.bound import packing_bound_ms, step_bound_ms
-from workbench.specs import ClusterSpec, get_model, load_profile
-from conftest import set_partitions
+from workbench.specs import load_profile
+from conftest import free_cost, set_partitions
 
 PROFILE = load_profile("a100-40g-flexsp")
 
 
 def _cost(n, degrees, model="1b", mem=24):
-    return CostModel(PROFILE, get_model(model), ClusterSpec(num_gpus=n, gpus_per_node=n, gpu_memory_gb=mem,
-                                                            degrees=degrees))
+    """Free execution (ZeRO-2) with the budget of ``n`` GPUs of ``mem`` GB under FlexSP's ZeRO-3 formula."""
+    return free_cost(model, n, mem=mem, per_node=n, degrees=degrees)
 
 
 def _least_max_load(s, cost):

@@ -139,10 +139,9 @@ def _brute_force_single_step(s, cost):
 
 
 def test_lower_bound_never_exceeds_brute_force_optimum():
-    from workbench.cost import CostModel
-    from workbench.specs import ClusterSpec, get_model, load_profile
+    from conftest import free_cost
 
-    cost = CostModel(load_profile("a100-40g-flexsp"), get_model("7b"), ClusterSpec(num_gpus=4, gpus_per_node=4))
+    cost = free_cost("7b", 4)
     rng = np.random.default_rng(1)
     for _ in range(25):
         k = int(rng.integers(1, 6))
@@ -171,10 +170,9 @@ def _classic_bound(s, cost):
 def test_lower_bound_is_tighter_than_divided_work_and_still_below_the_optimum():
     # one long sequence must take a wide (less efficient) group to finish in time: the bound
     # charges it that group's GPU-time, not its cheapest degree's
-    from workbench.cost import CostModel
-    from workbench.specs import ClusterSpec, get_model, load_profile
+    from conftest import free_cost
 
-    cost = CostModel(load_profile("a100-40g-flexsp"), get_model("1b"), ClusterSpec(num_gpus=4, gpus_per_node=4))
+    cost = free_cost("1b", 4)
     rng = np.random.default_rng(1)
     checked = tighter = 0
     for _ in range(40):
@@ -190,10 +188,10 @@ def test_lower_bound_is_tighter_than_divided_work_and_still_below_the_optimum():
     assert checked >= 30 and tighter >= 1
 
 
-def test_lower_bound_of_one_sequence_by_hand(a100_7b_64):
+def test_lower_bound_of_one_sequence_by_hand(free_7b_64):
     s = 131072  # needs degree 32 on 64 A100s; alone it is the bound
-    t = a100_7b_64.time([s], 32)[0] + a100_7b_64.group_overhead_ms(32)
-    assert lower_bound_ms([s], a100_7b_64) == pytest.approx(t + a100_7b_64.grad_sync_ms())
+    t = free_7b_64.time([s], 32)[0] + free_7b_64.group_overhead_ms(32)
+    assert lower_bound_ms([s], free_7b_64) == pytest.approx(t + free_7b_64.grad_sync_ms())
 
 
 def test_static_plan_by_hand(small_cost):

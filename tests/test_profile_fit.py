@@ -236,10 +236,38 @@ def test_group_overhead_counts_collective_latency_by_hand():
 
 def test_grad_sync_adds_the_allreduce_latency():
     tiny = get_model("tiny")
-    cl = ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=8.0)
+    cl = ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=8.0, zero_stage=0)  # ZeRO-0: one all-reduce
     cost = CostModel(_profile(allreduce_gbps={4: 1.0}, allreduce_latency_ms={4: 2.5}), tiny, cl)
     by_hand = 2 * 3 / 4 * 4 * tiny.params() / 1e9 * 1e3 + 2.5  # fp32 gradients of the tiny model
     assert cost.grad_sync_ms() == pytest.approx(by_hand)
+
+
+def test_lockstep_pass_terms_by_hand():
+    """ZeRO-3: per pass every FSDP unit is all-gathered twice (forward, backward) in the compute dtype
+    and its gradient reduce-scattered in fp32; the first unit's all-gather and reduce-scatter cannot
+    overlap, and the profile's fixed pass cost adds to them."""
+    tiny = get_model("tiny")  # fp32; units: embedding, 2 blocks, final norm + head
+    cl = ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=8.0)
+    prof = _profile(allgather_gbps={4: 2.0}, allgather_latency_ms={4: 0.5}, reduce_scatter_gbps={4: 1.0},
+                    pass_overhead_ms={4: 3.0})
+    cost = CostModel(prof, tiny, cl)
+    h, ffn, v = 64, 172, 256
+    block = h * h * 2 + 2 * h * 32 + 3 * h * ffn + 2 * h  # q, o (4 heads x 16); k, v (2 KV heads x 16); MLP; norms
+    units = [v * h, block, block, h + v * h]
+
+    def ag(n):
+        return 3 / 4 * n * 4 / 2e9 * 1e3 + 0.5
+
+    def rs(n):
+        return 3 / 4 * n * 4 / 1e9 * 1e3
+
+    assert cost.execution == "lockstep"
+    assert cost.pass_comm_ms() == pytest.approx(sum(2 * ag(u) + rs(u) for u in units))
+    assert cost.pass_overhead_ms() == pytest.approx(ag(units[0]) + rs(units[0]) + 3.0)
+    assert cost.pass_ms(1.0) == pytest.approx(max(1.0, cost.pass_comm_ms()) + cost.pass_overhead_ms())
+    assert cost.grad_sync_ms() == 0.0
+    free = CostModel(prof, tiny, ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=8.0, zero_stage=2))
+    assert free.execution == "free" and free.pass_comm_ms() == 0.0 and free.pass_overhead_ms() == 0.0
 
 
 @pytest.mark.parametrize("table, match", [({2: -1.0}, "finite number >= 0"), ({"x": 1.0}, "not a group size")])
@@ -393,3 +421,36 @@ def test_profile_package_imports_without_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_step_extras_by_hand():
+    """What a step costs beyond its layers: the embedding, head and loss per token (split over a
+    group's ranks like the rest of its tokens), a fixed cost per micro-step (in the packed call's
+    constant), and the optimizer step after the last micro-step, per million parameters the most
+    loaded rank updates."""
+    from workbench.cost.memory import parameter_shapes, zero_partition
+    from workbench.solve import build_plan, lower_bound_ms
+
+    tiny = get_model("tiny")
+    prof = _profile(head_ms_per_token=0.01, micro_step_ms=5.0, optimizer_ms_per_mparam=2.0, allreduce_gbps={4: 1.0})
+    base = CostModel(_profile(allreduce_gbps={4: 1.0}), tiny, ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=8.0))
+    cost = CostModel(prof, tiny, ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=8.0))
+    s = np.array([600, 300])
+    assert cost.time(s, 2) == pytest.approx(base.time(s, 2) + 0.01 * s / 2)
+    assert cost.group_overhead_ms(2) == pytest.approx(base.group_overhead_ms(2) + 5.0)
+    assert cost.call_overhead_ms() == pytest.approx(base.call_overhead_ms() + 5.0)
+    numels = [int(np.prod(x)) for _, x in parameter_shapes(tiny)]
+    shard = sum(-(-x[0] // 4) * int(np.prod(x[1:])) for _, x in parameter_shapes(tiny))  # FSDP: ceil(rows/4) rows
+    assert cost.optimizer_ms() == pytest.approx(2.0 * shard / 1e6)  # ZeRO-3
+    for stage, updated in ((0, sum(numels)), (2, max(zero_partition(numels, 4)))):
+        c = CostModel(prof, tiny, ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=8.0, zero_stage=stage))
+        assert c.optimizer_ms() == pytest.approx(2.0 * updated / 1e6)
+        p = build_plan("hand", [[(2, [0]), (2, [1])]], s, c)
+        assert p.optimizer_ms == pytest.approx(c.optimizer_ms())
+        assert p.makespan_ms == pytest.approx(max(g.time_ms for g in p.micro_steps[0].groups) + c.grad_sync_ms()
+                                              + c.optimizer_ms())
+        assert lower_bound_ms(s, c) <= p.makespan_ms
+    unmeasured = CostModel(_profile(), tiny, ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=8.0))
+    assert unmeasured.optimizer_ms() == 0.0
+    with pytest.raises(ValueError, match="micro_step_ms must be a finite number >= 0"):
+        _profile(micro_step_ms=-1.0)

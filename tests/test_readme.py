@@ -3,7 +3,8 @@ itself).
 
 In every ```bash block:
 - ``workbench ...`` lines are parsed by the CLI's own parser (an unknown command or option, or a
-  bad value, fails). The fast ones that write nothing (``lengths``, ``cost``, ``plan``,
+  bad value, fails); a usage line (``[--step N]``, ``a|b``) must name an existing command and
+  options. The fast ones that write nothing (``lengths``, ``cost``, ``plan``,
   ``simulate``, ``notebook list``, ``runs list``) are also run, in a temporary folder with a
   temporary run store, and must exit 0;
 - ``python bench/X.py ...``: the script exists and takes every option named (its ``--help``);
@@ -60,9 +61,20 @@ def _blocks(path: Path, lang: str) -> list[tuple[str, bool]]:
 
 
 def _lines(path: Path) -> list[tuple[str, bool]]:
-    """The command lines of the bash blocks (comments stripped), with the block's parse-only flag."""
-    return [(ln.split(" #")[0].strip(), only) for body, only in _blocks(path, "bash") for ln in body.splitlines()
-            if ln.split(" #")[0].strip() and not ln.lstrip().startswith("#")]
+    """The command lines of the bash blocks (comments stripped, ``\\`` continuations joined), with
+    the block's parse-only flag."""
+    out = []
+    for body, only in _blocks(path, "bash"):
+        for ln in body.replace("\\\n", " ").splitlines():
+            ln = ln.split(" #")[0].strip()
+            if ln and not ln.startswith("#"):
+                out.append((ln, only))
+    return out
+
+
+def _synopsis(line: str) -> bool:
+    """A usage line (``[--step N]``, ``a|b``, ``...``) rather than a command to type."""
+    return bool(re.search(r"[\[\]|]|\.\.\.", line))
 
 
 def _placeholders(args: list[str]) -> list[str]:
@@ -146,15 +158,17 @@ def test_every_command_in_the_doc_parses_and_the_quick_ones_run(doc, tmp_path):
     read-only ``workbench`` commands run and exit 0."""
     to_run = []
     for line, parse_only in _lines(doc):
-        args = _check_line(line, _doc_id(doc), parse_fully=True)
-        if args is not None and not parse_only:
+        args = _check_line(line, _doc_id(doc), parse_fully=not _synopsis(line))
+        if args is not None and not parse_only and not _synopsis(line):
             to_run.append(args)
     env = dict(os.environ, WORKBENCH_RUNS=str(tmp_path / "runs"), OMP_NUM_THREADS="1")
     exe = Path(sys.executable).with_name("workbench")
     for args in to_run:
         cmd = [str(exe), *args] if exe.exists() else [sys.executable, "-m", "workbench.cli", *args]
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
-        assert p.returncode == 0, f"{_doc_id(doc)}: `workbench {' '.join(args)}` exited {p.returncode}:\n{p.stderr[-2000:]}"
+        assert p.returncode == 0, (f"{_doc_id(doc)}: `workbench {' '.join(args)}` exited {p.returncode} (a command that "
+                                   f"needs your files or takes long: put {PARSE_ONLY} --> on the line before its "
+                                   f"block):\n{p.stderr[-2000:]}")
 
 
 def test_the_readme_shows_the_commands_a_newcomer_needs():
@@ -170,7 +184,7 @@ def test_commands_named_in_the_prose_exist(doc):
     text = FENCE.sub("", doc.read_text())
     for code in re.findall(r"`([^`]+)`", text):
         code = " ".join(code.split())
-        if not re.match(r"(workbench|python bench/\S+\.py)( |$)", code) or re.search(r"[\[\]|]|\.\.\.", code):
+        if not re.match(r"(workbench|python bench/\S+\.py)( |$)", code) or _synopsis(code):
             continue
         _check_line(code, _doc_id(doc), parse_fully=False)
 

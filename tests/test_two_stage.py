@@ -85,19 +85,19 @@ def test_layout_names_and_blocks():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_candidate_layouts_are_aligned_and_hold_the_longest(a100_7b_64, family):
+def test_candidate_layouts_are_aligned_and_hold_the_longest(free_7b_64, family):
     s = _family(family)
-    need = int(a100_7b_64.min_degree([s.max()])[0])
-    layouts = candidate_layouts(s, a100_7b_64)
+    need = int(free_7b_64.min_degree([s.max()])[0])
+    layouts = candidate_layouts(s, free_7b_64)
     names = [n for n, _ in layouts]
     assert len(set(names)) == len(names) > 1
     assert names[0] == f"{64 // need}x{need}"  # the static-max layout first
     for name, reps in layouts:
         assert list(reps) == sorted(reps, reverse=True) and layout_name(reps) == name
         assert reps[0] >= need and sum(reps) <= 64
-        assert all(d in a100_7b_64.degrees for d in reps)
+        assert all(d in free_7b_64.degrees for d in reps)
         layout_blocks(reps)  # aligned
-    assert any(len(set(r)) > 1 for _, r in layouts) or need == max(a100_7b_64.degrees)
+    assert any(len(set(r)) > 1 for _, r in layouts) or need == max(free_7b_64.degrees)
 
 
 # ---- stage 1: dispatch by hand -----------------------------------------------------------------
@@ -189,12 +189,11 @@ def test_plan_micro_batches_are_minimal_per_replica(small_cost, seed):
 
 @pytest.fixture(scope="module")
 def one_replica_cost():
-    """7B on 8 A100-40G that may only use degree 8: one replica, so stage 2 packs the whole batch."""
-    from workbench.cost import CostModel
-    from workbench.specs import ClusterSpec, get_model, load_profile
+    """7B on 8 GPUs (free execution, the budget of 8 A100-40G under FlexSP's ZeRO-3 formula) that may
+    only use degree 8: one replica, so stage 2 packs the whole batch."""
+    from conftest import free_cost
 
-    return CostModel(load_profile("a100-40g-flexsp"), get_model("7b"),
-                     ClusterSpec(num_gpus=8, gpus_per_node=8, degrees=(8,)))
+    return free_cost("7b", 8, degrees=(8,))
 
 
 def test_plan_packs_below_best_fit(one_replica_cost):
@@ -224,12 +223,12 @@ def test_one_replica_micro_batches_equal_brute_force(one_replica_cost, seed):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_plans_validate_on_every_family(a100_7b_64, family):
+def test_plans_validate_on_every_family(free_7b_64, family):
     s = _family(family)
-    p = run_planner("two-stage", s, a100_7b_64, seed=0, time_limit=10.0, batch_id="b1")
-    validate(p, s, a100_7b_64.cluster, a100_7b_64)
+    p = run_planner("two-stage", s, free_7b_64, seed=0, time_limit=10.0, batch_id="b1")
+    validate(p, s, free_7b_64.cluster, free_7b_64)
     assert p.planner == "two-stage" and p.batch_id == "b1" and p.status == "heuristic"
-    assert p.lower_bound_ms == pytest.approx(lower_bound_ms(s, a100_7b_64))
+    assert p.lower_bound_ms == pytest.approx(lower_bound_ms(s, free_7b_64))
     assert p.lower_bound_ms <= p.makespan_ms
     st = p.stats
     assert not st["truncated"]
@@ -241,22 +240,22 @@ def test_plans_validate_on_every_family(a100_7b_64, family):
     assert p.makespan_ms == pytest.approx(max(per_replica.values()) + p.grad_sync_ms)
     assert st["candidates"][st["layout"]] == pytest.approx(p.makespan_ms - p.grad_sync_ms, abs=1e-3)
     # the homogeneous layouts are candidates, dispatched as the static planner does
-    assert p.makespan_ms <= run_planner("best-static", s, a100_7b_64).makespan_ms * (1 + 1e-9)
+    assert p.makespan_ms <= run_planner("best-static", s, free_7b_64).makespan_ms * (1 + 1e-9)
 
 
-def test_deterministic_for_a_seed(a100_7b_64):
+def test_deterministic_for_a_seed(free_7b_64):
     s = _family("github", 300, seed=5)
-    a = run_planner("two-stage", s, a100_7b_64, seed=3, time_limit=10.0)
-    b = run_planner("two-stage", s, a100_7b_64, seed=3, time_limit=10.0)
+    a = run_planner("two-stage", s, free_7b_64, seed=3, time_limit=10.0)
+    b = run_planner("two-stage", s, free_7b_64, seed=3, time_limit=10.0)
     assert _same(a, b)
-    c = run_planner("two-stage", s, a100_7b_64, seed=4, time_limit=10.0)
-    validate(c, s, a100_7b_64.cluster, a100_7b_64)
+    c = run_planner("two-stage", s, free_7b_64, seed=4, time_limit=10.0)
+    validate(c, s, free_7b_64.cluster, free_7b_64)
 
 
-def test_time_limit_zero_still_plans(a100_7b_64):
+def test_time_limit_zero_still_plans(free_7b_64):
     s = _family("commoncrawl", 512, seed=1)
-    p = run_planner("two-stage", s, a100_7b_64, time_limit=0.0)
-    validate(p, s, a100_7b_64.cluster, a100_7b_64)
+    p = run_planner("two-stage", s, free_7b_64, time_limit=0.0)
+    validate(p, s, free_7b_64.cluster, free_7b_64)
     assert p.stats["truncated"] and p.stats["layouts"] == 1
 
 

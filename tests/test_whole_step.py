@@ -10,20 +10,20 @@ import math
 import numpy as np
 import pytest
 
-from workbench.cost import CostModel
 from workbench.solve import PlanOptions, build_plan, run_planner, timeline, validate
 from workbench.solve.flexsp import _Table, plan_flexsp
 from workbench.solve.stack import Stack, solve_stack
-from workbench.specs import ClusterSpec, get_model, load_profile
-from conftest import set_partitions
+from workbench.specs import load_profile
+from conftest import free_cost, set_partitions
 
 PROFILE = load_profile("a100-40g-flexsp")
 
 
 def _cost(n, degrees=(), model="7b", mem=40):
+    """Free execution (ZeRO-2) with the activation budget of ``n`` GPUs of ``mem`` GB under FlexSP's
+    ZeRO-3 formula (``conftest.free_cost``): whole-step stacks are the free model's plans."""
     per_node = n if n <= 8 else (4 if n % 8 else 8)
-    return CostModel(PROFILE, get_model(model), ClusterSpec(num_gpus=n, gpus_per_node=per_node, gpu_memory_gb=mem,
-                                                            degrees=degrees))
+    return free_cost(model, n, mem=mem, per_node=per_node, degrees=degrees)
 
 
 def _random_stack(rng, cost, k):

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from workbench.solve.plan import pass_loads
 from workbench.scenario import DEFAULT_PLANNERS, Scenario
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,20 +91,63 @@ def test_solver_solve_plans_every_planner_and_draws_them(solved):
     for plan in res.values():
         validate(plan, batch, cost.cluster, cost)  # the same batch, every sequence once, memory within budget
         assert plan.makespan_ms >= plan.lower_bound_ms * (1 - 1e-9)
-    # the timeline shows the chosen planner's plan: one bar per group, every rank labelled
+    # the timeline shows the chosen planner's plan: one bar per group, every rank labelled. SMALL is
+    # ZeRO-3, so the plan runs in lockstep passes: a rank serving k groups of a pass pays the
+    # packed call's constant once (its later groups are drawn without it)
     plan = res["flexsp"]
+    assert plan.execution == "lockstep" and plan.zero_stage == 3 and plan.grad_sync_ms == 0.0
     bars = [t for t in panel.fig_timeline.data if t.type == "bar" and str(t.name).startswith("degree")]
     assert sorted(int(t.name.split()[1]) for t in bars) == sorted({g.degree for m in plan.micro_steps for g in m.groups})
     assert sum(len(t.x) for t in bars) == sum(len(m.groups) for m in plan.micro_steps)
-    assert sum(sum(t.x) for t in bars) * 1e3 == pytest.approx(sum(g.time_ms for m in plan.micro_steps for g in m.groups))
-    sync = [t for t in panel.fig_timeline.data if t.name == "gradient sync (all ranks)"]
-    assert len(sync) == 1 and sync[0].x[0] * 1e3 == pytest.approx(plan.grad_sync_ms)
+    later = 0
+    for m in plan.micro_steps:
+        seen: set[int] = set()
+        for g in m.groups:
+            later += all(r in seen for r in g.ranks)
+            seen |= set(g.ranks)
+    shared = plan.shared_overhead_ms
+    assert sum(sum(t.x) for t in bars) * 1e3 == pytest.approx(
+        sum(g.time_ms for m in plan.micro_steps for g in m.groups) - later * shared)
+    assert not [t for t in panel.fig_timeline.data if t.name == "gradient sync (all ranks)"]
+    # one shaded band per pass; every rank's idle time to the end of its pass is drawn as a wait:
+    # ranks x passes, less each rank's load, is the waits' total
+    assert len(panel.fig_timeline.layout.shapes) - 2 == len(plan.micro_steps)  # + the two vlines
+    waits = [t for t in panel.fig_timeline.data if t.name == "waiting for the pass to end"]
+    loads = sum(float(sum(ld)) for ld in pass_loads(plan))
+    span = sum(m.time_ms for m in plan.micro_steps) * plan.num_gpus
+    assert sum(waits[0].x) * 1e3 == pytest.approx(span - loads) if waits else span == pytest.approx(loads)
     assert list(panel.fig_timeline.layout.yaxis.tickvals) == list(range(8))
     # every planner side by side, in the order solved, at its makespan
     bar = panel.fig_planners.data[0]
     assert list(bar.y) == list(res)
     assert [x * 1e3 for x in bar.x] == pytest.approx([res[k].makespan_ms for k in res])
     assert "plan #1: flexsp" in panel.status.value and panel.solves == 1
+    assert "lockstep pass(es) (ZeRO-3)" in panel.status.value
+
+
+def test_solver_zero_control_changes_memory_and_timeline_together():
+    """ZeRO-3 (lockstep) against ZeRO-2 (free) for a model both hold (1B on 8 A100-40G): the ZeRO
+    control changes the activation budget by the model states ZeRO-2 replicates, and the plans'
+    execution: gradient reduction at the end and no passes under ZeRO-2."""
+    from widgets import SolverPanel
+    from workbench.cost.memory import model_states
+
+    panel = SolverPanel(Scenario(**dict(SMALL, model="1b")), auto=False)
+    res3 = panel.solve(["greedy", "flexsp"])
+    budget3 = res3.scenario.cost().memory_budget_gb
+    panel.set(zero_stage=2)
+    res2 = panel.solve(["greedy", "flexsp"])
+    sc2 = res2.scenario
+    assert sc2.zero_stage == 2
+    m = sc2.model_spec()
+    s2 = model_states(m, zero_stage=2, num_ranks=8, precision="bf16", optimizer="adamw").total / 1e9
+    s3 = model_states(m, zero_stage=3, num_ranks=8, precision="bf16", optimizer="adamw").total / 1e9
+    assert sc2.cost().memory_budget_gb == pytest.approx(budget3 - (s2 - s3))
+    assert all(p.execution == "free" for p in res2.values()) and all(p.execution == "lockstep" for p in res3.values())
+    names = [t.name for t in panel.fig_timeline.data]
+    assert "gradient sync (all ranks)" in names and "waiting for the pass to end" not in names
+    assert "micro-step(s), barrier-free" in panel.status.value
+    assert f"model states {s2:.2f} GB under ZeRO-2" in panel.data_line.value
 
 
 def test_solver_reports_the_packing_bound_of_the_step(solved):

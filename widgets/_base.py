@@ -291,6 +291,23 @@ class ScenarioSource:
             cb(sc)
 
 
+def model_control(value: str = "tiny", *, description: str = "model", width: str = "260px") -> W.Combobox:
+    """The model control of every panel: the presets to pick from, or the path of a Hugging Face
+    ``config.json`` (or its folder) typed in; the value changes on Enter or leaving the field."""
+    from workbench.specs import MODEL_PRESETS
+
+    return W.Combobox(options=list(MODEL_PRESETS), value=value, ensure_option=False, continuous_update=False,
+                      placeholder="preset, or path/to/config.json", description=description,
+                      style={"description_width": "initial"}, layout=W.Layout(width=width),
+                      tooltip="a preset, or a Hugging Face config.json (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5)")
+
+
+def path_control(description: str, placeholder: str, *, width: str = "330px") -> W.Text:
+    """A text field for a path (a data file, a tokenizer, weights); empty means none."""
+    return W.Text(value="", placeholder=placeholder, description=description, continuous_update=False,
+                  style={"description_width": "initial"}, layout=W.Layout(width=width))
+
+
 def labelled(widget: W.Widget, note: W.HTML | None = None, width: str = "auto") -> W.Widget:
     """A control with its constraint note beside it (shown only when it says something)."""
     if note is None:

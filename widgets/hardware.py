@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import ipywidgets as W
 
-from widgets._base import Panel, figure_box, figure_widget, log_html, note_html, one_line, set_figure
+from widgets._base import Panel, figure_box, figure_widget, log_html, model_control, note_html, one_line, set_figure
 
 __all__ = ["HardwarePanel"]
 
@@ -63,8 +63,6 @@ class HardwarePanel(Panel):
 
     # ------------------------------------------------------------------------------------------
     def _build(self) -> None:
-        from workbench.specs import MODEL_PRESETS
-
         st = {"description_width": "initial"}
         self.w_profile = W.Dropdown(description="profile", style=st, layout=W.Layout(width="520px"))
         self.w_path = W.Text(placeholder="path/to/profile.json", description="load file", style=st,
@@ -76,8 +74,7 @@ class HardwarePanel(Panel):
         self.about = W.HTML()
         self.status = W.HTML()
         self.w_nproc = W.IntSlider(min=1, max=8, value=2, description="processes", style=st, continuous_update=False)
-        self.w_model = W.Dropdown(options=list(MODEL_PRESETS), value="tiny", description="model", style=st,
-                                  layout=W.Layout(width="200px"))
+        self.w_model = model_control("tiny", width="260px")
         self.w_quick = W.Checkbox(value=True, description="quick (fewer lengths and repeats)", indent=False)
         self.b_run = W.Button(description="Profile this machine", icon="play", button_style="primary",
                               layout=W.Layout(width="200px"))
@@ -97,7 +94,7 @@ class HardwarePanel(Panel):
         self.b_load.on_click(lambda _: self._guard(lambda: self.load(self.w_path.value)))
         self.b_save.on_click(lambda _: self._guard(lambda: self.save_profile(self.w_save.value)))
         self.b_run.on_click(lambda _: self._guard(lambda: self.start_profile(
-            nproc=int(self.w_nproc.value), model=self.w_model.value, quick=bool(self.w_quick.value))))
+            nproc=int(self.w_nproc.value), model=self.w_model.value.strip(), quick=bool(self.w_quick.value))))
         self.b_stop.on_click(lambda _: threading.Thread(target=lambda: self._guard(self.stop), daemon=True).start())
         self.b_check.on_click(lambda _: self._guard(lambda: self.check_fidelity(self.w_train.value)))
         available = _profiler() is not None

@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 import ipywidgets as W
 
-from widgets._base import Panel, figure_box, figure_widget, log_html, note_html, one_line, set_figure
+from widgets._base import (Panel, figure_box, figure_widget, log_html, model_control, note_html, one_line, path_control,
+                           set_figure)
 from workbench.scenario import Scenario
 
 __all__ = ["LaunchPanel"]
@@ -68,7 +69,6 @@ class LaunchPanel(Panel):
     def _build(self, nproc: int, steps: int) -> None:
         from workbench.data import SOURCE_NAMES
         from workbench.scenario import DEFAULT_PLANNERS
-        from workbench.specs import MODEL_PRESETS
         from workbench.training import OPTIMIZERS, TRAIN_DEFAULTS
 
         st = {"description_width": "initial"}
@@ -79,10 +79,14 @@ class LaunchPanel(Panel):
         self.w_steps = W.BoundedIntText(min=1, max=10**7, value=steps, description="steps", style=st, layout=lay)
         self.w_planner = W.Dropdown(options=list(DEFAULT_PLANNERS), value=TRAIN_DEFAULTS["planner"],
                                     description="planner", style=st, layout=lay)
-        self.w_source = W.Dropdown(options=list(SOURCE_NAMES), value=TRAIN_DEFAULTS["source"], description="data",
-                                   style=st, layout=lay)
-        self.w_model = W.Dropdown(options=list(MODEL_PRESETS), value=TRAIN_DEFAULTS["model"], description="model",
-                                  style=st, layout=lay)
+        # a name, or your text (JSONL, Parquet, CSV, documents, a saved dataset) typed in
+        self.w_source = W.Combobox(options=list(SOURCE_NAMES), value=TRAIN_DEFAULTS["source"], ensure_option=False,
+                                   continuous_update=False, placeholder="stdlib, a family, or path/to/data.jsonl",
+                                   description="data", style=st, layout=W.Layout(width="330px"))
+        self.w_model = model_control(TRAIN_DEFAULTS["model"], width="260px")
+        self.w_tokenizer = path_control("tokenizer", "path/to/tokenizer.json (empty: byte-level)")
+        self.w_column = path_control("column", "text column (auto)", width="200px")
+        self.w_init = path_control("init weights", "safetensors file or model folder (empty: random)")
         self.w_max_len = W.Dropdown(options=[256, 512, 1024, 2048, 4096, 8192], value=1024, description="max context",
                                     style=st, layout=lay)
         self.w_batch = W.BoundedIntText(min=64, max=10**9, step=4096, value=TRAIN_DEFAULTS["batch_tokens"],
@@ -116,7 +120,9 @@ class LaunchPanel(Panel):
             W.HTML("<b style='font-size:15px'>Launch</b> &nbsp; <span style='color:#555'>train for real: torchrun "
                    "processes run each step's plan, one rank per process (gloo on CPU)</span>"),
             W.HBox([self.w_nproc, self.w_steps, self.w_planner], layout=W.Layout(flex_flow="row wrap")),
-            W.HBox([self.w_source, self.w_model, self.w_max_len, self.w_batch], layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([self.w_model, self.w_init], layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([self.w_source, self.w_tokenizer, self.w_column], layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([self.w_max_len, self.w_batch], layout=W.Layout(flex_flow="row wrap")),
             W.HBox([self.w_optimizer, self.w_seed], layout=W.Layout(flex_flow="row wrap")),
             self.settings_note,
             W.HBox([self.b_launch, self.b_stop, self.progress], layout=W.Layout(align_items="center", flex_flow="row wrap")),
@@ -145,23 +151,30 @@ class LaunchPanel(Panel):
     # ------------------------------------------------------------------------------------------
     def settings(self) -> dict:
         """The settings a launch uses (``workbench.training.prepare_train`` fields)."""
+        paths = {k: w.value.strip() or None for k, w in
+                 (("tokenizer", self.w_tokenizer), ("column", self.w_column), ("init", self.w_init))}
         return {"steps": int(self.w_steps.value), "nproc": int(self.w_nproc.value), "planner": self.w_planner.value,
-                "source": self.w_source.value, "model": self.w_model.value, "max_len": int(self.w_max_len.value),
-                "batch_tokens": int(self.w_batch.value), "optimizer": self.w_optimizer.value,
-                "seed": int(self.w_seed.value), **self._extra}
+                "source": self.w_source.value.strip(), "model": self.w_model.value.strip(),
+                "max_len": int(self.w_max_len.value), "batch_tokens": int(self.w_batch.value),
+                "optimizer": self.w_optimizer.value, "seed": int(self.w_seed.value),
+                **{k: v for k, v in paths.items() if v is not None}, **self._extra}
 
     def set(self, **settings: Any) -> dict:
         """Set controls by ``prepare_train`` field name (``steps``, ``nproc``, ``planner``,
-        ``source``, ``model``, ``max_len``, ``batch_tokens``, ``optimizer``, ``seed``; any other
-        training or Scenario field is kept and passed on at launch). Returns :meth:`settings`."""
+        ``source``, ``model`` (a preset or a config.json path), ``tokenizer``, ``column``, ``init``,
+        ``max_len``, ``batch_tokens``, ``optimizer``, ``seed``; any other training or Scenario field
+        is kept and passed on at launch). Returns :meth:`settings`."""
         from workbench.training import _SCENARIO_FIELDS, _TRAIN_FIELDS
 
         widgets = {"steps": self.w_steps, "nproc": self.w_nproc, "planner": self.w_planner, "source": self.w_source,
                    "model": self.w_model, "max_len": self.w_max_len, "batch_tokens": self.w_batch,
-                   "optimizer": self.w_optimizer, "seed": self.w_seed}
+                   "optimizer": self.w_optimizer, "seed": self.w_seed, "tokenizer": self.w_tokenizer,
+                   "column": self.w_column, "init": self.w_init}
         extra = dict(self._extra)
         for k, v in settings.items():
-            if k in widgets:
+            if k in ("tokenizer", "column", "init", "source", "model"):
+                widgets[k].value = "" if v is None else str(v)
+            elif k in widgets:
                 w = widgets[k]
                 if isinstance(w, W.Dropdown) and v not in [o[1] if isinstance(o, tuple) else o for o in w.options]:
                     w.options = [*w.options, v]
@@ -181,20 +194,26 @@ class LaunchPanel(Panel):
         from workbench.training import CPU_MAX_LEN, cuda_visible
 
         taken = {"source": sc.source, "seed": sc.seed, "policy": sc.policy, "planner": sc.planner,
-                 "time_limit": sc.time_limit}
+                 "time_limit": sc.time_limit, "tokenizer": sc.tokenizer, "column": sc.column}
         if sc.samples is not None:
             taken["samples"] = sc.samples
         kept = {}
+        # your own model comes along when a CPU can train it (a config of at most ~200M parameters)
+        small = sc.model_spec().params() <= 200e6 and sc.model.strip().lower() not in ("1b", "7b", "13b", "30b", "70b")
         if cuda_visible():
             taken.update(model=sc.model, max_len=sc.resolved_max_len(), batch_tokens=sc.batch_tokens)
         else:
-            kept = {"model": self.w_model.value, "max_len": min(int(self.w_max_len.value), CPU_MAX_LEN),
+            if small:
+                taken["model"] = sc.model
+            kept = {"max_len": min(int(self.w_max_len.value), CPU_MAX_LEN),
                     "batch_tokens": int(self.w_batch.value), "profile": "cpu-gloo-tiny",
                     "GPUs": f"{int(self.w_nproc.value)} CPU processes instead of {sc.num_gpus} GPUs"}
-        self.set(**{k: v for k, v in taken.items() if v is not None})
+            if not small:
+                kept = {"model": self.w_model.value, **kept}
+        self.set(**{k: v for k, v in taken.items() if v is not None or k in ("tokenizer", "column")})
         if not cuda_visible():
             self.set(max_len=kept["max_len"])
-        t = ", ".join(f"{k} {v}" for k, v in taken.items())
+        t = ", ".join(f"{k} {v}" for k, v in taken.items() if v is not None)
         k = ", ".join(f"{a} {b}" for a, b in kept.items())
         self.settings_note.value = (f"<div style='font-size:12.5px'>From the planning tabs: {t}."
                                     + (f"<br><span style='color:#B26A00'>Kept for this CPU machine: {k}.</span>" if k else "")

@@ -14,7 +14,8 @@ from typing import Any
 
 import ipywidgets as W
 
-from widgets._base import LatestWorker, Panel, ScenarioSource, figure_box, figure_widget, html_table, note_html, one_line, set_figure
+from widgets._base import (LatestWorker, Panel, ScenarioSource, figure_box, figure_widget, html_table, note_html, one_line,
+                           path_control, set_figure)
 from workbench.scenario import Scenario
 
 __all__ = ["LengthsPanel"]
@@ -60,6 +61,11 @@ class LengthsPanel(ScenarioSource, Panel):
         self.w_path = W.Text(placeholder="path to a lengths file (txt/csv/parquet/npy/jsonl) or dataset",
                              description="file", style=st, layout=W.Layout(width="440px", display="none"),
                              continuous_update=False)
+        # text is tokenised with your tokenizer (byte-level without one), once, into the token cache
+        self.w_tokenizer = path_control("tokenizer", "path/to/tokenizer.json (empty: byte-level)")
+        self.w_column = path_control("column", "column (auto)", width="180px")
+        self.file_row = W.HBox([self.w_path, self.w_tokenizer, self.w_column],
+                               layout=W.Layout(flex_flow="row wrap", display="none"))
         self.w_samples = W.BoundedIntText(min=1, max=10**8, step=10000, description="samples", style=st, layout=lay)
         self.w_seed = W.BoundedIntText(min=0, max=2**31 - 1, description="seed", style=st, layout=W.Layout(width="140px"))
         self.w_max_len = W.Dropdown(description="max context", style=st, layout=lay)
@@ -79,7 +85,8 @@ class LengthsPanel(ScenarioSource, Panel):
         self.fig_share = figure_widget()
         self.fig_policy = figure_widget()
         self.fig_imbalance = figure_widget()
-        for w in (self.w_source, self.w_path, self.w_samples, self.w_seed, self.w_max_len, self.w_policy, self.w_batch,
+        for w in (self.w_source, self.w_path, self.w_tokenizer, self.w_column, self.w_samples, self.w_seed, self.w_max_len,
+                  self.w_policy, self.w_batch,
                   self.w_degree, self.w_batches):
             w.observe(self._on_control, names="value")
 
@@ -90,7 +97,7 @@ class LengthsPanel(ScenarioSource, Panel):
             W.HTML("<b style='font-size:15px'>Lengths</b> &nbsp; <span style='color:#555'>how long the training "
                    "sequences are, and why that makes one fixed parallel layout wasteful</span>"),
             W.HBox([self.w_source, self.w_samples, self.w_seed], layout=W.Layout(flex_flow="row wrap")),
-            self.w_path,
+            self.file_row,
             W.HBox([self.w_max_len, self.w_policy], layout=W.Layout(flex_flow="row wrap", align_items="center")),
             W.HBox([self.w_batch, self.w_degree, self.w_batches], layout=W.Layout(flex_flow="row wrap")),
             self.status, self.summary,
@@ -126,11 +133,13 @@ class LengthsPanel(ScenarioSource, Panel):
         try:
             if sc.source in SOURCE_NAMES:
                 self.w_source.value = sc.source
-                self.w_path.layout.display = "none"
+                self._show_file_row(False)
             else:
                 self.w_source.value = _FILE
                 self.w_path.value = sc.source
-                self.w_path.layout.display = ""
+                self._show_file_row(True)
+            self.w_tokenizer.value = sc.tokenizer or ""
+            self.w_column.value = sc.column or ""
             self.w_samples.value = int(sc.samples or 100_000)
             self.w_samples.disabled = sc.source == "stdlib" and sc.samples is None
             self.w_seed.value = int(sc.seed)
@@ -169,6 +178,7 @@ class LengthsPanel(ScenarioSource, Panel):
             raise ValueError("Scenario.source: give the path of a lengths file")
         samples = None if (src == "stdlib" and self.w_samples.disabled) else int(self.w_samples.value)
         return self._base.replace(source=src, samples=samples, seed=int(self.w_seed.value), max_len=self.w_max_len.value or None,
+                                  tokenizer=self.w_tokenizer.value.strip() or None, column=self.w_column.value.strip() or None,
                                   policy=self.w_policy.value, batch_tokens=int(self.w_batch.value), batch_size=None)
 
     @property
@@ -213,7 +223,7 @@ class LengthsPanel(ScenarioSource, Panel):
         if self._quiet:
             return
         if change["owner"] is self.w_source:
-            self.w_path.layout.display = "" if change["new"] == _FILE else "none"
+            self._show_file_row(change["new"] == _FILE)
             self._quiet += 1
             try:
                 self.w_samples.disabled = change["new"] == "stdlib"
@@ -228,11 +238,21 @@ class LengthsPanel(ScenarioSource, Panel):
         if self.auto:
             self.request_refresh()
 
+    def _busy(self, msg: str) -> None:
+        self.status.value = note_html(msg, "busy")
+
+    def _show_file_row(self, show: bool) -> None:
+        for w in (self.file_row, self.w_path):
+            w.layout.display = "" if show else "none"
+
     # ---- computing -----------------------------------------------------------------------------
     def _job(self, sc: Scenario, degree: int | None, nbatches: int, *, cancel) -> dict:
         from workbench.data import summarize
         from workbench.report.lengths import length_profile, policy_effect, token_balanced_loads
 
+        # text: tokenised once into the token cache (what training reads), with progress in the status
+        sc.token_cache(progress=lambda f, m: self._busy(f"{m} ({100 * f:.0f}%)"),
+                       say=lambda m: self._busy(m))
         raw = sc.lengths_set(apply_policy=False)
         if cancel.is_set():
             return {}
@@ -304,6 +324,11 @@ class LengthsPanel(ScenarioSource, Panel):
             rows += [{"what": f"tokens in sequences over {int(k) // 1024}K", "v": f"{100 * v:.1f}%"}
                      for k, v in s["token_share_over"].items()]
             rows.append({"what": "attention work in sequences of 8K or more", "v": f"{100 * over8k_work:.1f}%"})
+            prov = data["provenance"]
+            if prov.get("token_cache"):  # text: where its tokens are, and what could not be trained on
+                skipped = ", ".join(f"{v:,} {k}" for k, v in (prov.get("skipped") or {}).items())
+                rows.append({"what": "tokenised", "v": f"{prov.get('tokenizer')}; token cache {prov['token_cache']}"
+                             + (f"; skipped {skipped}" if skipped else "")})
             rep = data["policy_report"]
             rows.append({"what": "max context", "v": rep["text"] if rep else "none (the list is planned as given)"})
             if data["imbalance"]:

@@ -18,7 +18,8 @@ from typing import Any, Callable, Sequence
 
 import ipywidgets as W
 
-from widgets._base import LatestWorker, Panel, ScenarioSource, figure_box, figure_widget, html_table, note_html, one_line, set_figure
+from widgets._base import (LatestWorker, Panel, ScenarioSource, figure_box, figure_widget, html_table, model_control, note_html,
+                           one_line, path_control, set_figure)
 from workbench.scenario import DEFAULT_PLANNERS, Scenario
 
 __all__ = ["SolverPanel", "SolveResult"]
@@ -102,20 +103,30 @@ class SolverPanel(ScenarioSource, Panel):
         return is_length_list(sc.source)
 
     def _build(self) -> None:
+        from workbench.data import SOURCE_NAMES
         from workbench.solve import planner_names
-        from workbench.specs import MODEL_PRESETS
 
         st = {"description_width": "initial"}
         lay = W.Layout(width="210px")
-        self.w_model = W.Dropdown(options=list(MODEL_PRESETS), description="model", style=st, layout=lay)
+        self.w_model = model_control("7b", width="250px")
+        # the data: a name, or your text (with your tokenizer) or lengths file typed in
+        self.w_source = W.Combobox(options=list(SOURCE_NAMES), ensure_option=False, continuous_update=False,
+                                   placeholder="family, stdlib, or path/to/data.jsonl", description="data", style=st,
+                                   layout=W.Layout(width="330px"))
+        self.w_tokenizer = path_control("tokenizer", "path/to/tokenizer.json (empty: byte-level)", width="330px")
+        self.w_column = path_control("column", "text column (auto)", width="200px")
         self.w_gpus = W.Dropdown(options=_GPUS, description="GPUs", style=st, layout=lay)
         self.w_per_node = W.Dropdown(options=_PER_NODE, description="GPUs per node", style=st, layout=lay)
         self.w_memory = W.BoundedFloatText(min=0.5, max=4096, step=1, description="GPU memory (GB)", style=st,
                                            layout=lay)
         self.w_fraction = W.FloatSlider(min=0.3, max=1.0, step=0.05, description="usable share", style=st,
                                         readout_format=".2f", continuous_update=False, layout=W.Layout(width="260px"))
-        self.w_zero = W.Dropdown(options=[("ZeRO-0", 0), ("ZeRO-1", 1), ("ZeRO-2", 2), ("ZeRO-3", 3)],
-                                 description="model states", style=st, layout=lay)
+        self.w_zero = W.Dropdown(options=[("ZeRO-0 (free)", 0), ("ZeRO-1 (free)", 1), ("ZeRO-2 (free)", 2),
+                                          ("ZeRO-3 (lockstep)", 3)],
+                                 description="model states", style=st, layout=lay,
+                                 tooltip="ZeRO-3 shards everything (most memory for activations) but every pass "
+                                         "all-gathers parameters, so all GPUs run the passes together; ZeRO 0-2 "
+                                         "replicate parameters (less memory) and run barrier-free")
         self.w_max_len = W.Dropdown(description="max context", style=st, layout=lay)
         self.w_batch = W.BoundedIntText(min=1, max=10**10, step=65536, description="batch tokens", style=st, layout=lay)
         self.w_batch_index = W.BoundedIntText(min=0, max=10**6, description="batch #", style=st,
@@ -162,7 +173,8 @@ class SolverPanel(ScenarioSource, Panel):
         self.fig_run_memory = figure_widget()
         self.run_memory_line = W.HTML()
 
-        for w in (self.w_model, self.w_gpus, self.w_per_node, self.w_memory, self.w_fraction, self.w_zero,
+        for w in (self.w_model, self.w_source, self.w_tokenizer, self.w_column, self.w_gpus, self.w_per_node,
+                  self.w_memory, self.w_fraction, self.w_zero,
                   self.w_max_len, self.w_batch, self.w_batch_index, self.w_recompute, self.w_strategy, self.w_planner,
                   self.w_time_limit, self.w_compare, self.w_degrees_auto):
             w.observe(self._on_control, names="value")
@@ -183,6 +195,7 @@ class SolverPanel(ScenarioSource, Panel):
             W.HBox([self.w_model, self.w_gpus, self.w_per_node, self.n_cluster], layout=W.Layout(flex_flow="row wrap")),
             W.HBox([self.w_memory, self.w_fraction, self.w_zero, self.w_recompute, self.n_memory],
                    layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([self.w_source, self.w_tokenizer, self.w_column], layout=W.Layout(flex_flow="row wrap")),
             W.HBox([self.w_max_len, self.w_batch, self.w_batch_index, self.w_strategy, self.n_data],
                    layout=W.Layout(flex_flow="row wrap")),
             W.HBox([W.Label("candidate degrees", layout=W.Layout(width="130px")), self.w_degrees_auto, self.w_degrees,
@@ -195,11 +208,15 @@ class SolverPanel(ScenarioSource, Panel):
             head, controls, actions, self.status, self.data_line,
             W.HTML("<h4 style='margin:10px 0 2px'>The plan on a timeline</h4>"),
             cap("Each bar is one SP group: a block of consecutive GPUs (ranks, the rows) that runs its sequences "
-                "together, coloured by its <b>degree</b> (how many GPUs share each sequence). <b>m0, m1, ...</b> "
-                "are <b>micro-steps</b>: when the batch does not fit in memory at once it is run in several passes "
-                "whose gradients add up; a group starts as soon as its own GPUs are free. The grey block is the "
-                "gradient all-reduce that every GPU joins after its last micro-step; the dashed line is the "
-                "<b>lower bound</b>: no plan can finish the step before it."),
+                "together, coloured by its <b>degree</b> (how many GPUs share each sequence). When the batch does "
+                "not fit in memory at once it runs in several parts whose gradients add up, and how those line up "
+                "depends on the <b>ZeRO stage</b>. Under <b>ZeRO-3</b> every forward and backward all-gathers the "
+                "parameters over all GPUs, so the parts are <b>lockstep passes</b> (p0, p1, ..., shaded bands): "
+                "every GPU runs every pass, a GPU done early waits for the pass to end (hatched), and a GPU may "
+                "serve several groups in one pass. Under <b>ZeRO 0-2</b> parameters are replicated, so the parts "
+                "are barrier-free <b>micro-steps</b> (m0, m1, ...): a group starts as soon as its own GPUs are "
+                "free, and the grey block is the gradient reduction every GPU joins at the end. The dashed line "
+                "is the <b>lower bound</b>: no plan can finish the step before it."),
             self.w_show, figure_box(self.fig_timeline),
             W.HTML("<h4 style='margin:10px 0 2px'>Every planner on the same batch</h4>"),
             cap("Predicted step time of each planner's plan for this batch. <i>static-max</i> is the fixed layout "
@@ -236,6 +253,9 @@ class SolverPanel(ScenarioSource, Panel):
             if sc.gpus_per_node not in self.w_per_node.options:
                 self.w_per_node.options = sorted({*self.w_per_node.options, sc.gpus_per_node})
             self.w_model.value = sc.model
+            self.w_source.value = sc.source
+            self.w_tokenizer.value = sc.tokenizer or ""
+            self.w_column.value = sc.column or ""
             self.w_gpus.value = sc.num_gpus
             self.w_per_node.value = sc.gpus_per_node
             self.w_memory.value = float(sc.gpu_memory_gb if sc.gpu_memory_gb is not None else self._profile_memory(sc))
@@ -290,10 +310,12 @@ class SolverPanel(ScenarioSource, Panel):
     def _controls_scenario(self) -> Scenario:
         """The Scenario the controls describe; ValueError (marked beside its control) when invalid."""
         base = self._base
-        prof_mem = self._profile_memory(base.replace(model=self.w_model.value))
+        prof_mem = self._profile_memory(base.replace(model=self.w_model.value.strip()))
         mem = float(self.w_memory.value)
         fields: dict[str, Any] = dict(
-            model=self.w_model.value, num_gpus=int(self.w_gpus.value), gpus_per_node=int(self.w_per_node.value),
+            model=self.w_model.value.strip(), source=self.w_source.value.strip() or base.source,
+            tokenizer=self.w_tokenizer.value.strip() or None, column=self.w_column.value.strip() or None,
+            num_gpus=int(self.w_gpus.value), gpus_per_node=int(self.w_per_node.value),
             gpu_memory_gb=None if abs(mem - prof_mem) < 1e-9 else mem, memory_fraction=float(self.w_fraction.value),
             zero_stage=int(self.w_zero.value), max_len=self.w_max_len.value or None, recompute=bool(self.w_recompute.value),
             strategy=self.w_strategy.value, planner=self.w_planner.value, time_limit=float(self.w_time_limit.value))
@@ -363,7 +385,10 @@ class SolverPanel(ScenarioSource, Panel):
             self._quiet += 1
             try:
                 cur = self.w_max_len.value
-                self._set_max_len_options(self._base.replace(model=self.w_model.value, max_len=None))
+                try:
+                    self._set_max_len_options(self._base.replace(model=self.w_model.value.strip(), max_len=None))
+                except ValueError:
+                    pass  # a path that is not a supported config: said beside the control below
                 if cur and cur in [v for _, v in self.w_max_len.options]:
                     self.w_max_len.value = cur
             finally:
@@ -376,7 +401,8 @@ class SolverPanel(ScenarioSource, Panel):
     _FIELD_NOTES = (("num_gpus", "cluster"), ("gpus_per_node", "cluster"), ("--gpus", "cluster"),
                     ("gpu_memory", "memory"), ("memory_fraction", "memory"), ("ZeRO", "memory"),
                     ("model states", "memory"), ("GB per GPU of parameters", "memory"), ("max_len", "data"),
-                    ("max context", "data"), ("batch", "data"), ("tokens)", "data"), ("degree", "degrees"),
+                    ("max context", "data"), ("batch", "data"), ("tokens)", "data"), ("tokenizer", "data"),
+                    ("column", "data"), ("config.json", "cluster"), ("unknown model", "cluster"), ("degree", "degrees"),
                     ("planner", "planner"), ("time_limit", "planner"))
 
     def _mark(self, msg: str | None) -> None:
@@ -388,6 +414,7 @@ class SolverPanel(ScenarioSource, Panel):
             return
         where = next((w for key, w in self._FIELD_NOTES if key in msg), "planner")
         short = re.sub(r"Scenario\.", "", msg)
+        short = re.sub(r"(?:/[^/\s:,;]+)+(/[^/\s:,;]+/[^/\s:,;]+)", r"...\1", short)  # long paths: their last two parts
         notes[where].value = note_html(short if len(short) < 220 else short[:217] + "...", "error")
 
     def _check_controls(self) -> Scenario | None:
@@ -410,6 +437,8 @@ class SolverPanel(ScenarioSource, Panel):
 
     def _job(self, sc: Scenario, planners: list[str], generation: int, *, cancel) -> SolveResult:
         t0 = time.perf_counter()
+        # the user's text is tokenised once (into the token cache) before its lengths are planned
+        sc.token_cache(progress=lambda f, m: self._progress(0.0, f"{m} ({100 * f:.0f}%)"), say=self._note)
         batch = self._batch(sc)
         plans, errors = {}, {}
         order = [sc.planner] + [p for p in planners if p != sc.planner]
@@ -437,6 +466,9 @@ class SolverPanel(ScenarioSource, Panel):
             self._progress(1.0 - 1e-6, "packing bound: how fast any plan of whole groups could be")
             bound = step_bound_ms(batch.lengths, sc.cost(), plans.values())
         return SolveResult(plans, errors, sc, batch, time.perf_counter() - t0, generation, bound)
+
+    def _note(self, msg: str) -> None:
+        self.status.value = note_html(msg, "warn")
 
     def _progress(self, frac: float, msg: str) -> None:
         now = time.monotonic()
@@ -525,7 +557,9 @@ class SolverPanel(ScenarioSource, Panel):
                 f"<span style='color:#555'>batch #{int(self.w_batch_index.value)} of <b>{sc.source}</b>: "
                 f"{len(s):,} sequences, {int(sum(s)):,} tokens, longest {int(max(s)):,}; "
                 f"{rep.describe() if rep is not None else 'no max context applied'}. "
-                f"Activation budget {sc.cost().memory_budget_gb:.2f} GB per GPU.</span>")
+                f"Activation budget {sc.cost().memory_budget_gb:.2f} GB per GPU (model states "
+                f"{sc.cost().model_states_gb:.2f} GB under ZeRO-{sc.zero_stage}, "
+                f"{'lockstep passes' if sc.cost().execution == 'lockstep' else 'barrier-free micro-steps'}).</span>")
             if chosen is None:
                 self.status.value = note_html("no planner could plan this batch: " +
                                               "; ".join(f"{k}: {v}" for k, v in res.errors.items()), "error")
@@ -538,7 +572,8 @@ class SolverPanel(ScenarioSource, Panel):
                        if pb and pb > p.lower_bound_ms * (1 + 1e-9) else "")
             self.status.value = note_html(
                 f"plan #{self.solves}: {chosen} {p.makespan_ms / 1e3:.3f}s per step, lower bound "
-                f"{p.lower_bound_ms / 1e3:.3f}s (gap {100 * p.gap:.1f}%){packing}, {len(p.micro_steps)} micro-step(s), "
+                f"{p.lower_bound_ms / 1e3:.3f}s (gap {100 * p.gap:.1f}%){packing}, {len(p.micro_steps)} "
+                f"{'lockstep pass(es) (ZeRO-3)' if p.execution == 'lockstep' else 'micro-step(s), barrier-free'}, "
                 f"{len(res)} planner(s) in {res.seconds:.1f}s", "ok")
             self._draw_all()
 
@@ -567,7 +602,8 @@ class SolverPanel(ScenarioSource, Panel):
         self.table.value = html_table(rows + err_rows, [
             ("planner", "planner", None), ("makespan_ms", "step (s)", lambda v: f"{v / 1e3:.3f}"),
             ("gap", "over LB", lambda v: f"{100 * v:.1f}%"),
-            ("packing_gap", "over packing bound", lambda v: f"{100 * v:.1f}%"), ("micro_steps", "micro-steps", "d"),
+            ("packing_gap", "over packing bound", lambda v: f"{100 * v:.1f}%"),
+            ("micro_steps", "passes" if res.scenario.zero_stage == 3 else "micro-steps", "d"),
             ("groups", "groups", "d"), ("degrees", "degrees", lambda v: ",".join(map(str, v))),
             ("imbalance", "imbalance", ".3f"), ("solve_seconds", "solve (s)", ".2f"), ("status", "status", None)])
         self._draw_memory(reset_group=True)

@@ -1,4 +1,4 @@
-"""``workbench`` command line: lengths, cost, plan, simulate, demo, train, runs.
+"""``workbench`` command line: lengths, cost, plan, simulate, demo, train, export, runs.
 
 Thin: it parses, builds a :class:`~workbench.scenario.Scenario` (or a run), calls the library and
 prints. The shapes printed with ``--json`` are the stable interface of DESIGN.md (strict JSON).
@@ -27,7 +27,9 @@ _FLAGS = {"num_gpus": "--gpus", "gpus_per_node": "--gpus-per-node", "gpu_memory_
           "memory_fraction": "--memory-fraction", "zero_stage": "--zero-stage", "source": "--lengths",
           "max_len": "--max-len", "batch_tokens": "--batch-tokens", "batch_size": "--batch-size",
           "time_limit": "--time-limit", "samples": "--samples", "seed": "--seed", "policy": "--policy",
-          "model": "--model", "profile": "--profile", "planner": "--planner", "degrees": "--degrees"}
+          "model": "--model", "profile": "--profile", "planner": "--planner", "degrees": "--degrees",
+          "precision": "--precision", "optimizer": "--optimizer", "tokenizer": "--tokenizer", "column": "--column",
+          "init": "--init"}
 
 
 class CliError(Exception):
@@ -82,8 +84,14 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="memory per GPU in GB (default: the profile's GPU)")
     p.add_argument("--memory-fraction", type=float, default=0.7,
                    help="share of GPU memory plans may fill (default 0.7, as FlexSP's 28 of 40 GB)")
-    p.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)")
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"model preset (default {DEFAULT_MODEL})")
+    p.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3],
+                   help="ZeRO stage (default 3: lockstep passes; 0-2: free micro-steps, replicated parameters)")
+    p.add_argument("--precision", default=None, choices=["bf16", "fp32"],
+                   help="activation and collective precision (default: the model's, bf16; fp32 for tiny)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd-momentum", "sgd"],
+                   help="optimizer whose states the memory model counts (default adamw)")
+    p.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME|PATH",
+                   help=f"model preset (default {DEFAULT_MODEL}) or a Hugging Face config.json (or its folder)")
     p.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME|PATH",
                    help=f"hardware profile: shipped name or JSON file (default {DEFAULT_PROFILE})")
     p.add_argument("--strategy", default="ulysses", choices=["ulysses", "ring"],
@@ -104,7 +112,7 @@ def scenario_from_args(args, **extra) -> Scenario:
         raise CliError(f"--gpus must be at least 1, got {args.gpus}")
     fields = dict(model=args.model, profile=args.profile, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node,
                   gpu_memory_gb=args.gpu_memory, memory_fraction=args.memory_fraction, zero_stage=args.zero_stage,
-                  strategy=args.strategy, recompute=args.recompute)
+                  strategy=args.strategy, recompute=args.recompute, precision=args.precision, optimizer=args.optimizer)
     if hasattr(args, "policy"):
         fields.update(source=getattr(args, "source", None) or args.lengths, samples=args.samples, seed=args.seed,
                       column=args.column, tokenizer=args.tokenizer, max_len=args.max_len, policy=args.policy)
@@ -120,6 +128,47 @@ def scenario_from_args(args, **extra) -> Scenario:
     except ValueError as e:
         raise CliError(_flagged(str(e))) from None
     return sc
+
+
+def _tokenise_with_progress(source: str, column: str | None, tokenizer: str | None) -> None:
+    """Build the token cache of a text source now, with a progress bar on a terminal (plain lines
+    otherwise), so that later reads (planning, the trainer's ranks) find it ready. Nothing for a
+    lengths-only source or a cache that exists."""
+    from workbench.data.tokens import text_source, token_cache
+
+    if text_source(source, column=column, tokenizer=tokenizer) is None:
+        return
+    bar = None
+    show = _progress_printer(True)
+
+    def progress(frac: float, msg: str) -> None:
+        nonlocal bar
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            if bar is None:
+                bar = tqdm(total=100, desc="tokenise", unit="%", file=sys.stderr, dynamic_ncols=True,
+                           bar_format="{desc}: {percentage:3.0f}%|{bar}| {postfix}")
+            bar.n = round(100 * frac, 1)
+            bar.set_postfix_str(msg.split(": ", 1)[-1])
+        else:
+            show(frac, msg)
+
+    try:
+        cache = token_cache(source, column=column, tokenizer=tokenizer, progress=progress, say=_say)
+    finally:
+        if bar is not None:
+            bar.close()
+    if not cache.reused:
+        m = cache.meta
+        _say(f"tokenised {m['documents']:,} documents, {m['tokens']:,} tokens in {m['build_seconds']:.1f}s "
+             f"({m['documents_per_s']:,.0f} documents/s, {m['tokens_per_s']:,.0f} tokens/s)")
+    if cache.skipped:
+        ex = cache.meta.get("skipped_examples", {})
+        _say("skipped " + "; ".join(f"{n:,} {why} (e.g. {cache.meta.get('unit', 'line')} "
+                                    f"{', '.join(str(x) for x in ex.get(why, [])[:3])})" for why, n in cache.skipped.items()))
+    if cache.meta["tokenizer"]["digest"] == "byte-level":
+        _say("no --tokenizer: byte-level tokens (1 per UTF-8 byte, ids 0..255)")
 
 
 def _max_len_note(sc: Scenario) -> None:
@@ -139,6 +188,7 @@ def _max_len_note(sc: Scenario) -> None:
 def cmd_lengths(args) -> int:
     from workbench.data import load_lengths, summarize
 
+    _tokenise_with_progress(args.source, args.column, args.tokenizer)
     ls = load_lengths(args.source, samples=args.samples, seed=args.seed, max_len=args.max_len, policy=args.policy,
                       column=args.column, tokenizer=args.tokenizer)
     if ls.policy_report is not None and ls.policy_report.affected_sequences:
@@ -184,6 +234,7 @@ def cmd_cost(args) -> int:
 
 def cmd_plan(args) -> int:
     sc = scenario_from_args(args, planner=args.planner)
+    _tokenise_with_progress(sc.source, sc.column, sc.tokenizer)
     _max_len_note(sc)
     try:
         plan = sc.plan()
@@ -197,6 +248,13 @@ def cmd_plan(args) -> int:
     print(f"{plan.planner} [{plan.status}] {batch_len} sequences, {tokens:,} tokens on {sc.num_gpus} GPUs")
     print(f"  makespan {plan.makespan_ms:,.1f} ms, lower bound {plan.lower_bound_ms:,.1f} ms (gap {plan.gap:.1%}), "
           f"solved in {plan.solve_seconds:.2f}s")
+    if plan.execution == "lockstep":
+        print(f"  ZeRO-{plan.zero_stage}: {len(plan.micro_steps)} lockstep pass(es), every rank in every pass; a pass lasts "
+              f"as long as its busiest rank (at least FSDP's {plan.pass_comm_ms:,.0f} ms of gathers and reduces) "
+              f"+ {plan.pass_overhead_ms:,.0f} ms")
+    else:
+        print(f"  ZeRO-{plan.zero_stage}: {len(plan.micro_steps)} barrier-free micro-step(s), then "
+              f"{plan.grad_sync_ms:,.0f} ms of gradient sync")
     from workbench.solve.ahead import plan_lengths
     from workbench.solve.bound import step_bound_ms
 
@@ -211,7 +269,10 @@ def cmd_plan(args) -> int:
             by_deg.setdefault(g.degree, []).append(g)
         desc = ", ".join(f"{len(v)}x degree {d} ({sum(len(g.sequences) for g in v)} seqs, "
                          f"max {max(g.time_ms for g in v):,.0f} ms)" for d, v in sorted(by_deg.items(), reverse=True))
-        print(f"  micro-step {m}: {desc}")
+        if ms.time_ms is not None:
+            print(f"  pass {m} ({ms.time_ms:,.0f} ms): {desc}")
+        else:
+            print(f"  micro-step {m}: {desc}")
     return 0
 
 
@@ -234,6 +295,7 @@ def cmd_simulate(args) -> int:
     if args.steps < 1:
         raise CliError(f"--steps must be at least 1, got {args.steps}")
     sc = scenario_from_args(args)
+    _tokenise_with_progress(sc.source, sc.column, sc.tokenizer)
     _max_len_note(sc)
     res = sc.simulate(planners, steps=args.steps, progress=_progress_printer(not args.quiet))
     if args.json:
@@ -264,7 +326,8 @@ def cmd_demo(args) -> int:
 # training
 # ---------------------------------------------------------------------------------------------
 
-_TRAIN_SETTINGS = ("model", "source", "samples", "column", "max_len", "policy", "batch_tokens", "batch_size", "planner",
+_TRAIN_SETTINGS = ("model", "source", "samples", "column", "tokenizer", "init", "max_len", "policy", "batch_tokens",
+                   "batch_size", "planner",
                    "time_limit", "profile", "gpu_memory_gb", "attention", "steps", "seed", "optimizer", "lr",
                    "weight_decay", "momentum", "grad_clip", "checkpoint_every", "plan_ahead", "timeout_s", "device",
                    "nproc", "nnodes")
@@ -285,12 +348,22 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--oversubscribe", action="store_true",
                    help="start even with more processes than the machine's cores or memory hold")
     g = p.add_argument_group("run")
-    g.add_argument("--model", default=None, help="model preset (default tiny)")
+    g.add_argument("--model", default=None, metavar="NAME|PATH",
+                   help="model preset (default tiny) or a Hugging Face config.json (or its folder): Llama 2/3/3.1/3.2, "
+                        "Mistral, Qwen2/2.5")
+    g.add_argument("--init", default=None, metavar="PATH",
+                   help="start from these weights: a safetensors file or a Hugging Face model folder (sharded or "
+                        "not), checked strictly against --model (default: random weights from --seed)")
     g.add_argument("--lengths", dest="source", default=None, metavar="SOURCE",
-                   help="stdlib (default: the embedded corpus, one document per sequence), a family, a file, or "
-                        "L1,L2,... (that batch every step)")
+                   help="stdlib (default: the embedded corpus, one document per sequence), your text (a document, a "
+                        "folder of them, JSONL/CSV/Parquet with a text column, a saved dataset: tokenised once into "
+                        "the token cache), a family or lengths file (windows of the stdlib bytes), or L1,L2,... "
+                        "(that batch every step)")
     g.add_argument("--samples", type=positive_int, default=None, metavar="N", help="sequences drawn from the source")
     g.add_argument("--column", default=None, help="file column holding lengths or text")
+    g.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="local Hugging Face tokenizer (tokenizer.json or its folder) for a text source; without it "
+                        "text is tokenised byte-level (1 token per UTF-8 byte)")
     g.add_argument("--max-len", type=positive_int, default=None, metavar="N",
                    help="max context (default: 1024 on CPU, what the cluster holds on CUDA; at most the model's)")
     g.add_argument("--policy", default=None, choices=["clip", "split", "drop", "error"],
@@ -379,6 +452,9 @@ def cmd_train(args) -> int:
             write_json_atomic(run.file(runs.SPEC_FILE), spec.to_dict())
         for c in changes:
             _say(f"workbench train: applying a changed setting on resume: {c.describe()}")
+    sc = spec.scenario
+    if not args.detach:  # tokenised here with a progress bar; otherwise the first rank does it (progress in log.txt)
+        _tokenise_with_progress(sc.source, sc.column, sc.tokenizer)
     print(run.path, flush=True)
     handle = process.start(run, nproc=spec.nproc, nnodes=spec.nnodes, node_rank=args.node_rank,
                            rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, stop_with_parent=not args.detach)
@@ -417,6 +493,8 @@ def _follow(handle, spec, *, quiet: bool):
                     _say(f"workbench train: data: {str(r.get('data') or '').split('; max context:')[0]}")
                     if mc:
                         _say(f"workbench train: max context: {mc}")
+                    if r.get("init"):
+                        _say(f"workbench train: {r['init']}")
                     if cur.resumed_from is not None:
                         _say(f"workbench train: resumed from the checkpoint at step {cur.resumed_from}")
                     for why in r.get("checkpoints_skipped") or []:
@@ -451,6 +529,30 @@ def _follow(handle, spec, *, quiet: bool):
     finally:
         if bar is not None:
             bar.close()
+
+
+def cmd_export(args) -> int:
+    """``workbench export RUN --out DIR``: a run's checkpoint as a Hugging Face model folder."""
+    from workbench import runs
+
+    run = runs.load_run(args.run, root=Path(args.root) if args.root else None)
+    from workbench.runtime.weights import export_run
+
+    max_shard = None
+    if args.max_shard_size:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)B?\s*", args.max_shard_size, re.IGNORECASE)
+        if not m:
+            raise CliError(f"--max-shard-size {args.max_shard_size!r} is not a size; write e.g. 5GB or 500MB")
+        max_shard = int(float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}[m.group(2).upper()])
+    res = export_run(run.path, args.out, step=args.step, dtype=args.dtype,
+                     **({"max_shard_bytes": max_shard} if max_shard else {}))
+    if args.json:
+        print(dumps(res))
+        return 0
+    tok = f"; tokenizer files {', '.join(res['tokenizer_files'])}" if res["tokenizer_files"] else ""
+    print(f"{res['out']}: step {res['step']} of {run.id}, model {res['model']} ({res['params']:,} parameters), "
+          f"{res['tensors']} tensors in {', '.join(res['files'])} ({res['dtype']}){tok}")
+    return 0
 
 
 def cmd_profile(args) -> int:
@@ -643,6 +745,20 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("train", help="launch (or resume) a real multi-process training run under torchrun")
     _add_train_arguments(q)
     q.set_defaults(func=cmd_train)
+
+    q = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model folder (config.json + "
+                                      "safetensors), loadable by transformers")
+    q.add_argument("run", metavar="RUN", help="run id (or a unique prefix) or folder")
+    q.add_argument("--out", required=True, metavar="DIR", help="the new folder (must not exist, or be empty)")
+    q.add_argument("--step", type=positive_int, default=None, metavar="N",
+                   help="the checkpoint at step N (default: the newest that verifies)")
+    q.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="tensor type written (default: as trained)")
+    q.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                   help="split the weights into shards of at most SIZE (e.g. 2GB; default 5GB, as transformers)")
+    q.add_argument("--root", default=None, metavar="DIR", help="the run store (default runs, or $WORKBENCH_RUNS)")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_export)
 
     q = sub.add_parser("profile", help="measure this machine (a profile run) and fit the cost model; --check RUN: "
                                        "predicted vs measured step and group time of a training run")

@@ -82,7 +82,8 @@ class Scenario:
 
     # ---- the model and the hardware ---------------------------------------------------------
     model: str = "7b"
-    """Model preset (``workbench.specs.MODEL_PRESETS``)."""
+    """Model preset (``workbench.specs.MODEL_PRESETS``), or the path of a Hugging Face
+    ``config.json`` (or its folder) of a supported Llama-family architecture."""
     profile: str = "a100-40g-flexsp"
     """Hardware profile: a shipped name (``workbench.specs.list_profiles()``) or a JSON file."""
     num_gpus: int = 64
@@ -94,7 +95,12 @@ class Scenario:
     memory_fraction: float = 0.7
     """Share of GPU memory plans may fill (FlexSP ran 28 of 40 GB: 0.7)."""
     zero_stage: int = 3
-    """ZeRO stage of the model states (0-3)."""
+    """ZeRO stage of the model states (0-3). ZeRO-3 plans run in lockstep passes, ZeRO 0-2 free."""
+    precision: str | None = None
+    """``bf16`` or ``fp32``: the bytes of activations and collectives the plans assume, and what a
+    run computes in; None: the model's own (bf16, fp32 for ``tiny``)."""
+    optimizer: str = "adamw"
+    """Optimizer whose states the memory model counts: ``adamw``, ``sgd-momentum`` or ``sgd``."""
     degrees: tuple[int, ...] = ()
     """Candidate sequence-parallel degrees; empty: every power of two whose aligned groups fit the
     nodes."""
@@ -105,7 +111,9 @@ class Scenario:
 
     # ---- the data ------------------------------------------------------------------------------
     source: str = "wikipedia"
-    """Length source: a family name, ``stdlib``, a file, or a comma-separated list (one batch)."""
+    """Length source: a family name, ``stdlib``, a file, or a comma-separated list (one batch). A
+    text source (documents, JSONL/CSV/Parquet/dataset with a text column) is tokenised into the
+    token cache (``workbench.data.tokens``)."""
     samples: int | None = None
     """Sequences drawn from the source (None: a family 100,000; a file or the corpus: all)."""
     column: str | None = None
@@ -148,6 +156,12 @@ class Scenario:
         _check_num("memory_fraction", self.memory_fraction, 0.0, 1.0)
         if self.zero_stage not in (0, 1, 2, 3) or isinstance(self.zero_stage, bool):
             _fail("zero_stage", self.zero_stage, "must be 0, 1, 2 or 3")
+        from workbench.cost.memory import OPTIMIZER_STATE_BYTES, PRECISIONS
+
+        if self.precision is not None and self.precision not in PRECISIONS:
+            _fail("precision", self.precision, f"must be one of {', '.join(PRECISIONS)} or None")
+        if self.optimizer not in OPTIMIZER_STATE_BYTES:
+            _fail("optimizer", self.optimizer, f"must be one of {', '.join(OPTIMIZER_STATE_BYTES)}")
         if isinstance(self.degrees, (str, bytes)) or not isinstance(self.degrees, Sequence):
             _fail("degrees", self.degrees, "must be a list of integers")
         for d in self.degrees:
@@ -167,7 +181,7 @@ class Scenario:
             raise ValueError("Scenario: give batch_tokens or batch_size, not both")
         _check_int("seed", self.seed, 0)
         _check_num("time_limit", self.time_limit, 0.0)
-        model = get_model(self.model)  # ValueError listing the presets
+        model = get_model(self.model)  # ValueError listing the presets, or naming a config's bad field
         if self.max_len is not None and self.max_len > model.max_context:
             raise ValueError(f"Scenario.max_len {self.max_len:,} exceeds model {model.name}'s max context "
                              f"{model.max_context:,}; lower max_len or pick a model with a longer context")
@@ -246,9 +260,9 @@ class Scenario:
         return _cost(self._cost_key())
 
     def _cost_key(self) -> tuple:
-        return (self.model, self.profile, _mtime(self.profile), self.num_gpus, self.gpus_per_node,
-                self.gpu_memory_gb, self.memory_fraction, self.zero_stage, self.degrees, self.strategy,
-                self.recompute)
+        return (self.model, _model_mtime(self.model), self.profile, _mtime(self.profile), self.num_gpus,
+                self.gpus_per_node, self.gpu_memory_gb, self.memory_fraction, self.zero_stage, self.degrees, self.strategy,
+                self.recompute, self.precision, self.optimizer)
 
     def resolved_max_len(self) -> int | None:
         """The max context applied to the data: ``max_len``, or None for an explicit list, or the
@@ -266,6 +280,18 @@ class Scenario:
         max_len = self.resolved_max_len() if apply_policy else None
         return _lengths(self.source, self.samples, self.seed, max_len, self.policy, self.column, self.tokenizer,
                         _mtime(self.source))
+
+    def token_cache(self, *, progress: Callable[[float, str], None] | None = None,
+                    say: Callable[[str], None] | None = None):
+        """The token cache of the source when it is text (``workbench.data.tokens.TokenCache``),
+        built now if it does not exist yet (``progress(fraction, message)`` while tokenising), or
+        None for a lengths-only source. Call it before :meth:`lengths_set` to show progress. Raises
+        ValueError for a bad column, file or tokenizer."""
+        from workbench.data.tokens import text_source, token_cache
+
+        if text_source(self.source, column=self.column, tokenizer=self.tokenizer) is None:
+            return None
+        return token_cache(self.source, column=self.column, tokenizer=self.tokenizer, progress=progress, say=say)
 
     def lengths(self) -> np.ndarray:
         """The source's sequence lengths after the max-context policy (read-only int64 array)."""
@@ -338,8 +364,9 @@ class Scenario:
                  f"{self.batch_size:,} sequences per batch" if self.batch_size else "the list as one batch")
         ml = self.resolved_max_len()
         ctx = f"max context {ml:,} ({self.policy})" if ml else "no max context"
+        run = "lockstep passes" if self.zero_stage == 3 else "free micro-steps"
         return (f"{self.model} on {self.num_gpus} x {self.profile} ({self.gpus_per_node} per node), "
-                f"{self.source!r}, {ctx}, {batch}, planner {self.planner}")
+                f"ZeRO-{self.zero_stage} ({run}), {self.source!r}, {ctx}, {batch}, planner {self.planner}")
 
 
 def aligned_degrees(num_gpus: int, gpus_per_node: int) -> tuple[int, ...]:
@@ -367,6 +394,20 @@ def _mtime(source: str) -> float | None:
         return None
 
 
+def _model_mtime(model: str) -> float | None:
+    """A model config's modification time (part of the cost cache key); None for presets."""
+    from workbench.specs import MODEL_PRESETS
+
+    if model.strip().lower() in MODEL_PRESETS:
+        return None
+    try:
+        from workbench.hf import config_path
+
+        return config_path(model).stat().st_mtime
+    except (OSError, ValueError):
+        return None
+
+
 @functools.lru_cache(maxsize=32)
 def _profile(name: str, mtime: float | None):
     from workbench.specs import load_profile
@@ -378,10 +419,13 @@ def _profile(name: str, mtime: float | None):
 def _cost(key: tuple):
     from workbench.cost import CostModel
 
-    (model, profile, mtime, num_gpus, per, mem, frac, zero, degrees, strategy, recompute) = key
+    (model, _model_mt, profile, mtime, num_gpus, per, mem, frac, zero, degrees, strategy, recompute, precision,
+     optimizer) = key
     sc = Scenario(model=model, profile=profile, num_gpus=num_gpus, gpus_per_node=per, gpu_memory_gb=mem,
-                  memory_fraction=frac, zero_stage=zero, degrees=degrees, strategy=strategy, recompute=recompute)
-    return CostModel(sc.profile_spec(), sc.model_spec(), sc.cluster(), strategy=strategy, recompute=recompute)
+                  memory_fraction=frac, zero_stage=zero, degrees=degrees, strategy=strategy, recompute=recompute,
+                  precision=precision, optimizer=optimizer)
+    return CostModel(sc.profile_spec(), sc.model_spec(), sc.cluster(), strategy=strategy, recompute=recompute,
+                     precision=precision, optimizer=optimizer)
 
 
 @functools.lru_cache(maxsize=16)

@@ -17,6 +17,8 @@ from typing import Any, Mapping
 
 __all__ = [
     "ModelSpec",
+    "RopeScaling",
+    "FAMILIES",
     "ClusterSpec",
     "ComputeCurve",
     "HardwareProfile",
@@ -112,15 +114,54 @@ class _JsonMixin:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class RopeScaling(_JsonMixin):
+    """Llama 3.1's rotary frequency scaling (Hugging Face ``rope_type: "llama3"``): wavelengths
+    longer than ``original_max_position_embeddings / low_freq_factor`` are stretched by ``factor``,
+    shorter than ``.../high_freq_factor`` kept, and those between interpolated smoothly."""
+
+    rope_type: str = "llama3"
+    """The only kind supported: ``llama3``."""
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    """Context the model was pretrained on before the scaling."""
+
+    def __post_init__(self) -> None:
+        _require(self.rope_type == "llama3",
+                 f"RopeScaling.rope_type {self.rope_type!r} is not supported; supported: llama3 (Llama 3.1)")
+        for n in ("factor", "low_freq_factor", "high_freq_factor"):
+            v = getattr(self, n)
+            _require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
+                     f"RopeScaling.{n} must be a number > 0, got {v!r}")
+        _require(self.high_freq_factor > self.low_freq_factor,
+                 f"RopeScaling: high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor "
+                 f"({self.low_freq_factor})")
+        _positive_int("RopeScaling", "original_max_position_embeddings", self.original_max_position_embeddings)
+
+
+def _rope_scaling(v: Any) -> RopeScaling | None:
+    return v if v is None or isinstance(v, RopeScaling) else RopeScaling.from_dict(v)
+
+
+FAMILIES = ("llama", "mistral", "qwen2")
+"""Hugging Face ``model_type`` a ModelSpec follows (what an exported ``config.json`` says)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSpec(_JsonMixin):
-    """A Llama-style decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU."""
+    """A Llama-style decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU.
+
+    The fields after ``tied_embeddings`` carry what a Hugging Face Llama-family config adds (Llama
+    2/3/3.1/3.2, Mistral without a sliding window, Qwen2/2.5); their defaults are the original
+    Llama's, so a spec written before they existed means the same model."""
 
     name: str
     """Preset or user name; used to match a hardware profile measured on this model."""
     layers: int
     """Number of transformer blocks."""
     hidden: int
-    """Model width; must be divisible by ``heads``."""
+    """Model width; must be divisible by ``heads`` unless ``head_dim`` is given."""
     heads: int
     """Query heads. Ulysses sequence parallelism of degree d needs d to divide this."""
     kv_heads: int
@@ -135,38 +176,74 @@ class ModelSpec(_JsonMixin):
     """Bytes per activation/parameter element in compute (2 for bf16, 4 for fp32)."""
     tied_embeddings: bool = False
     """Whether the output head shares the input embedding matrix."""
+    head_dim: int = 0
+    """Width of one attention head; 0 (the default) means ``hidden // heads``, and is replaced by that
+    value on construction. Explicit in configs such as Llama 3.2's and Mistral-Nemo's."""
+    qkv_bias: bool = False
+    """Whether the q, k and v projections have a bias (Qwen2 does; the output projection never)."""
+    rope_theta: float = 10000.0
+    """Rotary base (Llama 2: 10,000; Llama 3: 500,000; Qwen2.5, Mistral v0.3: 1,000,000)."""
+    rope_scaling: RopeScaling | None = field(default=None, metadata={"from_json": _rope_scaling})
+    """Rotary frequency scaling (Llama 3.1's), or None."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon (``rms_norm_eps``)."""
+    family: str = "llama"
+    """Hugging Face ``model_type`` the shape follows: llama, mistral or qwen2 (what an export writes)."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and self.name, "ModelSpec.name must be a non-empty string")
         for n in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_context", "dtype_bytes"):
             _positive_int("ModelSpec", n, getattr(self, n))
-        _require(
-            self.hidden % self.heads == 0,
-            f"ModelSpec {self.name}: hidden ({self.hidden}) must be divisible by heads ({self.heads})",
-        )
+        _require(isinstance(self.head_dim, int) and not isinstance(self.head_dim, bool) and self.head_dim >= 0,
+                 f"ModelSpec.head_dim must be a positive integer or 0 (hidden // heads), got {self.head_dim!r}")
+        if self.head_dim == 0:
+            _require(
+                self.hidden % self.heads == 0,
+                f"ModelSpec {self.name}: hidden ({self.hidden}) must be divisible by heads ({self.heads}), "
+                f"or give head_dim",
+            )
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        _require(self.head_dim % 2 == 0, f"ModelSpec {self.name}: head_dim ({self.head_dim}) must be even (rotary "
+                                         f"positions rotate pairs)")
         _require(
             self.heads % self.kv_heads == 0,
             f"ModelSpec {self.name}: heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})",
         )
         _require(self.dtype_bytes in (1, 2, 4, 8), f"ModelSpec.dtype_bytes must be 1, 2, 4 or 8, got {self.dtype_bytes}")
+        _require(isinstance(self.rope_theta, (int, float)) and not isinstance(self.rope_theta, bool)
+                 and math.isfinite(self.rope_theta) and self.rope_theta > 0,
+                 f"ModelSpec.rope_theta must be a number > 0, got {self.rope_theta!r}")
+        object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling))
+        _require(isinstance(self.norm_eps, (int, float)) and not isinstance(self.norm_eps, bool)
+                 and math.isfinite(self.norm_eps) and self.norm_eps > 0,
+                 f"ModelSpec.norm_eps must be a number > 0, got {self.norm_eps!r}")
+        _require(self.family in FAMILIES, f"ModelSpec.family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
+        # what Hugging Face can express: Qwen2 always has q/k/v biases; a Llama config's
+        # attention_bias would put one on the output projection too
+        _require(self.qkv_bias == (self.family == "qwen2"),
+                 f"ModelSpec {self.name}: q/k/v biases go with family qwen2 (qkv_bias=True) and only with it; "
+                 f"got family {self.family!r}, qkv_bias={self.qkv_bias}")
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def q_dim(self) -> int:
+        """Width of all query heads together (``heads * head_dim``; ``hidden`` unless head_dim is explicit)."""
+        return self.heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
     def layer_params(self) -> int:
-        """Parameters in one block (attention, MLP, two norms)."""
+        """Parameters in one block (attention with its biases, MLP, two norms)."""
         h = self.hidden
-        attn = h * h + 2 * h * self.kv_dim + h * h  # q, k, v, o
+        attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h  # q, k, v, o
+        if self.qkv_bias:
+            attn += self.q_dim + 2 * self.kv_dim
         mlp = 3 * h * self.ffn  # gate, up, down
         return attn + mlp + 2 * h
 
     def params(self) -> int:
-        """Total parameter count."""
+        """Total parameter count (a tied head counted once)."""
         emb = self.vocab * self.hidden
         head = 0 if self.tied_embeddings else self.vocab * self.hidden
         return emb + head + self.layers * self.layer_params() + self.hidden
@@ -174,17 +251,21 @@ class ModelSpec(_JsonMixin):
     def flops_per_token(self, seq_len: float) -> float:
         """Training FLOPs per token (forward + backward = 3x forward) at a given sequence length.
 
-        Matrix multiplies count 2 FLOPs per multiply-add; causal attention scores and values add
-        2 * 2 * s * hidden / 2 per layer and token in the forward pass.
+        Matrix multiplies count 2 FLOPs per multiply-add (the output head too, tied or not);
+        causal attention scores and values add 2 * 2 * s * q_dim / 2 per layer and token in the
+        forward pass.
         """
         dense = 2 * (self.layers * self.layer_params() + self.vocab * self.hidden)
-        attn = self.layers * 2 * seq_len * self.hidden  # causal: half of 4*s*h
+        attn = self.layers * 2 * seq_len * self.q_dim  # causal: half of 4*s*q_dim
         return 3.0 * (dense + attn)
 
 
-def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, ctx: int) -> ModelSpec:
-    return ModelSpec(name=name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv, ffn=ffn, vocab=vocab, max_context=ctx)
+def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, ctx: int, **kw) -> ModelSpec:
+    return ModelSpec(name=name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv, ffn=ffn, vocab=vocab,
+                     max_context=ctx, **kw)
 
+
+_LLAMA31_ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
 MODEL_PRESETS: dict[str, ModelSpec] = {
     # byte-level toy model that trains on a CPU in seconds (fp32 on CPU)
@@ -200,15 +281,37 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     "30b": _llama("30b", 60, 6656, 52, 52, 17920, 32000, 393216),
     # Llama-2-70B shape, grouped-query attention with 8 KV heads
     "70b": _llama("70b", 80, 8192, 64, 8, 28672, 32000, 393216),
+    # The common open shapes, from their Hugging Face config.json numbers. llama3-*: the Llama 3.1
+    # configs (meta-llama/Llama-3.1-8B, -70B): 128K context with Llama 3.1's rope scaling (the 3.0
+    # release has the same shapes with 8K context and no scaling: pass its config.json for that)
+    "llama3-8b": _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 131072, rope_theta=500000.0,
+                        rope_scaling=_LLAMA31_ROPE, norm_eps=1e-5),
+    "llama3-70b": _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 131072, rope_theta=500000.0,
+                         rope_scaling=_LLAMA31_ROPE, norm_eps=1e-5),
+    # Qwen/Qwen2.5-7B: q/k/v biases, 28 heads (Ulysses degrees must divide 28: 1, 2, 4), 4 KV heads
+    "qwen2.5-7b": _llama("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, 131072, rope_theta=1000000.0,
+                         norm_eps=1e-6, qkv_bias=True, family="qwen2"),
+    # mistralai/Mistral-7B-v0.3 (no sliding window)
+    "mistral-7b": _llama("mistral-7b", 32, 4096, 32, 8, 14336, 32768, 32768, rope_theta=1000000.0,
+                         norm_eps=1e-5, family="mistral"),
 }
 
 
 def get_model(name: str) -> ModelSpec:
-    """Return the preset ``name``; raises ValueError listing the presets when unknown."""
-    key = name.lower()
-    if key not in MODEL_PRESETS:
-        raise ValueError(f"unknown model {name!r}; presets are {', '.join(MODEL_PRESETS)}")
-    return MODEL_PRESETS[key]
+    """Return the preset ``name``, or the model of a Hugging Face ``config.json`` (a path to the file
+    or to a folder holding it; see :mod:`workbench.hf`).
+
+    Raises ValueError listing the presets when ``name`` is neither, or naming the field of a config
+    that is not supported (MoE, sliding window, unknown ``model_type``, a missing field...)."""
+    key = str(name).strip().lower()
+    if key in MODEL_PRESETS:
+        return MODEL_PRESETS[key]
+    from workbench.hf import looks_like_config_path, model_from_config
+
+    if looks_like_config_path(str(name)):
+        return model_from_config(str(name))
+    raise ValueError(f"unknown model {name!r}; presets are {', '.join(MODEL_PRESETS)}, or give the path of a "
+                     f"Hugging Face config.json (or its folder)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,7 +344,8 @@ class ClusterSpec(_JsonMixin):
     """Candidate sequence-parallel degrees, each dividing the next (default: powers of two up to
     ``num_gpus``)."""
     zero_stage: int = 3
-    """ZeRO stage of the model states sharding over all ranks (0, 1, 2 or 3)."""
+    """ZeRO stage of the model states sharding over all ranks (0, 1, 2 or 3). It fixes how a step
+    executes (``execution``): ZeRO-3 in lockstep passes, ZeRO 0-2 barrier-free."""
 
     def __post_init__(self) -> None:
         _positive_int("ClusterSpec", "num_gpus", self.num_gpus)
@@ -287,9 +391,18 @@ class ClusterSpec(_JsonMixin):
     def usable_memory_gb(self) -> float:
         return self.gpu_memory_gb * self.usable_memory_fraction
 
+    @property
+    def execution(self) -> str:
+        """``lockstep`` under ZeRO-3 (every forward and backward all-gathers parameters over all
+        ranks, so every rank runs the same passes together), ``free`` under ZeRO 0-2 (replicated
+        parameters: a rank runs its groups back to back, meeting the others only at the step's end)."""
+        return "lockstep" if self.zero_stage == 3 else "free"
+
     def model_state_gb(self, model: ModelSpec) -> float:
-        """Per-GPU memory of parameters, gradients and Adam states (16 bytes/parameter in mixed
-        precision) under this ZeRO stage sharded over all ranks (FlexSP's formula)."""
+        """FlexSP's published formula for the per-GPU memory of parameters, gradients and Adam
+        states (16 bytes/parameter in mixed precision) under this ZeRO stage sharded over all ranks.
+        The planners use what the runtime holds instead (``workbench.cost.memory.model_states``);
+        this is kept to compare with FlexSP's figures."""
         n = self.num_gpus
         share = {0: 1.0, 1: 6 / 8 / n + 2 / 8, 2: 7 / 8 / n + 1 / 8, 3: 1.0 / n}[self.zero_stage]
         return 16.0 * model.params() * share / 1e9
@@ -389,9 +502,34 @@ class HardwareProfile(_JsonMixin):
     beyond its compute and its all-to-all bytes and latency: the runtime's layout work (slicing,
     packing, index gathers, KV repeats) and the waits of ranks that must meet every layer. Fitted
     from real micro-steps of each group size; empty: none."""
+    allgather_gbps: dict = field(default_factory=dict, metadata={"from_json": _bw_table})
+    """All-gather bus bandwidth in GB/s by group size (FSDP's parameter all-gather under ZeRO-3: each
+    rank receives (n-1)/n of the bytes); empty: estimated from ``allreduce_gbps``."""
+    reduce_scatter_gbps: dict = field(default_factory=dict, metadata={"from_json": _bw_table})
+    """Reduce-scatter bus bandwidth in GB/s by group size (FSDP's gradient reduce-scatter under ZeRO-3);
+    empty: estimated from ``allreduce_gbps``."""
+    allgather_latency_ms: dict = field(default_factory=dict, metadata={"from_json": _latency_table})
+    """Fixed time of one all-gather call by group size (ms)."""
+    reduce_scatter_latency_ms: dict = field(default_factory=dict, metadata={"from_json": _latency_table})
+    """Fixed time of one reduce-scatter call by group size (ms)."""
+    pass_overhead_ms: dict = field(default_factory=dict, metadata={"from_json": _latency_table})
+    """Measured fixed time of one lockstep pass by world size (ms): what a ZeRO-3 forward and backward
+    costs every rank beyond its groups' work and the exposed all-gather / reduce-scatter (FSDP's
+    hooks, the empty pass of an idle rank); empty: none."""
     activation_mb_per_token: float | None = None
     """Activation memory of the whole ``model`` per token in MB (1e6 bytes), measured; None to
     estimate it from the model's shape."""
+    head_ms_per_token: float | None = None
+    """Forward and backward time per token of what is not a transformer block (the embedding, the
+    final norm, the output head and the loss) on ``model`` (ms), measured from real steps; None: the
+    compute curves include it (the published whole-model fits do) or it was not measured."""
+    micro_step_ms: float | None = None
+    """Fixed time of one micro-step outside the layers (ms): the Python of a forward and backward,
+    building the shard, the loss's reduction; paid once per group in free execution and once per
+    rank and pass in lockstep. None: not measured."""
+    optimizer_ms_per_mparam: float | None = None
+    """Time of the optimizer step per million parameters a rank updates (ms), measured with the
+    profiled optimizer; None: not measured."""
     gpu_memory_gb: float = 40.0
     """Memory of the profiled GPU (GB)."""
     provenance: dict = field(default_factory=dict)
@@ -401,15 +539,20 @@ class HardwareProfile(_JsonMixin):
         _require(isinstance(self.name, str) and self.name, "HardwareProfile.name must be a non-empty string")
         object.__setattr__(self, "forward", _curve(self.forward))
         object.__setattr__(self, "backward", _curve(self.backward))
-        for n in ("all_to_all_gbps", "p2p_gbps", "allreduce_gbps"):
+        for n in ("all_to_all_gbps", "p2p_gbps", "allreduce_gbps", "allgather_gbps", "reduce_scatter_gbps"):
             object.__setattr__(self, n, _bw_table(getattr(self, n)))
-        for n in ("all_to_all_latency_ms", "p2p_latency_ms", "allreduce_latency_ms", "sp_overhead_ms", "sp_token_ms"):
+        for n in ("all_to_all_latency_ms", "p2p_latency_ms", "allreduce_latency_ms", "sp_overhead_ms", "sp_token_ms",
+                  "allgather_latency_ms", "reduce_scatter_latency_ms", "pass_overhead_ms"):
             object.__setattr__(self, n, _latency_table(getattr(self, n)))
         _require(bool(self.all_to_all_gbps), f"HardwareProfile {self.name}: all_to_all_gbps is empty; "
                                              f"give at least one {{group size: GB/s}} entry")
         if self.activation_mb_per_token is not None:
             _require(self.activation_mb_per_token > 0,
                      f"HardwareProfile {self.name}: activation_mb_per_token must be > 0 or null")
+        for n in ("head_ms_per_token", "micro_step_ms", "optimizer_ms_per_mparam"):
+            v = getattr(self, n)
+            _require(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0),
+                     f"HardwareProfile {self.name}: {n} must be a finite number >= 0 or null, got {v!r}")
         _require(self.gpu_memory_gb > 0, f"HardwareProfile {self.name}: gpu_memory_gb must be > 0")
         kind = self.provenance.get("kind") if isinstance(self.provenance, Mapping) else None
         _require(kind in ("measured", "reference", "estimate"),

@@ -25,7 +25,7 @@ from workbench.scenario import Scenario
 
 __all__ = ["TrainSpec", "SpecError", "read_train_spec", "prepare_train", "ResumeChange", "check_resources",
            "ResourceError", "cuda_visible", "OPTIMIZERS", "DEVICES", "ATTENTION", "DEFAULT_LR", "CPU_MAX_LEN",
-           "DEFAULT_BATCH_TOKENS", "TRAIN_DEFAULTS", "RANK_MEMORY_GB"]
+           "DEFAULT_BATCH_TOKENS", "TRAIN_DEFAULTS", "RANK_MEMORY_GB", "check_model_and_data"]
 
 OPTIMIZERS = ("sgd", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
@@ -96,6 +96,10 @@ class TrainSpec:
     nnodes: int = 1
     debug: dict = field(default_factory=dict)
     """Test hooks: ``plan_num_gpus`` (rank 0 plans for that many ranks), ``step_sleep_s``."""
+    init: str | None = None
+    """Safetensors checkpoint the weights start from (a file, or a Hugging Face model folder, sharded
+    or not), checked strictly against the model; None: random weights from the seed. A resumed run
+    starts from its own checkpoint instead."""
 
     def __post_init__(self) -> None:
         _req(isinstance(self.scenario, Scenario), f"scenario must be a Scenario, got {type(self.scenario).__name__}")
@@ -113,6 +117,8 @@ class TrainSpec:
         _int("nproc", self.nproc, 1)
         _int("nnodes", self.nnodes, 1)
         _req(isinstance(self.debug, Mapping), f"debug must be an object, got {self.debug!r}")
+        _req(self.init is None or (isinstance(self.init, str) and self.init.strip() != ""),
+             f"init must be a path (a safetensors file or a model folder) or null, got {self.init!r}")
         _req(self.scenario.num_gpus == self.nproc * self.nnodes,
              f"scenario.num_gpus ({self.scenario.num_gpus}) must equal nproc x nnodes ({self.nproc} x {self.nnodes})")
 
@@ -245,6 +251,7 @@ def prepare_train(settings: Mapping[str, Any] | None = None, *, scenario: Scenar
     unknown = sorted(set(settings) - _TRAIN_FIELDS - _SCENARIO_FIELDS)
     if unknown:
         raise SpecError(f"unknown training setting(s) {unknown}")
+    settings = _absolute_paths(settings)
     if run_dir is not None:
         return _resume(run_dir, settings, allow_changes)
     if "steps" not in settings:
@@ -266,8 +273,65 @@ def prepare_train(settings: Mapping[str, Any] | None = None, *, scenario: Scenar
         sc = sc.replace(max_len=min(CPU_MAX_LEN, sc.model_spec().max_context))
     spec = TrainSpec(scenario=sc, **train)
     sc.cost()  # a cluster or profile that cannot work fails here, before a folder exists
+    check_model_and_data(spec)
     run = runs.new_run("train", {k: v for k, v in spec.to_dict().items() if k != "kind"}, root=root, run_id=name)
     return run, spec, []
+
+
+_PATH_SETTINGS = ("model", "source", "tokenizer", "init", "profile")
+
+
+def _absolute_paths(settings: dict) -> dict:
+    """Settings naming existing files or folders made absolute: the trainer's processes may run
+    elsewhere, and a resume given the same relative path must compare equal."""
+    out = dict(settings)
+    for k in _PATH_SETTINGS:
+        v = out.get(k)
+        if not isinstance(v, str) or not v.strip():
+            continue
+        p = Path(os.path.expanduser(v.strip()))
+        if k == "model" and v.strip().lower() in _presets():
+            continue
+        if k == "source" and v.strip().lower() == "stdlib":
+            continue
+        try:
+            if p.exists() and ("/" in v or os.sep in v or k in ("tokenizer", "init") or p.suffix):
+                out[k] = str(p.resolve())
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def _presets() -> set[str]:
+    from workbench.specs import MODEL_PRESETS
+
+    return set(MODEL_PRESETS)
+
+
+def check_model_and_data(spec: TrainSpec) -> None:
+    """What can be checked before any process starts, each failing with one line (SpecError): the
+    ``init`` weights against the model (every tensor, by the safetensors headers), and a
+    tokenizer whose vocabulary is larger than the model's."""
+    sc = spec.scenario
+    model = sc.model_spec()
+    if spec.init is not None:
+        from workbench.hf import WeightsError, check_weights
+
+        try:
+            check_weights(model, spec.init)
+        except WeightsError as e:
+            raise SpecError(f"--init: {e}") from None
+    if sc.tokenizer is None and model.vocab < 256:
+        raise SpecError(f"model {model.name} has {model.vocab:,} embeddings but byte-level tokens (no --tokenizer) "
+                        f"need 256; give --tokenizer PATH, or a model with vocab_size >= 256")
+    if sc.tokenizer is not None:
+        from workbench.data.tokens import load_tokenizer
+
+        tok = load_tokenizer(sc.tokenizer)
+        if tok.vocab_size > model.vocab:
+            raise SpecError(f"tokenizer {sc.tokenizer} has a vocabulary of {tok.vocab_size:,} tokens but model "
+                            f"{model.name} has {model.vocab:,} embeddings; use a model whose vocab_size is at least "
+                            f"{tok.vocab_size:,} (or the tokenizer the model was made for)")
 
 
 def _resume(run_dir: str | Path, settings: dict, allow_changes: bool):

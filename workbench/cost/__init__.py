@@ -4,7 +4,7 @@ Time of one sequence of ``s`` tokens on a group of ``d`` GPUs (whole model, ms):
 
     compute(s, d) = (A*s^2 + B*s) / d                 # fitted per-layer curves x layers
     ulysses(s, d) = passes * layers * bytes(s, d) / all_to_all_bw(d)
-        bytes(s, d) = dtype * (s/d) * (2*hidden + 2*kv_dim_eff) * (d-1)/d   # q, k, v, o; each rank
+        bytes(s, d) = dtype * (s/d) * (2*q_dim + 2*kv_dim_eff) * (d-1)/d    # q, k, v, o; each rank
                                                                             # sends (d-1)/d of its share
     ring(s, d)    = max(0, passes * layers * p2p_bytes(s, d) / p2p_bw(d) - A*s^2/d)   # overlapped
                                                                                       # with attention
@@ -23,22 +23,46 @@ and, when the profile measured it, each sequence of a Ulysses group adds ``layer
 (the part of that extra that grows with the tokens).
 
 A group fits when the sum of its sequences' ``memory(s, d)`` is at most ``memory_budget_gb``
-(usable GPU memory less model states). After the last micro-step all ranks all-reduce
-gradients: ``grad_sync_ms`` (bytes over bus bandwidth, plus the call's latency when measured).
+(usable GPU memory less the model states the runtime holds under the cluster's ZeRO stage,
+``workbench.cost.memory``).
+
+How a step executes depends on the ZeRO stage (``execution``):
+
+- ``free`` (ZeRO 0-2, replicated parameters): a rank runs its groups back to back, each group a
+  forward and backward of its own paying ``group_overhead_ms``; after the last one every rank joins
+  the step's gradient reduction, ``grad_sync_ms`` (ZeRO-0 an all-reduce; ZeRO-1 an all-reduce and
+  the sharded optimizer's parameter broadcast; ZeRO-2 a reduce-scatter and that broadcast; fp32
+  gradients, over the profile's bus bandwidths).
+- ``lockstep`` (ZeRO-3, FSDP2): every forward and backward all-gathers each unit's parameters over
+  all ranks, so the step is a sequence of *passes* every rank joins. In a pass a rank runs one
+  packed forward and backward over all its groups' tokens: it pays the packed call's constant
+  ``call_overhead_ms`` once, and per group the rest of ``group_overhead_ms`` (``group_extra_ms``:
+  the collective latencies and SP layout cost) and its sequences' times. A pass lasts as long as its
+  most loaded rank, or as FSDP's parameter all-gathers and gradient reduce-scatters
+  (``pass_comm_ms``, overlapped with compute) when those take longer, plus ``pass_overhead_ms`` (what
+  cannot overlap: the first unit's all-gather and its reduce-scatter, and the profile's measured
+  fixed cost of a pass)::
+
+      pass = max(max over ranks of rank load, pass_comm) + pass_overhead
+      step = sum of the passes     (gradients are reduce-scattered inside every pass)
 
 Pure numpy: no torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from workbench.cost.memory import PRECISIONS, fsdp_units, model_states
 from workbench.specs import ClusterSpec, ComputeCurve, HardwareProfile, ModelSpec
 
-__all__ = ["CostModel", "STRATEGIES", "InfeasibleError"]
+__all__ = ["CostModel", "STRATEGIES", "InfeasibleError", "EXECUTIONS"]
+
+EXECUTIONS = ("free", "lockstep")
 
 STRATEGIES = ("ulysses", "ring")
 
@@ -92,10 +116,11 @@ def activation_bytes_per_token(model: ModelSpec, recompute: bool = False) -> flo
     """Analytic activation memory per token of the whole model (bytes), Llama block with a
     flash-style attention (no s^2 buffers). Per block the backward pass keeps: the block input
     and normed input, q, k, v, the attention output, the second norm's input and output, the
-    gate and up projections, their SwiGLU product and activation (``6h + 2*kv_dim + 4*ffn``
-    elements); plus fp32 logits. With full recomputation only each block's input stays, plus one
-    block's working set while it is recomputed."""
-    per_layer = model.dtype_bytes * (6 * model.hidden + 2 * model.kv_dim + 4 * model.ffn)
+    gate and up projections, their SwiGLU product and activation (``4h + 2*q_dim + 2*kv_dim + 4*ffn``
+    elements, q_dim = heads x head_dim = h unless the head width is explicit); plus fp32 logits.
+    With full recomputation only each block's input stays, plus one block's working set while it
+    is recomputed."""
+    per_layer = model.dtype_bytes * (4 * model.hidden + 2 * model.q_dim + 2 * model.kv_dim + 4 * model.ffn)
     logits = 4 * model.vocab
     if recompute:
         return model.layers * model.dtype_bytes * model.hidden + per_layer + logits
@@ -105,16 +130,19 @@ def activation_bytes_per_token(model: ModelSpec, recompute: bool = False) -> flo
 @dataclass(frozen=True)
 class _Fit:
     A: float  # ms per token^2, whole model, forward+backward (+recompute)
-    B: float  # ms per token
-    C: float  # ms per packed call (group and micro-step)
+    B: float  # ms per token: the blocks, and the embedding, head and loss when measured apart
+    C: float  # ms per packed call (group and micro-step), the micro-step's fixed cost included
     act_bytes: float  # per token, whole model
 
 
 class CostModel:
     """Time and memory of sequences on SP groups, for one model on one cluster and profile.
 
-    ``time`` and ``memory`` are vectorised over lengths. Raises ValueError when the model states
-    alone do not fit the GPU, or on an unknown strategy.
+    ``time`` and ``memory`` are vectorised over lengths. ``precision`` (``bf16`` or ``fp32``; None:
+    the model's own, ``dtype_bytes``) sets the bytes of activations and of what the collectives
+    carry; ``optimizer`` (``adamw``, ``sgd-momentum``, ``sgd``) the optimizer states the memory model
+    counts. Raises ValueError when the model states alone do not fit the GPU, or on an unknown
+    strategy, precision or optimizer.
     """
 
     def __init__(
@@ -125,21 +153,39 @@ class CostModel:
         *,
         strategy: str = "ulysses",
         recompute: bool = False,
+        precision: str | None = None,
+        optimizer: str = "adamw",
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        precision = precision or ("fp32" if model.dtype_bytes >= 4 else "bf16")
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+        native_bytes = model.dtype_bytes  # what the profile's activation figure was measured in
+        compute_bytes = 2 if precision == "bf16" else 4
+        if model.dtype_bytes != compute_bytes:
+            model = dataclasses.replace(model, dtype_bytes=compute_bytes)
         self.profile = profile
         self.model = model
         self.cluster = cluster
         self.strategy = strategy
         self.recompute = bool(recompute)
+        self.precision = precision
+        self.optimizer = optimizer
+        self.execution = cluster.execution
+        self._native_bytes = native_bytes
         self._fit = self._fit_for_model()
-        self.memory_budget_gb = cluster.usable_memory_gb - cluster.model_state_gb(model)
+        self.states = model_states(model, zero_stage=cluster.zero_stage, num_ranks=cluster.num_gpus,
+                                   precision=precision, optimizer=optimizer)
+        self.model_states_gb = self.states.total / 1e9
+        self.memory_budget_gb = cluster.usable_memory_gb - self.model_states_gb
         if self.memory_budget_gb <= 0:
+            hint = ("more GPUs or GPUs with more memory" if cluster.zero_stage == 3 else
+                    "ZeRO-3 (--zero-stage 3, lockstep passes), more GPUs or GPUs with more memory")
             raise ValueError(
-                f"model {model.name} needs {cluster.model_state_gb(model):.1f} GB per GPU of parameters, gradients "
-                f"and optimizer states (ZeRO-{cluster.zero_stage} over {cluster.num_gpus} GPUs) but only "
-                f"{cluster.usable_memory_gb:.1f} GB are usable; use ZeRO-3, more GPUs or GPUs with more memory"
+                f"model {model.name} needs {self.model_states_gb:.1f} GB per GPU of parameters, gradients "
+                f"and optimizer states (ZeRO-{cluster.zero_stage}, {precision}, {optimizer}, over {cluster.num_gpus} "
+                f"GPUs) but only {cluster.usable_memory_gb:.1f} GB are usable; use {hint}"
             )
         self.degrees = tuple(d for d in cluster.degrees if self.degree_supported(d))
         if not self.degrees:
@@ -163,13 +209,18 @@ class CostModel:
         A = passes_f * af + ab
         B = passes_f * bf + bb
         C = passes_f * cf + cb
+        head = float(p.head_ms_per_token or 0.0)  # embedding, final norm, head and loss, per token
         if ref is not m:
             # scale by FLOPs: quadratic (attention) and linear (dense) parts separately
             A *= _quadratic_coeff(m) / _quadratic_coeff(ref)
             B *= _linear_coeff(m) / _linear_coeff(ref)
             C *= m.layers / ref.layers
+            head *= (m.vocab * m.hidden) / (ref.vocab * ref.hidden)
+        B += head
+        C += float(p.micro_step_ms or 0.0)
         if act_mb is not None and p.model == m.name:
-            act = act_mb * 1e6
+            # measured in the model's own precision; another precision scales what is stored
+            act = act_mb * 1e6 * m.dtype_bytes / self._native_bytes
             if self.recompute:
                 act *= activation_bytes_per_token(m, True) / activation_bytes_per_token(m, False)
         else:
@@ -212,7 +263,7 @@ class CostModel:
         passes = 3.0 if self.recompute else 2.0
         if self.strategy == "ulysses":
             kv_eff = max(m.kv_heads, d) * m.head_dim  # KV replicated when d exceeds the KV heads
-            per_layer = m.dtype_bytes * (s / d) * (2 * m.hidden + 2 * kv_eff) * (d - 1) / d
+            per_layer = m.dtype_bytes * (s / d) * (2 * m.q_dim + 2 * kv_eff) * (d - 1) / d  # q and o, k and v
             return passes * m.layers * per_layer / (_interp_bw(p.all_to_all_gbps, d) * 1e9) * 1e3
         # ring: every rank passes its K/V block d-1 times forward; backward passes K/V and dK/dV
         ring_passes = (passes - 1) + 2.0
@@ -278,9 +329,9 @@ class CostModel:
         return self.model.layers * _interp_latency(self.profile.sp_overhead_ms, d)
 
     def group_overhead_ms(self, degree: int) -> float:
-        """Fixed time a group pays once per micro-step: the fitted constant c of every layer, plus
-        the latency of the group's collective calls and the measured extra of its SP layout when
-        the profile has them."""
+        """Fixed time a group pays once per micro-step: the fitted constant c of every layer and the
+        profile's measured fixed cost of a micro-step, plus the latency of the group's collective
+        calls and the measured extra of its SP layout when the profile has them."""
         return self._fit.C + self.collective_latency_ms(degree) + self.sp_overhead_ms(degree)
 
     @property
@@ -291,16 +342,108 @@ class CostModel:
         """How many tokens of activations one GPU holds within the budget."""
         return self.memory_budget_gb * 1e9 / self._fit.act_bytes
 
-    def grad_sync_ms(self, num_ranks: int | None = None) -> float:
-        """Data-parallel gradient all-reduce after the last micro-step (ring: 2(n-1)/n of the
-        gradient bytes, ``dtype_bytes`` per parameter, at the profile's bus bandwidth, plus the
-        call's latency when measured). 0 when the profile has no all-reduce figures or on one rank."""
-        n = num_ranks or self.cluster.num_gpus
-        if n <= 1 or not self.profile.allreduce_gbps:
+    # ---- collectives over all ranks ----------------------------------------------------------------
+    def _bus(self, kind: str, nbytes: float, n: int) -> float:
+        """Time (ms) of one ``kind`` collective (``allreduce``, ``allgather``, ``reduce_scatter``) of
+        ``nbytes`` over ``n`` ranks at the profile's bus bandwidth, plus its latency: an all-reduce
+        moves 2(n-1)/n of the bytes per rank, the others (n-1)/n. All-gather and reduce-scatter fall
+        back to the all-reduce figures when the profile has none of their own; 0 without any."""
+        p = self.profile
+        own = {"allreduce": (p.allreduce_gbps, p.allreduce_latency_ms),
+               "allgather": (p.allgather_gbps, p.allgather_latency_ms),
+               "reduce_scatter": (p.reduce_scatter_gbps, p.reduce_scatter_latency_ms)}[kind]
+        bw, lat = own if own[0] else (p.allreduce_gbps, p.allreduce_latency_ms)
+        if n <= 1 or not bw:
             return 0.0
-        grad_bytes = float(self.model.dtype_bytes) * self.model.params()
-        return (2 * (n - 1) / n * grad_bytes / (_interp_bw(self.profile.allreduce_gbps, n) * 1e9) * 1e3
-                + _interp_latency(self.profile.allreduce_latency_ms, n))
+        share = 2 * (n - 1) / n if kind == "allreduce" else (n - 1) / n
+        return share * nbytes / (_interp_bw(bw, n) * 1e9) * 1e3 + _interp_latency(lat, n)
+
+    def grad_sync_ms(self, num_ranks: int | None = None) -> float:
+        """The step's gradient reduction after the last micro-step of a free step, fp32 gradients
+        (4 bytes per parameter): ZeRO-0 one all-reduce; ZeRO-1 an all-reduce, then the sharded
+        optimizer's parameter broadcast (fp32, costed as an all-gather); ZeRO-2 a reduce-scatter and that
+        broadcast. 0 under ZeRO-3 (every pass reduce-scatters its gradients: ``pass_comm_ms``), on one
+        rank, or when the profile has no collective figures."""
+        n = num_ranks or self.cluster.num_gpus
+        stage = self.cluster.zero_stage
+        if n <= 1 or stage == 3:
+            return 0.0
+        nbytes = 4.0 * self.model.params()
+        if stage == 0:
+            return self._bus("allreduce", nbytes, n)
+        first = self._bus("allreduce" if stage == 1 else "reduce_scatter", nbytes, n)
+        return first + self._bus("allgather", nbytes, n)
+
+    def step_end_ms(self) -> float:
+        """What every step costs after its last micro-step: the gradient reduction and the optimizer
+        step (``grad_sync_ms + optimizer_ms``)."""
+        return self.grad_sync_ms() + self.optimizer_ms()
+
+    def updated_params(self) -> float:
+        """Parameters the most loaded rank's optimizer updates: all of them under ZeRO-0, its
+        ZeroRedundancyOptimizer partition under ZeRO-1/2, its FSDP shard under ZeRO-3."""
+        from workbench.cost.memory import parameter_shapes, zero_partition
+
+        n, stage = self.cluster.num_gpus, self.cluster.zero_stage
+        shapes = [shape for _, shape in parameter_shapes(self.model)]
+        if stage == 0 or n == 1:
+            return float(sum(math.prod(x) for x in shapes))
+        if stage == 3:
+            return float(sum(math.ceil(x[0] / n) * math.prod(x[1:]) for x in shapes))
+        return float(max(zero_partition([math.prod(x) for x in shapes], n)))
+
+    def optimizer_ms(self) -> float:
+        """The optimizer step after the step's last micro-step (ms): the profile's measured time per
+        million updated parameters times ``updated_params``; 0 when the profile did not measure it."""
+        rate = self.profile.optimizer_ms_per_mparam
+        return float(rate) * self.updated_params() / 1e6 if rate else 0.0
+
+    # ---- lockstep passes (ZeRO-3) ---------------------------------------------------------------------
+    def call_overhead_ms(self) -> float:
+        """The part of ``group_overhead_ms`` paid once per packed forward and backward: the fitted
+        constant c of every layer. In a lockstep pass a rank pays it once however many groups it
+        serves; in free execution every group is a forward and backward of its own."""
+        return self._fit.C
+
+    def group_extra_ms(self, degree: int) -> float:
+        """The part of ``group_overhead_ms`` every group pays on its own: its collectives' latency
+        and its measured SP layout cost (``group_overhead_ms - call_overhead_ms``)."""
+        return self.collective_latency_ms(degree) + self.sp_overhead_ms(degree)
+
+    def _unit_comm(self) -> list[tuple[float, float]]:
+        """Per FSDP unit, in forward order: (all-gather ms, reduce-scatter ms) over all ranks."""
+        n = self.cluster.num_gpus
+        out = []
+        for unit in fsdp_units(self.model):
+            numel = float(sum(math.prod(shape) for _, shape in unit))
+            out.append((self._bus("allgather", numel * self.model.dtype_bytes, n),
+                        self._bus("reduce_scatter", numel * 4.0, n)))
+        return out
+
+    def pass_comm_ms(self) -> float:
+        """FSDP's collectives in one lockstep pass (ms): every unit all-gathered for the forward and
+        again for the backward, its gradient reduce-scattered in fp32. FSDP overlaps them with the
+        compute, so a pass is at least this long. 0 outside lockstep execution or on one rank."""
+        if self.execution != "lockstep" or self.cluster.num_gpus <= 1:
+            return 0.0
+        return float(sum(2 * ag + rs for ag, rs in self._unit_comm()))
+
+    def pass_overhead_ms(self) -> float:
+        """What every lockstep pass costs beyond the longer of its compute and ``pass_comm_ms``: the
+        first unit's all-gather (nothing computes before it arrives), its reduce-scatter (nothing
+        computes after it), and the profile's measured fixed cost of a pass. 0 outside lockstep."""
+        if self.execution != "lockstep":
+            return 0.0
+        fixed = _interp_latency(self.profile.pass_overhead_ms, self.cluster.num_gpus)
+        if self.cluster.num_gpus <= 1:
+            return fixed
+        ag0, rs0 = self._unit_comm()[0]
+        return ag0 + rs0 + fixed
+
+    def pass_ms(self, max_rank_load_ms: float) -> float:
+        """Duration of one lockstep pass whose most loaded rank computes ``max_rank_load_ms``."""
+        return max(float(max_rank_load_ms), self.pass_comm_ms()) + self.pass_overhead_ms()
+
 
     # ---- feasibility ----------------------------------------------------------------------------
     def min_degree(self, lengths) -> np.ndarray:
@@ -362,6 +505,16 @@ class CostModel:
             "group_overhead_ms": {str(d): self.group_overhead_ms(d) for d in degrees},
             "memory_budget_gb": self.memory_budget_gb,
             "grad_sync_ms": self.grad_sync_ms(),
+            "optimizer_ms": self.optimizer_ms(),
+            "execution": self.execution,
+            "zero_stage": self.cluster.zero_stage,
+            "precision": self.precision,
+            "optimizer": self.optimizer,
+            "model_states_gb": self.model_states_gb,
+            "model_states": self.states.to_dict(),
+            "call_overhead_ms": self.call_overhead_ms(),
+            "pass_comm_ms": self.pass_comm_ms(),
+            "pass_overhead_ms": self.pass_overhead_ms(),
             "strategy": self.strategy,
             "recompute": self.recompute,
             "model": self.model.name,

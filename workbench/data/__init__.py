@@ -1,5 +1,7 @@
 """Sequence-length data: synthetic families fitted to published figures, the embedded stdlib
-corpus, lengths from files, the max-context policy, summary statistics and global-batch sampling.
+corpus, lengths from files, the max-context policy, summary statistics and global-batch sampling;
+the token cache of a user's text (``tokens``) and the token ids of training sequences
+(``sequences.TokenData``).
 
 Pure Python + numpy; pyarrow, datasets and tokenizers are imported only by the file readers that
 need them.

@@ -24,6 +24,7 @@ import numpy as np
 from .corpus import stdlib_lengths, stdlib_root
 from .families import FAMILIES, get_family
 from .files import read_lengths_file
+from .tokens import text_source, token_cache
 
 __all__ = [
     "DEFAULT_SAMPLES",
@@ -32,6 +33,7 @@ __all__ = [
     "LengthSet",
     "MaxContextReport",
     "apply_max_context",
+    "draw_indices",
     "load_lengths",
     "parse_length_list",
 ]
@@ -258,17 +260,30 @@ def _looks_like_path(key: str) -> bool:
     return "/" in key or os.sep in key or bool(Path(key).suffix)
 
 
-def _draw(lengths: np.ndarray, samples: int, seed: int) -> tuple[np.ndarray, dict]:
-    """``samples`` lengths drawn with ``default_rng(seed)``: without replacement when there are
-    enough (kept in source order), else with replacement, said so in the returned notes."""
+def draw_indices(n: int, samples: int, seed: int) -> np.ndarray:
+    """Indices of ``samples`` of ``n`` items drawn with ``default_rng(seed)``: without replacement
+    when there are enough (sorted: source order kept), else with replacement. The one rule every
+    draw from a file, the corpus or a token cache follows, so planning and training see the same
+    sequences."""
     rng = np.random.default_rng(seed)
-    n = lengths.size
     if samples <= n:
-        idx = np.sort(rng.choice(n, size=samples, replace=False))
+        return np.sort(rng.choice(n, size=samples, replace=False))
+    return rng.integers(0, n, size=samples)
+
+
+def _draw(lengths: np.ndarray, samples: int, seed: int) -> tuple[np.ndarray, dict]:
+    """``samples`` lengths drawn by :func:`draw_indices`, and notes saying how."""
+    n = lengths.size
+    idx = draw_indices(n, samples, seed)
+    if samples <= n:
         return lengths[idx], {"samples": samples, "seed": seed, "replace": False, "available": n}
-    idx = rng.integers(0, n, size=samples)
     return lengths[idx], {"samples": samples, "seed": seed, "replace": True, "available": n,
                           "note": f"{samples:,} samples asked from {n:,} sequences: drawn with replacement"}
+
+
+def _cacheable(tokenizer: Any) -> bool:
+    # the token cache keys tokenizers by their file; an in-memory Tokenizer object is only counted
+    return tokenizer is None or isinstance(tokenizer, (str, os.PathLike))
 
 
 def load_lengths(
@@ -291,7 +306,10 @@ def load_lengths(
     order), or a comma-separated list of integers (taken exactly and in order as the whole batch:
     ``ordered=True``; ``samples`` does not apply and is noted in the provenance if given).
     ``max_len`` and ``policy`` (clip / split / drop / error) are applied last; the report is kept
-    on the result.
+    on the result. A text source (a document, a folder of them, JSONL/CSV/Parquet/dataset with a
+    text column, or ``stdlib`` with a ``tokenizer`` path) is tokenised into the token cache
+    (:mod:`workbench.data.tokens`) on first use and its document lengths read from there, so
+    planning sees exactly what training reads (skipped documents are counted in the provenance).
 
     Returns a :class:`LengthSet`. Raises ValueError for an unknown source (listing the names),
     bad input in a file (naming file, line and value), a bad list item, a bad policy or
@@ -326,6 +344,15 @@ def load_lengths(
             "estimate": False,
             "targets": fam.targets_copy(),
         }
+    elif lowered == "stdlib" and tokenizer is not None and _cacheable(tokenizer):
+        cache = token_cache("stdlib", tokenizer=tokenizer)
+        lengths = np.array(cache.lengths)
+        provenance = {**cache.provenance(), "corpus": "stdlib"}
+        origin, where = "stdlib corpus", cache.where
+        if samples is not None:
+            lengths, notes = _draw(lengths, int(samples), seed)
+            provenance.update(notes)
+            where = None
     elif lowered == "stdlib":
         lengths = stdlib_lengths()
         provenance = {
@@ -342,10 +369,20 @@ def load_lengths(
             lengths, notes = _draw(lengths, int(samples), seed)
             provenance.update(notes)
     elif not _looks_like_list(key) and (_exists(key) or _looks_like_path(key)):
-        fl = read_lengths_file(key, column=column, tokenizer=tokenizer, fmt=fmt)
-        lengths = fl.lengths
-        provenance = dict(fl.provenance)
-        origin, where = str(key), fl.where
+        tsrc = text_source(key, column=column, tokenizer=tokenizer) if fmt is None and _cacheable(tokenizer) else None
+        if tsrc is not None:
+            # text is tokenised once into the token cache, which training reads too: the lengths
+            # planned are the lengths trained (documents that cannot be trained on are skipped there,
+            # and counted in the provenance)
+            cache = token_cache(key, column=column, tokenizer=tokenizer)
+            lengths = np.array(cache.lengths)
+            provenance = cache.provenance()
+            origin, where = str(key), cache.where
+        else:
+            fl = read_lengths_file(key, column=column, tokenizer=tokenizer, fmt=fmt)
+            lengths = fl.lengths
+            provenance = dict(fl.provenance)
+            origin, where = str(key), fl.where
         if samples is not None:
             lengths, notes = _draw(lengths, int(samples), seed)
             provenance.update(notes)

@@ -133,7 +133,8 @@ class ProfileSpec:
     """What a profile run measures (its ``spec.json``, kind ``profile``). Validated; plain JSON."""
 
     model: str = "tiny"
-    """Model preset whose layers are timed (``workbench.specs.MODEL_PRESETS``)."""
+    """Model preset whose layers are timed (``workbench.specs.MODEL_PRESETS``), or a Hugging Face
+    ``config.json`` path (kept absolute)."""
     nproc: int = 2
     """Processes (ranks) measuring at once: the group sizes of the collectives, and the contention
     training will see."""
@@ -187,8 +188,15 @@ class ProfileSpec:
         def bad(field: str, what: str, v: Any) -> None:
             raise ValueError(f"profile {field} {what}, got {v!r}")
 
-        m = get_model(self.model)  # ValueError listing the presets
-        object.__setattr__(self, "model", m.name)
+        m = get_model(self.model)  # ValueError listing the presets, or naming a config's bad field
+        from workbench.specs import MODEL_PRESETS
+
+        if self.model.strip().lower() in MODEL_PRESETS:
+            object.__setattr__(self, "model", m.name)
+        else:  # a Hugging Face config: keep its absolute path, which names the model wherever it is read
+            from workbench.hf import config_path
+
+            object.__setattr__(self, "model", str(config_path(self.model).resolve()))
         if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
             bad("nproc", "must be a positive integer", self.nproc)
         if not isinstance(self.quick, bool):

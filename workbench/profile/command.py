@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nproc", type=positive_int, default=None, metavar="N",
                    help="processes measuring at once (default: the GPUs; on CPU min(2, cores)); the collectives' "
                         "group sizes and the contention a training run of N ranks sees")
-    g.add_argument("--model", default="tiny", help="model preset whose layers are timed (default tiny)")
+    g.add_argument("--model", default="tiny",
+                   help="model preset, or a Hugging Face config.json (or its folder), whose layers are timed (default tiny)")
     g.add_argument("--quick", action="store_true", help="small grid, few repetitions (under a minute on 2 cores)")
     g.add_argument("--out", default=None, metavar="PATH", help="also write the profile JSON here")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

@@ -1,11 +1,14 @@
 """Figures of one step's plans: the timeline of groups over ranks, and every planner side by side.
 
 A plan (``Plan.to_dict()``) is a list of micro-steps; each micro-step splits the ranks into SP
-groups. On the timeline a group is a bar over its ranks from when all of them are free to when it
-ends (micro-steps are barrier-free: a group starts as soon as its own ranks are done with the
-previous micro-step), coloured by degree and labelled with its micro-step. After the last
-micro-step every rank joins the gradient all-reduce: the grey block at the end. The dashed line
-is the lower bound (no plan can finish before it). Pure data in, plotly figures out.
+groups. On the timeline a group is a bar over its ranks, coloured by degree and labelled with its
+micro-step. How they line up depends on the plan's execution: free plans (ZeRO 0-2) are
+barrier-free (a group starts as soon as its own ranks are done with the previous micro-step) and
+end with every rank in the gradient reduction, the grey block; lockstep plans (ZeRO-3) run pass
+after pass, every rank in every pass (shaded bands): a rank done early waits for the pass to end
+(hatched), and a pass lasts at least as long as FSDP's parameter all-gathers and gradient
+reduce-scatters. The dashed line is the lower bound (no plan can finish before it). Pure data in,
+plotly figures out.
 """
 
 from __future__ import annotations
@@ -34,32 +37,53 @@ def timeline_data(plan: Mapping[str, Any]) -> dict:
     busy = tl["rank_busy_ms"]
     mean = sum(busy) / len(busy) if busy else 0.0
     return {"groups": tl["groups"], "compute_end_ms": tl["compute_end_ms"], "grad_sync_ms": float(plan.get("grad_sync_ms") or 0.0),
+            "optimizer_ms": float(plan.get("optimizer_ms") or 0.0),
             "makespan_ms": float(plan["makespan_ms"]), "lower_bound_ms": float(plan["lower_bound_ms"]),
             "num_gpus": int(plan["num_gpus"]), "rank_busy_ms": busy,
-            "imbalance": tl["compute_end_ms"] / mean if mean > 0 else 1.0}
+            "imbalance": tl["compute_end_ms"] / mean if mean > 0 else 1.0,
+            "execution": tl["execution"], "passes": tl["passes"], "waits": tl["waits"],
+            "wait_ms": float(sum(w["end_ms"] - w["start_ms"] for w in tl["waits"]))}
 
 
 def timeline_figure(plan: Mapping[str, Any], title: str | None = None, *, max_labels: int = 128):
     """Gantt view of one plan: one horizontal bar per group over its ranks (y: every rank
     labelled, up to ``max_labels`` ranks), x: seconds into the step; colour: degree (legend);
-    text: the micro-step (m0, m1, ...); the gradient sync as a grey block at the end; the lower
-    bound as a dashed line."""
+    text: the micro-step (m0, m1, ...; p0, p1, ... for the passes of a lockstep plan); the gradient
+    sync as a grey block at the end; the lower bound as a dashed line. Lockstep plans also show
+    their passes as shaded bands and every rank's wait for the end of a pass."""
     import plotly.graph_objects as go
 
     tl = timeline_data(plan)
     n = tl["num_gpus"]
+    lockstep = tl["execution"] == "lockstep"
+    tag = "p" if lockstep else "m"
     fig = go.Figure()
+    for k, ps in enumerate(tl["passes"]):
+        fig.add_vrect(x0=ps["start_ms"] / 1e3, x1=ps["end_ms"] / 1e3, fillcolor="#000" if k % 2 else "#888",
+                      opacity=0.05, line_width=0, layer="below",
+                      annotation_text=f"pass {k}", annotation_position="top left", annotation_font_size=10)
+    if tl["waits"]:
+        ws = tl["waits"]
+        fig.add_bar(base=[w["start_ms"] / 1e3 for w in ws], x=[(w["end_ms"] - w["start_ms"]) / 1e3 for w in ws],
+                    y=[w["rank"] for w in ws], width=[0.86] * len(ws), orientation="h",
+                    name="waiting for the pass to end",
+                    marker=dict(color="rgba(200,200,200,0.5)", pattern=dict(shape="/", fgcolor="#999", size=6),
+                                line=dict(width=0)),
+                    customdata=[[w["micro_step"], w["rank"], (w["end_ms"] - w["start_ms"]) / 1e3] for w in ws],
+                    hovertemplate=("rank %{customdata[1]} waits %{customdata[2]:.3f}s for pass %{customdata[0]} to end"
+                                   "<extra></extra>"))
     for d in sorted({g["degree"] for g in tl["groups"]}):
         gs = [g for g in tl["groups"] if g["degree"] == d]
         fig.add_bar(
             base=[g["start_ms"] / 1e3 for g in gs], x=[(g["end_ms"] - g["start_ms"]) / 1e3 for g in gs],
             y=[(g["ranks"][0] + g["ranks"][1]) / 2 for g in gs], width=[g["ranks"][1] - g["ranks"][0] + 0.86 for g in gs],
             orientation="h", name=f"degree {d}", marker=dict(color=_color(d), line=dict(color="white", width=1)),
-            text=[f"m{g['micro_step']}" for g in gs], textposition="inside", insidetextanchor="middle",
+            text=[f"{tag}{g['micro_step']}" for g in gs], textposition="inside", insidetextanchor="middle",
             textfont=dict(size=10), constraintext="both",
             customdata=[[g["micro_step"], g["ranks"][0], g["ranks"][1], g["sequences"], g["start_ms"] / 1e3,
                          g["end_ms"] / 1e3] for g in gs],
-            hovertemplate=("micro-step %{customdata[0]}, degree " + str(d) + "<br>ranks %{customdata[1]}-%{customdata[2]}, "
+            hovertemplate=(("pass" if lockstep else "micro-step") + " %{customdata[0]}, degree " + str(d)
+                           + "<br>ranks %{customdata[1]}-%{customdata[2]}, "
                            "%{customdata[3]} sequence(s)<br>%{customdata[4]:.3f}s to %{customdata[5]:.3f}s<extra></extra>"))
     end = tl["compute_end_ms"] / 1e3
     sync = tl["grad_sync_ms"] / 1e3
@@ -69,6 +93,13 @@ def timeline_figure(plan: Mapping[str, Any], title: str | None = None, *, max_la
                     text=["gradient sync"], textposition="inside", insidetextanchor="middle", textangle=-90,
                     textfont=dict(size=12, color="#333"),
                     hovertemplate=f"gradient all-reduce: {sync:.3f}s after the last micro-step<extra></extra>")
+    opt = tl["optimizer_ms"] / 1e3
+    if opt > 0:
+        fig.add_bar(base=[end + sync], x=[opt], y=[(n - 1) / 2], width=[n - 0.14], orientation="h",
+                    name="optimizer step (all ranks)", marker=dict(color="#DDDDDD", line=dict(color="#666", width=1)),
+                    text=["optimizer"], textposition="inside", insidetextanchor="middle", textangle=-90,
+                    textfont=dict(size=12, color="#333"),
+                    hovertemplate=f"optimizer step: {opt:.3f}s<extra></extra>")
     lb = tl["lower_bound_ms"] / 1e3
     fig.add_vline(x=lb, line_dash="dash", line_color="#222", annotation_text=f"lower bound {lb:.2f}s",
                   annotation_position="bottom left", annotation_bgcolor="rgba(255,255,255,0.8)")
@@ -83,7 +114,9 @@ def timeline_figure(plan: Mapping[str, Any], title: str | None = None, *, max_la
     fig.update_layout(barmode="overlay", template="plotly_white", bargap=0,
                       height=int(min(1400, max(320, 140 + (13 if n > 16 else 22) * n))),
                       title=title or (f"{plan['planner']}: step {tl['makespan_ms'] / 1e3:.2f}s, lower bound "
-                                      f"{lb:.2f}s (gap {100 * gap:.1f}%), {len(plan['micro_steps'])} micro-step(s)"),
+                                      f"{lb:.2f}s (gap {100 * gap:.1f}%), "
+                                      + (f"{len(plan['micro_steps'])} lockstep pass(es) (ZeRO-3)" if lockstep
+                                         else f"{len(plan['micro_steps'])} micro-step(s), barrier-free")),
                       legend=dict(orientation="h", y=-0.12 if n > 16 else -0.3, title_text="group degree:"),
                       margin=dict(l=60, r=20, t=70, b=40))
     return fig

@@ -7,6 +7,8 @@
 - ``groups``: ``GroupRegistry`` - every aligned (degree, block) process group, made once.
 - ``step``: ``StepExecutor(model, registry, attn).run(plan, sequences) -> StepResult``;
   ``make_shard``, ``check_plan``, ``MicroStepRecord``.
+- ``weights``: Hugging Face safetensors in (``load_initial_weights``, strict) and out (``export_run``;
+  ``full_model_state`` reads a run's checkpoint), through the name adapter of ``workbench.hf``.
 - measuring this machine for a ``HardwareProfile`` lives in ``workbench.profile.measure`` (``workbench profile``).
 
 Everything here imports torch; the planning side (``workbench.solve``, ``cost``, ``specs``) never does.

@@ -1,10 +1,15 @@
 """A Llama-style decoder on packed variable-length sequences, readable top to bottom.
 
 Order: RMSNorm -> rotary embeddings -> grouped-query attention -> SwiGLU MLP -> block -> model.
-Sized by a ``ModelSpec``. The model knows nothing about distribution: attention is a callable
-handed to ``forward``, ``attn(q, k, v, cu_seqlens, max_seqlen) -> out`` on packed tensors
-``(total_tokens, heads, head_dim)`` (the flash-attn varlen convention), so the same module runs
-single-process attention or Ulysses sequence parallelism without knowing which.
+Sized by a ``ModelSpec``, which also carries what Hugging Face Llama-family configs vary: q/k/v
+biases (Qwen2), the rotary base and Llama 3.1's frequency scaling, the norm epsilon, an explicit
+head width, tied embeddings. The arithmetic follows transformers' Llama/Mistral/Qwen2 modules
+(rotate-half rotary in fp32, RMSNorm statistics in fp32), so loaded weights give their logits.
+
+The model knows nothing about distribution: attention is a callable handed to ``forward``,
+``attn(q, k, v, cu_seqlens, max_seqlen) -> out`` on packed tensors ``(total_tokens, heads,
+head_dim)`` (the flash-attn varlen convention), so the same module runs single-process attention
+or Ulysses sequence parallelism without knowing which.
 
 Inputs are packed: token ids ``(T,)`` of several sequences back to back, their true position ids
 ``(T,)`` (a rank holding the middle slice of a sequence passes that slice's positions), and
@@ -14,15 +19,16 @@ the position ids, so a slice gets exactly the rotations it would get in the whol
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.specs import ModelSpec
+from workbench.specs import ModelSpec, RopeScaling
 
-__all__ = ["RMSNorm", "rotary_cos_sin", "apply_rotary", "Attention", "MLP", "Block", "Transformer",
+__all__ = ["RMSNorm", "rope_inv_freq", "rotary_cos_sin", "apply_rotary", "Attention", "MLP", "Block", "Transformer",
            "AttentionFn", "ROPE_BASE"]
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -46,15 +52,33 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
+def rope_inv_freq(head_dim: int, base: float = ROPE_BASE, scaling: RopeScaling | None = None, *,
+                  device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rotary inverse frequencies ``(head_dim // 2,)``: ``base ** (-2i / head_dim)``, and with
+    ``scaling`` Llama 3.1's adjustment (low frequencies divided by ``factor``, high ones kept, the
+    band between interpolated), computed as transformers does so the angles match bit for bit."""
+    half = head_dim // 2
+    inv_freq = 1.0 / (base ** (torch.arange(0, half, device=device, dtype=dtype) / half))  # (hd/2,)
+    if scaling is None:
+        return inv_freq
+    old = scaling.original_max_position_embeddings
+    low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)  # long waves stretched
+    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)  # (hd/2,)
+
+
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, base: float = ROPE_BASE,
-                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                   dtype: torch.dtype = torch.float32, scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary tables for explicit position ids: returns ``(cos, sin)``, each ``(T, head_dim // 2)``.
 
     Computed per token from its position, so the same position gives the same rotation wherever
     the token sits in a packed shard."""
-    half = head_dim // 2
     ft = torch.promote_types(dtype, torch.float32)  # angles in fp32 (fp64 for an fp64 model)
-    inv_freq = 1.0 / (base ** (torch.arange(0, half, device=positions.device, dtype=ft) / half))  # (hd/2,)
+    inv_freq = rope_inv_freq(head_dim, base, scaling, device=positions.device, dtype=ft)  # (hd/2,)
     angles = positions.to(ft)[:, None] * inv_freq[None, :]  # (T, hd/2)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -74,9 +98,10 @@ class Attention(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = spec.heads, spec.kv_heads, spec.head_dim
-        self.q_proj = nn.Linear(spec.hidden, spec.heads * spec.head_dim, bias=False)
-        self.k_proj = nn.Linear(spec.hidden, spec.kv_heads * spec.head_dim, bias=False)
-        self.v_proj = nn.Linear(spec.hidden, spec.kv_heads * spec.head_dim, bias=False)
+        # q/k/v biases for Qwen2; the output projection has none in any supported family
+        self.q_proj = nn.Linear(spec.hidden, spec.heads * spec.head_dim, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(spec.hidden, spec.kv_heads * spec.head_dim, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(spec.hidden, spec.kv_heads * spec.head_dim, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(spec.heads * spec.head_dim, spec.hidden, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -108,9 +133,9 @@ class Block(nn.Module):
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(spec.hidden)
+        self.attn_norm = RMSNorm(spec.hidden, spec.norm_eps)
         self.attn = Attention(spec)
-        self.mlp_norm = RMSNorm(spec.hidden)
+        self.mlp_norm = RMSNorm(spec.hidden, spec.norm_eps)
         self.mlp = MLP(spec)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -124,8 +149,8 @@ class Transformer(nn.Module):
 
     ``forward(tokens, positions, cu_seqlens, max_seqlen, attn)`` returns logits ``(T, vocab)``.
     Weights are initialised from ``seed`` (normal, std 0.02; output projections of each block
-    scaled by 1/sqrt(2*layers) as in GPT-2), independent of the global RNG, so every rank builds
-    the same replica.
+    scaled by 1/sqrt(2*layers) as in GPT-2; biases zero), independent of the global RNG, so every
+    rank builds the same replica. Pretrained weights come in through ``workbench.runtime.weights``.
     """
 
     def __init__(self, spec: ModelSpec, *, seed: int = 0) -> None:
@@ -133,7 +158,7 @@ class Transformer(nn.Module):
         self.spec = spec
         self.embed = nn.Embedding(spec.vocab, spec.hidden)
         self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.layers))
-        self.norm = RMSNorm(spec.hidden)
+        self.norm = RMSNorm(spec.hidden, spec.norm_eps)
         self.head = nn.Linear(spec.hidden, spec.vocab, bias=False)
         if spec.tied_embeddings:
             self.head.weight = self.embed.weight
@@ -147,6 +172,8 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()  # draws nothing: the weights of a model without biases are unchanged
             else:
                 std = out_std if name.endswith(("o_proj.weight", "down.weight")) else 0.02
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
@@ -154,7 +181,9 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
                 max_seqlen: int, attn: AttentionFn) -> torch.Tensor:
         x = self.embed(tokens)  # (T, C)
-        cos, sin = rotary_cos_sin(positions, self.spec.head_dim, dtype=x.dtype)  # (T, hd/2) each
+        spec = self.spec
+        cos, sin = rotary_cos_sin(positions, spec.head_dim, spec.rope_theta, dtype=x.dtype,
+                                  scaling=spec.rope_scaling)  # (T, hd/2) each
         for block in self.blocks:
             x = block(x, cos, sin, cu_seqlens, max_seqlen, attn)  # (T, C)
         return self.head(self.norm(x))  # (T, vocab)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import math
 import os
@@ -47,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from workbench import runs
+from workbench.data.sequences import TokenData  # the data side lives there; re-exported for callers
 from workbench.training import CPU_MAX_LEN, SpecError, TrainSpec, read_train_spec
 from workbench.util import write_json_atomic
 
@@ -68,110 +68,6 @@ def _say(msg: str) -> None:
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-# ------------------------------------------------------------------------------------------------
-# data: lengths and token ids
-# ------------------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=512)
-def _file_bytes(path: str) -> bytes:
-    return Path(path).read_bytes()
-
-
-class TokenData:
-    """Every sequence of a run's length source: ``lengths`` (after the max-context policy) and
-    ``tokens(i)``, its byte-level token ids.
-
-    For ``stdlib`` each sequence is (a clipped or split piece of) one standard-library document.
-    For any other source (family, file, list) sequence ``i`` is a contiguous window of the
-    concatenated stdlib byte stream starting at a place drawn from ``(seed, i)``. Has ``lengths``,
-    ``ordered`` and ``report`` (the ``MaxContextReport``), so it can be handed to
-    ``GlobalBatchSampler`` directly.
-    """
-
-    def __init__(self, source: str, *, max_len: int, policy: str, seed: int, samples: int | None = None,
-                 column: str | None = None) -> None:
-        from workbench.data import load_lengths
-        from workbench.data.corpus import stdlib_documents
-        from workbench.data.source import apply_max_context
-
-        self.source = source
-        self.seed = int(seed)
-        self._docs = stdlib_documents()
-        self._paths = [d.path for d in self._docs]
-        sizes = np.array([d.n_tokens for d in self._docs], dtype=np.int64)
-        self._starts = np.concatenate(([0], np.cumsum(sizes)))  # offsets of the docs in the byte stream
-        self.ordered = False
-        if source.strip().lower() == "stdlib":
-            self.kind = "corpus"
-            idx = np.arange(sizes.size, dtype=np.int64)
-            if samples is not None:  # the same draw as load_lengths("stdlib", samples=..., seed=...)
-                rng = np.random.default_rng(seed)
-                n = idx.size
-                idx = np.sort(rng.choice(n, size=samples, replace=False)) if samples <= n else rng.integers(0, n, samples)
-            raw = sizes[idx]
-            lengths, self.report = apply_max_context(raw, max_len, policy, origin="stdlib corpus")
-            if policy == "split":
-                pieces = -(-raw // max_len)
-                doc = np.repeat(idx, pieces)
-                first = np.repeat(np.cumsum(pieces) - pieces, pieces)
-                offset = (np.arange(doc.size, dtype=np.int64) - first) * max_len
-            elif policy == "drop":
-                doc, offset = idx[raw <= max_len], np.zeros(int((raw <= max_len).sum()), dtype=np.int64)
-            else:  # clip, or error with nothing longer
-                doc, offset = idx, np.zeros(idx.size, dtype=np.int64)
-            # absolute start of every sequence in the byte stream
-            self._seq_start = self._starts[doc] + offset
-        else:
-            self.kind = "windows"
-            ls = load_lengths(source, samples=samples, seed=seed, max_len=max_len, policy=policy, column=column)
-            lengths, self.report, self.ordered = ls.lengths, ls.policy_report, ls.ordered
-            self._seq_start = None
-        self.lengths = np.ascontiguousarray(lengths, dtype=np.int64)
-        self.lengths.flags.writeable = False
-
-    def __len__(self) -> int:
-        return int(self.lengths.size)
-
-    @property
-    def stream_tokens(self) -> int:
-        """Bytes in the concatenated stdlib stream."""
-        return int(self._starts[-1])
-
-    def start(self, i: int) -> int:
-        """Where sequence ``i`` starts in the stdlib byte stream."""
-        if self._seq_start is not None:
-            return int(self._seq_start[i])
-        n = int(self.lengths[i])
-        span = max(1, self.stream_tokens - n + 1)
-        return int(np.random.default_rng([self.seed, 0x70C5, int(i)]).integers(0, span))
-
-    def tokens(self, i: int) -> np.ndarray:
-        """Token ids (int64, 0..255) of sequence ``i``: ``lengths[i]`` bytes from ``start(i)``,
-        wrapping around the end of the stream."""
-        need = int(self.lengths[i])
-        pos = self.start(i) % self.stream_tokens
-        parts: list[np.ndarray] = []
-        while need > 0:
-            k = int(np.searchsorted(self._starts, pos, side="right")) - 1
-            data = _file_bytes(self._paths[k])
-            lo = pos - int(self._starts[k])
-            chunk = np.frombuffer(data, dtype=np.uint8, count=min(need, len(data) - lo), offset=lo)
-            parts.append(chunk)
-            need -= chunk.size
-            pos = (pos + chunk.size) % self.stream_tokens
-        return np.concatenate(parts).astype(np.int64)
-
-    def describe(self) -> str:
-        """One line: how many sequences, how their tokens are made, what the policy did."""
-        what = ("stdlib documents, 1 token per byte" if self.kind == "corpus"
-                else f"{self.source!r} lengths over windows of the stdlib byte stream")
-        text = f"{len(self):,} sequences, {int(self.lengths.sum()):,} tokens ({what})"
-        if self.report is not None:
-            text += "; max context: " + self.report.describe()
-        return text
 
 
 # ------------------------------------------------------------------------------------------------
@@ -477,7 +373,7 @@ class Trainer:
         self.cost = sc.cost()
         self.max_len = int(sc.max_len)
         self.data = TokenData(sc.source, max_len=self.max_len, policy=sc.policy, seed=sc.seed, samples=sc.samples,
-                              column=sc.column)
+                              column=sc.column, tokenizer=sc.tokenizer, vocab=self.cost.model.vocab)
         bs, bt = sc.batch_size, sc.batch_tokens
         if self.data.ordered:
             bs = bt = None  # an explicit list is the batch itself
@@ -500,6 +396,8 @@ class Trainer:
         if self.resume_state is not None:
             smp = self.resume_state.get("sampler", {})
             mine = {"seed": sc.seed, "batch_size": bs, "batch_tokens": bt, "lengths": sc.source}
+            if "data" in smp:  # the token data itself (a cache key): an edited file or tokenizer is not resumed
+                mine["data"] = self.data.fingerprint
             diff = {k: (smp.get(k), v) for k, v in mine.items() if smp.get(k) != v}
             if diff:
                 raise TrainError(f"checkpoint {self.resume[1].name} was written with other data settings "
@@ -575,12 +473,15 @@ class Trainer:
         from workbench.runtime.groups import GroupRegistry
         from workbench.runtime.model import Transformer
         from workbench.runtime.step import StepExecutor, check_plan, peak_memory_mb
+        from workbench.runtime.weights import load_initial_weights
         from workbench.solve import plan_from_dict
 
         spec, env = self.spec, self.env
         world = env.world_size
         model_spec = self.cost.model
         model = Transformer(model_spec, seed=self.scenario.seed).to(device)
+        # pretrained weights into the plain model, before anything wraps it (a resume loads its checkpoint instead)
+        init_note = load_initial_weights(model, spec.init) if spec.init and self.resume_state is None else None
         params = [p for p in model.parameters() if p.requires_grad]
         lr = spec.learning_rate
         if spec.optimizer == "sgd":
@@ -621,7 +522,7 @@ class Trainer:
             "data": self.data.describe(), "sampler": self.sampler.describe(),
             "max_context": self.data.report.to_dict() if self.data.report is not None else None,
             "params": model_spec.params(), "scenario": sc.to_dict(),
-            "checkpoints_skipped": self.resume_skipped,
+            "checkpoints_skipped": self.resume_skipped, "init": init_note,
         }
         if self.rank == 0:
             if self.cost_note:
@@ -714,7 +615,8 @@ class Trainer:
             "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
             "optimizer": opt.state_dict(),
             "sampler": {"next_step": done, "seed": self.scenario.seed, "batch_size": self.batch_size,
-                        "batch_tokens": self.batch_tokens, "lengths": self.scenario.source},
+                        "batch_tokens": self.batch_tokens, "lengths": self.scenario.source,
+                        "data": self.data.fingerprint},
             "rng": rng, "spec": json.dumps(self.spec.to_dict()),
         }
         _save_checkpoint(checkpoint_path(self.run_dir, done), state)

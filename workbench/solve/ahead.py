@@ -286,10 +286,18 @@ class PlanAhead:
     def _died(self, when: str) -> str:
         """One line: the worker died, how it ended (pid, signal or exit status) and ``when``."""
         import signal
+        import time
 
         how = []
         for pid, proc in self._procs.items():
             code = proc.exitcode
+            # the pool's own thread may be reaping it right now (our poll then sees no child): its
+            # exit status is there a moment later
+            for _ in range(40):
+                if code is not None:
+                    break
+                time.sleep(0.025)
+                code = proc.exitcode
             if code is None:
                 continue
             if code < 0:

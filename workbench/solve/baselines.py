@@ -2,7 +2,11 @@
 
 - ``static:D``: every sequence on SP degree D, data parallel over the N/D replicas (the
   Megatron-CP / DeepSpeed-Ulysses layout). Sequences go longest first to the least-loaded replica,
-  then each replica packs its share into micro-batches by best-fit decreasing on memory.
+  then each replica packs its share into micro-batches by best-fit decreasing on memory. Under
+  lockstep execution (ZeRO-3) every replica runs the same number of micro-batches together, so
+  micro-batches are balanced instead: the fewest per replica that memory allows (or one or two
+  more, whichever is faster), sequences longest first into the least-loaded micro-batch with room,
+  and micro-batches of similar length run in the same pass.
 - ``static-max``: static with the smallest degree that holds the max context, as those users set it.
 - ``best-static``: the best static degree for this batch.
 - ``min-degree``: each sequence on the smallest degree its memory needs (Megatron's dynamic
@@ -84,6 +88,44 @@ def _static_assignment(s: np.ndarray, cost: CostModel, degree: int):
     return micro, blocks
 
 
+def _static_lockstep_assignment(s: np.ndarray, cost: CostModel, degree: int):
+    """Passes and replica blocks of the static layout of ``degree`` under lockstep execution (module
+    docstring); None when no number of micro-batches up to two above the memory minimum packs."""
+    replicas = cost.cluster.num_gpus // degree
+    t = cost.time(s, degree)
+    mem = cost.memory(s, degree)
+    budget = cost.memory_budget_gb * (1 + 1e-12)
+    c = cost.group_overhead_ms(degree)
+    m0 = max(1, int(math.ceil(float(mem.sum()) / (replicas * cost.memory_budget_gb) - 1e-9)))
+    best, best_ms = None, math.inf
+    for M in range(m0, m0 + 8):
+        k = replicas * M
+        load, room = np.zeros(k), np.full(k, budget)
+        members: list[list[int]] = [[] for _ in range(k)]
+        ok = True
+        for i in np.argsort(-t, kind="stable"):
+            fit = np.flatnonzero(room >= mem[i])
+            if fit.size == 0:
+                ok = False
+                break
+            j = int(fit[np.argmin(load[fit])])
+            members[j].append(int(i))
+            load[j] += t[i]
+            room[j] -= mem[i]
+        if not ok:
+            continue
+        order = np.argsort(-load, kind="stable")
+        passes = [order[p * replicas:(p + 1) * replicas] for p in range(M)]
+        ms = sum(cost.pass_ms(c + float(load[q].max())) for q in passes if any(members[j] for j in q))
+        if ms < best_ms:
+            micro = [[(degree, members[j]) for j in q if members[j]] for q in passes]
+            blocks = [[r for r, j in enumerate(q) if members[j]] for q in passes]
+            best, best_ms = (micro, blocks), ms
+        elif best is not None:
+            break  # one more micro-batch per replica no longer pays
+    return best
+
+
 def _check_degree_holds(s: np.ndarray, cost: CostModel, degree: int, planner: str) -> None:
     if degree not in cost.degrees:
         reason = cost.degree_limit_reason(degree) or f"candidate degrees are {list(cost.degrees)}"
@@ -105,7 +147,8 @@ def plan_static(lengths, cost: CostModel, opts: PlanOptions, degree: int, name: 
     s = np.asarray(lengths, dtype=np.int64)
     name = name or f"static:{degree}"
     _check_degree_holds(s, cost, degree, name)
-    micro, blocks = _static_assignment(s, cost, degree)
+    found = _static_lockstep_assignment(s, cost, degree) if cost.execution == "lockstep" else None
+    micro, blocks = found if found is not None else _static_assignment(s, cost, degree)
     return build_plan(name, micro, s, cost, blocks=blocks, solve_seconds=time.perf_counter() - t0,
                       stats={"degree": degree})
 
@@ -341,7 +384,7 @@ def greedy_rule_plans(lengths, cost: CostModel, opts: PlanOptions, *, deadline: 
 
     s = np.asarray(lengths, dtype=np.int64)
     cost.check_feasible(s)
-    lb = lower_bound_ms(s, cost) - cost.grad_sync_ms()
+    lb = lower_bound_ms(s, cost) - cost.step_end_ms()
     dmin = cost.min_degree(s)
     every = lambda i: [d for d in cost.degrees if d >= dmin[i]]  # noqa: E731
     smallest = lambda i: (int(dmin[i]),)  # noqa: E731

@@ -896,6 +896,10 @@ def plan_flexsp(lengths, cost: CostModel, opts: PlanOptions | None = None, *, bu
     Cancelled when cancelled.
     """
     opts = opts or PlanOptions()
+    if cost.execution == "lockstep":
+        from workbench.solve.lockstep import plan_lockstep
+
+        return plan_lockstep(lengths, cost, opts, cpsat=cpsat)
     warm_up()
     t0 = time.perf_counter()
     limit = max(0.05, float(opts.time_limit))
@@ -904,7 +908,7 @@ def plan_flexsp(lengths, cost: CostModel, opts: PlanOptions | None = None, *, bu
     s = np.asarray(lengths, dtype=np.int64)
     cost.check_feasible(s)
     lb = lower_bound_ms(s, cost)
-    grad = cost.grad_sync_ms()
+    grad = cost.step_end_ms()  # the gradient sync and the optimizer step
     tab = _Table(s, cost)
     timing: dict[str, float] = {}
 

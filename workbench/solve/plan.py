@@ -4,12 +4,23 @@ A Plan is a list of micro-steps; each micro-step partitions (some of) the ranks 
 ``(degree, ranks)`` and gives each group the indices of the sequences it runs. Groups are aligned
 blocks of consecutive ranks: a group of degree d holds ranks ``[k*d, (k+1)*d)``.
 
-Timing semantics (the same the runtime has): a rank runs its micro-steps in order, and a group
-starts when all its ranks have finished their previous micro-step; there is no global barrier
-between micro-steps. After the last micro-step every rank joins the gradient all-reduce. So
-``makespan = max over ranks of its finish time + grad_sync``. For a static layout this is the
-slowest replica's sum of micro-batches; for a plan that changes groups between micro-steps a rank
-may wait for the ranks of its next group.
+Timing semantics (the same the runtime has) depend on the plan's ``execution``, fixed by the
+ZeRO stage it was planned for:
+
+- ``free`` (ZeRO 0-2): a rank runs its micro-steps in order, and a group starts when all its ranks
+  have finished their previous micro-step; there is no global barrier between micro-steps. After
+  the last micro-step every rank joins the gradient reduction. So ``makespan = max over ranks of its
+  finish time + grad_sync``. For a static layout this is the slowest replica's sum of micro-batches;
+  for a plan that changes groups between micro-steps a rank may wait for the ranks of its next
+  group. No rank is in two groups of one micro-step.
+- ``lockstep`` (ZeRO-3): every micro-step is a *pass* that all ranks run together (FSDP all-gathers
+  every unit's parameters over all ranks in each forward and backward). In a pass a rank may serve
+  several groups (their tokens go through one packed forward and backward; each layer runs the
+  attention of its groups in the order the pass lists them, the same order on every rank), holding
+  the activations of all of them. A rank's load in a pass is the sum of its groups' ``time_ms`` less
+  ``shared_overhead_ms`` for every group after its first (the packed call's constant, paid once);
+  the pass lasts ``max(largest rank load, pass_comm_ms) + pass_overhead_ms`` and the makespan is the
+  sum of the passes (gradients are reduce-scattered inside every pass: ``grad_sync_ms`` is 0).
 """
 
 from __future__ import annotations
@@ -33,7 +44,12 @@ __all__ = [
     "lower_bound_ms",
     "validate",
     "plan_from_dict",
+    "pass_loads",
+    "arrange_passes",
+    "EXECUTIONS",
 ]
+
+EXECUTIONS = ("free", "lockstep")
 
 STATUSES = ("optimal", "feasible", "heuristic", "fallback")
 
@@ -63,10 +79,19 @@ class Group:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MicroStep:
+    """One micro-step: under free execution groups on disjoint ranks; under lockstep one pass, its
+    groups in the order every rank runs them (a rank may be in several)."""
+
     groups: tuple[Group, ...]
+    time_ms: float | None = None
+    """Lockstep: the pass's predicted duration (compute or FSDP's collectives, plus the pass
+    overhead); None under free execution, where micro-steps overlap across ranks."""
 
     def to_dict(self) -> dict:
-        return {"groups": [g.to_dict() for g in self.groups]}
+        out: dict = {"groups": [g.to_dict() for g in self.groups]}
+        if self.time_ms is not None:
+            out["time_ms"] = self.time_ms
+        return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -89,6 +114,24 @@ class Plan:
     """Why the status is what it is (e.g. why a solver fell back)."""
     stats: dict = field(default_factory=dict)
     """Planner-specific figures (buckets, solver bound, iterations...)."""
+    execution: str = "free"
+    """``free`` (ZeRO 0-2: barrier-free micro-steps) or ``lockstep`` (ZeRO-3: passes every rank
+    joins); see the module docstring. Plans written before this field existed are free."""
+    zero_stage: int | None = None
+    """The ZeRO stage the plan was made for (None: not recorded)."""
+    precision: str | None = None
+    """``bf16`` or ``fp32``: what the plan's memory and communication assume (None: not recorded)."""
+    recompute: bool = False
+    """Whether the plan assumes per-block activation recomputation."""
+    shared_overhead_ms: float = 0.0
+    """Lockstep: the part of every group's ``time_ms`` a rank pays once per pass however many groups
+    it serves (the packed call's constant)."""
+    pass_comm_ms: float = 0.0
+    """Lockstep: FSDP's all-gathers and reduce-scatters of one pass; a pass is at least this long."""
+    pass_overhead_ms: float = 0.0
+    """Lockstep: what every pass costs on top of its compute (or its collectives)."""
+    optimizer_ms: float = 0.0
+    """The optimizer step after the last micro-step (in the makespan, after the gradient sync)."""
 
     @property
     def gap(self) -> float:
@@ -117,6 +160,14 @@ class Plan:
             "batch_id": self.batch_id,
             "reason": self.reason,
             "stats": self.stats,
+            "execution": self.execution,
+            "zero_stage": self.zero_stage,
+            "precision": self.precision,
+            "recompute": self.recompute,
+            "shared_overhead_ms": self.shared_overhead_ms,
+            "pass_comm_ms": self.pass_comm_ms,
+            "pass_overhead_ms": self.pass_overhead_ms,
+            "optimizer_ms": self.optimizer_ms,
             "micro_steps": [m.to_dict() for m in self.micro_steps],
         }
 
@@ -129,16 +180,26 @@ def plan_from_dict(d: Mapping[str, Any]) -> Plan:
                 Group(degree=int(g["degree"]), ranks=tuple(int(r) for r in g["ranks"]),
                       sequences=tuple(int(i) for i in g["sequences"]), lengths=tuple(int(x) for x in g["lengths"]),
                       time_ms=float(g["time_ms"]), memory_gb=float(g["memory_gb"]))
-                for g in m["groups"]))
+                for g in m["groups"]), time_ms=None if m.get("time_ms") is None else float(m["time_ms"]))
             for m in d["micro_steps"])
         budget = d.get("memory_budget_gb")
-        return Plan(planner=str(d["planner"]), status=str(d["status"]), makespan_ms=float(d["makespan_ms"]),
+        execution = str(d.get("execution") or "free")
+        zero = d.get("zero_stage")
+        plan = Plan(planner=str(d["planner"]), status=str(d["status"]), makespan_ms=float(d["makespan_ms"]),
                     lower_bound_ms=float(d["lower_bound_ms"]), solve_seconds=float(d["solve_seconds"]),
                     micro_steps=micro, num_gpus=int(d["num_gpus"]), grad_sync_ms=float(d.get("grad_sync_ms", 0.0)),
                     memory_budget_gb=math.inf if budget is None else float(budget), batch_id=d.get("batch_id"),
-                    reason=str(d.get("reason", "")), stats=dict(d.get("stats", {})))
+                    reason=str(d.get("reason", "")), stats=dict(d.get("stats", {})), execution=execution,
+                    zero_stage=None if zero is None else int(zero), precision=d.get("precision"),
+                    recompute=bool(d.get("recompute", False)),
+                    shared_overhead_ms=float(d.get("shared_overhead_ms", 0.0)),
+                    pass_comm_ms=float(d.get("pass_comm_ms", 0.0)), pass_overhead_ms=float(d.get("pass_overhead_ms", 0.0)),
+                    optimizer_ms=float(d.get("optimizer_ms", 0.0)))
     except (KeyError, TypeError, ValueError) as e:
         raise PlanError(f"not a plan: {e!r} (expected the shape of `workbench plan --json`)") from None
+    if plan.execution not in EXECUTIONS:
+        raise PlanError(f"not a plan: execution {plan.execution!r} is not one of {', '.join(EXECUTIONS)}")
+    return plan
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,15 +236,20 @@ def build_plan(
     blocks: Iterable[Iterable[int]] | None = None,
     lower_bound: float | None = None,
 ) -> Plan:
-    """Turn an assignment ``[[(degree, [seq, ...]), ...] per micro-step]`` into a Plan.
+    """Turn an assignment ``[[(degree, [seq, ...]), ...] per micro-step]`` into a Plan of the cost
+    model's execution (``cost.execution``).
 
-    Ranks are placed per micro-step, larger degrees first; each group takes the free aligned block
-    whose ranks are ready earliest (so heavy work lands on ranks that finished early), unless
-    ``blocks`` fixes the block index of every group (static layouts keep their replicas). Empty
-    groups are dropped. Raises PlanError when a micro-step's groups need more ranks than exist.
+    Free: ranks are placed per micro-step, larger degrees first; each group takes the free aligned
+    block whose ranks are ready earliest (so heavy work lands on ranks that finished early), unless
+    ``blocks`` fixes the block index of every group (static layouts keep their replicas). Lockstep:
+    every micro-step is a pass; groups take the lowest free aligned blocks (larger degrees first),
+    unless ``blocks`` fixes them, and then groups of one pass may share ranks (a rank serving several
+    groups in the pass). Empty groups, and passes left empty, are dropped. Raises PlanError when a
+    micro-step's groups need more ranks than exist, or fixed blocks overlap in a free micro-step.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     n = cost.cluster.num_gpus
+    lockstep = cost.execution == "lockstep"
     ready = np.zeros(n)
     out: list[MicroStep] = []
     fixed = [list(b) for b in blocks] if blocks is not None else None
@@ -201,13 +267,17 @@ def build_plan(
             m_of[d] = cost.memory(lengths, d)
         return float(m_of[d][list(seqs)].sum())
 
+    shared = cost.call_overhead_ms() if lockstep else 0.0
+    if lockstep and fixed is None:
+        micro_steps = _arranged(micro_steps, lengths, cost, n, _group_time)
+    total = 0.0
     for m, groups in enumerate(micro_steps):
         groups = [(int(d), list(s)) for d, s in groups]
         fixed_m = fixed[m] if fixed is not None else None
         if fixed_m is not None and len(fixed_m) != len(groups):
             raise PlanError(f"micro-step {m}: {len(groups)} groups but {len(fixed_m)} fixed blocks")
         need = sum(d for d, s in groups if s)
-        if need > n:
+        if need > n and fixed_m is None:
             raise PlanError(f"micro-step {m}: groups need {need} ranks but the cluster has {n}")
         timed = [(d, s, _group_time(d, s), k) for k, (d, s) in enumerate(groups) if s]
         timed.sort(key=lambda x: (-x[0], -x[2]))
@@ -216,8 +286,15 @@ def build_plan(
         for d, s, t, k in timed:
             if fixed_m is not None:
                 b = fixed_m[k]
-                if not 0 <= b < n // d or used[b * d:(b + 1) * d].any():
-                    raise PlanError(f"micro-step {m}: fixed block {b} of degree {d} is taken or out of range")
+                if not 0 <= b < n // d:
+                    raise PlanError(f"micro-step {m}: fixed block {b} of degree {d} is out of range")
+                if used[b * d:(b + 1) * d].any() and not lockstep:
+                    raise PlanError(f"micro-step {m}: fixed block {b} of degree {d} is taken")
+            elif lockstep:
+                free = ~used[: (n // d) * d].reshape(-1, d).any(axis=1)
+                if not free.any():
+                    raise PlanError(f"micro-step {m}: no free aligned block of degree {d} left")
+                b = int(np.argmax(free))
             else:
                 block_ready = ready[: (n // d) * d].reshape(-1, d).max(axis=1)
                 block_used = used[: (n // d) * d].reshape(-1, d).any(axis=1)
@@ -227,32 +304,147 @@ def build_plan(
                     raise PlanError(f"micro-step {m}: no free aligned block of degree {d} left")
             lo, hi = b * d, (b + 1) * d
             used[lo:hi] = True
-            start = ready[lo:hi].max()
-            ready[lo:hi] = start + t
+            if not lockstep:
+                start = ready[lo:hi].max()
+                ready[lo:hi] = start + t
             placed.append(Group(degree=d, ranks=tuple(range(lo, hi)), sequences=tuple(int(i) for i in s),
                                 lengths=tuple(int(lengths[i]) for i in s), time_ms=t,
                                 memory_gb=_group_memory(d, s)))
-        placed.sort(key=lambda g: g.ranks[0])
-        if placed:
+        placed.sort(key=lambda g: (g.ranks[0], -g.degree))
+        if not placed:
+            continue
+        if lockstep:
+            load = _rank_loads(placed, n, shared)
+            pass_ms = cost.pass_ms(float(load.max()))
+            total += pass_ms
+            out.append(MicroStep(groups=tuple(placed), time_ms=pass_ms))
+        else:
             out.append(MicroStep(groups=tuple(placed)))
-    grad = cost.grad_sync_ms()
-    makespan = float(ready.max()) + grad if out else grad
+    grad, opt = cost.grad_sync_ms(), cost.optimizer_ms()
+    compute = total if lockstep else (float(ready.max()) if out else 0.0)
     lb = lower_bound_ms(lengths, cost) if lower_bound is None else lower_bound
-    return Plan(planner=planner, status=status, makespan_ms=makespan, lower_bound_ms=lb,
+    return Plan(planner=planner, status=status, makespan_ms=compute + grad + opt, lower_bound_ms=lb,
                 solve_seconds=solve_seconds, micro_steps=tuple(out), num_gpus=n, grad_sync_ms=grad,
-                memory_budget_gb=cost.memory_budget_gb, reason=reason, stats=dict(stats or {}))
+                memory_budget_gb=cost.memory_budget_gb, reason=reason, stats=dict(stats or {}),
+                execution=cost.execution, zero_stage=cost.cluster.zero_stage, precision=cost.precision,
+                recompute=cost.recompute, shared_overhead_ms=shared,
+                pass_comm_ms=cost.pass_comm_ms(), pass_overhead_ms=cost.pass_overhead_ms(), optimizer_ms=opt)
+
+
+def _arranged(micro_steps, lengths, cost: CostModel, n: int, group_time) -> list:
+    """A lockstep step's passes from a planner's micro-steps: as given, or the same groups arranged
+    longest first into passes (``arrange_passes``), whichever sums to less. Planners whose
+    micro-step index means "the k-th group of a replica" (barrier-free thinking) thus get the
+    passes a lockstep run would pick for the same groups."""
+    given = [[(int(d), list(s)) for d, s in groups if len(s)] for groups in micro_steps]
+    given = [g for g in given if g]
+    flat = [g for groups in given for g in groups]
+    if not flat:
+        return given
+    times = [group_time(d, s) for d, s in flat]
+
+    def total(passes) -> float:
+        return sum(cost.pass_ms(max(times[k] for k in ks)) for ks in passes)
+
+    k = 0
+    as_given = []
+    for groups in given:
+        as_given.append(list(range(k, k + len(groups))))
+        k += len(groups)
+    ffd = arrange_passes(flat, times, n)
+    best = ffd if total(ffd) < total(as_given) * (1 - 1e-12) else as_given
+    return [[flat[k] for k in ks] for ks in best]
+
+
+def arrange_passes(groups, times, n: int) -> list[list[int]]:
+    """Indices of ``groups`` (``(degree, members)``) per lockstep pass: longest first, each into the
+    first pass with ranks to spare (the degrees of a pass sum to at most ``n``; powers of two that
+    each divide the next then always pack into aligned blocks). Longest first makes every pass as
+    long as its first group, which keeps the passes' sum small."""
+    order = np.argsort(-np.asarray(times, dtype=np.float64), kind="stable")
+    free: list[int] = []
+    out: list[list[int]] = []
+    for k in order:
+        d = int(groups[k][0])
+        for p, f in enumerate(free):
+            if f >= d:
+                out[p].append(int(k))
+                free[p] -= d
+                break
+        else:
+            out.append([int(k)])
+            free.append(n - d)
+    return out
+
+
+def _rank_loads(groups: Sequence[Group], n: int, shared: float) -> np.ndarray:
+    """Per rank, its load in one lockstep pass: the summed ``time_ms`` of its groups, less the
+    shared overhead for every group after the first."""
+    load = np.zeros(n)
+    count = np.zeros(n, dtype=np.int64)
+    for g in groups:
+        r = list(g.ranks)
+        load[r] += g.time_ms
+        count[r] += 1
+    return load - shared * np.maximum(count - 1, 0)
+
+
+def pass_loads(plan: Plan) -> list[np.ndarray]:
+    """Per lockstep pass, every rank's load (ms; 0 for an idle rank). Raises PlanError for a free plan."""
+    if plan.execution != "lockstep":
+        raise PlanError(f"pass loads are defined for lockstep plans; this plan is {plan.execution}")
+    return [_rank_loads(ms.groups, plan.num_gpus, plan.shared_overhead_ms) for ms in plan.micro_steps]
+
+
+def _pass_ms(plan: Plan, load: np.ndarray) -> float:
+    return max(float(load.max()) if load.size else 0.0, plan.pass_comm_ms) + plan.pass_overhead_ms
 
 
 def timeline(plan: Plan) -> dict:
     """Replay a plan's groups on its ranks: per group start/end, per rank busy and finish times.
 
-    Returns plain data: ``{"groups": [{micro_step, degree, ranks, start_ms, end_ms}], "rank_busy_ms",
-    "rank_finish_ms", "compute_end_ms", "makespan_ms"}`` (the makespan includes the gradient sync).
+    Returns plain data: ``{"execution", "groups": [{micro_step, degree, ranks, start_ms, end_ms,
+    sequences}], "rank_busy_ms", "rank_finish_ms", "compute_end_ms", "makespan_ms", "passes"}`` (the
+    makespan includes the gradient sync). Free plans replay barrier-free (``passes`` is empty).
+    Lockstep plans replay pass by pass: a pass starts when the previous one ended on every rank; a
+    rank runs its groups of the pass in the listed order (the first carries the shared overhead);
+    ``passes`` gives each pass's ``start_ms``, ``end_ms``, ``compute_ms`` (its largest rank load),
+    ``comm_ms`` and ``overhead_ms``, and ``waits`` every rank's wait for the end of a pass
+    (``{micro_step, rank, start_ms, end_ms}``; empty for free plans).
     """
     n = plan.num_gpus
-    ready = np.zeros(n)
     busy = np.zeros(n)
     rows = []
+    if plan.execution == "lockstep":
+        t = 0.0
+        passes = []
+        waits = []
+        for m, ms in enumerate(plan.micro_steps):
+            cursor = np.full(n, t)
+            first = np.ones(n, dtype=bool)
+            for g in ms.groups:
+                r = list(g.ranks)
+                dur = g.time_ms - (plan.shared_overhead_ms if not first[r].any() else 0.0)
+                start = float(cursor[r].max())
+                cursor[r] = start + dur
+                first[r] = False
+                rows.append({"micro_step": m, "degree": g.degree, "ranks": [r[0], r[-1]], "start_ms": start,
+                             "end_ms": start + dur, "sequences": len(g.sequences)})
+            load = _rank_loads(ms.groups, n, plan.shared_overhead_ms)
+            busy += load
+            dur = ms.time_ms if ms.time_ms is not None else _pass_ms(plan, load)
+            passes.append({"micro_step": m, "start_ms": t, "end_ms": t + dur, "compute_ms": float(load.max()),
+                           "comm_ms": plan.pass_comm_ms, "overhead_ms": plan.pass_overhead_ms})
+            # every rank waits from the end of its own work to the end of the pass
+            for r in range(n):
+                if t + dur - (t + load[r]) > 1e-9:
+                    waits.append({"micro_step": m, "rank": r, "start_ms": float(t + load[r]), "end_ms": float(t + dur)})
+            t += dur
+        finish = np.full(n, t)
+        return {"execution": "lockstep", "groups": rows, "rank_busy_ms": busy.tolist(), "rank_finish_ms": finish.tolist(),
+                "compute_end_ms": t, "makespan_ms": t + plan.grad_sync_ms + plan.optimizer_ms, "passes": passes,
+                "waits": waits}
+    ready = np.zeros(n)
     for m, ms in enumerate(plan.micro_steps):
         for g in sorted(ms.groups, key=lambda g: (-g.degree, -g.time_ms)):
             r = list(g.ranks)
@@ -262,8 +454,8 @@ def timeline(plan: Plan) -> dict:
             rows.append({"micro_step": m, "degree": g.degree, "ranks": [r[0], r[-1]], "start_ms": start,
                          "end_ms": start + g.time_ms, "sequences": len(g.sequences)})
     end = float(ready.max()) if rows else 0.0
-    return {"groups": rows, "rank_busy_ms": busy.tolist(), "rank_finish_ms": ready.tolist(),
-            "compute_end_ms": end, "makespan_ms": end + plan.grad_sync_ms}
+    return {"execution": "free", "groups": rows, "rank_busy_ms": busy.tolist(), "rank_finish_ms": ready.tolist(),
+            "compute_end_ms": end, "makespan_ms": end + plan.grad_sync_ms + plan.optimizer_ms, "passes": [], "waits": []}
 
 
 MAX_GROUPS_PER_GPU = 4096
@@ -283,13 +475,16 @@ def lower_bound_ms(lengths, cost: CostModel) -> float:
     "perfectly divided work" bound (each sequence at its cheapest degree) and at least the longest
     single sequence on its fastest degree, and tighter than both when the long sequences must
     run on wide, less efficient groups to finish in time. ``_slot_bound`` then raises it further
-    by counting each GPU's groups as a whole number.
+    by counting each GPU's groups as a whole number. Lockstep cost models get
+    ``lockstep_lower_bound_ms`` instead.
     Raises InfeasibleError when a sequence fits no group.
     """
     s = np.asarray(lengths, dtype=np.int64)
     if s.size == 0:
-        return cost.grad_sync_ms()
+        return cost.step_end_ms()
     cost.check_feasible(s)
+    if cost.execution == "lockstep":
+        return lockstep_lower_bound_ms(s, cost)
     n = cost.cluster.num_gpus
     degs = list(cost.degrees)
     single = np.full((len(degs), s.size), np.inf)  # time(s, d) + overhead(d), inf where d cannot hold s
@@ -328,7 +523,78 @@ def lower_bound_ms(lengths, cost: CostModel) -> float:
     else:
         t_lb = min(float(b[lo]), need(float(b[lo - 1])))
     t_lb = _slot_bound(t_lb, single, work, gpu_mem, cost)
-    return t_lb + cost.grad_sync_ms()
+    return t_lb + cost.step_end_ms()
+
+
+def lockstep_lower_bound_ms(lengths, cost: CostModel) -> float:
+    """A bound no lockstep plan beats (one group or several per rank in a pass), in ms.
+
+    With M passes a step lasts ``sum over passes of max(L_p, comm) + M * overhead`` (``L_p`` the
+    pass's largest rank load). Then:
+
+    - M is at least ``M_min = ceil(sum of activations / (N * budget))``: a pass holds at most the
+      budget on each of the N ranks (every sequence's activations over its group, ``d * memory(s,
+      d)``, do not depend on d);
+    - a rank busy in a pass pays the packed call's constant C once, so every pass is at least
+      ``P = max(C, comm)`` long and the longest one is at most ``X = S - M overhead - (M - 1) P``
+      for a step of S; every sequence runs on a degree whose single-group time ``C + extra(d) +
+      time(s, d)`` is within X, costing at least ``d * time(s, d)`` GPU-ms there;
+    - the passes' largest loads are at least their mean loads, whose sum is at least ``(W(X) + C
+      * slots) / N``: W(X) the GPU-time of every sequence at its cheapest degree fast enough for X,
+      ``slots`` the busy rank-passes, at least ``max(M, sum of activations / budget)``;
+    - and at least the longest sequence on its fastest degree plus ``(M - 1) P``.
+
+    The bound is the smallest S meeting ``S >= M overhead + max(the above)`` (the requirement only
+    falls as S grows: bisection). Raises InfeasibleError when a sequence fits no group.
+    """
+    s = np.asarray(lengths, dtype=np.int64)
+    if s.size == 0:
+        return cost.step_end_ms()
+    cost.check_feasible(s)
+    n = cost.cluster.num_gpus
+    end = float(cost.step_end_ms())
+    degs = list(cost.degrees)
+    single = np.full((len(degs), s.size), np.inf)
+    work = np.full((len(degs), s.size), np.inf)
+    for k, d in enumerate(degs):
+        ok = cost.memory(s, d) <= cost.memory_budget_gb
+        t = cost.time(s, d)
+        single[k] = np.where(ok, t + cost.group_overhead_ms(d), np.inf)
+        work[k] = np.where(ok, d * t, np.inf)
+    act = float(cost.memory(s, 1).sum())  # GB over GPUs, whatever the degrees
+    B = float(cost.memory_budget_gb)
+    M = max(1, int(math.ceil(act / (n * B) - 1e-9)))
+    slots = max(float(M), act / B)
+    C, comm, ovh = float(cost.call_overhead_ms()), float(cost.pass_comm_ms()), float(cost.pass_overhead_ms())
+    P = max(C, comm)
+    x0 = float(single.min(axis=0).max())
+
+    def need(S: float) -> float:
+        X = S - M * ovh - (M - 1) * P
+        if X < x0 * (1 - 1e-12):
+            return math.inf
+        W = _least_work(single, work, X)
+        return M * ovh + max((W + C * slots) / n, M * C, M * comm, x0 + (M - 1) * P)
+
+    lo = M * ovh + max(float(work.min(axis=0).sum() + C * slots) / n, M * C, M * comm, x0 + (M - 1) * P)
+    if need(lo) <= lo:
+        return lo + end
+    hi = max(lo, 1e-9) * 2.0
+    for _ in range(200):
+        if need(hi) <= hi:
+            break
+        lo, hi = hi, hi * 2.0
+    else:
+        return lo + end
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        if need(mid) <= mid:
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-9 * hi:
+            break
+    return lo + end  # a step of lo cannot be, so every plan is longer
 
 
 def _least_work(single: np.ndarray, work: np.ndarray, x: float) -> float:
@@ -412,20 +678,27 @@ def _slot_bound(t0: float, single: np.ndarray, work: np.ndarray, gpu_mem: np.nda
 def validate(plan: Plan, lengths, cluster, cost: CostModel | None = None, *, rtol: float = 1e-6) -> None:
     """Check a plan against its batch and cluster; raise PlanError saying what is wrong and where.
 
-    Checks: the plan is for ``cluster.num_gpus`` ranks; every group is an aligned block of
-    consecutive ranks whose size is its degree (a candidate degree); no rank is in two groups of a
-    micro-step; no group is empty; every sequence of the batch runs exactly once and the lengths
-    match; each group's memory fits the budget (recomputed with ``cost`` when given); the lower
-    bound does not exceed the makespan.
+    Checks: the plan's execution is the cluster's (lockstep under ZeRO-3, free under ZeRO 0-2); the
+    plan is for ``cluster.num_gpus`` ranks; every group is an aligned block of consecutive ranks
+    whose size is its degree (a candidate degree); under free execution no rank is in two groups
+    of a micro-step; no group is empty; every sequence of the batch runs exactly once and the
+    lengths match; each group's memory fits the budget (recomputed with ``cost`` when given), and
+    under lockstep every rank's activations in a pass (all its groups together) fit it too; the
+    lower bound does not exceed the makespan.
     """
     s = np.asarray(lengths, dtype=np.int64)
     n = cluster.num_gpus
+    if plan.execution != cluster.execution:
+        raise PlanError(f"the plan is {plan.execution} but ZeRO-{cluster.zero_stage} runs {cluster.execution} "
+                        f"(ZeRO-3: lockstep passes; ZeRO 0-2: free); plan again for ZeRO-{cluster.zero_stage}")
     if plan.num_gpus != n:
         raise PlanError(f"plan is for {plan.num_gpus} ranks but the cluster has {n}")
     seen = np.zeros(s.size, dtype=np.int64)
     budget = cost.memory_budget_gb if cost is not None else plan.memory_budget_gb
+    lockstep = plan.execution == "lockstep"
     for m, ms in enumerate(plan.micro_steps):
         taken: dict[int, int] = {}
+        rank_mem = np.zeros(n)
         for gi, g in enumerate(ms.groups):
             where = f"micro-step {m}, group {gi} (degree {g.degree}, ranks {g.ranks[0] if g.ranks else '?'}..)"
             if g.degree not in cluster.degrees:
@@ -439,7 +712,7 @@ def validate(plan: Plan, lengths, cluster, cost: CostModel | None = None, *, rto
             if lo + g.degree > n or lo < 0:
                 raise PlanError(f"{where}: ranks go beyond the cluster's {n} ranks")
             for r in g.ranks:
-                if r in taken:
+                if r in taken and not lockstep:
                     raise PlanError(f"{where}: rank {r} is also in group {taken[r]} of this micro-step")
                 taken[r] = gi
             if not g.sequences:
@@ -455,6 +728,11 @@ def validate(plan: Plan, lengths, cluster, cost: CostModel | None = None, *, rto
             mem = g.memory_gb if cost is None else float(cost.memory(s[list(g.sequences)], g.degree).sum())
             if mem > budget * (1 + rtol):
                 raise PlanError(f"{where}: needs {mem:.2f} GB per GPU of activations but the budget is {budget:.2f} GB")
+            rank_mem[list(g.ranks)] += mem
+        if lockstep and rank_mem.max(initial=0.0) > budget * (1 + rtol):
+            r = int(np.argmax(rank_mem))
+            raise PlanError(f"pass {m}: rank {r} holds {rank_mem[r]:.2f} GB of activations over its groups but the "
+                            f"budget is {budget:.2f} GB (a rank keeps every group of a pass in memory)")
     missing = np.flatnonzero(seen == 0)
     if missing.size:
         raise PlanError(f"sequence(s) {missing[:10].tolist()}{'...' if missing.size > 10 else ''} are in no group "

@@ -1,0 +1,216 @@
+"""Lockstep execution (ZeRO-3): pass times by hand, validation, the lower bound and the flexsp
+planner against an exhaustive search over every lockstep plan of small instances."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+
+import numpy as np
+import pytest
+
+from workbench.cost import CostModel
+from workbench.solve import PlanError, build_plan, lower_bound_ms, run_planner, timeline, validate
+from workbench.solve.flexsp import _Table
+from workbench.solve.lockstep import Passes, plan_lockstep
+from workbench.solve.options import PlanOptions
+from workbench.solve.plan import pass_loads
+from workbench.specs import ClusterSpec, get_model, load_profile
+from conftest import set_partitions
+
+PROFILE = load_profile("a100-40g-flexsp")
+
+
+def _cost(n, mem, model="1b", degrees=()):
+    return CostModel(PROFILE, get_model(model), ClusterSpec(num_gpus=n, gpus_per_node=n, gpu_memory_gb=mem,
+                                                            degrees=degrees))
+
+
+def _exhaustive(s, cost, *, multi):
+    """The least step (ms) over every lockstep plan: every partition of the sequences into groups,
+    every degree and aligned block for each group, every partition of the groups into passes; a pass
+    lasts max(largest rank load, comm) + overhead, a rank's load being the packed call's constant
+    once plus, per group it serves, the group's extras and its sequences' times. Without ``multi`` a
+    rank serves at most one group per pass. A rank's activations in a pass fit the budget."""
+    n = cost.cluster.num_gpus
+    C, comm, ovh = cost.call_overhead_ms(), cost.pass_comm_ms(), cost.pass_overhead_ms()
+    B = cost.memory_budget_gb * (1 + 1e-9)
+    places = [(d, b) for d in cost.degrees for b in range(n // d)]
+    best = math.inf
+    for groups in set_partitions(list(range(len(s)))):
+        for choice in itertools.product(places, repeat=len(groups)):
+            info = []
+            for members, (d, b) in zip(groups, choice):
+                t = float(cost.time(s[members], d).sum())
+                m = float(cost.memory(s[members], d).sum())
+                info.append((d, b, cost.group_extra_ms(d) + t, m))
+            if any(m > B for *_, m in info):
+                continue
+            for passes in set_partitions(list(range(len(info)))):
+                total = 0.0
+                for ks in passes:
+                    load, cnt, mem = np.zeros(n), np.zeros(n), np.zeros(n)
+                    for k in ks:
+                        d, b, t, m = info[k]
+                        load[b * d:(b + 1) * d] += t
+                        cnt[b * d:(b + 1) * d] += 1
+                        mem[b * d:(b + 1) * d] += m
+                    if (mem > B).any() or (not multi and (cnt > 1).any()):
+                        total = math.inf
+                        break
+                    total += max(float((load + C * (cnt > 0)).max()), comm) + ovh
+                best = min(best, total)
+    return best + cost.grad_sync_ms()
+
+
+def _instances(count, seed):
+    """Small random instances whose memory needs one to three passes (1B on 2 or 4 GPUs with a
+    few GB of activation budget)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    while len(out) < count:
+        n, mem = [(2, 34.0), (2, 36.0), (4, 24.0), (4, 26.0)][int(rng.integers(4))]
+        cost = _cost(n, mem)
+        k = int(rng.integers(2, 5 if n == 2 else 4))
+        tpg = cost.tokens_per_gpu()
+        s = np.maximum(64, (rng.uniform(0.1, 1.6, size=k) * tpg).astype(np.int64))
+        if (cost.min_degree(s) == 0).any():
+            continue
+        out.append((s, cost))
+    return out
+
+
+def test_pass_times_by_hand():
+    cost = _cost(4, 24.0)
+    C, comm, ovh = cost.call_overhead_ms(), cost.pass_comm_ms(), cost.pass_overhead_ms()
+    assert C > 0 and comm > 0 and ovh > 0
+    s = np.array([3000, 800, 700, 600])
+    t1, t2 = cost.time(s, 1), cost.time(s, 2)
+    g2 = cost.group_overhead_ms(2) + t2[0]  # sequence 0 on ranks 0-1
+    g1a = cost.group_overhead_ms(1) + t1[1]  # sequence 1 alone on rank 0 (stacked on the degree-2 group)
+    g1b = cost.group_overhead_ms(1) + t1[2] + t1[3]  # sequences 2, 3 on rank 2
+    plan = build_plan("hand", [[(2, [0]), (1, [1]), (1, [2, 3])]], s, cost, blocks=[[0, 0, 2]])
+    validate(plan, s, cost.cluster, cost)
+    load = pass_loads(plan)[0]
+    # rank 0 serves two groups and pays the packed call's constant once; rank 3 idles
+    assert load[0] == pytest.approx(g2 + g1a - C)
+    assert load[1] == pytest.approx(g2) and load[2] == pytest.approx(g1b) and load[3] == 0.0
+    expect = max(load.max(), comm) + ovh
+    assert plan.micro_steps[0].time_ms == pytest.approx(expect)
+    assert plan.makespan_ms == pytest.approx(expect)  # ZeRO-3: no gradient sync after the last pass
+    tl = timeline(plan)
+    assert tl["execution"] == "lockstep" and tl["makespan_ms"] == pytest.approx(expect)
+    assert tl["rank_busy_ms"] == pytest.approx(load.tolist())
+    assert [p["compute_ms"] for p in tl["passes"]] == pytest.approx([load.max()])
+    # two passes (blocks fixed: as given) add up; the second starts when the first ends on every rank
+    two = build_plan("hand", [[(2, [0])], [(1, [1, 2, 3])]], s, cost, blocks=[[0], [0]])
+    p0 = max(g2, comm) + ovh
+    p1 = max(cost.group_overhead_ms(1) + t1[1:].sum(), comm) + ovh
+    assert two.makespan_ms == pytest.approx(p0 + p1)
+    assert timeline(two)["passes"][1]["start_ms"] == pytest.approx(p0)
+    # without fixed blocks the two groups fit one pass side by side (3 of 4 ranks): arranged so
+    one = build_plan("hand", [[(2, [0])], [(1, [1, 2, 3])]], s, cost)
+    assert len(one.micro_steps) == 1
+    assert one.makespan_ms == pytest.approx(max(g2, cost.group_overhead_ms(1) + t1[1:].sum(), comm) + ovh)
+
+
+def test_validate_refuses_what_a_lockstep_run_cannot_do():
+    cost = _cost(4, 24.0)
+    s = np.array([3000, 2900, 600])
+    B = cost.memory_budget_gb
+    # each group fits alone, but rank 0 would hold both in one pass
+    assert cost.memory([3000], 2)[0] < B < cost.memory([3000], 2)[0] + cost.memory([2900], 1)[0]
+    over = build_plan("hand", [[(2, [0]), (1, [1, 2])]], s, cost, blocks=[[0, 0]])
+    with pytest.raises(PlanError, match="rank 0 holds .* over its groups"):
+        validate(over, s, cost.cluster, cost)
+    ok = build_plan("hand", [[(2, [0]), (1, [1]), (1, [2])]], s, cost, blocks=[[0, 2, 3]])
+    validate(ok, s, cost.cluster, cost)
+    # a free plan for a ZeRO-3 cluster, and a lockstep plan for a ZeRO-2 one
+    free = CostModel(PROFILE, get_model("1b"), ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=80, zero_stage=2))
+    fp = build_plan("hand", [[(2, [0]), (1, [1]), (1, [2])]], s, free)
+    with pytest.raises(PlanError, match="the plan is free but ZeRO-3 runs lockstep"):
+        validate(fp, s, cost.cluster, cost)
+    with pytest.raises(PlanError, match="the plan is lockstep but ZeRO-2 runs free"):
+        validate(ok, s, free.cluster, free)
+
+
+def test_lower_bound_and_planner_against_every_lockstep_plan():
+    checked = multi_gain = 0
+    single_at_opt = 0
+    for s, cost in _instances(10, seed=3):
+        single = _exhaustive(s, cost, multi=False)
+        multi = _exhaustive(s, cost, multi=True)
+        assert multi <= single * (1 + 1e-12)
+        lb = lower_bound_ms(s, cost)
+        assert lb <= multi * (1 + 1e-9), (s.tolist(), lb, multi)
+        for use_multi, opt in ((False, single), (True, multi)):
+            p = plan_lockstep(s, cost, PlanOptions(time_limit=0.5), multi=use_multi)
+            validate(p, s, cost.cluster, cost)
+            assert p.makespan_ms >= opt * (1 - 1e-9), "a plan faster than every plan"
+            assert p.makespan_ms <= opt * 1.10, (s.tolist(), use_multi, p.makespan_ms, opt)
+            single_at_opt += (not use_multi) and p.makespan_ms <= opt * (1 + 1e-9)
+        multi_gain += multi < single * (1 - 1e-9)
+        checked += 1
+    assert checked == 10
+    assert single_at_opt >= 8  # the single-group planner finds the optimum on most small instances
+
+
+def test_passes_bookkeeping_after_local_search():
+    rng = np.random.default_rng(5)
+    cost = _cost(8, 30.0)
+    for _ in range(4):
+        s = np.maximum(64, (rng.pareto(1.2, size=60) * 800).astype(np.int64))
+        s = np.minimum(s, int(cost.tokens_per_gpu() * 8 * 0.9))
+        tab = _Table(s, cost)
+        for multi in (False, True):
+            p = plan_lockstep(s, cost, PlanOptions(time_limit=0.4), multi=multi)
+            validate(p, s, cost.cluster, cost)
+            e_of = {int(d): e for e, d in enumerate(tab.deg)}
+            ps = Passes.from_passes(tab, cost, [[(e_of[g.degree], g.ranks[0] // g.degree, list(g.sequences))
+                                                 for g in ms.groups] for ms in p.micro_steps], multi=multi)
+            ps.check()
+            assert ps.step_ms() + p.grad_sync_ms == pytest.approx(p.makespan_ms)
+            before = ps.step_ms()
+            ps.improve(time.perf_counter() + 0.3)
+            ps.check()
+            assert ps.step_ms() <= before * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("family", ["wikipedia", "github"])
+def test_flexsp_lockstep_beats_the_lockstep_baselines(family):
+    from workbench.scenario import Scenario
+
+    sc = Scenario(num_gpus=64, source=family, samples=50_000, batch_tokens=400_000)
+    cost = sc.cost()
+    assert cost.execution == "lockstep"
+    for b in sc.batches(2):
+        s = np.asarray(b.lengths)
+        p = run_planner("flexsp", s, cost, time_limit=1.0)
+        validate(p, s, cost.cluster, cost)
+        assert p.execution == "lockstep" and p.zero_stage == 3 and p.grad_sync_ms == 0.0
+        for other in ("static-max", "best-static", "min-degree", "greedy"):
+            q = run_planner(other, s, cost)
+            validate(q, s, cost.cluster, cost)
+            assert q.execution == "lockstep"
+            assert p.makespan_ms <= q.makespan_ms * (1 + 1e-9), (other, p.makespan_ms, q.makespan_ms)
+
+
+def test_packing_bound_holds_for_every_lockstep_plan():
+    from workbench.solve.bound import lockstep_packing_bound_ms, step_bound_ms
+
+    tighter = 0
+    for s, cost in _instances(8, seed=7):
+        single = _exhaustive(s, cost, multi=False)
+        multi = _exhaustive(s, cost, multi=True)
+        pb_single = lockstep_packing_bound_ms(s, cost, multi=False)
+        pb_multi = lockstep_packing_bound_ms(s, cost, multi=True)
+        assert pb_multi <= multi * (1 + 1e-9), (s.tolist(), pb_multi, multi)
+        assert pb_single <= single * (1 + 1e-9), (s.tolist(), pb_single, single)
+        # restricted by a plan's step it stays a bound
+        p = plan_lockstep(s, cost, PlanOptions(time_limit=0.3))
+        assert lockstep_packing_bound_ms(s, cost, p.makespan_ms, multi=True) <= multi * (1 + 1e-9)
+        sb = step_bound_ms(s, cost, [p])
+        assert lower_bound_ms(s, cost) <= sb * (1 + 1e-12) and sb <= multi * (1 + 1e-9)
+        tighter += pb_single > lower_bound_ms(s, cost) * (1 + 1e-6)
+    assert tighter >= 1

@@ -1,0 +1,929 @@
+"""FlexSP's problem under ZeRO-3: a step as lockstep passes, and the solver for it.
+
+Under ZeRO-3 every rank runs the same passes together (``plan.py``): a pass lasts as long as its most
+loaded rank (or FSDP's collectives), so the step is ``sum over passes of max(L_p, comm) + M *
+overhead``. The problem: choose the number of passes M and, per pass, groups on aligned blocks and
+the sequences each runs, so that every sequence runs once, a rank's activations in a pass fit the
+budget, and that sum is least.
+
+Two pass shapes (``Passes.multi``):
+
+- *single* (FlexSP's own): every rank in at most one group per pass, so a pass lasts as long as its
+  slowest group (its overhead, which includes the packed call's constant, plus its sequences).
+- *multi*: a rank may serve several groups in a pass (on nested aligned blocks). Their tokens go
+  through one packed forward and backward, so the rank pays the packed call's constant once and
+  every group's own extras (collective latencies, SP layout) and sequences; it holds the activations
+  of all of them. A pass ends when its most loaded *rank* ends, not its slowest group, so a rank
+  whose group finishes early can take more work on a smaller degree. Single is the special case.
+
+How ``plan_lockstep`` plans (within ``opts.time_limit``):
+
+1. Splits. For M from the memory minimum ``M_min`` (the activations over N ranks x budget) up to a
+   few more, the batch is split into M passes by three rules: FlexSP's (sorted by length,
+   consecutive chunks of equal tokens), work-balanced (longest-processing-time on each sequence's
+   least GPU-time, within each pass's memory) and memory-balanced. Every pass is planned as one
+   micro-step by the per-micro-step heuristic of ``flexsp`` (degrees by bottleneck raising, group
+   counts by a divisible estimate, LPT packing, moves and swaps).
+2. Local search on the whole step (``Passes.improve``): take the most loaded rank of the passes that
+   are longer than FSDP's collectives, and move one of its sequences to the group (or a new group
+   on idle ranks, or on any ranks with memory to spare when ``multi``) of any pass where the sum of
+   passes falls most; when nothing moves, try to empty the lightest pass into the others.
+3. CP-SAT on the one-micro-step model (``flexsp._solve_step``) for the longest passes, warm-started
+   from their groups, kept when a pass gets shorter; the local search again.
+4. With ``multi``, the local search once more with stacked groups allowed.
+
+Pure numpy (and OR-Tools through ``flexsp``): no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from workbench.cost import CostModel
+from workbench.solve.options import PlanOptions
+from workbench.solve.plan import Plan, build_plan, lower_bound_ms
+
+__all__ = ["Passes", "plan_lockstep", "split_passes", "MULTI_GROUP"]
+
+MULTI_GROUP = True
+
+STACK_EARLY = False
+"""Whether the first local search may stack groups already (else only the last one does)."""
+"""Whether ``plan_lockstep`` lets a rank serve several groups in a pass (see the module docstring)."""
+
+EXTRA_PASSES = 2
+"""Splits are tried with up to this many passes above the memory minimum."""
+
+CONSTRUCT_SHARE = 0.35
+"""Share of the time limit the splits may take (the first split always completes)."""
+
+IMPROVE_SHARE = 0.65
+"""Share of the time left after the splits that the local search and the pair re-splits get."""
+
+IMPROVE_STARTS = 3
+"""They improve the best start of this many pass counts (the fastest counts first)."""
+
+CPSAT_SHARE = 0.5
+"""Share of the time left after the first local search that CP-SAT on the longest passes gets."""
+
+LAYOUT_MAX_SEQS = 96
+"""Passes of at most this many sequences are also tried on fixed two-degree layouts (``_layout_pass``)."""
+
+SWAP_CANDIDATES = 8
+"""The local search tries swaps for this many sequences of a pass's most loaded rank (longest first)."""
+
+SWAP_GROUPS = 256
+"""... against this many groups at most (those with the most slack in their pass first)."""
+
+_EPS = 1e-9
+
+
+# ------------------------------------------------------------------------------------------------
+# passes on aligned blocks
+# ------------------------------------------------------------------------------------------------
+
+
+class Passes:
+    """Groups of a lockstep step: per group its pass, degree index ``e`` (into ``tab.deg``), block
+    ``b`` (ranks ``[b*d, (b+1)*d)``) and sequences; per pass and rank the summed group extras and
+    sequence times (``load``, without the packed call's constant), the number of groups (``cnt``)
+    and the activations (``mem``). ``tab`` is a ``flexsp._Table`` of the step's lengths."""
+
+    def __init__(self, tab, cost: CostModel, *, multi: bool) -> None:
+        self.tab = tab
+        self.n = int(tab.n_gpus)
+        self.d = [int(x) for x in tab.deg]
+        self.D = len(self.d)
+        self.C = float(cost.call_overhead_ms())
+        self.extra = np.asarray(tab.over, dtype=np.float64) - self.C  # per degree index
+        self.comm = float(cost.pass_comm_ms())
+        self.ovh = float(cost.pass_overhead_ms())
+        self.multi = bool(multi)
+        self.budget = float(tab.budget) * (1 + 1e-12)
+        self.load: list[np.ndarray] = []
+        self.cnt: list[np.ndarray] = []
+        self.mem: list[np.ndarray] = []
+        self.g_p: list[int] = []
+        self.g_e: list[int] = []
+        self.g_b: list[int] = []
+        self.g_members: list[list[int]] = []
+        self.g_alive: list[bool] = []
+        self.where = np.full(tab.s.size, -1, dtype=np.int64)
+
+    # ---- building ---------------------------------------------------------------------------------
+    def new_pass(self) -> int:
+        self.load.append(np.zeros(self.n))
+        self.cnt.append(np.zeros(self.n, dtype=np.int64))
+        self.mem.append(np.zeros(self.n))
+        return len(self.load) - 1
+
+    def add_group(self, p: int, e: int, b: int, members) -> int:
+        """A group of degree index ``e`` on block ``b`` of pass ``p`` running ``members``."""
+        g = len(self.g_p)
+        members = [int(i) for i in members]
+        self.g_p.append(int(p))
+        self.g_e.append(int(e))
+        self.g_b.append(int(b))
+        self.g_members.append(members)
+        self.g_alive.append(True)
+        r = self._ranks(e, b)
+        self.load[p][r] += self.extra[e] + float(self.tab.t[e, members].sum())
+        self.cnt[p][r] += 1
+        self.mem[p][r] += float(self.tab.mem[e, members].sum())
+        self.where[members] = g
+        return g
+
+    @classmethod
+    def from_passes(cls, tab, cost: CostModel, passes, *, multi: bool) -> "Passes":
+        """From ``[[(e, members), ...] per pass]`` (single-group passes: placed on the lowest free
+        aligned blocks, larger degrees first) or ``[[(e, b, members), ...] per pass]`` (blocks given)."""
+        ps = cls(tab, cost, multi=multi)
+        for groups in passes:
+            groups = [g for g in groups if len(g[-1])]
+            if not groups:
+                continue
+            p = ps.new_pass()
+            if len(groups[0]) == 3:
+                for e, b, mem in groups:
+                    ps.add_group(p, e, b, mem)
+                continue
+            used = np.zeros(ps.n, dtype=bool)
+            for e, mem in sorted(groups, key=lambda g: -ps.d[g[0]]):
+                d = ps.d[e]
+                free = ~used[: (ps.n // d) * d].reshape(-1, d).any(axis=1)
+                b = int(np.argmax(free))
+                if not free[b]:
+                    raise ValueError(f"a pass's groups need more than {ps.n} ranks")
+                used[b * d:(b + 1) * d] = True
+                ps.add_group(p, e, b, mem)
+        return ps
+
+    def copy(self) -> "Passes":
+        out = Passes.__new__(Passes)
+        out.__dict__.update(self.__dict__)
+        out.load = [x.copy() for x in self.load]
+        out.cnt = [x.copy() for x in self.cnt]
+        out.mem = [x.copy() for x in self.mem]
+        out.g_p, out.g_e, out.g_b = list(self.g_p), list(self.g_e), list(self.g_b)
+        out.g_members = [list(m) for m in self.g_members]
+        out.g_alive = list(self.g_alive)
+        out.where = self.where.copy()
+        return out
+
+    # ---- reading ----------------------------------------------------------------------------------
+    def _ranks(self, e: int, b: int) -> slice:
+        d = self.d[e]
+        return slice(b * d, (b + 1) * d)
+
+    def rank_loads(self, p: int) -> np.ndarray:
+        """Every rank's load in pass ``p`` (ms), the packed call's constant included when busy."""
+        return self.load[p] + self.C * (self.cnt[p] > 0)
+
+    def pass_len(self, p: int) -> float:
+        """Pass ``p``'s largest rank load (0 for an empty pass)."""
+        return float(self.rank_loads(p).max()) if self.cnt[p].any() else 0.0
+
+    def pass_cost(self, p: int) -> float:
+        """What pass ``p`` adds to the step: ``max(L_p, comm) + overhead``, 0 when it is empty."""
+        return self._cost_of(self.pass_len(p)) if self.cnt[p].any() else 0.0
+
+    def _cost_of(self, length: float) -> float:
+        return max(length, self.comm) + self.ovh
+
+    def step_ms(self) -> float:
+        """The step's compute time: the sum of its non-empty passes."""
+        return float(sum(self.pass_cost(p) for p in range(len(self.load))))
+
+    def passes(self) -> list[int]:
+        """Indices of the non-empty passes."""
+        return [p for p in range(len(self.load)) if self.cnt[p].any()]
+
+    def groups(self, p: int | None = None) -> list[int]:
+        """Live groups (of pass ``p``)."""
+        return [g for g in range(len(self.g_p)) if self.g_alive[g] and (p is None or self.g_p[g] == p)]
+
+    def assignment(self):
+        """``(micro_steps, blocks)`` for ``build_plan``: per non-empty pass its groups as ``(degree,
+        members)`` and their block indices."""
+        micro, blocks = [], []
+        for p in self.passes():
+            gs = sorted(self.groups(p), key=lambda g: (-self.d[self.g_e[g]], self.g_b[g]))
+            micro.append([(self.d[self.g_e[g]], sorted(self.g_members[g])) for g in gs])
+            blocks.append([self.g_b[g] for g in gs])
+        return micro, blocks
+
+    def check(self) -> None:
+        """Raise AssertionError when the cached loads or memories disagree with the groups (tests)."""
+        for p in range(len(self.load)):
+            load, cnt, mem = np.zeros(self.n), np.zeros(self.n, dtype=np.int64), np.zeros(self.n)
+            for g in self.groups(p):
+                e, r, m = self.g_e[g], self._ranks(self.g_e[g], self.g_b[g]), self.g_members[g]
+                load[r] += self.extra[e] + self.tab.t[e, m].sum()
+                cnt[r] += 1
+                mem[r] += self.tab.mem[e, m].sum()
+            assert np.allclose(load, self.load[p]) and (cnt == self.cnt[p]).all() and np.allclose(mem, self.mem[p])
+            if not self.multi:
+                assert (cnt <= 1).all()
+            assert (mem <= self.budget * (1 + 1e-9)).all()
+
+    # ---- moves -------------------------------------------------------------------------------------
+    def _remove(self, i: int) -> None:
+        g = int(self.where[i])
+        p, e = self.g_p[g], self.g_e[g]
+        r = self._ranks(e, self.g_b[g])
+        self.g_members[g].remove(i)
+        self.load[p][r] -= self.tab.t[e, i]
+        self.mem[p][r] -= self.tab.mem[e, i]
+        self.where[i] = -1
+        if not self.g_members[g]:
+            self.g_alive[g] = False
+            self.load[p][r] -= self.extra[e]
+            self.cnt[p][r] -= 1
+            self.mem[p][r] = np.where(self.cnt[p][r] == 0, 0.0, self.mem[p][r])  # no float dust
+
+    def _insert(self, i: int, g: int) -> None:
+        p, e = self.g_p[g], self.g_e[g]
+        r = self._ranks(e, self.g_b[g])
+        self.g_members[g].append(int(i))
+        self.load[p][r] += self.tab.t[e, i]
+        self.mem[p][r] += self.tab.mem[e, i]
+        self.where[i] = g
+
+    def _source_after(self, i: int) -> tuple[int, np.ndarray, bool]:
+        """Pass of ``i`` and its rank loads once ``i`` left (and whether its group then vanishes)."""
+        g = int(self.where[i])
+        p, e = self.g_p[g], self.g_e[g]
+        r = self._ranks(e, self.g_b[g])
+        load = self.load[p].copy()
+        cnt = self.cnt[p].copy()
+        load[r] -= self.tab.t[e, i]
+        gone = len(self.g_members[g]) == 1
+        if gone:
+            load[r] -= self.extra[e]
+            cnt[r] -= 1
+        return p, load + self.C * (cnt > 0), gone
+
+    def _targets(self, i: int, q: int, rl_q: np.ndarray, skip: int = -1):
+        """Every place ``i`` can go in pass ``q`` and that pass's largest rank load afterwards when
+        ``i`` leaves nothing in ``q`` (``rl_q``: ``q``'s rank loads before; groups of ``q`` may share
+        ranks with ``i``'s own group only when ``q`` is ``i``'s pass, handled by the caller).
+        Returns ``(kind, group or (e, b), new_len)`` triples: existing groups, then new groups."""
+        tab = self.tab
+        out = []
+        L = float(rl_q.max()) if rl_q.size else 0.0
+        cnt, mem = self.cnt[q], self.mem[q]
+        for g in self.groups(q):
+            if g == skip:
+                continue
+            e, b = self.g_e[g], self.g_b[g]
+            if not tab.ok[e, i]:
+                continue
+            r = self._ranks(e, b)
+            if float(mem[r].max()) + tab.mem[e, i] > self.budget:
+                continue
+            out.append(("join", g, max(L, float(rl_q[r].max()) + tab.t[e, i])))
+        for e in range(self.D):
+            if not tab.ok[e, i]:
+                continue
+            d = self.d[e]
+            nb = self.n // d
+            c = cnt[: nb * d].reshape(nb, d)
+            m = mem[: nb * d].reshape(nb, d).max(axis=1)
+            if self.multi:
+                room = m + tab.mem[e, i] <= self.budget
+            else:
+                room = ~(c > 0).any(axis=1)
+            if not room.any():
+                continue
+            # every rank of the block pays the packed call (once) and the new group
+            busy = (self.load[q][: nb * d] + self.C).reshape(nb, d).max(axis=1)
+            new = busy + self.extra[e] + tab.t[e, i]
+            new = np.where(room, new, np.inf)
+            b = int(np.argmin(new))
+            out.append(("new", (e, b), max(L, float(new[b]))))
+        return out
+
+    def apply(self, i: int, kind: str, where, q: int) -> None:
+        """Move sequence ``i`` into group ``where`` (``kind`` ``join``) or into a new group ``where =
+        (e, b)`` of pass ``q`` (``kind`` ``new``)."""
+        self._remove(i)
+        if kind == "join":
+            self._insert(i, int(where))
+        else:
+            e, b = where
+            self.add_group(q, e, b, [i])
+
+    def best_move(self, i: int):
+        """The move of sequence ``i`` that lowers the step most: ``(delta_ms, kind, where, pass)`` or
+        None. Moves within ``i``'s pass are evaluated exactly; into other passes a pass's new length
+        is its old one or the target block's after the move, whichever is larger."""
+        p, rl_src, _ = self._source_after(i)
+        g0 = int(self.where[i])
+        base_p = self.pass_cost(p)
+        new_p = 0.0 if self._pass_empty_after(i) else self._cost_of(float(rl_src.max()))
+        best = None
+        for q in self.passes():
+            if q == p:
+                # within the pass: the source change and the target change on the same ranks
+                for kind, where, _ in self._targets(i, q, rl_src, skip=-1 if len(self.g_members[g0]) > 1 else g0):
+                    if kind == "join" and where == g0:
+                        continue
+                    L_new = self._eval_same_pass(i, kind, where)
+                    if L_new is None:
+                        continue
+                    delta = self._cost_of(L_new) - base_p
+                    if best is None or delta < best[0]:
+                        best = (delta, kind, where, q)
+                continue
+            rl_q = self.rank_loads(q)
+            base_q = self.pass_cost(q)
+            for kind, where, L_new in self._targets(i, q, rl_q):
+                delta = (new_p - base_p) + (self._cost_of(L_new) - base_q)
+                if best is None or delta < best[0]:
+                    best = (delta, kind, where, q)
+        return best
+
+    def best_swap(self, i: int, limit_groups: int | None = None):
+        """The swap of sequence ``i`` with a sequence of another group (any pass) that lowers the
+        step most: ``(delta_ms, j)`` or None. Both groups keep their degrees and blocks; the pass
+        lengths are exact when the groups are in different passes and recomputed when they share
+        one. ``limit_groups``: look at this many groups at most (those of the other passes with the
+        most slack first)."""
+        tab = self.tab
+        g = int(self.where[i])
+        p, eg = self.g_p[g], self.g_e[g]
+        rg = self._ranks(eg, self.g_b[g])
+        rl_p = self.rank_loads(p)
+        out_g = np.ones(self.n, dtype=bool)
+        out_g[rg] = False
+        a_p = float(rl_p[out_g].max()) if out_g.any() else 0.0
+        b_p = float(rl_p[rg].max())
+        mem_g = float(self.mem[p][rg].max()) - tab.mem[eg, i]
+        base_p = self.pass_cost(p)
+        best = None
+        groups = [h for h in self.groups() if h != g]
+        if limit_groups is not None and len(groups) > limit_groups:
+            slack = [self.pass_len(self.g_p[h]) - float(self.rank_loads(self.g_p[h])[self._ranks(self.g_e[h], self.g_b[h])].max())
+                     for h in groups]
+            groups = [groups[k] for k in np.argsort(slack)[::-1][:limit_groups]]
+        for h in groups:
+            q, eh = self.g_p[h], self.g_e[h]
+            if not tab.ok[eh, i]:
+                continue
+            js = np.asarray(self.g_members[h], dtype=np.int64)
+            rh = self._ranks(eh, self.g_b[h])
+            ok = tab.ok[eg, js] & (mem_g + tab.mem[eg, js] <= self.budget)
+            ok &= float(self.mem[q][rh].max()) - tab.mem[eh, js] + tab.mem[eh, i] <= self.budget
+            if not ok.any():
+                continue
+            dg = tab.t[eg, js] - tab.t[eg, i]
+            dh = tab.t[eh, i] - tab.t[eh, js]
+            if q != p:
+                rl_q = self.rank_loads(q)
+                out_h = np.ones(self.n, dtype=bool)
+                out_h[rh] = False
+                a_q = float(rl_q[out_h].max()) if out_h.any() else 0.0
+                b_q = float(rl_q[rh].max())
+                lp = np.maximum(a_p, b_p + dg)
+                lq = np.maximum(a_q, b_q + dh)
+                delta = (np.maximum(lp, self.comm) - max(self.pass_len(p), self.comm)
+                         + np.maximum(lq, self.comm) - max(self.pass_len(q), self.comm))
+            else:
+                if rg.start < rh.stop and rh.start < rg.stop:
+                    continue  # nested blocks of one pass: a swap moves both ways on shared ranks
+                load = rl_p.copy()
+                delta = np.full(js.size, np.inf)
+                for k in np.flatnonzero(ok):
+                    load[rg] = rl_p[rg] + dg[k]
+                    load[rh] = rl_p[rh] + dh[k]
+                    delta[k] = self._cost_of(float(load.max())) - base_p
+            delta = np.where(ok, delta, np.inf)
+            k = int(np.argmin(delta))
+            if np.isfinite(delta[k]) and (best is None or delta[k] < best[0]):
+                best = (float(delta[k]), int(js[k]))
+        return best
+
+    def swap(self, i: int, j: int) -> None:
+        """Exchange sequences ``i`` and ``j`` between their groups."""
+        g, h = int(self.where[i]), int(self.where[j])
+        for x, frm in ((i, g), (j, h)):
+            e, r = self.g_e[frm], self._ranks(self.g_e[frm], self.g_b[frm])
+            self.g_members[frm].remove(x)
+            self.load[self.g_p[frm]][r] -= self.tab.t[e, x]
+            self.mem[self.g_p[frm]][r] -= self.tab.mem[e, x]
+        self._insert(i, h)
+        self._insert(j, g)
+
+    def _pass_empty_after(self, i: int) -> bool:
+        g = int(self.where[i])
+        p = self.g_p[g]
+        return len(self.g_members[g]) == 1 and int(self.cnt[p].sum()) == self.d[self.g_e[g]]
+
+    def _eval_same_pass(self, i: int, kind: str, where) -> float | None:
+        """Pass length after moving ``i`` inside its own pass (None when it does not fit)."""
+        g = int(self.where[i])
+        p, e0 = self.g_p[g], self.g_e[g]
+        r0 = self._ranks(e0, self.g_b[g])
+        tab = self.tab
+        load = self.load[p].copy()
+        cnt = self.cnt[p].copy()
+        mem = self.mem[p].copy()
+        load[r0] -= tab.t[e0, i]
+        mem[r0] -= tab.mem[e0, i]
+        if len(self.g_members[g]) == 1:
+            load[r0] -= self.extra[e0]
+            cnt[r0] -= 1
+        if kind == "join":
+            h = int(where)
+            e, r = self.g_e[h], self._ranks(self.g_e[h], self.g_b[h])
+            load[r] += tab.t[e, i]
+            mem[r] += tab.mem[e, i]
+        else:
+            e, b = where
+            r = self._ranks(e, b)
+            if not self.multi and (cnt[r] > 0).any():
+                return None
+            load[r] += self.extra[e] + tab.t[e, i]
+            cnt[r] += 1
+            mem[r] += tab.mem[e, i]
+        if float(mem[r].max()) > self.budget:
+            return None
+        return float((load + self.C * (cnt > 0)).max())
+
+    def improve(self, deadline: float, cancel=None, max_iter: int = 100_000) -> int:
+        """Local search (module docstring, step 2) until nothing improves or ``deadline``; returns
+        the number of moves made."""
+        moves = 0
+        for it in range(max_iter):
+            if it % 8 == 0:
+                if time.perf_counter() > deadline:
+                    break
+                if cancel is not None:
+                    cancel()
+            if self._improve_once():
+                moves += 1
+                continue
+            if self._eject_lightest(deadline):
+                moves += 1
+                continue
+            break
+        return moves
+
+    def _improve_once(self) -> bool:
+        order = sorted(self.passes(), key=lambda p: -self.pass_len(p))
+        for p in order:
+            if self.pass_len(p) <= self.comm * (1 + _EPS):
+                break  # FSDP's collectives set these passes' length: shorter compute gains nothing
+            rl = self.rank_loads(p)
+            top = float(rl.max())
+            crit = np.flatnonzero(rl >= top * (1 - 1e-12))
+            r = int(crit[0])
+            cands = []
+            for g in self.groups(p):
+                sl = self._ranks(self.g_e[g], self.g_b[g])
+                if sl.start <= r < sl.stop:
+                    e = self.g_e[g]
+                    cands.extend((float(self.tab.t[e, i]), i) for i in self.g_members[g])
+            cands.sort(reverse=True)
+            for _, i in cands:
+                mv = self.best_move(i)
+                if mv is not None and mv[0] < -_EPS * max(1.0, top):
+                    delta, kind, where, q = mv
+                    self.apply(i, kind, where, q)
+                    return True
+            for _, i in cands[:SWAP_CANDIDATES]:
+                sw = self.best_swap(i, limit_groups=SWAP_GROUPS)
+                if sw is not None and sw[0] < -_EPS * max(1.0, top):
+                    self.swap(i, sw[1])
+                    return True
+        return False
+
+    def _eject_lightest(self, deadline: float) -> bool:
+        """Empty the pass whose removal saves most (its cost) into the others, move by move, when
+        the step gets shorter; undone otherwise."""
+        ps = self.passes()
+        if len(ps) <= 1:
+            return False
+        p = min(ps, key=lambda q: float(self.mem[q].sum()))
+        trial = self.copy()
+        members = sorted((i for g in trial.groups(p) for i in trial.g_members[g]),
+                         key=lambda i: -float(trial.tab.share[i]))
+        before = self.step_ms()
+        for i in members:
+            if time.perf_counter() > deadline:
+                return False
+            best = None
+            src, _, _ = trial._source_after(i)
+            for q in trial.passes():
+                if q == src:
+                    continue
+                for kind, where, L_new in trial._targets(i, q, trial.rank_loads(q)):
+                    delta = trial._cost_of(L_new) - trial.pass_cost(q)
+                    if best is None or delta < best[0]:
+                        best = (delta, kind, where, q)
+            if best is None:
+                return False
+            trial.apply(i, best[1], best[2], best[3])
+        if trial.step_ms() < before * (1 - 1e-12):
+            self.__dict__.update(trial.__dict__)
+            return True
+        return False
+
+
+# ------------------------------------------------------------------------------------------------
+# splitting a batch into passes
+# ------------------------------------------------------------------------------------------------
+
+
+def split_passes(tab, M: int, rule: str) -> list[np.ndarray] | None:
+    """Sequence indices of each of ``M`` passes by ``rule``: ``consecutive`` (FlexSP's: sorted by
+    length, M consecutive chunks of about equal tokens), ``work`` (longest-processing-time on each
+    sequence's least GPU-time, into the pass with the least work among those with memory room) or
+    ``memory`` (the same on activations). None when a rule leaves a pass over its memory."""
+    s = tab.s
+    cap = tab.n_gpus * tab.budget
+    share = tab.share
+    if rule == "consecutive":
+        order = np.argsort(-s, kind="stable")
+        cum = np.cumsum(share[order])
+        total = float(cum[-1])
+        cuts = [int(np.searchsorted(cum, total * k / M, side="left")) for k in range(1, M)]
+        parts = np.split(order, cuts)
+        if any(float(share[q].sum()) > cap * (1 + 1e-9) for q in parts):
+            return None
+        return [q for q in parts if q.size]
+    key = tab.best_work if rule == "work" else share
+    work = np.zeros(M)
+    memw = np.zeros(M)
+    out: list[list[int]] = [[] for _ in range(M)]
+    for i in np.argsort(-key, kind="stable"):
+        room = memw + share[i] <= cap * (1 + 1e-9)
+        if not room.any():
+            return None
+        p = int(np.flatnonzero(room)[np.argmin((work if rule == "work" else memw)[room])])
+        out[p].append(int(i))
+        work[p] += tab.best_work[i]
+        memw[p] += share[i]
+    return [np.array(o, dtype=np.int64) for o in out if o]
+
+
+def _two_way_splits(tab, idx: np.ndarray, current: np.ndarray):
+    """Ways to split the sequences ``idx`` of two passes into two (``current``: the indices the
+    first pass holds now): by length, the longest ones first, at the point of equal activations and
+    a few points around it; and longest-processing-time on time with memory caps. Yields index
+    arrays of the first pass."""
+    order = idx[np.argsort(-tab.s[idx], kind="stable")]
+    cum = np.cumsum(tab.share[order])
+    k_eq = int(np.searchsorted(cum, cum[-1] / 2))
+    k_cur = int(np.isin(order, current).sum())
+    seen = set()
+    for k in (k_eq, k_cur - 1, k_cur + 1, k_eq - 2, k_eq + 2, k_cur - 3, k_cur + 3, k_eq - 6, k_eq + 6):
+        if 0 < k < order.size and k not in seen:
+            seen.add(k)
+            yield order[:k]
+    cap = tab.n_gpus * tab.budget
+    load, memw = np.zeros(2), np.zeros(2)
+    first: list[int] = []
+    for i in idx[np.argsort(-tab.best_work[idx], kind="stable")]:
+        room = memw + tab.share[i] <= cap * (1 + 1e-9)
+        if not room.any():
+            return
+        k = int(np.flatnonzero(room)[np.argmin(load[room])])
+        load[k] += tab.best_work[i]
+        memw[k] += tab.share[i]
+        if k == 0:
+            first.append(int(i))
+    yield np.array(first, dtype=np.int64)
+
+
+def _resplit_pair(ps: "Passes", cost: CostModel, p: int, q: int, deadline: float) -> "Passes | None":
+    """Pool passes ``p`` and ``q`` and split them again (``_two_way_splits``), each half planned as
+    one pass; the stack with the shortest pair, when shorter than now, else None."""
+    tab = ps.tab
+    a = np.array(sorted(i for g in ps.groups(p) for i in ps.g_members[g]), dtype=np.int64)
+    b = np.array(sorted(i for g in ps.groups(q) for i in ps.g_members[g]), dtype=np.int64)
+    pool = np.concatenate([a, b])
+    now = ps.pass_cost(p) + ps.pass_cost(q)
+    best, best_ms = None, now * (1 - 1e-9)
+    for first in _two_way_splits(tab, pool, a):
+        if time.perf_counter() > deadline:
+            break
+        second = np.setdiff1d(pool, first)
+        if first.size == 0 or second.size == 0:
+            continue
+        halves = []
+        for part in (first, second):
+            g = _plan_pass(tab, part, deadline)
+            if g is None:
+                break
+            halves.append(g)
+        if len(halves) < 2:
+            continue
+        ms = sum(ps._cost_of(max(float(tab.over[e] + tab.t[e, m].sum()) for e, m in g)) for g in halves)
+        if ms < best_ms:
+            best, best_ms = halves, ms
+    if best is None:
+        return None
+    rebuilt = [[(ps.g_e[g], ps.g_b[g], list(ps.g_members[g])) for g in ps.groups(r)] for r in ps.passes()
+               if r not in (p, q)]
+    return _rebuild(tab, cost, rebuilt + [list(h) for h in best], multi=ps.multi)
+
+
+def _pair_search(ps: "Passes", cost: CostModel, deadline: float, cancel=None) -> tuple["Passes", int]:
+    """Re-split pairs of passes (``_resplit_pair``) until no pair gets shorter or ``deadline``:
+    neighbours by their longest sequence first (splits by length make them the likeliest to trade),
+    then every pair. Returns the passes and the number of pairs re-split."""
+    done = 0
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        order = sorted(ps.passes(), key=lambda r: -max(int(ps.tab.s[i]) for g in ps.groups(r) for i in ps.g_members[g]))
+        pairs = list(zip(order, order[1:])) + [(x, y) for k, x in enumerate(order) for y in order[k + 2:]]
+        for p, q in pairs:
+            if time.perf_counter() > deadline:
+                break
+            if cancel is not None:
+                cancel()
+            new = _resplit_pair(ps, cost, p, q, deadline)
+            if new is not None:
+                ps, improved = new, True
+                done += 1
+                break
+    return ps, done
+
+
+def _layout_pass(tab, idx: np.ndarray):
+    """One pass of sequences ``idx`` on fixed layouts: ``a`` groups of a wide degree and the rest of
+    the ranks in groups of a narrower one (or all of one degree); sequences, longest first, each to
+    the group where it would finish first among those with memory room. The fastest layout's groups
+    ``[(e, members)]``, or None when no layout holds them. When memory binds, the per-micro-step
+    heuristic (which raises degrees one sequence at a time) misses what these find: a wide group
+    holding the longest sequence *and* others in its spare memory."""
+    n = int(tab.n_gpus)
+    D = tab.deg.size
+    order = idx[np.argsort(-(tab.t[0, idx] if tab.ok[0, idx].all() else tab.best_single[idx]), kind="stable")]
+    dmin = int(tab.deg[tab.dmin[order[0]]])
+    best, best_ms = None, math.inf
+    layouts = []
+    for e1 in range(D):
+        d1 = int(tab.deg[e1])
+        if d1 < dmin:
+            continue
+        for a in (1, 2, 3):
+            if a * d1 > n:
+                break
+            for e2 in range(e1 + 1):
+                d2 = int(tab.deg[e2])
+                rest = n - a * d1
+                layouts.append([e1] * a + [e2] * (rest // d2) if e2 != e1 else [e1] * (n // d1))
+    seen = set()
+    for lay in layouts:
+        key = tuple(sorted(lay))
+        if key in seen:
+            continue
+        seen.add(key)
+        ge = np.asarray(lay, dtype=np.int64)
+        load = tab.over[ge].copy()
+        mload = np.zeros(ge.size)
+        members: list[list[int]] = [[] for _ in ge]
+        ok = True
+        for i in order:
+            fit = tab.ok[ge, i] & (mload + tab.mem[ge, i] <= tab.budget * (1 + 1e-12))
+            if not fit.any():
+                ok = False
+                break
+            fin = np.where(fit, load + tab.t[ge, i], np.inf)
+            g = int(np.argmin(fin))
+            members[g].append(int(i))
+            load[g] += tab.t[ge[g], i]
+            mload[g] += tab.mem[ge[g], i]
+            if load[g] >= best_ms:
+                ok = False
+                break
+        if not ok:
+            continue
+        ms = float(max(load[g] for g in range(ge.size) if members[g]))
+        if ms < best_ms:
+            best, best_ms = [(int(e), m) for e, m in zip(ge, members) if m], ms
+    return best
+
+
+def _plan_pass(tab, idx: np.ndarray, deadline: float):
+    """One pass of sequences ``idx`` as single groups ``[(e, members)]``: the better of ``flexsp``'s
+    per-micro-step heuristic and (for passes of at most ``LAYOUT_MAX_SEQS`` sequences) the fixed
+    layouts of ``_layout_pass``, refined by moves and swaps; None when they do not fit one pass."""
+    from workbench.solve.flexsp import _heuristic_step, _makespan, _refine
+
+    found = [_refine(g, tab, tab.n_gpus, deadline)
+             for g in (_heuristic_step(tab, idx, tab.n_gpus), _layout_pass(tab, idx) if idx.size <= LAYOUT_MAX_SEQS else None)
+             if g is not None]
+    return min(found, key=lambda g: _makespan(g, tab)) if found else None
+
+
+# ------------------------------------------------------------------------------------------------
+# the planner
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Cand:
+    passes: Passes
+    source: str
+
+    @property
+    def ms(self) -> float:
+        return self.passes.step_ms()
+
+
+def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, multi: bool | None = None,
+                  cpsat: bool = True, name: str = "flexsp") -> Plan:
+    """The lockstep plan of one step (module docstring): the ``flexsp`` planner under ZeRO-3.
+
+    ``multi``: let a rank serve several groups in a pass (default ``MULTI_GROUP``); ``cpsat``: run
+    CP-SAT on the longest passes. Returns a Plan never slower than the best of the splits and the
+    lockstep baselines it starts from (``greedy``, ``best-static``); ``stats`` says which split won
+    (``source``), the passes tried (``tried``), the local search's moves and CP-SAT's calls.
+    Raises InfeasibleError when a sequence fits no group, Cancelled when cancelled, ValueError when
+    the cost model is not lockstep.
+    """
+    from workbench.solve.baselines import plan_best_static, plan_greedy
+    from workbench.solve.flexsp import _solve_step, _Table, min_micro_steps, warm_up
+
+    if cost.execution != "lockstep":
+        raise ValueError(f"plan_lockstep plans ZeRO-3 (lockstep) steps; this cost model is {cost.execution}")
+    opts = opts or PlanOptions()
+    multi = MULTI_GROUP if multi is None else bool(multi)
+    warm_up()
+    t0 = time.perf_counter()
+    limit = max(0.05, float(opts.time_limit))
+    deadline = t0 + 0.85 * limit
+    s = np.asarray(lengths, dtype=np.int64)
+    cost.check_feasible(s)
+    lb = lower_bound_ms(s, cost)
+    tab = _Table(s, cost)
+    timing: dict[str, float] = {}
+    tick = time.perf_counter()
+
+    def lap(key: str) -> None:
+        nonlocal tick
+        now = time.perf_counter()
+        timing[key] = timing.get(key, 0.0) + now - tick
+        tick = now
+
+    opts.report(0.02, "flexsp (lockstep): baselines")
+    baselines = [plan_greedy(s, cost, opts), plan_best_static(s, cost, opts)]
+    baseline = min(baselines, key=lambda p: p.makespan_ms)
+    e_of = {d: e for e, d in enumerate(tab.deg.tolist())}
+    cands: list[_Cand] = []
+    for p in baselines:
+        groups = [[(e_of[g.degree], g.ranks[0] // g.degree, list(g.sequences)) for g in ms.groups]
+                  for ms in p.micro_steps]
+        cands.append(_Cand(Passes.from_passes(tab, cost, groups, multi=False), p.planner))
+    lap("baselines")
+    # 1. splits
+    opts.report(0.1, "flexsp (lockstep): splitting the batch into passes")
+    M0 = min_micro_steps(tab)
+    tried = []
+    construct_end = t0 + CONSTRUCT_SHARE * limit
+    for M in range(M0, M0 + EXTRA_PASSES + 1):
+        for rule in ("consecutive", "work", "memory"):
+            if cands[len(baselines):] and time.perf_counter() > construct_end:
+                break
+            opts.check_cancel()
+            parts = split_passes(tab, M, rule)
+            if parts is None:
+                continue
+            planned = []
+            for idx in parts:
+                g = _plan_pass(tab, idx, min(deadline, time.perf_counter() + 0.05 * limit))
+                if g is None:
+                    planned = None
+                    break
+                planned.append(g)
+            if planned is None:
+                tried.append({"passes": M, "rule": rule, "ms": None})
+                continue
+            ps = Passes.from_passes(tab, cost, planned, multi=False)
+            tried.append({"passes": M, "rule": rule, "ms": ps.step_ms()})
+            cands.append(_Cand(ps, f"split:{rule}:{M}"))
+    lap("splits")
+    cands.sort(key=lambda c: c.ms)
+    best = cands[0]
+    moves = 0
+    # 2. local search and pair re-splits on the best start of each pass count (a count above the
+    # memory minimum often starts ahead, and the minimum often ends ahead)
+    opts.report(0.4, "flexsp (lockstep): local search")
+    improve_end = time.perf_counter() + IMPROVE_SHARE * max(0.0, deadline - time.perf_counter())
+    by_count: dict[int, _Cand] = {}
+    for c in cands:
+        k = len(c.passes.passes())
+        if k not in by_count or c.ms < by_count[k].ms:
+            by_count[k] = c
+    starts = sorted(by_count.values(), key=lambda c: c.ms)[:IMPROVE_STARTS]
+    resplit = 0
+    for k, c in enumerate(starts):
+        left = improve_end - time.perf_counter()
+        if left <= 0:
+            break
+        end = time.perf_counter() + left / (len(starts) - k)
+        ps = c.passes.copy()
+        ps.multi = multi and STACK_EARLY
+        moves += ps.improve(time.perf_counter() + 0.4 * (end - time.perf_counter()), cancel=opts.check_cancel)
+        ps, n_pairs = _pair_search(ps, cost, end, cancel=opts.check_cancel)
+        resplit += n_pairs
+        if n_pairs:
+            moves += ps.improve(end, cancel=opts.check_cancel)
+        if ps.step_ms() < best.ms * (1 - 1e-12):
+            best = _Cand(ps, c.source + ("+local-search+pairs" if n_pairs else "+local-search"))
+    lap("local_search")
+    # 3. CP-SAT on the longest passes (one-micro-step model, warm-started from the pass's groups)
+    cp_calls = []
+    if cpsat and time.perf_counter() < deadline - 0.05:
+        opts.report(0.6, "flexsp (lockstep): CP-SAT on the longest passes")
+        cp_end = time.perf_counter() + CPSAT_SHARE * (deadline - time.perf_counter())
+        ps = best.passes.copy()
+        order = sorted(ps.passes(), key=lambda p: -ps.pass_len(p))
+        improved = False
+        for k, p in enumerate(order):
+            left = (cp_end - time.perf_counter()) / max(1, len(order) - k)
+            if left < 0.05 or ps.pass_len(p) <= ps.comm:
+                break
+            gs = ps.groups(p)
+            idx = np.array(sorted(i for g in gs for i in ps.g_members[g]), dtype=np.int64)
+            heur = [(ps.g_e[g], list(ps.g_members[g])) for g in gs]
+            r = _solve_step(tab, idx, bucketing=None, buckets=16, time_limit=left, seed=opts.seed, opts=opts,
+                            heuristic=heur)
+            call = {"pass": int(p), "status": (r.info.get("cp_sat_status") if r is not None else "none"),
+                    "before_ms": ps.pass_len(p), "after_ms": r.makespan_ms if r is not None else None}
+            cp_calls.append(call)
+            if r is not None and r.makespan_ms < ps.pass_len(p) * (1 - 1e-9):
+                rebuilt = [[(ps.g_e[g], ps.g_b[g], list(ps.g_members[g])) for g in ps.groups(q)] if q != p
+                           else [(e_of[d], list(m)) for d, m in r.groups] for q in ps.passes()]
+                ps = _rebuild(tab, cost, rebuilt, multi=False)
+                improved = True
+                order = sorted(ps.passes(), key=lambda q: -ps.pass_len(q))
+        if improved and ps.step_ms() < best.ms * (1 - 1e-12):
+            best = _Cand(ps, best.source + "+cp-sat")
+        lap("cp_sat")
+    # 4. stacked groups (multi) and what time is left
+    final = best.passes.copy()
+    if multi:
+        final.multi = True
+        opts.report(0.85, "flexsp (lockstep): local search with stacked groups")
+    moves += final.improve(deadline, cancel=opts.check_cancel)
+    if final.step_ms() < best.ms * (1 - 1e-12):
+        stacked = any((final.cnt[p] > 1).any() for p in final.passes())
+        best = _Cand(final, best.source + ("+stacked" if stacked else "+local-search"))
+    lap("final_search")
+    opts.check_cancel()
+    stats = {"passes": len(best.passes.passes()), "min_passes": M0, "tried": tried, "local_search_moves": moves,
+             "pairs_resplit": resplit,
+             "cp_sat": cp_calls, "greedy_ms": baselines[0].makespan_ms, "best_static_ms": baselines[1].makespan_ms,
+             "multi_group": multi, "stacked_groups": int(sum(int((best.passes.cnt[p] > 1).sum())
+                                                            for p in best.passes.passes())),
+             "timing": timing}
+    grad = cost.step_end_ms()
+    if best.ms + grad < baseline.makespan_ms * (1 - 1e-12):
+        micro, blocks = best.passes.assignment()
+        plan = build_plan(name, micro, s, cost, blocks=blocks, lower_bound=lb, status="feasible")
+        stats["source"] = best.source
+    else:
+        plan = _replace(baseline, planner=name, status="feasible",
+                        reason=f"no candidate beat {baseline.planner}'s plan; returning it")
+        stats["source"] = baseline.planner
+    if plan.makespan_ms <= lb * (1 + 1e-9):
+        plan = _replace(plan, status="optimal", reason="the plan meets the lower bound")
+    stats["gap"] = plan.makespan_ms / lb - 1.0 if lb > 0 else 0.0
+    stats["wall_s"] = time.perf_counter() - t0
+    opts.report(0.99, f"flexsp (lockstep): {plan.makespan_ms:,.0f} ms in {stats['passes']} passes ({stats['source']})")
+    return _replace(plan, solve_seconds=time.perf_counter() - t0, lower_bound_ms=lb, stats=stats)
+
+
+def _replace(p: Plan, **kw) -> Plan:
+    import dataclasses
+
+    return dataclasses.replace(p, **kw)
+
+
+def _rebuild(tab, cost, passes, *, multi: bool) -> Passes:
+    """Passes from a mix of placed groups ``(e, b, members)`` and unplaced ones ``(e, members)`` per
+    pass (a pass is either)."""
+    ps = Passes(tab, cost, multi=multi)
+    for groups in passes:
+        groups = [g for g in groups if len(g[-1])]
+        if not groups:
+            continue
+        if len(groups[0]) == 3:
+            p = ps.new_pass()
+            for e, b, m in groups:
+                ps.add_group(p, e, b, m)
+        else:
+            sub = Passes.from_passes(tab, cost, [groups], multi=multi)
+            p = ps.new_pass()
+            for g in sub.groups():
+                ps.add_group(p, sub.g_e[g], sub.g_b[g], sub.g_members[g])
+    return ps
