@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -96,7 +97,7 @@ def test_parameters_are_parsed_typed_and_checked(tmp_path):
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """``workbench demo`` once, short (2 training steps, 20,000 sampled lengths, a 0.3 s planner
-    limit): ``(store, report, demo run, the store's run kinds right after it, {notebook: its run})``.
+    limit): ``(store, report, demo run, the store's (kind, id) right after it, {notebook: its run})``.
     Its ``00_tour`` and ``04_train`` runs are what the tour and train tests check, so each notebook
     runs once in this file."""
     root = tmp_path_factory.mktemp("demo")
@@ -105,7 +106,7 @@ def demo(tmp_path_factory):
     assert r.returncode == 0, r.stderr[-3000:]
     report = Path(r.stdout.strip().splitlines()[-1])
     run = runs.load_run(report.parent)
-    kinds = sorted(x.kind for x in runs.list_runs(root))  # before a test adds its own runs to the store
+    kinds = sorted((x.kind, x.id) for x in runs.list_runs(root))  # before a test adds its own runs to the store
     made = json.loads(run.file("demo.json").read_text())["notebook_runs"]
     return root, report, run, kinds, {name: runs.load_run(path) for name, path in made.items()}
 
@@ -208,13 +209,16 @@ def test_train_and_compare_notebooks_share_the_store(demo):
     assert trained.status().state == "done" and len(trained.steps()) == 2
     assert (run.path / "figures" / "training.html").is_file()
 
-    # 05 finds one finished run, trains one more (greedy) and compares the two
-    run = run_notebook("05_compare", {"planners": "greedy", "steps": 2}, root=root)
+    # 05 finds one finished run, trains one more (greedy) and compares the two: in a store holding
+    # only that run (the demo's store also holds the run of 04_train's own-model section)
+    store = root.parent / "compare"
+    shutil.copytree(trained.path, store / trained.path.name)
+    run = run_notebook("05_compare", {"planners": "greedy", "steps": 2}, root=store)
     assert errors_in(executed(run, "05_compare")) == []
     table = json.loads((run.path / "tables" / "runs.json").read_text())
     assert len(table) == 2 and table[0]["id"] == trained.id and table[0]["speedup_over_baseline"] == 1.0
     assert table[1]["speedup_over_baseline"] > 0
-    assert len(runs.list_runs(root, kind="train")) == 2
+    assert len(runs.list_runs(store, kind="train")) == 2
 
 
 @pytest.mark.slow
@@ -234,7 +238,7 @@ def test_a_failing_cell_fails_the_run_with_its_error_in_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_demo_writes_the_explained_offline_report(demo):
-    root, report, run, kinds, _ = demo
+    root, report, run, kinds, made = demo
     assert run.kind == "demo" and run.status().state == "done"
     html = report.read_text()
     assert not re.search(r"<script[^>]*\ssrc=[\"']?https?:", html)  # plotly.js inlined: the page opens offline
@@ -243,4 +247,11 @@ def test_demo_writes_the_explained_offline_report(demo):
     for phrase in ("The clipped sequences.", "Where the gradient sync sits:", "How to read a timeline.", "Glossary",
                    "lower bound, gap", "micro-step", "A real training run on this machine", "faster than static-max"):
         assert phrase in html, phrase
-    assert kinds == ["demo", "notebook", "notebook", "notebook", "train"]
+    # the demo's run, its three notebooks, and the training runs 04_train says it made (the tiny
+    # model's, and its own-model section's when that section trains)
+    tables = made["04_train"].path / "tables"
+    trained = [json.loads((tables / "train_run.json").read_text())["run"]]
+    if (tables / "own_model_run.json").is_file():
+        trained.append(json.loads((tables / "own_model_run.json").read_text())["run"])
+    assert [k for k, _ in kinds] == sorted(["demo", "notebook", "notebook", "notebook"] + ["train"] * len(trained))
+    assert sorted(i for k, i in kinds if k == "train") == sorted(trained)
