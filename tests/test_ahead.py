@@ -198,8 +198,10 @@ def _planning_worker(ahead: PlanAhead) -> int:
 
 
 def _gone(pid: int, seconds: float = 10.0) -> None:
+    from workbench.runs import pid_alive
+
     t0 = time.monotonic()
-    while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]:
+    while pid_alive(pid):  # a zombie (dead, not yet reaped by the pool) counts as gone
         assert time.monotonic() - t0 < seconds, f"pid {pid} still alive"
         time.sleep(0.05)
 
