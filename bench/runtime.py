@@ -1,5 +1,9 @@
 """Measured vs predicted step time of real plans: the tiny model on CPU, gloo ranks under torchrun.
 
+``--zero-stage 3,0`` runs the whole comparison once per ZeRO stage: plans made for that stage (ZeRO-3:
+lockstep passes, FSDP2 all-gathers every unit in every pass; ZeRO 0-2: free micro-steps, replicated
+parameters) and executed with its model states (``workbench.runtime.zero.parallelize``).
+
 For one long-tailed global batch (a synthetic length family, or the stdlib corpus, clipped to
 ``--max-len``), each planner (static-max, best-static, min-degree, greedy, and flexsp / two-stage
 where registered) plans the step against the cost model of ``--profile`` (a shipped name or a
@@ -21,8 +25,8 @@ an early rank waits inside the group's first collective); then the speedup of ea
 least disturbed by other work on a shared machine), and the ratio of the gains (1: the model
 predicts the measured gain exactly).
 
-Usage: python bench/runtime.py [--nproc 4] [--profile NAME|PATH] [--lengths wikipedia] [--max-len 4096]
-[--batch-tokens 32768] [--steps 3] [--warmup 1] [--planners a,b] [--gpu-memory-gb G] [--json PATH]
+Usage: python bench/runtime.py [--nproc 4] [--zero-stage 3,0] [--profile NAME|PATH] [--lengths wikipedia]
+[--max-len 4096] [--batch-tokens 32768] [--steps 3] [--warmup 1] [--planners a,b] [--gpu-memory-gb G] [--json PATH]
 It launches torchrun itself (argument lists, its own session; killed on --timeout).
 """
 
@@ -48,6 +52,8 @@ PLANNERS = ("static-max", "best-static", "min-degree", "greedy", "two-stage", "f
 def _args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--zero-stage", default="3,0",
+                    help="ZeRO stage(s) to plan and run, comma-separated (default 3,0: lockstep and free)")
     ap.add_argument("--lengths", default="wikipedia", help="length family name or 'stdlib'")
     ap.add_argument("--max-len", type=int, default=4096, help="clip lengths to this (the tiny model's context is 16384)")
     ap.add_argument("--batch-tokens", type=int, default=32768)
@@ -71,28 +77,29 @@ def _args(argv=None):
 # ------------------------------------------------------------------------------------------------
 
 
-def _scenario(args, gpu_memory_gb: float):
+def _scenario(args, gpu_memory_gb: float, stage: int):
     from workbench.scenario import Scenario
 
     n = args.nproc
     return Scenario(model="tiny", profile=args.profile, num_gpus=n, gpus_per_node=n, gpu_memory_gb=gpu_memory_gb,
                     source=args.lengths, samples=args.samples, max_len=args.max_len, policy="clip",
-                    batch_tokens=args.batch_tokens, seed=args.seed, time_limit=args.time_limit)
+                    batch_tokens=args.batch_tokens, seed=args.seed, time_limit=args.time_limit, zero_stage=stage,
+                    precision="fp32", optimizer="sgd")
 
 
-def _setup(args):
-    """Rank 0's batch, cost model and plans, built through a Scenario (planners may not be
-    deterministic: plan once)."""
+def _setup(args, stage: int):
+    """Rank 0's batch, cost model and plans for ``stage``, built through a Scenario (planners may
+    not be deterministic: plan once)."""
     from workbench.solve import planner_names
 
     n = args.nproc
     mem = args.gpu_memory_gb
     if mem is None:
         # the memory at which a max-len sequence needs degree n (with 25% to spare on n ranks)
-        probe = _scenario(args, 1000.0).cost()
+        probe = _scenario(args, 1000.0, stage).cost()
         act_gb = float(probe.memory([args.max_len], n)[0]) * 1.25
-        mem = (act_gb + probe.cluster.model_state_gb(probe.model)) / probe.cluster.usable_memory_fraction
-    sc = _scenario(args, mem)
+        mem = (act_gb + probe.model_states_gb) / probe.cluster.usable_memory_fraction
+    sc = _scenario(args, mem, stage)
     cost = sc.cost()
     batch = sc.batches(1)[0]
     lengths = [int(x) for x in batch.lengths]
@@ -108,6 +115,7 @@ def _setup(args):
             errors[name] = f"{type(e).__name__}: {e}"
     profile = cost.profile
     info = {"lengths": lengths, "gpu_memory_gb": mem, "memory_budget_gb": cost.memory_budget_gb,
+            "zero_stage": stage, "execution": cost.execution,
             "profile": profile.name, "profile_when": profile.provenance.get("when"),
             "profile_world": profile.provenance.get("world_size"),
             "group_overhead_ms": {str(d): cost.group_overhead_ms(d) for d in cost.degrees},
@@ -115,28 +123,35 @@ def _setup(args):
     return info, plans, errors
 
 
-def _worker(args) -> int:
+def _stages(args) -> list[int]:
+    out = [int(x) for x in str(args.zero_stage).split(",") if x.strip()]
+    if not out or any(x not in (0, 1, 2, 3) for x in out):
+        raise SystemExit(f"--zero-stage takes stages 0-3, comma-separated; got {args.zero_stage!r}")
+    return out
+
+
+def _run_stage(args, stage: int, rank: int, world: int) -> dict:
+    """Plan (rank 0) and run every planner's plan under ``stage``; returns the stage's rows."""
     import torch
     import torch.distributed as dist
 
-    from workbench.runtime import GroupRegistry, StepExecutor, Transformer, select_attention
+    from workbench.runtime import GroupRegistry, StepExecutor, Transformer, parallelize, select_attention
     from workbench.solve import plan_from_dict
     from workbench.specs import get_model
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    obj = [_setup(args) if rank == 0 else None]
+    obj = [_setup(args, stage) if rank == 0 else None]
     dist.broadcast_object_list(obj, src=0)
     info, plans, errors = obj[0]
     spec = get_model("tiny")
     registry = GroupRegistry(world, [d for d in (1, 2, 4, 8, 16) if d <= world])
     attn, backend = select_attention("torch", "cpu")
-    ex = StepExecutor(Transformer(spec, seed=args.seed), registry, attn)
+    model = Transformer(spec, seed=args.seed)
+    zero = parallelize(model, zero_stage=stage, precision="fp32")
+    ex = StepExecutor(model, registry, attn, zero=zero)
     gen = torch.Generator().manual_seed(args.seed)
     seqs = [torch.randint(0, spec.vocab, (n,), generator=gen) for n in info["lengths"]]
     # round-robin over the plans, step by step, so that load from elsewhere on the machine hits
-    # every planner alike
+    # every planner alike (no optimizer step: every step runs the same weights)
     parsed = {name: plan_from_dict(pd) for name, pd in plans.items()}
     steps = {name: [] for name in plans}
     ratios = {name: [] for name in plans}
@@ -175,9 +190,19 @@ def _worker(args) -> int:
                       "ratio": med / pd["makespan_ms"], "group_ratio_median": statistics.median(flat) if flat else None,
                       "micro_steps": len(pd["micro_steps"]), "degrees": degrees, "loss": losses[name],
                       "group_ratio_by_degree": {d: statistics.median(v) for d, v in sorted(by_degree.items())}}
+    return {"info": info, "rows": rows, "errors": errors, "attention": backend}
+
+
+def _worker(args) -> int:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {"stages": {str(st): _run_stage(args, st, rank, world) for st in _stages(args)}, "world": world,
+           "threads_per_rank": torch.get_num_threads()}
     if rank == 0:
-        out = {"info": info, "rows": rows, "errors": errors, "world": world, "attention": backend,
-               "threads_per_rank": torch.get_num_threads()}
         Path(args.worker_out).write_text(json.dumps(out, indent=1))
     dist.barrier()
     dist.destroy_process_group()
@@ -211,30 +236,20 @@ def _launch(args, argv) -> dict:
         return json.loads(out.read_text())
 
 
-def main(argv=None) -> int:
-    if argv is None and os.environ.get("WORKBENCH_BENCH_ARGV"):
-        argv = json.loads(os.environ["WORKBENCH_BENCH_ARGV"])
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _args(argv)
-    if args.worker_out:
-        return _worker(args)
-    t0 = time.perf_counter()
-    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    res = _launch(args, argv)
-    load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+def _print_stage(args, stage: str, res: dict) -> None:
     info = res["info"]
     ls = info["lengths"]
-    print(f"# tiny model, {res['world']} gloo ranks on CPU ({os.cpu_count()} cores, {res['threads_per_rank']} thread "
-          f"each), attention {res['attention']}; profile {info['profile']} (measured {info['profile_when']})")
+    print(f"\n## ZeRO-{stage} ({info['execution']}): profile {info['profile']} (measured {info['profile_when']}), "
+          f"attention {res['attention']}")
     print(f"# batch: {len(ls)} sequences, {sum(ls):,} tokens from '{args.lengths}' clipped to {args.max_len} "
           f"(max {max(ls)}, median {int(statistics.median(ls))}); per-rank memory {info['gpu_memory_gb']:.3f} GB "
           f"(activation budget {info['memory_budget_gb'] * 1e3:.1f} MB); median of {args.steps} steps after "
-          f"{args.warmup} warm-up; load average {load0:.1f} before, {load1:.1f} after (other work on the "
-          f"machine inflates measured times)")
+          f"{args.warmup} warm-up")
     if info["lower_bound_ms"] is not None:
         print(f"# lower bound (cost model): {info['lower_bound_ms']:.0f} ms")
     print()
-    print("| planner | degrees | micro-steps | predicted (ms) | measured (ms) | best step (ms) | measured/predicted | "
+    unit = "passes" if info["execution"] == "lockstep" else "micro-steps"
+    print(f"| planner | degrees | {unit} | predicted (ms) | measured (ms) | best step (ms) | measured/predicted | "
           "step APE (%) | group measured/predicted by degree (median) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     apes = []
@@ -253,25 +268,40 @@ def main(argv=None) -> int:
         print(f"\nstep-time prediction error over the planners: median {statistics.median(apes):.1f}%, "
               f"worst {max(apes):.1f}%")
     base = res["rows"].get("static-max")
-    if base is not None:
-        print()
-        print("| mixed plan | predicted speedup over static-max | measured (median steps) | predicted gain / measured "
-              "gain | measured (best steps) | predicted gain / measured gain |")
-        print("|---|---:|---:|---:|---:|---:|")
+    if base is None or base["degrees"] != [max(base["degrees"])]:
+        return
+    print()
+    print(f"| mixed plan | predicted speedup over static-max (degree {base['degrees'][0]}) | measured (median steps) | "
+          "measured / predicted | within 1.5x | measured (best steps) |")
+    print("|---|---:|---:|---:|---|---:|")
+    for name in ("flexsp", "greedy", "min-degree", "two-stage", "best-static"):
+        r = res["rows"].get(name)
+        if r is None or len(r["degrees"]) < 2:
+            continue
+        p = base["predicted_ms"] / r["predicted_ms"]
+        m = base["measured_ms"] / r["measured_ms"]
+        b = min(base["measured_all_ms"]) / min(r["measured_all_ms"])
+        q = m / p
+        print(f"| {name} | {p:.3f}x | {m:.3f}x | {q:.2f} | {'yes' if 1 / 1.5 <= q <= 1.5 else 'NO'} | {b:.3f}x |")
 
-        def gain(x: float) -> str:
-            return f"{x:.3f}x ({100 * (x - 1):+.1f}%)"
 
-        for name in ("flexsp", "greedy", "min-degree"):
-            r = res["rows"].get(name)
-            if r is None or len(r["degrees"]) < 2:
-                continue
-            p = base["predicted_ms"] / r["predicted_ms"]
-            m = base["measured_ms"] / r["measured_ms"]
-            b = min(base["measured_all_ms"]) / min(r["measured_all_ms"])
-            rm = (p - 1) / (m - 1) if abs(m - 1) > 1e-9 else float("nan")
-            rb = (p - 1) / (b - 1) if abs(b - 1) > 1e-9 else float("nan")
-            print(f"| {name} | {gain(p)} | {gain(m)} | {rm:.2f} | {gain(b)} | {rb:.2f} |")
+def main(argv=None) -> int:
+    if argv is None and os.environ.get("WORKBENCH_BENCH_ARGV"):
+        argv = json.loads(os.environ["WORKBENCH_BENCH_ARGV"])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _args(argv)
+    if args.worker_out:
+        return _worker(args)
+    _stages(args)  # a bad --zero-stage fails here, before torchrun starts
+    t0 = time.perf_counter()
+    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    res = _launch(args, argv)
+    load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"# tiny model, {res['world']} gloo ranks on CPU ({os.cpu_count()} cores, {res['threads_per_rank']} thread "
+          f"each); load average {load0:.1f} before, {load1:.1f} after (other work on the machine inflates measured "
+          f"times)")
+    for stage, sres in res["stages"].items():
+        _print_stage(args, stage, sres)
     print(f"\n# {time.perf_counter() - t0:.0f} s in all", file=sys.stderr)
     if args.json:
         from workbench.util import write_json_atomic

@@ -1,3 +1,4 @@
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -34,7 +35,16 @@ def free_cost(model="7b", n=8, *, mem=40.0, per_node=None, degrees=(), profile="
     m = get_model(model)
     per = per_node if per_node is not None else min(8, n)
     budget = 0.7 * mem - 16.0 * m.params() / n / 1e9
-    states = model_states(m, zero_stage=2, num_ranks=n, precision=kw.get("precision") or "bf16",
+    precision = kw.get("precision") or ("fp32" if m.dtype_bytes >= 4 else "bf16")
+    if precision == "bf16":
+        # bf16 under ZeRO 0-2 is autocast, which keeps more activation bytes per token (an fp32
+        # residual stream, per-projection bf16 copies) than the figure these budgets were written
+        # for: scale the budget so that it holds the same tokens
+        from workbench.cost import activation_bytes_per_token
+
+        mb, rc = dataclasses.replace(m, dtype_bytes=2), bool(kw.get("recompute", False))
+        budget *= activation_bytes_per_token(mb, rc, autocast=True) / activation_bytes_per_token(mb, rc)
+    states = model_states(m, zero_stage=2, num_ranks=n, precision=precision,
                           optimizer=kw.get("optimizer", "adamw")).total / 1e9
     cl = ClusterSpec(num_gpus=n, gpus_per_node=per, gpu_memory_gb=(budget + states) / 0.7, degrees=degrees,
                      zero_stage=2)

@@ -8,8 +8,8 @@ users cause, checked by pid.
 - SIGTERM and SIGHUP to ``workbench train`` (a closed terminal) stop the run like Ctrl-C;
 - SIGKILL of the plan-ahead worker: the run says so once and trains on, planning inline, with the
   planner's own plans;
-- corrupt and empty checkpoints: resume from the previous good one, saying which file was
-  skipped; none usable: one line;
+- corrupt and empty checkpoints (whole files under ZeRO-0, sharded folders under ZeRO-3): resume
+  from the previous good one, saying which file was skipped; none usable: one line;
 - two runs at once, and a second start on a running run refused without touching its spec;
 - every socket the run listens on is on the loopback interface.
 """
@@ -268,19 +268,28 @@ def _flip_bytes(path: Path, n: int = 64) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_corrupt_and_empty_checkpoints(tmp_path):
-    import torch
+@pytest.mark.parametrize("stage", [0, 3])
+def test_corrupt_and_empty_checkpoints(tmp_path, stage):
+    """Whole files (ZeRO-0) and sharded folders (ZeRO-3): a damaged and an empty checkpoint are
+    skipped, naming the file, and the run resumes from the newest good one; none good: one line."""
+    from workbench.runtime.checkpoint import full_model_state, verify_checkpoint
 
-    run, spec, _ = prepare_train({**SETTINGS, "steps": 3, "nproc": 2, "checkpoint_every": 1}, root=tmp_path,
-                                 name="ck")
+    run, spec, _ = prepare_train({**SETTINGS, "steps": 3, "nproc": 2, "checkpoint_every": 1, "zero_stage": stage},
+                                 root=tmp_path, name="ck")
     assert launch.wait(launch.start(run, nproc=2), timeout=TIMEOUT).state == "done"
-    good = torch.load(run.path / "checkpoints" / "step_1.pt", weights_only=True)["model"]
-    _flip_bytes(run.path / "checkpoints" / "step_3.pt")  # 64 flipped bytes
-    (run.path / "checkpoints" / "step_2.pt").write_bytes(b"")  # an empty file
+    good = full_model_state(run.path, 1)
+    ck = run.path / "checkpoints"
+    if stage == 3:
+        damaged, emptied = ck / "step_3.dcp" / "__1_0.distcp", ck / "step_2.dcp" / "trainer.pt"
+    else:
+        damaged, emptied = ck / "step_3.pt", ck / "step_2.pt"
+    _flip_bytes(damaged)  # 64 flipped bytes
+    emptied.write_bytes(b"")  # an empty file
     p = subprocess.run(_workbench("train", "--run-dir", str(run.path), "--steps", "4"), capture_output=True, text=True,
                        cwd=ROOT, timeout=TIMEOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stderr
-    assert "step_3.pt does not match its checksum" in p.stderr and "step_2.pt is empty" in p.stderr
+    assert f"{damaged.relative_to(ck)} does not match its checksum" in p.stderr
+    assert f"{emptied.relative_to(ck)} is empty" in p.stderr
     st = run.status()
     assert st.resumed_from == 1 and st.step == 4 and st.state == "done"
     # the resumed weights were step 1's, not the damaged step 3's: step 2 redone from them gives the
@@ -289,11 +298,11 @@ def test_corrupt_and_empty_checkpoints(tmp_path):
     first = {r["step"]: r["loss"] for r in rows if r["rank"] == 0 and r["attempt"] == 1}
     again = {r["step"]: r["loss"] for r in rows if r["rank"] == 0 and r["attempt"] == 2}
     assert again[1] == pytest.approx(first[1], rel=1e-6) and set(again) == {1, 2, 3}
-    assert torch.load(run.path / "checkpoints" / "step_1.pt", weights_only=True)["model"].keys() == good.keys()
-    assert runs.verify_checksum(run.path / "checkpoints" / "step_3.pt") is None  # rewritten, good again
+    assert full_model_state(run.path, 1).keys() == good.keys()
+    assert verify_checkpoint(ck / ("step_3.dcp" if stage == 3 else "step_3.pt")) is None  # rewritten, good again
     # no usable checkpoint at all: one line, nothing trained
     for _, path in run.checkpoints():
-        path.write_bytes(b"junk")
+        (path / "trainer.pt" if path.is_dir() else path).write_bytes(b"junk")
     p = subprocess.run(_workbench("train", "--run-dir", str(run.path), "--steps", "6"), capture_output=True, text=True,
                        cwd=ROOT, timeout=TIMEOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 1

@@ -348,15 +348,15 @@ def test_strict_loading_names_what_does_not_match(hf_dirs, tmp_path):
 def _run_with_checkpoint(root: Path, folder: Path, name: str, step: int = 2):
     """A training run of the model at ``folder`` whose checkpoint at ``step`` holds those weights
     (written in the trainer's own checkpoint format, as the trainer does)."""
-    from workbench.runtime.train import CHECKPOINT_FORMAT, _save_checkpoint, checkpoint_path
+    from workbench.runtime.checkpoint import CHECKPOINT_FORMAT, checkpoint_path, save_whole
     from workbench.training import prepare_train
 
     run, spec, _ = prepare_train({"steps": step, "model": str(folder), "init": str(folder), "device": "cpu"},
                                  root=root, name=name)
     model, _ = _ours(folder)
-    _save_checkpoint(checkpoint_path(run.path, step), {"format": CHECKPOINT_FORMAT, "step": step,
-                                                       "model": model.state_dict(), "optimizer": {}, "sampler": {},
-                                                       "rng": {}, "spec": "{}"})
+    save_whole(checkpoint_path(run.path, step), {"format": CHECKPOINT_FORMAT, "step": step,
+                                                 "model": model.state_dict(), "optimizer": {}, "sampler": {},
+                                                 "rng": {}, "spec": "{}"})
     return run
 
 

@@ -2,8 +2,9 @@
 
 Run as a script under torchrun this file is the worker: it checks Ulysses attention against
 single-process attention (forward and backward) and, for several random heterogeneous plans,
-the all-reduced gradient against a single-process full-batch reference, and writes one JSON
-result per check. The pytest tests below launch it once and assert on each result.
+the all-reduced gradient (ZeRO-0, free micro-steps) against a single-process full-batch
+reference, and writes one JSON result per check. The pytest tests below launch it once and assert
+on each result. The other ZeRO stages and lockstep passes: test_runtime_zero.py.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def _check_gradients(registry, rank: int) -> dict:
 
     spec = get_model("tiny")
     cost = CostModel(load_profile("cpu-gloo-tiny"), spec,
-                     ClusterSpec(num_gpus=WORLD, gpus_per_node=WORLD, gpu_memory_gb=4.0))
+                     ClusterSpec(num_gpus=WORLD, gpus_per_node=WORLD, gpu_memory_gb=4.0, zero_stage=0))
     model = Transformer(spec, seed=3)
     ref_model = Transformer(spec, seed=3)
     ex = StepExecutor(model, registry, torch_varlen_attention)
@@ -189,7 +190,8 @@ def _check_misc(registry, rank: int) -> dict:
 
     spec = get_model("tiny")
     results = {}
-    cost8 = CostModel(load_profile("cpu-gloo-tiny"), spec, ClusterSpec(num_gpus=8, gpus_per_node=8, gpu_memory_gb=4.0))
+    cost8 = CostModel(load_profile("cpu-gloo-tiny"), spec, ClusterSpec(num_gpus=8, gpus_per_node=8, gpu_memory_gb=4.0,
+                                                                    zero_stage=0))
     plan8 = build_plan("bad", [[(8, [0, 1])]], [5, 9], cost8)
     ex = StepExecutor(Transformer(spec, seed=0), registry, torch_varlen_attention)
     try:

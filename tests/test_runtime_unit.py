@@ -28,9 +28,9 @@ def tiny():
     return get_model("tiny")
 
 
-def _cost(num_gpus: int = 4):
+def _cost(num_gpus: int = 4, zero_stage: int = 0):
     return CostModel(load_profile("cpu-gloo-tiny"), get_model("tiny"),
-                     ClusterSpec(num_gpus=num_gpus, gpus_per_node=num_gpus, gpu_memory_gb=4.0))
+                     ClusterSpec(num_gpus=num_gpus, gpus_per_node=num_gpus, gpu_memory_gb=4.0, zero_stage=zero_stage))
 
 
 def _cu(lengths):
@@ -318,3 +318,236 @@ def test_shipped_cpu_profile_loads(tiny):
     assert prof.model == "tiny" and prof.provenance["when"]
     cost = _cost()
     assert cost.time([1024], 1)[0] > cost.time([1024], 4)[0] > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# activation memory: what autograd keeps for backward, against the cost model's formula
+# ------------------------------------------------------------------------------------------------
+
+
+class _FlashSaves(torch.autograd.Function):
+    """A stand-in for flash-attn's varlen kernel (CUDA only) that keeps for backward exactly what
+    ``flash_attn_varlen_func`` keeps: q, k, v, the output and the fp32 softmax log-sum-exp (heads
+    x tokens). The values come from the PyTorch path; the backward recomputes through it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_seqlen):
+        out = torch_varlen_attention(q, k, v, cu, max_seqlen)
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)  # (H, T) as flash-attn's varlen
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cu, ctx.max_seqlen = cu, max_seqlen
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        with torch.enable_grad():
+            qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+            out = torch_varlen_attention(qq, kk, vv, ctx.cu, ctx.max_seqlen)
+            dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), grad)
+        return dq, dk, dv, None, None
+
+
+def _flash_saves(q, k, v, cu, max_seqlen):
+    return _FlashSaves.apply(q, k, v, cu, max_seqlen)
+
+
+def _saved_bytes(tiny, length: int, mode: str, *, recompute: bool, block: int | None = None) -> int:
+    """Bytes of the distinct storages autograd saves for backward in one forward of one sequence
+    of ``length`` tokens (parameters and their casts, which do not grow with tokens, cancel in the
+    per-token slope). ``mode``: fp32, bf16 (weights and activations bf16, as FSDP2 runs) or autocast
+    (bf16 over fp32 weights, as ZeRO 0-2 run). ``block``: count only what block ``block`` saves."""
+    from workbench.runtime.zero import apply_recompute
+
+    model = Transformer(tiny, seed=0)
+    if mode == "bf16":
+        model = model.to(torch.bfloat16)
+    if recompute:
+        apply_recompute(model)
+    inside = [block is None]
+    if block is not None:
+        model.blocks[block].register_forward_pre_hook(lambda *a: inside.__setitem__(0, True))
+        model.blocks[block].register_forward_hook(lambda *a: inside.__setitem__(0, False))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if inside[0] and st.data_ptr() not in params:
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        return t
+
+    sh = make_shard([torch.randint(0, tiny.vocab, (length,), generator=torch.Generator().manual_seed(length))], 1, 0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+            logits = model(sh.tokens, sh.positions, sh.cu_seqlens, sh.max_seqlen, _flash_saves)
+        torch.nn.functional.cross_entropy(logits.float(), sh.labels, ignore_index=IGNORE, reduction="sum")
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("mode, stage, precision", [("fp32", 3, "fp32"), ("fp32", 0, "fp32"), ("bf16", 3, "bf16"),
+                                                    ("autocast", 0, "bf16"), ("autocast", 2, "bf16")])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_activation_bytes_per_token_match_what_autograd_keeps(tiny, mode, stage, precision, recompute):
+    """Per token, the bytes autograd keeps for backward (slope between two lengths, so fixed
+    buffers cancel) equal the cost model's activation figure in each precision and stage (a
+    profile without a measured figure for the model: the formula). With recomputation the peak
+    is what the forward keeps (the blocks' inputs and what lies outside them) plus one block's
+    working set while it is recomputed, measured from the plain model."""
+    a, b = 256, 512
+
+    def slope(**kw):
+        return (_saved_bytes(tiny, b, mode, **kw) - _saved_bytes(tiny, a, mode, **kw)) / (b - a)
+
+    measured = slope(recompute=recompute)
+    if recompute:
+        measured += max(slope(recompute=False, block=i) for i in range(tiny.layers))
+    cost = CostModel(load_profile("h100-80g"), tiny, ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=4.0,
+                                                                 zero_stage=stage),
+                     precision=precision, recompute=recompute)
+    assert cost.activation_bytes_per_token == pytest.approx(measured, rel=0.01), (mode, recompute)
+
+
+def test_activation_formula_recompute_keeps_far_less_for_a_large_model():
+    from workbench.cost import activation_bytes_per_token
+
+    m = get_model("7b")
+    full, rc = activation_bytes_per_token(m), activation_bytes_per_token(m, True)
+    # by hand, bf16: per block 2 (6h + 2kv + 4ffn) + 8h + 4 heads + 8; outside: ids and targets,
+    # rotary tables, final norm, fp32 log-softmax
+    h, f = m.hidden, m.ffn
+    per_block = 2 * (6 * h + 2 * h + 4 * f) + 8 * h + 4 * m.heads + 8
+    outside = 16 + 2 * m.head_dim + (4 * h + 4 * h + 4) + 4 * m.vocab
+    assert full == m.layers * per_block + outside
+    assert rc == m.layers * 2 * h + per_block + outside
+
+
+def test_autocast_weight_copies_are_the_free_stages_bf16_working_set(tiny):
+    """Under autocast every matmul keeps a bf16 copy of its weight for backward: the part of what
+    autograd keeps that does not grow with the tokens (the intercept of two lengths) is the memory
+    model's ZeRO 0-2 bf16 working set."""
+    from workbench.cost.memory import model_states
+
+    a, b = 300, 600  # no activation shaped like a weight
+    sa, sb = _saved_bytes(tiny, a, "autocast", recompute=False), _saved_bytes(tiny, b, "autocast", recompute=False)
+    fixed = sa - (sb - sa) / (b - a) * a
+
+    # the same forward without the parameter filter: the copies are storages derived from weights
+    def with_casts(length):
+        model = Transformer(tiny, seed=0)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        shapes = {s for p in model.parameters() if p.dim() == 2 for s in (tuple(p.shape), tuple(p.shape)[::-1])}
+        seen = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in params and t.dtype == torch.bfloat16 and tuple(t.shape) in shapes:
+                seen[st.data_ptr()] = st.nbytes()
+            return t
+
+        sh = make_shard([torch.randint(0, tiny.vocab, (length,))], 1, 0)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(sh.tokens, sh.positions, sh.cu_seqlens, sh.max_seqlen, _flash_saves)
+        return sum(seen.values())
+
+    for stage in (0, 1, 2):
+        want = model_states(tiny, zero_stage=stage, num_ranks=4, precision="bf16").working
+        assert with_casts(a) == pytest.approx(want, rel=1e-9)
+        assert fixed == pytest.approx(want, rel=0.01)
+        assert model_states(tiny, zero_stage=stage, num_ranks=4, precision="fp32").working == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# plans against the run's stage; lockstep passes
+# ------------------------------------------------------------------------------------------------
+
+
+def test_check_plan_refuses_a_plan_of_another_stage_naming_both():
+    lengths = [30, 7, 12]
+    free = build_plan("hand", [[(2, [0, 1]), (1, [2])]], lengths, _cost(4, 2))
+    lock = build_plan("hand", [[(2, [0, 1]), (1, [2])]], lengths, _cost(4, 3))
+    assert (free.execution, lock.execution) == ("free", "lockstep")
+    with pytest.raises(PlanError, match=r"^the plan is free \(ZeRO 0-2\) but this run is ZeRO-3 \(lockstep\); "
+                                        r"plan for ZeRO-3$"):
+        check_plan(free, lengths, 4, zero_stage=3)
+    with pytest.raises(PlanError, match=r"^the plan is lockstep \(ZeRO-3\) but this run is ZeRO-1 \(free\); "
+                                        r"plan for ZeRO-1$"):
+        check_plan(lock, lengths, 4, zero_stage=1)
+    with pytest.raises(PlanError, match="the plan is for ZeRO-2 but this run is ZeRO-0; plan for ZeRO-0"):
+        check_plan(free, lengths, 4, zero_stage=0)
+    with pytest.raises(PlanError, match="the plan assumes fp32 but this run computes in bf16"):
+        check_plan(lock, lengths, 4, zero_stage=3, precision="bf16")
+    with pytest.raises(PlanError, match="the plan assumes no activation recomputation but this run recomputes"):
+        check_plan(lock, lengths, 4, zero_stage=3, precision="fp32", recompute=True)
+    check_plan(free, lengths, 4, zero_stage=2, precision="fp32", recompute=False)
+    check_plan(lock, lengths, 4, zero_stage=3, precision="fp32", recompute=False)
+
+
+def test_check_plan_accepts_ranks_serving_several_groups_only_in_lockstep_passes():
+    lengths = [30, 7, 12]
+    lock = build_plan("hand", [[(4, [0]), (2, [1]), (1, [2])]], lengths, _cost(4, 3), blocks=[[0, 0, 1]])
+    assert [g.ranks for g in lock.micro_steps[0].groups] == [(0, 1, 2, 3), (0, 1), (1,)]
+    check_plan(lock, lengths, 4, [1, 2, 4], zero_stage=3)
+    import dataclasses
+
+    as_free = dataclasses.replace(lock, execution="free", zero_stage=None)
+    with pytest.raises(PlanError, match=r"rank\(s\) \[0, 1\] are in two groups"):
+        check_plan(as_free, lengths, 4)
+
+
+def test_pack_shards_and_pass_attention_equal_separate_groups(tiny):
+    """One packed forward through PassAttention (two degree-1 groups) gives each group's logits as
+    two separate forwards do."""
+    from workbench.runtime.step import PassAttention, pack_shards
+
+    model = Transformer(tiny, seed=2).double()
+    gen = torch.Generator().manual_seed(2)
+    a = [torch.randint(0, tiny.vocab, (n,), generator=gen) for n in (9, 4)]
+    b = [torch.randint(0, tiny.vocab, (n,), generator=gen) for n in (13,)]
+    sa, sb = make_shard(a, 1, 0), make_shard(b, 1, 0)
+    packed = pack_shards([sa, sb])
+    assert packed.cu_seqlens.tolist() == [0, 9, 13, 26] and packed.targets == sa.targets + sb.targets
+    seen = []
+
+    def spy(name):
+        def attn(q, k, v, cu, mx):
+            seen.append((name, q.shape[0], cu.tolist()))
+            return torch_varlen_attention(q, k, v, cu, mx)
+        return attn
+
+    pa = PassAttention([(0, 13, spy("a"), sa.cu_seqlens, sa.max_seqlen), (13, 26, spy("b"), sb.cu_seqlens, sb.max_seqlen)])
+    out = model(packed.tokens, packed.positions, packed.cu_seqlens, packed.max_seqlen, pa)
+    ra = model(sa.tokens, sa.positions, sa.cu_seqlens, sa.max_seqlen, torch_varlen_attention)
+    rb = model(sb.tokens, sb.positions, sb.cu_seqlens, sb.max_seqlen, torch_varlen_attention)
+    torch.testing.assert_close(out, torch.cat([ra, rb]), rtol=1e-12, atol=1e-12)
+    assert seen[:2] == [("a", 13, [0, 9, 13]), ("b", 13, [0, 13])]  # in the pass's order, every layer
+
+
+def test_recompute_keeps_names_and_values(tiny):
+    from workbench.runtime.zero import apply_recompute
+
+    model, ref = Transformer(tiny, seed=5).double(), Transformer(tiny, seed=5).double()
+    apply_recompute(model)
+    assert list(model.state_dict()) == list(ref.state_dict())
+    seqs = [torch.randint(0, tiny.vocab, (n,)) for n in (17, 5)]
+    batch_loss(model, seqs, torch_varlen_attention).backward()
+    batch_loss(ref, seqs, torch_varlen_attention).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_fsdp_units_are_the_memory_models():
+    """The modules the runtime wraps with fully_shard hold exactly the tensors of each unit of
+    workbench.cost.memory.fsdp_units (tied and untied heads)."""
+    import dataclasses
+
+    from workbench.cost.memory import fsdp_units
+    from workbench.runtime.zero import fsdp_modules
+
+    for spec in (get_model("tiny"), dataclasses.replace(get_model("tiny"), tied_embeddings=True)):
+        model = Transformer(spec, seed=0)
+        name = {id(p): n for n, p in model.named_parameters()}
+        got = [sorted({name[id(p)] for m in unit for p in m.parameters()}) for unit in fsdp_modules(model)]
+        want = [sorted(n for n, _ in unit) for unit in fsdp_units(spec)]
+        assert got == want

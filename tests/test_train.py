@@ -50,10 +50,10 @@ def metrics(run_dir: Path, rank: int = 0) -> dict[int, dict]:
 
 
 def params_of(run_dir: Path, step: int) -> dict:
-    import torch
+    """The model weights of a run's checkpoint, whole, whatever its layout (file or sharded folder)."""
+    from workbench.runtime.checkpoint import full_model_state
 
-    state = torch.load(run_dir / "checkpoints" / f"step_{step}.pt", weights_only=True)
-    return state["model"]
+    return full_model_state(run_dir, step)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -72,6 +72,8 @@ def test_spec_round_trip_and_cpu_defaults(tmp_path):
     # CPU defaults keep every token: split at 1,024, the measured CPU profile, one node of 2 ranks
     assert (sc.model, sc.source, sc.policy, sc.max_len, sc.profile) == ("tiny", "stdlib", "split", 1024, "cpu-gloo-tiny")
     assert (sc.num_gpus, sc.gpus_per_node) == (2, 2)
+    # the stage, precision and optimizer the run holds its states in, resolved and recorded
+    assert (sc.zero_stage, sc.precision, sc.recompute, sc.optimizer) == (3, "fp32", False, "sgd")
     assert json.loads((run.path / "spec.json").read_text())["kind"] == "train"
     ls = sc.lengths_set()
     assert ls.policy_report.tokens_after == ls.policy_report.tokens_before
@@ -125,6 +127,26 @@ def test_resume_keeps_the_runs_settings(tmp_path):
     assert {c.name for c in changes} == {"nproc", "seed"}
     assert spec3.nproc == 2 and spec3.scenario.num_gpus == 2 and spec3.scenario.seed == 2
     assert read_train_spec(run.path) == spec  # preparing a resume writes nothing
+    # the stage, precision and recomputation are the run's too
+    with pytest.raises(SpecError, match=r"zero_stage: 3 in the run, 0 given.*--change"):
+        prepare_train({"steps": 5, "zero_stage": 0}, run_dir=run.path)
+    with pytest.raises(SpecError, match=r"precision: 'fp32' in the run, 'bf16' given"):
+        prepare_train({"steps": 5, "precision": "bf16"}, run_dir=run.path)
+    with pytest.raises(SpecError, match=r"recompute: False in the run, True given"):
+        prepare_train({"steps": 5, "recompute": True}, run_dir=run.path)
+    _, spec4, changes = prepare_train({"steps": 5, "zero_stage": 1, "precision": "bf16"}, run_dir=run.path,
+                                      allow_changes=True)
+    assert {c.name for c in changes} == {"zero_stage", "precision"}
+    assert (spec4.scenario.zero_stage, spec4.scenario.precision) == (1, "bf16")
+
+
+def test_the_scenarios_optimizer_follows_the_runs():
+    sc = Scenario(model="tiny", num_gpus=2)
+    assert TrainSpec(scenario=sc, steps=1, nproc=2, optimizer="adamw").scenario.optimizer == "adamw"
+    assert TrainSpec(scenario=sc, steps=1, nproc=2, optimizer="sgd").scenario.optimizer == "sgd"
+    spec = TrainSpec(scenario=sc, steps=1, nproc=2, optimizer="sgd", momentum=0.9)
+    assert spec.scenario.optimizer == "sgd-momentum"
+    assert spec.replace(momentum=0.0).scenario.optimizer == "sgd"
 
 
 def test_resume_must_name_an_existing_run(tmp_path):
@@ -241,11 +263,11 @@ def _ok(p: subprocess.CompletedProcess, run_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def sgd_reference(tmp_path_factory):
-    """One SGD step on one rank with static:1 (plain data parallelism of one: the single-process
-    update)."""
+    """One SGD step on one rank with static:1 under ZeRO-0 (a plain model on one process: the
+    single-process update)."""
     d = tmp_path_factory.mktemp("ref") / "run"
     p = _train(d, "--nproc", "1", "--planner", "static:1", "--steps", "1", "--seed", "7", "--optimizer", "sgd",
-               "--lr", "0.5", "--checkpoint-every", "1", *SMALL)
+               "--lr", "0.5", "--checkpoint-every", "1", "--zero-stage", "0", *SMALL)
     _ok(p, d)
     return d
 
@@ -260,14 +282,18 @@ def _planners_for_equality() -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("planner", _planners_for_equality())
-def test_one_sgd_step_same_params_on_4_ranks(sgd_reference, tmp_path, planner):
+@pytest.mark.parametrize("planner, stage", [(p, 3) for p in _planners_for_equality()] + [("greedy", 0), ("greedy", 2)])
+def test_one_sgd_step_same_params_on_4_ranks(sgd_reference, tmp_path, planner, stage):
     d = tmp_path / "run"
     p = _train(d, "--nproc", "4", "--planner", planner, "--steps", "1", "--seed", "7", "--optimizer", "sgd",
-               "--lr", "0.5", "--checkpoint-every", "1", *SMALL)
+               "--lr", "0.5", "--checkpoint-every", "1", "--zero-stage", str(stage), *SMALL)
     _ok(p, d)
     plan = json.loads((d / "plans.jsonl").read_text().splitlines()[0])["plan"]
     assert plan["num_gpus"] == 4 and plan["planner"].startswith(planner.split(":")[0])
+    # planned for the stage the run holds its states in, and run that way
+    assert plan["zero_stage"] == stage and plan["execution"] == ("lockstep" if stage == 3 else "free")
+    assert status(d)["resolved"]["zero_stage"] == stage
+    assert (d / "checkpoints" / ("step_1.dcp" if stage == 3 else "step_1.pt")).exists()
     if planner == "static:4":  # every sequence ran sharded over 4 ranks with Ulysses all-to-alls
         assert {g["degree"] for m in plan["micro_steps"] for g in m["groups"]} == {4}
     ref, got = params_of(sgd_reference, 1), params_of(d, 1)
@@ -317,7 +343,7 @@ def test_resume_continues_exactly(loss_run, tmp_path):
     n = 3
     d = tmp_path / "run"
     _ok(_train(d, "--steps", str(n), "--checkpoint-every", str(n), *LOSS_ARGS), d)
-    assert (d / "checkpoints" / f"step_{n}.pt").exists()
+    assert (d / "checkpoints" / f"step_{n}.dcp").is_dir()  # ZeRO-3 (the default): a sharded checkpoint
     # restart the same run folder with one more step, as the README does (naming only the steps): it
     # continues from the checkpoint with the run's own settings (its 2 ranks, not the CLI default 1)
     p = workbench("train", "--run-dir", str(d), "--steps", str(n + 1))
@@ -339,6 +365,68 @@ def test_resume_continues_exactly(loss_run, tmp_path):
     assert (d / "spec.json").read_bytes() == before
 
 
+ZARGS = ["--planner", "greedy", "--seed", "3", "--optimizer", "sgd", "--lr", "0.2", "--momentum", "0.9", *SMALL]
+
+
+def _update_error(got: dict, ref: dict, before: dict) -> float:
+    """Worst relative difference of two updates from the same weights ``before``, over the tensors."""
+    return max(float((got[k] - before[k] - (ref[k] - before[k])).norm() / (ref[k] - before[k]).norm()) for k in ref)
+
+
+@pytest.mark.slow
+def test_checkpoints_resume_on_another_world_and_stage(tmp_path):
+    """SGD with momentum (the optimizer state matters, and its update is linear in it): a ZeRO-3
+    run saved on 4 ranks resumes on 2 (DCP reshards the folder); a ZeRO-1 run's whole file resumes
+    under ZeRO-3 on 4, and its sharded folder under ZeRO-2 on 2; each step after a resume gives the
+    uninterrupted run's loss and weights."""
+    ref = tmp_path / "ref"
+    _ok(_train(ref, "--nproc", "4", "--steps", "4", "--checkpoint-every", "1", *ZARGS), ref)
+    loss = {s: r["loss"] for s, r in metrics(ref).items()}
+    # ZeRO-3, 4 ranks -> 2 ranks
+    a = tmp_path / "a"
+    _ok(_train(a, "--nproc", "4", "--steps", "2", "--checkpoint-every", "2", *ZARGS), a)
+    assert sorted(x.name for x in (a / "checkpoints").iterdir()) == ["step_2.dcp"]
+    p = workbench("train", "--run-dir", str(a), "--steps", "3", "--nproc", "2", "--change", "--quiet")
+    _ok(p, a)
+    st = status(a)
+    assert st["resumed_from"] == 2 and st["resolved"]["world_size"] == 2 and st["resolved"]["zero_stage"] == 3
+    assert metrics(a)[2]["loss"] == pytest.approx(loss[2], rel=1e-5)
+    assert _update_error(params_of(a, 3), params_of(ref, 3), params_of(ref, 2)) < 1e-4
+    # ZeRO-1 (whole file, consolidated optimizer states), 2 ranks -> ZeRO-3, 4 ranks
+    b = tmp_path / "b"
+    _ok(_train(b, "--nproc", "2", "--zero-stage", "1", "--steps", "2", "--checkpoint-every", "2", *ZARGS), b)
+    assert (b / "checkpoints" / "step_2.pt").is_file()
+    assert _update_error(params_of(b, 2), params_of(ref, 2), params_of(ref, 1)) < 1e-4
+    p = workbench("train", "--run-dir", str(b), "--steps", "3", "--nproc", "4", "--zero-stage", "3", "--change",
+                  "--quiet")
+    _ok(p, b)
+    assert status(b)["resolved"]["execution"] == "lockstep"
+    assert metrics(b)[2]["loss"] == pytest.approx(loss[2], rel=1e-5)
+    assert _update_error(params_of(b, 3), params_of(ref, 3), params_of(ref, 2)) < 1e-4
+    # and that sharded folder, on 2 ranks under ZeRO-2 (the momentum buffers into ZeroRedundancyOptimizer's shards)
+    p = workbench("train", "--run-dir", str(b), "--steps", "4", "--nproc", "2", "--zero-stage", "2", "--change",
+                  "--quiet")
+    _ok(p, b)
+    assert metrics(b)[3]["loss"] == pytest.approx(loss[3], rel=1e-5)
+    assert _update_error(params_of(b, 4), params_of(ref, 4), params_of(ref, 3)) < 1e-4
+
+
+@pytest.mark.slow
+def test_model_states_in_metrics_match_the_memory_model(tmp_path):
+    from workbench.cost.memory import model_states
+    from workbench.specs import get_model
+
+    d = tmp_path / "run"
+    _ok(_train(d, "--nproc", "2", "--zero-stage", "2", "--optimizer", "adamw", "--steps", "1", "--checkpoint-every",
+               "0", *SMALL), d)
+    for rank in (0, 1):
+        got = metrics(d, rank)[0]["model_states"]
+        want = model_states(get_model("tiny"), zero_stage=2, num_ranks=2, precision="fp32", optimizer="adamw", rank=rank)
+        assert got["parameters_bytes"] == pytest.approx(want.parameters, rel=0.05)
+        assert got["gradients_bytes"] == pytest.approx(want.gradients, rel=0.05)
+        assert got["optimizer_bytes"] == pytest.approx(want.optimizer_states, rel=0.05)
+
+
 def _assert_failed(p: subprocess.CompletedProcess, run_dir: Path, words: str) -> None:
     assert p.returncode != 0
     st = status(run_dir)
@@ -353,6 +441,15 @@ def test_plan_for_another_world_size_fails_on_every_rank(tmp_path):
     p = _train(d, "--nproc", "2", "--planner", "greedy", "--steps", "2", "--debug-plan-gpus", "1",
                "--timeout", "60", *SMALL)
     _assert_failed(p, d, "the plan is for 1 ranks but this run has 2")
+    assert not (d / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_a_plan_for_another_stage_is_refused_on_every_rank(tmp_path):
+    d = tmp_path / "run"
+    p = _train(d, "--nproc", "2", "--planner", "greedy", "--steps", "2", "--debug-plan-zero-stage", "0",
+               "--timeout", "60", *SMALL)
+    _assert_failed(p, d, "the plan is free (ZeRO 0-2) but this run is ZeRO-3 (lockstep); plan for ZeRO-3")
     assert not (d / "metrics.jsonl").exists()
 
 

@@ -36,19 +36,30 @@ ACT_BYTES_7B = 4.48e6  # published activation bytes per token of GPT-7B (a100-40
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("n", [1, 8, 64])
 def test_model_state_parts_follow_zero_stages(stage, n):
+    """By hand, 7B in bf16 with AdamW (fp32 master weights and gradients, 8 bytes of moments): ZeRO-3
+    shards everything 1/N (every 7B tensor's rows divide by 64); ZeRO 1-2 shard whole parameters'
+    optimizer states, so the most loaded rank holds between 1/N of them and 1/N plus the largest
+    tensor; free stages hold whole gradients at the peak."""
     from workbench.report.memory import model_state_parts
-    from workbench.specs import ClusterSpec, get_model
 
-    model = get_model("7b")
-    cl = ClusterSpec(num_gpus=n, gpus_per_node=min(8, n), zero_stage=stage)
-    P = model.params()
-    # bf16 weights 2 B, bf16 grads 2 B, fp32 master + Adam m, v 12 B; sharded from stage 3, 2, 1
-    want = {"parameters": 2 * P / (n if stage >= 3 else 1), "gradients": 2 * P / (n if stage >= 2 else 1),
-            "optimizer": 12 * P / (n if stage >= 1 else 1)}
-    got = model_state_parts(model, cl)
-    for k, v in want.items():
-        assert got[k] == pytest.approx(v / 1e9, rel=1e-12)
-    assert sum(got.values()) == pytest.approx(cl.model_state_gb(model), rel=1e-12)
+    sc = Scenario(num_gpus=n, gpus_per_node=min(8, n), zero_stage=stage, precision="bf16", optimizer="adamw",
+                  gpu_memory_gb=1e4)  # room for every stage: the figures, not the fit
+    P = sc.model_spec().params()
+    largest = sc.model_spec().vocab * sc.model_spec().hidden  # the embedding (and the head)
+    got = model_state_parts(sc.cost())
+    assert got["parameters"] == pytest.approx(4 * P / (n if stage == 3 else 1) / 1e9, rel=1e-12)
+    assert got["gradients"] == pytest.approx(4 * P / (n if stage == 3 else 1) / 1e9, rel=1e-12)
+    if stage in (0, 3):
+        assert got["optimizer"] == pytest.approx(8 * P / (n if stage == 3 else 1) / 1e9, rel=1e-12)
+    else:
+        assert 8 * P / n / 1e9 <= got["optimizer"] * (1 + 1e-12) and got["optimizer"] <= 8 * (P / n + largest) / 1e9
+    blocks = sc.model_spec().layer_params()
+    if stage == 3:  # two bf16 all-gathered blocks and one fp32 unsharded gradient
+        assert got["working"] == pytest.approx((2 * 2 * blocks + 4 * blocks) / 1e9 if n > 1 else 0.0, rel=1e-9)
+    else:  # autocast's bf16 copies of every matmul weight: all but the embedding and the norms
+        m = sc.model_spec()
+        matmul = P - m.vocab * m.hidden - (2 * m.layers + 1) * m.hidden
+        assert got["working"] == pytest.approx(2 * matmul / 1e9, rel=1e-12)
 
 
 def test_gpu_memory_breakdown_by_hand():
@@ -58,12 +69,43 @@ def test_gpu_memory_breakdown_by_hand():
     cost = sc.cost()
     b = gpu_memory_breakdown(cost, [131072], 32)
     P = sc.model_spec().params()
+    working = (2 * 2 + 4) * sc.model_spec().layer_params()  # ZeRO-3: two bf16 blocks gathered, one fp32 gradient
     assert b["usable_gb"] == pytest.approx(40 * 0.7)
     assert b["model_states_gb"] == pytest.approx(16 * P / 64 / 1e9)
+    assert b["working_gb"] == pytest.approx(working / 1e9) and "all-gathered" in b["working_label"]
     assert b["activations_gb"] == pytest.approx(ACT_BYTES_7B * 131072 / 32 / 1e9)
-    assert b["activation_budget_gb"] == pytest.approx(28 - 16 * P / 64 / 1e9)
+    assert b["activation_budget_gb"] == pytest.approx(28 - (16 * P / 64 + working) / 1e9)
     assert b["fits"] and b["headroom_gb"] == pytest.approx(28 - b["total_gb"])
+    assert b["total_gb"] == pytest.approx(b["model_states_gb"] + b["working_gb"] + b["activations_gb"])
     assert not gpu_memory_breakdown(cost, [131072], 16)["fits"]  # 36.7 GB of activations on 16 GPUs
+
+
+def test_memory_figure_says_free_execution_holds_whole_gradients():
+    from workbench.report.memory import FREE_GRADIENTS_NOTE, gpu_memory_breakdown, memory_breakdown_figure
+
+    free = Scenario(num_gpus=8, gpus_per_node=8, zero_stage=2, model="1b").cost()
+    fig = memory_breakdown_figure([dict(gpu_memory_breakdown(free, [4096], 1), label="a")])
+    assert FREE_GRADIENTS_NOTE in fig.layout.title.text
+    assert [t.name for t in fig.data] == ["parameters", "gradients", "optimizer states", "working set (transient)",
+                                          "activations"]
+    lock = Scenario(num_gpus=8, gpus_per_node=8, zero_stage=3, model="1b").cost()
+    fig = memory_breakdown_figure([dict(gpu_memory_breakdown(lock, [4096], 1), label="a")])
+    assert FREE_GRADIENTS_NOTE not in fig.layout.title.text and "all-gathered" in fig.layout.title.text
+
+
+def test_rank_memory_sums_a_lockstep_ranks_groups_in_a_pass():
+    from workbench.report.memory import rank_activations
+
+    cost = Scenario(num_gpus=4, gpus_per_node=4, model="1b").cost()
+    plan = {"num_gpus": 4, "execution": "lockstep", "micro_steps": [
+        {"groups": [{"degree": 4, "ranks": [0, 1, 2, 3], "lengths": [8192]}, {"degree": 1, "ranks": [1], "lengths": [1024]}]},
+        {"groups": [{"degree": 2, "ranks": [2, 3], "lengths": [4096]}]}]}
+    act = rank_activations(plan, cost)
+    m = lambda s, d: float(cost.memory([s], d)[0])  # noqa: E731
+    assert act == pytest.approx([m(8192, 4), m(8192, 4) + m(1024, 1), max(m(8192, 4), m(4096, 2)),
+                                 max(m(8192, 4), m(4096, 2))])
+    free = dict(plan, execution="free")
+    assert rank_activations(free, cost)[1] == pytest.approx(max(m(8192, 4), m(1024, 1)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -529,8 +571,9 @@ def test_runs_panel_compares_measured_and_predicted(two_runs):
 
 @pytest.mark.slow
 def test_solver_compares_a_runs_predicted_and_measured_memory(two_runs):
+    """The model states each rank counted from tensor storage against the memory model's, per rank."""
     from widgets import SolverPanel
-    from workbench.report.memory import model_state_parts
+    from workbench.cost.memory import model_states
 
     root, (a, _), _ = two_runs
     panel = SolverPanel(Scenario(**SMALL), auto=False, root=root)
@@ -538,11 +581,15 @@ def test_solver_compares_a_runs_predicted_and_measured_memory(two_runs):
     assert len(panel.w_run.options) == 3  # the two runs and the prompt
     res = panel.compare_run(a)
     sc = Scenario.from_dict(json.loads((a.path / "spec.json").read_text())["scenario"])
-    states = sum(model_state_parts(sc.model_spec(), sc.cluster()).values())
-    assert len(res["predicted_gb"]) == 2 and min(res["predicted_gb"]) >= states
-    assert set(res["measured_gb"]) == {0, 1} and all(v > 0 for v in res["measured_gb"].values())
-    assert "resident" in res["note"]  # on CPU "measured" is the process's RSS, and the panel says so
+    want = [model_states(sc.model_spec(), zero_stage=sc.zero_stage, num_ranks=2, precision=sc.precision,
+                         optimizer=sc.optimizer, rank=r).states / 1e9 for r in (0, 1)]
+    assert res["predicted_gb"] == pytest.approx(want)
+    assert set(res["measured_gb"]) == {0, 1}
+    for r in (0, 1):
+        assert res["measured_gb"][r] == pytest.approx(want[r], rel=0.05)
+    assert "tensor storage" in res["note"] and res["peak_measured_gb"] == {}  # CPU: no allocator peak
     assert list(panel.fig_run_memory.data[0].y) == pytest.approx(res["predicted_gb"])
+    assert list(panel.fig_run_memory.data[1].y) == pytest.approx([res["measured_gb"][0], res["measured_gb"][1]])
 
 
 @pytest.mark.slow

@@ -5,8 +5,9 @@ on a background thread (debounced; a newer change cancels the older solve throug
 cancel hook), so the page stays responsive; :meth:`SolverPanel.solve` does the same synchronously
 for notebooks run by papermill and for tests. The panel draws ``workbench.report`` figures: the
 plan's timeline (groups over ranks per micro-step), the planners compared, and the per-GPU memory
-breakdown of a chosen group (parameters, gradients, optimizer states, activations against the
-budget), and for a finished run, predicted against measured peak memory.
+breakdown of a chosen group (parameters, gradients, optimizer states, working set, activations
+against the budget), and for a finished run, predicted against measured model states per rank (and
+peak memory on CUDA).
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ __all__ = ["SolverPanel", "SolveResult"]
 
 _GPUS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 _PER_NODE = [1, 2, 4, 8, 16]
-_CPU_NOTE = ("On CPU the measured peak is the process's resident memory (Python, torch and gloo included), so it "
-             "sits well above the plan's model states + activations; on CUDA it is the allocator's peak.")
 
 
 def _pow2_upto(n: int, lo: int = 1) -> list[int]:
@@ -665,11 +664,12 @@ class SolverPanel(ScenarioSource, Panel):
         set_figure(self.fig_memory, memory_breakdown_figure(shown, title=f"{self.w_show.value}: memory per GPU",
                                                             highlight=0))
         c = chosen
+        working = (f", working set {c['working_gb']:.2f} ({c['working_label']})" if c.get("working_gb") else "")
         self.memory_line.value = (
             f"<span style='font-size:13px'>Chosen group: <b>{c['total_gb']:.2f} GB</b> of {c['usable_gb']:.1f} GB usable "
             f"({c['gpu_memory_gb']:.0f} GB x {c['usable_gb'] / c['gpu_memory_gb']:.2f}): parameters {c['parameters_gb']:.2f}, "
             f"gradients {c['gradients_gb']:.2f}, optimizer states {c['optimizer_gb']:.2f} (ZeRO-{c['zero_stage']} over "
-            f"{c['num_gpus']} GPUs), activations {c['activations_gb']:.2f} GB for {c['sequences']} sequence(s) "
+            f"{c['num_gpus']} GPUs){working}, activations {c['activations_gb']:.2f} GB for {c['sequences']} sequence(s) "
             f"/ {c['tokens']:,} tokens split over {c['degree']} GPU(s); headroom {c['headroom_gb']:.2f} GB.</span>")
 
     def _on_group(self, change) -> None:
@@ -700,7 +700,7 @@ class SolverPanel(ScenarioSource, Panel):
         return next((r for r in self._groups() if (r["micro_step"], r["index"]) == self._chosen_group), None)
 
     # ------------------------------------------------------------------------------------------
-    # a finished run: predicted against measured peak memory
+    # a finished run: predicted against measured model states (and CUDA peaks)
     # ------------------------------------------------------------------------------------------
     def refresh_runs(self) -> None:
         """List the finished training runs of the store in the run picker."""
@@ -728,12 +728,17 @@ class SolverPanel(ScenarioSource, Panel):
             self.run_memory_line.value = note_html(one_line(e), "error")
 
     def compare_run(self, run) -> dict:
-        """Predicted against measured peak memory per rank for a training run: the plan of its
-        last step through its own cost model (model states + the largest activations a rank holds)
-        and the peak each rank reported. Returns ``{"run", "predicted_gb", "measured_gb", "note"}``
-        and draws it. Raises ValueError when the run has no plans or no measured steps."""
+        """Predicted against measured memory per rank for a training run. The model states
+        (parameters, gradients at their peak, optimizer states) the memory model predicts for each
+        rank under the run's stage, precision and optimizer, against those the run counted from
+        tensor storage (``model_states`` in metrics.jsonl); on CUDA also the predicted peak (model
+        states, working set and the largest activations of the last step's plan) against the
+        allocator's peak. Returns ``{"run", "predicted_gb", "measured_gb", "note", "peak_predicted_gb",
+        "peak_measured_gb"}`` and draws it. Raises ValueError when the run has no plans or no measured
+        model states (a run of an older workbench)."""
         from workbench import runs
-        from workbench.report.memory import measured_peak_memory, memory_compare_figure, rank_memory
+        from workbench.report.memory import (measured_cuda_peak, measured_model_states, memory_compare_figure,
+                                             predicted_model_states, rank_memory)
 
         r = runs.load_run(run, root=self.root)
         plans = r.plans()
@@ -741,18 +746,31 @@ class SolverPanel(ScenarioSource, Panel):
             raise ValueError(f"run {r.id} has no plans yet")
         spec = r.spec()
         sc = Scenario.from_dict(spec["scenario"])
-        predicted = rank_memory(plans[-1]["plan"], sc.cost())
-        measured = measured_peak_memory(r.metrics())
+        cost = sc.cost()
+        metrics = r.metrics()
+        predicted = predicted_model_states(cost)
+        measured = measured_model_states(metrics)
         if not measured:
-            raise ValueError(f"run {r.id} reported no peak memory")
-        device = (r.status().resolved or {}).get("device") or "cpu"
-        note = _CPU_NOTE if device == "cpu" else "measured: the CUDA allocator's peak on each rank"
-        set_figure(self.fig_run_memory, memory_compare_figure(predicted, measured, note=note,
-                                                              title=f"Run {r.id}: peak memory per rank"))
+            raise ValueError(f"run {r.id} reported no model-state bytes (trained by an older workbench?)")
+        peak_pred = rank_memory(plans[-1]["plan"], cost)
+        peak_meas = measured_cuda_peak(metrics)
+        st = cost.states
+        note = (f"ZeRO-{st.zero_stage}, {st.precision}, {st.optimizer}: parameters, gradients at their peak and "
+                f"optimizer states, measured from tensor storage")
+        if st.execution == "free":
+            note += " (free execution holds whole gradients until the step's reduce)"
+        extra = []
+        if peak_meas:
+            note += "; peaks: the plan's model states + working set + activations vs CUDA max_memory_allocated"
+            extra = [("peak, predicted", peak_pred), ("peak, measured (CUDA)", peak_meas)]
+        set_figure(self.fig_run_memory, memory_compare_figure(predicted, measured, note=note, extra=extra,
+                                                              title=f"Run {r.id}: model states per rank"))
+        worst = max(abs(measured[k] - predicted[k]) / predicted[k] for k in measured if k < len(predicted))
         self.run_memory_line.value = note_html(
-            f"{r.id}: predicted {max(predicted):.3f} GB (model states + activations), measured up to "
-            f"{max(measured.values()):.3f} GB", "info")
-        return {"run": r.id, "predicted_gb": predicted, "measured_gb": measured, "note": note}
+            f"{r.id}: model states predicted {max(predicted) * 1e3:.2f} MB, measured up to "
+            f"{max(measured.values()) * 1e3:.2f} MB per rank (worst difference {100 * worst:.1f}%)", "info")
+        return {"run": r.id, "predicted_gb": predicted, "measured_gb": measured, "note": note,
+                "peak_predicted_gb": peak_pred, "peak_measured_gb": peak_meas}
 
     # ------------------------------------------------------------------------------------------
     # tables, hand-on

@@ -330,7 +330,7 @@ _TRAIN_SETTINGS = ("model", "source", "samples", "column", "tokenizer", "init", 
                    "batch_size", "planner",
                    "time_limit", "profile", "gpu_memory_gb", "attention", "steps", "seed", "optimizer", "lr",
                    "weight_decay", "momentum", "grad_clip", "checkpoint_every", "plan_ahead", "timeout_s", "device",
-                   "nproc", "nnodes")
+                   "nproc", "nnodes", "zero_stage", "precision", "recompute")
 
 
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -379,6 +379,17 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory", dest="gpu_memory_gb", type=positive_float, default=None, metavar="GB",
                    help="memory per device for the cost model (default: the profile's)")
     g.add_argument("--attention", default=None, choices=ATTENTION, help="attention backend (default auto)")
+    g.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
+                   help="how model states are held, planned and run (default 3: FSDP2, lockstep passes; 0-2 keep "
+                        "parameters replicated and run micro-steps free; a resumed run keeps its own)")
+    g.add_argument("--precision", default=None, choices=["fp32", "bf16"],
+                   help="compute precision, planned and run (default bf16 on CUDA, fp32 on CPU; master weights, "
+                        "gradient reduction and optimizer states stay fp32)")
+    r = g.add_mutually_exclusive_group()
+    r.add_argument("--recompute", dest="recompute", action="store_const", const=True, default=None,
+                   help="checkpoint every block (recompute its activations in backward), planned and run")
+    r.add_argument("--no-recompute", dest="recompute", action="store_const", const=False,
+                   help="keep every activation (the default; with --run-dir --change, turn recompute off)")
     g.add_argument("--steps", type=positive_int, default=None, metavar="K",
                    help="optimizer steps in total (required for a new run; a resumed run goes on up to K)")
     g.add_argument("--seed", type=int, default=None, help="seeds weights, batches and plans (default 0)")
@@ -405,6 +416,7 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     # test hooks: rank 0 plans for this many ranks; each step sleeps
     p.add_argument("--debug-plan-gpus", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--debug-step-sleep", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--debug-plan-zero-stage", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def cmd_train(args) -> int:
@@ -420,6 +432,8 @@ def cmd_train(args) -> int:
         debug["plan_num_gpus"] = args.debug_plan_gpus
     if args.debug_step_sleep is not None:
         debug["step_sleep_s"] = args.debug_step_sleep
+    if args.debug_plan_zero_stage is not None:
+        debug["plan_zero_stage"] = args.debug_plan_zero_stage
     if debug:
         settings["debug"] = debug
     if args.run_dir is not None:
@@ -489,7 +503,8 @@ def _follow(handle, spec, *, quiet: bool):
                 mc = (r.get("max_context") or {}).get("text")
                 if not quiet:
                     _say(f"workbench train: {r.get('world_size')} rank(s), {r.get('device')}/{r.get('backend')}, "
-                         f"attention {r.get('attention')}, planner {spec.scenario.planner} ({r.get('planning')})")
+                         f"attention {r.get('attention')}, planner {spec.scenario.planner} ({r.get('planning')})"
+                         + (f"; {r['zero']}" if r.get("zero") else ""))
                     _say(f"workbench train: data: {str(r.get('data') or '').split('; max context:')[0]}")
                     if mc:
                         _say(f"workbench train: max context: {mc}")

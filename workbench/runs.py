@@ -7,7 +7,8 @@ Every run (training, profile, demo, notebook) is a folder ``<root>/<run-id>/``::
     metrics.jsonl    per step and rank: loss, tokens, predicted and measured ms, peak memory
     plans.jsonl      each step's plan
     log.txt          the processes' output
-    checkpoints/     step_<n>.pt with step_<n>.pt.sha256 beside it
+    checkpoints/     step_<n>.pt with step_<n>.pt.sha256 beside it (ZeRO 0-2), or step_<n>.dcp/ (ZeRO-3:
+                     torch.distributed.checkpoint shards, trainer.pt, SHA256SUMS)
     ranks/, failures/, torchrun/   per-rank pids, error reports, per-rank logs
 
 ``status.json`` is written only by :func:`update_status` (under a lock, atomically): the
@@ -488,14 +489,15 @@ class Run:
         return tail_lines(self.file(name), lines)
 
     def checkpoints(self) -> list[tuple[int, Path]]:
-        """``(step, path)`` of every ``checkpoints/step_<n>.pt``, oldest first."""
+        """``(step, path)`` of every checkpoint, oldest first: ``checkpoints/step_<n>.pt`` files (ZeRO
+        0-2) and ``checkpoints/step_<n>.dcp`` folders (ZeRO-3, sharded)."""
         folder = self.file(CHECKPOINTS_DIR)
         if not folder.is_dir():
             return []
         found = []
         for p in folder.iterdir():
-            m = re.match(r"^step_(\d+)\.pt$", p.name)
-            if m:
+            m = re.match(r"^step_(\d+)\.(pt|dcp)$", p.name)
+            if m and (m.group(2) == "pt") != p.is_dir():
                 found.append((int(m.group(1)), p))
         return sorted(found)
 

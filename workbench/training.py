@@ -95,7 +95,8 @@ class TrainSpec:
     """Processes per node."""
     nnodes: int = 1
     debug: dict = field(default_factory=dict)
-    """Test hooks: ``plan_num_gpus`` (rank 0 plans for that many ranks), ``step_sleep_s``."""
+    """Test hooks: ``plan_num_gpus`` (rank 0 plans for that many ranks), ``plan_zero_stage`` (rank 0 plans
+    for that ZeRO stage), ``step_sleep_s``."""
     init: str | None = None
     """Safetensors checkpoint the weights start from (a file, or a Hugging Face model folder, sharded
     or not), checked strictly against the model; None: random weights from the seed. A resumed run
@@ -121,6 +122,12 @@ class TrainSpec:
              f"init must be a path (a safetensors file or a model folder) or null, got {self.init!r}")
         _req(self.scenario.num_gpus == self.nproc * self.nnodes,
              f"scenario.num_gpus ({self.scenario.num_gpus}) must equal nproc x nnodes ({self.nproc} x {self.nnodes})")
+        # the memory model counts the optimizer the run trains with: the scenario follows the spec
+        from workbench.cost.memory import optimizer_kind
+
+        kind = optimizer_kind(self.optimizer, self.momentum)
+        if self.scenario.optimizer != kind:
+            object.__setattr__(self, "scenario", self.scenario.replace(optimizer=kind))
 
     @property
     def learning_rate(self) -> float:
@@ -236,7 +243,9 @@ def prepare_train(settings: Mapping[str, Any] | None = None, *, scenario: Scenar
     fields; ``scenario`` (e.g. from a panel) is the base they apply to, else the training defaults
     (:data:`TRAIN_DEFAULTS`). The world is ``nproc x nnodes``; the profile defaults to
     ``cpu-gloo-tiny`` on CPU and ``a100-40g-flexsp`` with CUDA; the max context to 1,024 (policy
-    split: every token kept) on CPU. The folder is ``root/name`` (or a fresh id); nothing is written
+    split: every token kept) on CPU; the precision to bf16 with CUDA and fp32 on CPU; the ZeRO stage
+    is the scenario's (3 unless given), and the scenario's optimizer follows ``optimizer`` and
+    ``momentum``. The folder is ``root/name`` (or a fresh id); nothing is written
     before every setting checks out.
 
     Resume (``run_dir`` given): the folder must hold a training run. The spec is the run's;
@@ -271,6 +280,8 @@ def prepare_train(settings: Mapping[str, Any] | None = None, *, scenario: Scenar
     sc = Scenario.from_dict(base)
     if sc.max_len is None and not on_gpu:
         sc = sc.replace(max_len=min(CPU_MAX_LEN, sc.model_spec().max_context))
+    if sc.precision is None:  # resolved now, so spec.json says what the run computes in and plans assume
+        sc = sc.replace(precision="bf16" if on_gpu else "fp32")
     spec = TrainSpec(scenario=sc, **train)
     sc.cost()  # a cluster or profile that cannot work fails here, before a folder exists
     check_model_and_data(spec)

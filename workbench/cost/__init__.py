@@ -112,19 +112,41 @@ def _linear_coeff(m: ModelSpec) -> float:
     return m.layers * m.layer_params() + m.vocab * m.hidden
 
 
-def activation_bytes_per_token(model: ModelSpec, recompute: bool = False) -> float:
-    """Analytic activation memory per token of the whole model (bytes), Llama block with a
-    flash-style attention (no s^2 buffers). Per block the backward pass keeps: the block input
-    and normed input, q, k, v, the attention output, the second norm's input and output, the
-    gate and up projections, their SwiGLU product and activation (``4h + 2*q_dim + 2*kv_dim + 4*ffn``
-    elements, q_dim = heads x head_dim = h unless the head width is explicit); plus fp32 logits.
-    With full recomputation only each block's input stays, plus one block's working set while it
-    is recomputed."""
-    per_layer = model.dtype_bytes * (4 * model.hidden + 2 * model.q_dim + 2 * model.kv_dim + 4 * model.ffn)
-    logits = 4 * model.vocab
+def activation_bytes_per_token(model: ModelSpec, recompute: bool = False, *, autocast: bool = False) -> float:
+    """Bytes per token the runtime's model keeps for backward (whole model), counted tensor by
+    tensor as autograd saves them, with a flash-style attention (q, k, v, the output and the fp32
+    softmax statistics; no s^2 buffers). ``c = model.dtype_bytes`` is the compute precision; every
+    tensor is in it (fp32, or bf16 weights and activations as FSDP2 runs ZeRO-3) unless ``autocast``
+    (bf16 matmuls over fp32 weights, ZeRO 0-2)::
+
+        per block, c everywhere          autocast (c = 2); q = heads x head_dim (h unless explicit)
+        RMSNorm x2: input (fp32: its     input and normed input fp32 (the residual stream is
+          statistics), rstd, normed        fp32); each projection keeps its own bf16 copy of the
+          input and output (c each)        normed output (q, k, v, gate, up: 5 x 2h)
+        q, k, v (after rotary), attention output, softmax lse (4 bytes x heads)
+        gate, up, silu(gate), product (c x ffn each)
+        = c (4h + 2q + 2 kv + 4 ffn)      = 26h + 4q + 4 kv + 8 ffn + 4 heads + 8
+          + 8h + 4 heads + 8
+        outside the blocks: token ids and targets (int64), the rotary tables (c), the final norm,
+        the fp32 log-softmax of the logits (4 vocab)
+
+    (RMSNorm keeps both its normed input, for its weight's gradient, and its output, the next
+    matmul's input: a fused norm kernel would keep less.) With full recomputation each block keeps
+    only its input (the residual stream: c, or 4 under autocast, bytes x h), plus one block's
+    working set while it is recomputed; the outside terms stay."""
+    h, q, kv, f, H, V = model.hidden, model.q_dim, model.kv_dim, model.ffn, model.heads, model.vocab
+    c = model.dtype_bytes
+    if autocast:
+        per_layer = 26 * h + 4 * q + 4 * kv + 8 * f + 4 * H + 8
+        resid = 4  # the residual stream (embedding output, norms, additions) stays fp32
+        outside = 16 + 2 * c * (model.head_dim // 2) + (8 * h + 4 + 2 * h) + 4 * V
+    else:
+        per_layer = c * (4 * h + 2 * q + 2 * kv + 4 * f) + 8 * h + 4 * H + 8
+        resid = c
+        outside = 16 + 2 * c * (model.head_dim // 2) + (4 * h + 2 * c * h + 4) + 4 * V
     if recompute:
-        return model.layers * model.dtype_bytes * model.hidden + per_layer + logits
-    return model.layers * per_layer + logits
+        return model.layers * resid * h + per_layer + outside
+    return model.layers * per_layer + outside
 
 
 @dataclass(frozen=True)
@@ -218,13 +240,16 @@ class CostModel:
             head *= (m.vocab * m.hidden) / (ref.vocab * ref.hidden)
         B += head
         C += float(p.micro_step_ms or 0.0)
+        # bf16 under ZeRO 0-2 is autocast over the fp32 replica; under ZeRO-3 FSDP2 casts the weights
+        autocast = self.precision == "bf16" and self.cluster.zero_stage < 3
+        mine = activation_bytes_per_token(m, self.recompute, autocast=autocast)
         if act_mb is not None and p.model == m.name:
-            # measured in the model's own precision; another precision scales what is stored
-            act = act_mb * 1e6 * m.dtype_bytes / self._native_bytes
-            if self.recompute:
-                act *= activation_bytes_per_token(m, True) / activation_bytes_per_token(m, False)
+            # measured in the model's own precision, without recomputation (the profile's attention
+            # may keep more than the formula's flash-style one): scaled by the formula's ratio
+            native = dataclasses.replace(m, dtype_bytes=self._native_bytes)
+            act = act_mb * 1e6 * mine / activation_bytes_per_token(native, False)
         else:
-            act = activation_bytes_per_token(m, self.recompute)
+            act = mine
         return _Fit(A=A, B=B, C=C, act_bytes=act)
 
     # ---- degrees ---------------------------------------------------------------------------
@@ -361,7 +386,9 @@ class CostModel:
     def grad_sync_ms(self, num_ranks: int | None = None) -> float:
         """The step's gradient reduction after the last micro-step of a free step, fp32 gradients
         (4 bytes per parameter): ZeRO-0 one all-reduce; ZeRO-1 an all-reduce, then the sharded
-        optimizer's parameter broadcast (fp32, costed as an all-gather); ZeRO-2 a reduce-scatter and that
+        optimizer's parameter broadcast (ZeroRedundancyOptimizer broadcasts each parameter from its
+        owner: fp32, costed as one all-gather); ZeRO-2 a reduce of each owner's gradients to it (the
+        runtime's ``dist.reduce`` per owner: a reduce-scatter's bytes, costed as one) and that
         broadcast. 0 under ZeRO-3 (every pass reduce-scatters its gradients: ``pass_comm_ms``), on one
         rank, or when the profile has no collective figures."""
         n = num_ranks or self.cluster.num_gpus

@@ -17,7 +17,10 @@ Under ZeRO 0-2 parameters are replicated, so micro-steps need no collective and 
 free execution accumulates *whole* gradients until the step ends (a reduce after every micro-step
 would be a collective every rank must join), so ZeRO-2's gradient sharding lowers nothing at the
 peak: it holds what ZeRO-1 holds until the step's reduce. With bf16 precision ZeRO 0-2 run under
-autocast (the fp32 weights are cast per matmul; activations bf16), so the states above do not change.
+autocast (the fp32 weights are cast per matmul; activations bf16), so the states above do not change,
+but every matmul keeps its bf16 copy of the weight for its backward: from the forward to that
+layer's backward a rank holds ``2 * M`` bytes more (``M`` the matmul weights: every projection and the
+head; not the embedding lookup or the norms), charged as ZeRO 0-2's *working set*.
 
 ZeRO-3 shards every tensor of a unit on its first dimension over the ranks (FSDP2 pads the last
 shard), so a rank holds ``ceil(rows / N)`` rows of each. While a unit computes it is all-gathered in
@@ -138,7 +141,8 @@ class ModelStates:
     """At the step's peak (free execution: whole gradients until the step's reduce)."""
     optimizer_states: float
     working: float
-    """ZeRO-3 only: the all-gathered units and the unsharded gradient awaiting its reduce-scatter."""
+    """Transient but real at the peak: under ZeRO-3 the all-gathered units and the unsharded gradient
+    awaiting its reduce-scatter; under ZeRO 0-2 in bf16 autocast's bf16 weight copies."""
     gradients_after_reduce: float
     """Gradients held after the step's reduce (ZeRO-2 shards them there)."""
     note: str
@@ -205,11 +209,19 @@ def model_states(model, *, zero_stage: int, num_ranks: int, precision: str = "bf
         opt = opt_bytes * mine
         note = f"optimizer states sharded over {n} ranks (whole parameters per rank)"
     grads_after = MASTER_BYTES * P
+    working = 0.0
+    if precision == "bf16":
+        # autocast's bf16 weight copies, kept by every matmul for its backward (module docstring)
+        matmul = sum(_numel(s) for name, s in shapes if len(s) == 2 and not name.startswith("embed."))
+        if model.tied_embeddings:
+            matmul += model.vocab * model.hidden  # the head multiplies by the embedding's weight
+        working = 2.0 * matmul
+        note += f"; autocast keeps bf16 copies of the matmul weights for backward ({working / 1e9:.2f} GB, transient)"
     if zero_stage == 2:
         owned = zero_partition(numels, n)
         grads_after = MASTER_BYTES * float(owned[rank] if rank is not None else max(owned))
         note += ("; gradients are reduced to their owner at the step's end: free execution accumulates whole "
                  "gradients until then, so the peak holds them all")
     return ModelStates(zero_stage=zero_stage, execution="free", precision=precision, optimizer=optimizer, num_ranks=n,
-                       parameters=MASTER_BYTES * P, gradients=MASTER_BYTES * P, optimizer_states=opt, working=0.0,
+                       parameters=MASTER_BYTES * P, gradients=MASTER_BYTES * P, optimizer_states=opt, working=working,
                        gradients_after_reduce=grads_after, note=note)

@@ -1,23 +1,25 @@
-"""Per-GPU memory as a breakdown: parameters, gradients, optimizer states, activations, budget.
+"""Per-GPU memory as a breakdown: parameters, gradients, optimizer states, working set, activations.
 
 The numbers are the cost model's own (the planners plan against them): model states per GPU are
-``ClusterSpec.model_state_gb(model)`` split into its three parts by the ZeRO stage's formula, and
-activations are ``CostModel.memory(lengths, degree)`` summed over a group's sequences. Mixed
-precision with Adam keeps 16 bytes per parameter (FlexSP's formula):
+``workbench.cost.memory.model_states`` under the cluster's ZeRO stage, precision and optimizer
+(``CostModel.states``), the bytes the runtime holds (a run counts them from tensor storage and
+writes them to ``metrics.jsonl``); activations are ``CostModel.memory(lengths, degree)`` summed over
+a group's sequences. What each stage holds per rank (``P`` parameters, ``N`` ranks, ``O`` optimizer
+bytes per parameter: AdamW 8, SGD with momentum 4; master weights and gradients fp32)::
 
-==============  =====  ======================================  =================
-part            bytes  what                                     sharded from
-==============  =====  ======================================  =================
-parameters       2     bf16 weights used by forward/backward    ZeRO-3
-gradients        2     bf16 gradients                           ZeRO-2
-optimizer       12     fp32 master weights, Adam's m and v      ZeRO-1
-==============  =====  ======================================  =================
+    stage  parameters  gradients (peak)  optimizer   working set (transient)
+    0      4P          4P                O*P         bf16: autocast's bf16 weight copies
+    1      4P          4P                O*P/N (*)   bf16: the same
+    2      4P          4P (**)           O*P/N (*)   bf16: the same
+    3      4P/N        4P/N              O*P/N       the all-gathered units and the unsharded gradient
+                                                     awaiting its reduce-scatter
 
-A sharded part is divided over all ``num_gpus`` ranks; the others are replicated on every GPU.
-(ZeRO-1: 12/16 = 6/8 sharded + 2/8 replicated, ZeRO-2: 7/8 + 1/8, ZeRO-3: all 1/N, exactly
-``model_state_gb``.) Of the GPU's memory only ``usable = gpu_memory_gb x memory_fraction`` is
-planned (the rest is the reserve for fragmentation, communication buffers and workspaces); the
-activation budget is ``usable - model states`` (``CostModel.memory_budget_gb``).
+(*) whole parameters per rank, so each rank's share differs a little. (**) free execution (ZeRO
+0-2) accumulates whole gradients until the step's reduce; ZeRO-2 keeps only its own after it.
+
+Of the GPU's memory only ``usable = gpu_memory_gb x memory_fraction`` is planned (the rest is the
+reserve for fragmentation, communication buffers and workspaces); the activation budget is
+``usable - model states - working set`` (``CostModel.memory_budget_gb``).
 
 Pure Python + numpy; plotly only inside the figure functions.
 """
@@ -28,61 +30,76 @@ from typing import Any, Mapping, Sequence
 
 from workbench.report._style import top_legend
 
-__all__ = ["BYTES_PER_PARAMETER", "SHARDED_FROM_STAGE", "model_state_parts", "gpu_memory_breakdown",
-           "plan_memory", "rank_memory", "measured_peak_memory", "memory_breakdown_figure",
-           "memory_compare_figure", "PART_LABELS", "PART_COLORS"]
+__all__ = ["model_state_parts", "working_label", "gpu_memory_breakdown", "plan_memory", "rank_activations",
+           "rank_memory", "predicted_model_states", "measured_model_states", "measured_peak_memory",
+           "measured_cuda_peak", "memory_breakdown_figure", "memory_compare_figure", "PART_LABELS", "PART_COLORS",
+           "FREE_GRADIENTS_NOTE"]
 
-BYTES_PER_PARAMETER = {"parameters": 2.0, "gradients": 2.0, "optimizer": 12.0}
-"""Bytes per parameter of each model-state part (mixed precision, Adam): 16 in all."""
-SHARDED_FROM_STAGE = {"optimizer": 1, "gradients": 2, "parameters": 3}
-"""The ZeRO stage from which each part is sharded over the ranks."""
 PART_LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer states",
-               "activations": "activations"}
-PART_COLORS = {"parameters": "#4C78A8", "gradients": "#72B7B2", "optimizer": "#B279A2", "activations": "#F58518"}
+               "working": "working set (transient)", "activations": "activations"}
+PART_COLORS = {"parameters": "#4C78A8", "gradients": "#72B7B2", "optimizer": "#B279A2", "working": "#9D755D",
+               "activations": "#F58518"}
+FREE_GRADIENTS_NOTE = ("free execution (ZeRO 0-2) holds whole gradients until the step's reduce: ZeRO-2 shards "
+                       "them only after it")
 
 
-def model_state_parts(model, cluster) -> dict[str, float]:
-    """Model states per GPU in GB (1e9 bytes), by part: ``{"parameters", "gradients", "optimizer"}``.
+def _states(cost, rank: int | None = None):
+    from workbench.cost.memory import model_states
 
-    ``model`` is a ModelSpec, ``cluster`` a ClusterSpec. The three sum to
-    ``cluster.model_state_gb(model)``. Raises ValueError for an unknown ZeRO stage."""
-    stage = int(cluster.zero_stage)
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
-    n = int(cluster.num_gpus)
-    params = float(model.params())
-    out = {}
-    for part, nbytes in BYTES_PER_PARAMETER.items():
-        share = 1.0 / n if stage >= SHARDED_FROM_STAGE[part] else 1.0
-        out[part] = nbytes * params * share / 1e9
-    return out
+    if rank is None:
+        return cost.states
+    cl = cost.cluster
+    return model_states(cost.model, zero_stage=cl.zero_stage, num_ranks=cl.num_gpus, precision=cost.precision,
+                        optimizer=cost.optimizer, rank=rank)
+
+
+def model_state_parts(cost, rank: int | None = None) -> dict[str, float]:
+    """Model states per GPU in GB (1e9 bytes), by part: ``{"parameters", "gradients", "optimizer",
+    "working"}`` (``working``: the transient working set). From ``cost.states`` (the most loaded
+    rank), or of ``rank`` (ZeRO 1-2 differ per rank)."""
+    st = _states(cost, rank)
+    return {"parameters": st.parameters / 1e9, "gradients": st.gradients / 1e9,
+            "optimizer": st.optimizer_states / 1e9, "working": st.working / 1e9}
+
+
+def working_label(cost) -> str:
+    """What the working set is under ``cost``'s stage and precision (empty when there is none)."""
+    st = cost.states
+    if not st.working:
+        return ""
+    if st.zero_stage == 3:
+        return "all-gathered FSDP units and the unsharded gradient awaiting its reduce-scatter (ZeRO-3)"
+    return "autocast's bf16 copies of the matmul weights, kept for backward"
 
 
 def gpu_memory_breakdown(cost, lengths: Sequence[int] = (), degree: int = 1) -> dict:
     """Memory of one GPU of a group of ``degree`` running ``lengths`` in one micro-step, in GB.
 
-    Returns plain data: ``parameters_gb``, ``gradients_gb``, ``optimizer_gb``, ``model_states_gb``,
-    ``activations_gb`` (the group's sequences, each ``cost.memory(s, degree)``), ``total_gb``,
-    ``usable_gb`` (GPU memory x fraction), ``gpu_memory_gb``, ``reserve_gb`` (what is not planned),
-    ``activation_budget_gb`` (usable less model states), ``headroom_gb`` (usable less total; negative:
-    over budget), ``fits``, ``degree``, ``sequences``, ``tokens``."""
+    Returns plain data: ``parameters_gb``, ``gradients_gb``, ``optimizer_gb``, ``model_states_gb``
+    (the three: what a run counts from tensor storage), ``working_gb`` (the transient working set,
+    ``working_label`` says what it is), ``activations_gb`` (the group's sequences, each
+    ``cost.memory(s, degree)``), ``total_gb``, ``usable_gb`` (GPU memory x fraction), ``gpu_memory_gb``,
+    ``reserve_gb`` (what is not planned), ``activation_budget_gb`` (usable less model states and
+    working set), ``headroom_gb`` (usable less total; negative: over budget), ``fits``, ``degree``,
+    ``sequences``, ``tokens``, ``zero_stage``, ``execution``, ``states_note``."""
     import numpy as np
 
     cl = cost.cluster
-    parts = model_state_parts(cost.model, cl)
+    parts = model_state_parts(cost)
     s = np.asarray(list(lengths), dtype=np.int64)
     act = float(cost.memory(s, int(degree)).sum()) if s.size else 0.0
-    states = sum(parts.values())
+    states = parts["parameters"] + parts["gradients"] + parts["optimizer"]
     usable = float(cl.usable_memory_gb)
-    total = states + act
+    total = states + parts["working"] + act
     return {
         "degree": int(degree), "sequences": int(s.size), "tokens": int(s.sum()) if s.size else 0,
         "parameters_gb": parts["parameters"], "gradients_gb": parts["gradients"], "optimizer_gb": parts["optimizer"],
-        "model_states_gb": states, "activations_gb": act, "total_gb": total, "usable_gb": usable,
+        "model_states_gb": states, "working_gb": parts["working"], "working_label": working_label(cost),
+        "activations_gb": act, "total_gb": total, "usable_gb": usable,
         "gpu_memory_gb": float(cl.gpu_memory_gb), "reserve_gb": float(cl.gpu_memory_gb) - usable,
         "activation_budget_gb": float(cost.memory_budget_gb), "headroom_gb": usable - total,
         "fits": act <= float(cost.memory_budget_gb) * (1 + 1e-9), "zero_stage": int(cl.zero_stage),
-        "num_gpus": int(cl.num_gpus),
+        "num_gpus": int(cl.num_gpus), "execution": cost.execution, "states_note": cost.states.note,
     }
 
 
@@ -102,19 +119,54 @@ def plan_memory(plan: Mapping[str, Any], cost) -> list[dict]:
     return out
 
 
-def rank_memory(plan: Mapping[str, Any], cost) -> list[float]:
-    """Predicted peak memory (GB) of every rank in a plan: model states plus the largest
-    activation footprint of the groups it runs (one micro-step's activations are freed before
-    the next)."""
+def rank_activations(plan: Mapping[str, Any], cost) -> list[float]:
+    """The largest activations (GB) each rank of a plan holds at once: free execution frees a
+    micro-step's before the next, so its largest group's; a lockstep pass keeps every group a rank
+    serves in it, so the largest sum over a pass."""
     n = int(plan.get("num_gpus") or cost.cluster.num_gpus)
-    states = sum(model_state_parts(cost.model, cost.cluster).values())
     peak = [0.0] * n
-    for row in plan_memory(plan, cost):
-        lo, hi = row["ranks"]
-        for r in range(lo, hi + 1):
-            if r < n:
-                peak[r] = max(peak[r], row["activations_gb"])
-    return [states + a for a in peak]
+    for ms in plan.get("micro_steps") or []:
+        held = [0.0] * n
+        for g in ms.get("groups") or []:
+            mem = float(cost.memory(list(g["lengths"]), int(g["degree"])).sum()) if g["lengths"] else 0.0
+            for r in g["ranks"]:
+                if r < n:
+                    held[r] = held[r] + mem if plan.get("execution") == "lockstep" else max(held[r], mem)
+        peak = [max(a, b) for a, b in zip(peak, held)]
+    return peak
+
+
+def rank_memory(plan: Mapping[str, Any], cost) -> list[float]:
+    """Predicted peak memory (GB) of every rank in a plan: its model states and working set plus
+    the largest activations it holds at once (:func:`rank_activations`)."""
+    return [_states(cost, r).total / 1e9 + a for r, a in enumerate(rank_activations(plan, cost))]
+
+
+def predicted_model_states(cost) -> list[float]:
+    """Model states (parameters, gradients at their peak, optimizer states; GB) the memory model
+    predicts for every rank of ``cost``'s cluster: what a run counts from tensor storage."""
+    return [_states(cost, r).states / 1e9 for r in range(cost.cluster.num_gpus)]
+
+
+def _latest_rows(metrics: Sequence[Mapping[str, Any]]) -> dict[int, Mapping[str, Any]]:
+    out: dict[int, Mapping[str, Any]] = {}
+    for r in metrics:
+        rank, step = r.get("rank"), r.get("step")
+        if isinstance(rank, int) and isinstance(step, int) and (rank not in out or step >= out[rank].get("step", -1)):
+            out[rank] = r
+    return out
+
+
+def measured_model_states(metrics: Sequence[Mapping[str, Any]]) -> dict[int, float]:
+    """Model states each rank reported for its latest step (``model_states`` in metrics.jsonl:
+    parameter, peak gradient and optimizer bytes from tensor storage), in GB; ranks of older runs
+    without them are left out."""
+    out = {}
+    for rank, r in _latest_rows(metrics).items():
+        st = r.get("model_states")
+        if isinstance(st, Mapping):
+            out[rank] = sum(float(st.get(k) or 0) for k in ("parameters_bytes", "gradients_bytes", "optimizer_bytes")) / 1e9
+    return dict(sorted(out.items()))
 
 
 def measured_peak_memory(metrics: Sequence[Mapping[str, Any]]) -> dict[int, float]:
@@ -127,25 +179,42 @@ def measured_peak_memory(metrics: Sequence[Mapping[str, Any]]) -> dict[int, floa
     return dict(sorted(out.items()))
 
 
+def measured_cuda_peak(metrics: Sequence[Mapping[str, Any]]) -> dict[int, float]:
+    """The largest ``max_memory_allocated_bytes`` (CUDA's allocator peak) each rank reported, in GB;
+    empty for a CPU run."""
+    out: dict[int, float] = {}
+    for r in metrics:
+        rank, b = r.get("rank"), r.get("max_memory_allocated_bytes")
+        if isinstance(rank, int) and isinstance(b, (int, float)) and not isinstance(b, bool):
+            out[rank] = max(out.get(rank, 0.0), float(b) / 1e9)
+    return dict(sorted(out.items()))
+
+
 def memory_breakdown_figure(rows: Sequence[Mapping[str, Any]], title: str = "Memory per GPU", *,
                             highlight: int | None = None):
     """Stacked horizontal bars, one per breakdown in ``rows`` (from :func:`gpu_memory_breakdown` or
-    :func:`plan_memory`, each with a ``label``): parameters, gradients, optimizer states and
-    activations per GPU, against the usable memory (dashed) and the device's memory (solid).
+    :func:`plan_memory`, each with a ``label``): parameters, gradients, optimizer states, the working
+    set (named in its hover: ZeRO-3's all-gathered units, or autocast's weight copies) and
+    activations per GPU, against the usable memory (dashed) and the device's memory (solid). Under
+    free execution the subtitle says that gradients are held whole until the step's reduce.
     ``highlight``: index of the row drawn with a dark outline (the chosen group)."""
     import plotly.graph_objects as go
 
     labels = [str(r.get("label") or f"group {i}") for i, r in enumerate(rows)]
     fig = go.Figure()
-    for part in ("parameters", "gradients", "optimizer", "activations"):
-        vals = [float(r[f"{part}_gb"]) for r in rows]
-        fig.add_bar(y=labels, x=vals, orientation="h", name=PART_LABELS[part], marker_color=PART_COLORS[part],
+    for part in ("parameters", "gradients", "optimizer", "working", "activations"):
+        vals = [float(r.get(f"{part}_gb") or 0.0) for r in rows]
+        if part == "working" and not any(vals):
+            continue
+        name = PART_LABELS[part]
+        what = [f" ({r.get('working_label')})" if part == "working" and r.get("working_label") else "" for r in rows]
+        fig.add_bar(y=labels, x=vals, orientation="h", name=name, marker_color=PART_COLORS[part],
                     marker_line_width=[2.5 if i == highlight else 0 for i in range(len(rows))],
-                    marker_line_color="#222",
+                    marker_line_color="#222", customdata=what,
                     text=[f"{v:.2f}" if v >= 0.06 * max(1e-9, float(rows[i]["gpu_memory_gb"])) else ""
                           for i, v in enumerate(vals)],
                     textposition="inside", insidetextanchor="middle",
-                    hovertemplate=f"%{{y}}<br>{PART_LABELS[part]}: %{{x:.2f}} GB<extra></extra>")
+                    hovertemplate=f"%{{y}}<br>{name}%{{customdata}}: %{{x:.2f}} GB<extra></extra>")
     if rows:
         usable, dev = float(rows[0]["usable_gb"]), float(rows[0]["gpu_memory_gb"])
         fig.add_vline(x=usable, line_dash="dash", line_color="#333",
@@ -154,6 +223,10 @@ def memory_breakdown_figure(rows: Sequence[Mapping[str, Any]], title: str = "Mem
                       annotation_position="bottom left")
         xmax = max(dev, max(float(r["total_gb"]) for r in rows)) * 1.05
         fig.update_xaxes(range=[0, xmax])
+        if any(r.get("execution") == "free" for r in rows):
+            title = f"{title}<br><sup>{FREE_GRADIENTS_NOTE}</sup>"
+        elif any(r.get("working_gb") for r in rows):
+            title = f"{title}<br><sup>working set: {rows[0].get('working_label')}</sup>"
     fig.update_xaxes(title="GB per GPU")
     fig.update_yaxes(autorange="reversed", automargin=True)
     fig.update_layout(barmode="stack", template="plotly_white", title=title, legend_traceorder="normal",
@@ -163,17 +236,23 @@ def memory_breakdown_figure(rows: Sequence[Mapping[str, Any]], title: str = "Mem
 
 
 def memory_compare_figure(predicted_gb: Sequence[float], measured_gb: Mapping[int, float], *,
-                          title: str = "Peak memory per rank: predicted and measured", note: str = ""):
-    """Grouped bars per rank: the plan's predicted peak (model states + largest activations) and
-    the run's measured peak. ``note`` goes under the title (e.g. what "measured" means on CPU)."""
+                          title: str = "Model states per rank: predicted and measured", note: str = "",
+                          names: tuple[str, str] = ("predicted (memory model)", "measured (tensor storage)"),
+                          extra: Sequence[tuple[str, Sequence[float] | Mapping[int, float]]] = ()):
+    """Grouped bars per rank: a prediction (the memory model's model states, or a peak) and the
+    run's measurement, ``names`` naming the two; ``extra`` adds more ``(name, values)`` series (e.g. the
+    predicted and measured CUDA peak). ``note`` goes under the title (what "measured" means)."""
     import plotly.graph_objects as go
 
     ranks = list(range(len(predicted_gb)))
+    x = [f"rank {r}" for r in ranks]
+    colors = ["#4C78A8", "#E45756", "#9ECAE9", "#FF9D98"]
     fig = go.Figure()
-    fig.add_bar(x=[f"rank {r}" for r in ranks], y=list(predicted_gb), name="predicted (cost model)",
-                marker_color="#4C78A8", hovertemplate="%{x}: %{y:.3f} GB predicted<extra></extra>")
-    fig.add_bar(x=[f"rank {r}" for r in ranks], y=[measured_gb.get(r) for r in ranks], name="measured peak",
-                marker_color="#E45756", hovertemplate="%{x}: %{y:.3f} GB measured<extra></extra>")
+    series = [(names[0], list(predicted_gb)), (names[1], measured_gb), *extra]
+    for i, (name, vals) in enumerate(series):
+        ys = [vals.get(r) for r in ranks] if isinstance(vals, Mapping) else list(vals)
+        fig.add_bar(x=x, y=ys, name=name, marker_color=colors[i % len(colors)],
+                    hovertemplate=f"%{{x}}: %{{y:.4f}} GB {name}<extra></extra>")
     full = title + (f"<br><sup>{note}</sup>" if note else "")
     fig.update_yaxes(title="GB")
     fig.update_layout(barmode="group", template="plotly_white", title=full, height=340)

@@ -5,10 +5,15 @@
   ``select_attention(name, device)``.
 - ``ulysses``: the sequence <-> head all-to-all (autograd), ``shard_layout``, ``UlyssesAttention``.
 - ``groups``: ``GroupRegistry`` - every aligned (degree, block) process group, made once.
-- ``step``: ``StepExecutor(model, registry, attn).run(plan, sequences) -> StepResult``;
-  ``make_shard``, ``check_plan``, ``MicroStepRecord``.
-- ``weights``: Hugging Face safetensors in (``load_initial_weights``, strict) and out (``export_run``;
-  ``full_model_state`` reads a run's checkpoint), through the name adapter of ``workbench.hf``.
+- ``zero``: ``parallelize(model, zero_stage=, precision=, recompute=)`` -> ``ZeroRuntime``: the model
+  states as the ZeRO stage holds them (FSDP2 under ZeRO-3, ZeroRedundancyOptimizer under 1-2),
+  autocast, the stage's gradient reduction, the bytes held.
+- ``step``: ``StepExecutor(model, registry, attn, zero=...).run(plan, sequences) -> StepResult``: free
+  micro-steps (ZeRO 0-2) or lockstep passes (ZeRO-3); ``make_shard``, ``check_plan``, ``MicroStepRecord``.
+- ``checkpoint``: whole-file (ZeRO 0-2) and sharded (ZeRO-3, torch.distributed.checkpoint) checkpoints,
+  ``full_model_state(run_dir, step)``.
+- ``weights``: Hugging Face safetensors in (``load_initial_weights``, strict) and out (``export_run``),
+  through the name adapter of ``workbench.hf``; a run's weights are read with ``checkpoint.full_model_state``.
 - measuring this machine for a ``HardwareProfile`` lives in ``workbench.profile.measure`` (``workbench profile``).
 
 Everything here imports torch; the planning side (``workbench.solve``, ``cost``, ``specs``) never does.
@@ -21,6 +26,7 @@ from workbench.runtime.step import (
     IGNORE,
     LocalShard,
     MicroStepRecord,
+    PassAttention,
     StepExecutor,
     StepResult,
     batch_loss,
@@ -28,9 +34,11 @@ from workbench.runtime.step import (
     make_shard,
 )
 from workbench.runtime.ulysses import ShardLayout, UlyssesAttention, shard_layout
+from workbench.runtime.zero import ZeroRuntime, default_precision, parallelize
 
 __all__ = [
     "AttentionUnavailable", "select_attention", "torch_varlen_attention", "GroupRegistry", "aligned_blocks",
     "Transformer", "IGNORE", "LocalShard", "MicroStepRecord", "StepExecutor", "StepResult", "batch_loss",
-    "check_plan", "make_shard", "ShardLayout", "UlyssesAttention", "shard_layout",
+    "check_plan", "make_shard", "ShardLayout", "UlyssesAttention", "shard_layout", "PassAttention",
+    "ZeroRuntime", "parallelize", "default_precision",
 ]

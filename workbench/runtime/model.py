@@ -87,7 +87,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate the two halves of every head (Llama's rotate-half convention). x: (T, h, hd)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]  # (T, h, hd/2) each
-    c, s = cos[:, None, :], sin[:, None, :]  # (T, 1, hd/2)
+    # in x's dtype (a no-op when the tables were made in it): promoting bf16 q and k to fp32 here
+    # would double what attention keeps for backward
+    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)  # (T, 1, hd/2)
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)  # (T, h, hd)
 
 
@@ -182,7 +184,10 @@ class Transformer(nn.Module):
                 max_seqlen: int, attn: AttentionFn) -> torch.Tensor:
         x = self.embed(tokens)  # (T, C)
         spec = self.spec
-        cos, sin = rotary_cos_sin(positions, spec.head_dim, spec.rope_theta, dtype=x.dtype,
+        dev = x.device.type
+        # the tables in the dtype q and k compute in (bf16 under autocast, where x stays fp32)
+        rot = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        cos, sin = rotary_cos_sin(positions, spec.head_dim, spec.rope_theta, dtype=rot,
                                   scaling=spec.rope_scaling)  # (T, hd/2) each
         for block in self.blocks:
             x = block(x, cos, sin, cu_seqlens, max_seqlen, attn)  # (T, C)

@@ -1,17 +1,31 @@
-"""The step executor: run one Plan's micro-steps on this rank, accumulate gradients, all-reduce.
+"""The step executor: run one Plan on this rank, as the run's ZeRO stage executes it.
 
-For each micro-step a rank finds its group (or idles), takes a contiguous ``1/d`` slice of each
-sequence assigned to the group (packed varlen, true position ids, padding to a multiple of ``d``
-masked out of the loss), runs forward and backward with Ulysses attention inside the group, and
-adds to its gradients. After the last micro-step one all-reduce (sum) over all ranks makes every
-replica's gradient the gradient of the global-batch loss
+Per group a rank takes a contiguous ``1/d`` slice of each sequence assigned to the group (packed
+varlen, true position ids, padding to a multiple of ``d`` masked out of the loss) and runs
+attention with the Ulysses all-to-all inside the group. The loss it back-propagates is its share of
 
     loss = sum of next-token cross-entropy over every target token of the batch / their count
 
 (the last token of a sequence has no target). Each token's loss is computed on exactly one rank,
 and the backward of the all-to-alls carries every rank's share of the attention gradient back to
-the rank that produced q, k, v, so dividing each rank's summed loss by the global target count and
-summing the replicas' gradients gives exactly the single-process gradient.
+the rank that produced q, k, v, so the SUM of the ranks' gradients is exactly the single-process
+gradient; the stage's reduction (``workbench.runtime.zero``) sums them.
+
+How micro-steps run depends on the plan's ``execution``, which must be the run's:
+
+- ``free`` (ZeRO 0-2, replicated parameters): a rank runs the micro-steps it has a group in, one
+  forward and backward per group, idles through the others (no collective of a micro-step involves
+  a rank outside its groups), and accumulates whole gradients; after the last one every rank joins
+  the stage's reduction (ZeRO 0-1 an all-reduce, ZeRO-2 a reduce to each parameter's owner).
+- ``lockstep`` (ZeRO-3, FSDP2): every rank runs exactly ``len(plan.micro_steps)`` passes, each one
+  forward and backward in which FSDP all-gathers every unit's parameters over all ranks and
+  reduce-scatters its gradients. In a pass a rank packs the slices of *all* its groups into one
+  forward and backward; its attention callable (``PassAttention``) runs each group's attention on
+  that group's segment, in the order the pass lists the groups. Every rank follows that one order,
+  and autograd runs a rank's backward collectives in the reverse of its forward order, so no two
+  ranks ever wait on each other's collectives in opposite orders. A rank with no group in a pass
+  runs an *empty pass*: one token with no target, so every FSDP hook fires and every parameter gets
+  a (zero) gradient exactly as on a busy rank, and the reduce-scatters match.
 """
 
 from __future__ import annotations
@@ -27,10 +41,11 @@ import torch.nn.functional as F
 from workbench.runtime.groups import GroupRegistry
 from workbench.runtime.model import Transformer
 from workbench.runtime.ulysses import ShardLayout, UlyssesAttention, shard_layout
+from workbench.runtime.zero import ZeroRuntime
 from workbench.solve.plan import Group, Plan, PlanError
 
-__all__ = ["IGNORE", "LocalShard", "make_shard", "MicroStepRecord", "StepResult", "StepExecutor",
-           "check_plan", "batch_loss", "peak_memory_mb"]
+__all__ = ["IGNORE", "LocalShard", "make_shard", "pack_shards", "PassAttention", "MicroStepRecord", "StepResult",
+           "StepExecutor", "check_plan", "batch_loss", "peak_memory_mb"]
 
 IGNORE = -100
 """Label of tokens without a target (a sequence's last token, padding)."""
@@ -74,6 +89,55 @@ def make_shard(sequences: Sequence[torch.Tensor], degree: int, rank: int) -> Loc
                       real_tokens=int(lay.local_valid().sum()), targets=int((labels != IGNORE).sum()))
 
 
+def pack_shards(shards: Sequence[LocalShard]) -> LocalShard:
+    """Several groups' shards of one rank packed back to back into one model input (a lockstep
+    pass). ``cu_seqlens`` continue across the shards; ``layout`` is the first shard's (each group's
+    attention uses its own, see ``PassAttention``). Raises ValueError when there is no shard."""
+    if not shards:
+        raise ValueError("no shard to pack")
+    if len(shards) == 1:
+        return shards[0]
+    cus, off = [shards[0].cu_seqlens[:1]], 0
+    for sh in shards:
+        cus.append(sh.cu_seqlens[1:] + off)
+        off += int(sh.tokens.numel())
+    return LocalShard(tokens=torch.cat([sh.tokens for sh in shards]), positions=torch.cat([sh.positions for sh in shards]),
+                      labels=torch.cat([sh.labels for sh in shards]), cu_seqlens=torch.cat(cus),
+                      max_seqlen=max(sh.max_seqlen for sh in shards), layout=shards[0].layout,
+                      real_tokens=sum(sh.real_tokens for sh in shards), targets=sum(sh.targets for sh in shards))
+
+
+def _empty_shard() -> LocalShard:
+    """The input of an empty pass: one token without a target (its loss and gradients are zero)."""
+    lay = shard_layout([1], 1, 0)
+    return LocalShard(tokens=torch.zeros(1, dtype=torch.long), positions=torch.zeros(1, dtype=torch.long),
+                      labels=torch.full((1,), IGNORE, dtype=torch.long), cu_seqlens=lay.local_cu_seqlens,
+                      max_seqlen=1, layout=lay, real_tokens=0, targets=0)
+
+
+class PassAttention:
+    """The attention callable of one rank in one lockstep pass: the rank's groups' tokens are
+    packed back to back, ``segments[i] = (start, stop, attn_i, cu_seqlens_i, max_seqlen_i)``; every
+    layer runs each group's attention (Ulysses inside the group, or local for degree 1) on its own
+    rows, in the pass's order, and concatenates the outputs. The model's own ``cu_seqlens`` are
+    ignored: each group's attention knows its sequences."""
+
+    def __init__(self, segments: Sequence[tuple[int, int, Callable, torch.Tensor, int]]) -> None:
+        self.segments = list(segments)
+        self._moved: dict = {}
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                 max_seqlen: int) -> torch.Tensor:
+        outs = []
+        for i, (lo, hi, fn, cu, mx) in enumerate(self.segments):
+            if cu.device != q.device:  # moved once per device, not once per layer
+                if (i, q.device) not in self._moved:
+                    self._moved[(i, q.device)] = cu.to(q.device)
+                cu = self._moved[(i, q.device)]
+            outs.append(fn(q[lo:hi], k[lo:hi], v[lo:hi], cu, mx))  # (hi-lo, H, hd)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)  # (T, H, hd)
+
+
 def _upcast(x: torch.Tensor) -> torch.Tensor:
     """The loss in at least fp32 (bf16/fp16 logits are upcast; fp64 stays fp64)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
@@ -100,12 +164,36 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
 
 
+def _stage_name(execution: str) -> str:
+    return "ZeRO-3" if execution == "lockstep" else "ZeRO 0-2"
+
+
 def check_plan(plan: Plan, lengths: Sequence[int], world_size: int, degrees: Sequence[int] | None = None, *,
-               max_context: int | None = None, heads: int | None = None, kv_heads: int | None = None) -> None:
-    """Check that ``plan`` can run on ``world_size`` ranks for a batch of ``lengths``: same rank
-    count, aligned groups of registered ``degrees``, no rank twice in a micro-step, every sequence
-    once with its length, no sequence longer than ``max_context``, and (given ``heads``/``kv_heads``)
-    every degree usable by Ulysses. Raises PlanError saying what does not match and how to fix it."""
+               max_context: int | None = None, heads: int | None = None, kv_heads: int | None = None,
+               zero_stage: int | None = None, precision: str | None = None, recompute: bool | None = None) -> None:
+    """Check that ``plan`` can run on ``world_size`` ranks for a batch of ``lengths``: given the
+    run's ``zero_stage`` (``precision``, ``recompute``), the plan was made for them (its execution,
+    and its stage, precision and recomputation where it records them); same rank count, aligned
+    groups of registered ``degrees``, no rank twice in a micro-step under free execution (a lockstep
+    pass may give a rank several groups), every sequence once with its length, no sequence longer
+    than ``max_context``, and (given ``heads``/``kv_heads``) every degree usable by Ulysses. Raises
+    PlanError saying, in one line, what does not match and how to fix it."""
+    if zero_stage is not None:
+        run_exec = "lockstep" if zero_stage == 3 else "free"
+        if plan.execution != run_exec:
+            raise PlanError(f"the plan is {plan.execution} ({_stage_name(plan.execution)}) but this run is "
+                            f"ZeRO-{zero_stage} ({run_exec}); plan for ZeRO-{zero_stage}")
+        if plan.zero_stage is not None and plan.zero_stage != zero_stage:
+            raise PlanError(f"the plan is for ZeRO-{plan.zero_stage} but this run is ZeRO-{zero_stage}; "
+                            f"plan for ZeRO-{zero_stage}")
+    if precision is not None and plan.precision is not None and plan.precision != precision:
+        raise PlanError(f"the plan assumes {plan.precision} but this run computes in {precision}; "
+                        f"plan with --precision {precision}")
+    if recompute is not None and plan.recompute != bool(recompute):
+        raise PlanError(f"the plan assumes {'' if plan.recompute else 'no '}activation recomputation but this run "
+                        f"{'recomputes' if recompute else 'does not recompute'}; plan with"
+                        f"{'' if recompute else 'out'} --recompute")
+    lockstep = plan.execution == "lockstep"
     if plan.num_gpus != world_size:
         raise PlanError(f"the plan is for {plan.num_gpus} ranks but this run has {world_size} (the world size); "
                         f"plan for --nproc x --nnodes = {world_size} GPUs")
@@ -132,12 +220,15 @@ def check_plan(plan: Plan, lengths: Sequence[int], world_size: int, degrees: Seq
                     raise PlanError(f"micro-step {m}: Ulysses degree {g.degree} does not fit the model's {heads} "
                                     f"query / {kv} KV heads (it must divide the query heads and divide or be a "
                                     f"multiple of the KV heads)")
-            if used & set(g.ranks):
+            if used & set(g.ranks) and not lockstep:
                 raise PlanError(f"micro-step {m}: rank(s) {sorted(used & set(g.ranks))} are in two groups")
             used |= set(g.ranks)
             if len(g.sequences) != len(g.lengths):
                 raise PlanError(f"micro-step {m}: group at ranks {list(g.ranks)} lists {len(g.sequences)} sequences "
                                 f"but {len(g.lengths)} lengths")
+            if lockstep and not g.sequences:
+                raise PlanError(f"pass {m}: group at ranks {list(g.ranks)} has no sequence (a lockstep pass lists "
+                                f"only groups that run something)")
             for i, ln in zip(g.sequences, g.lengths):
                 if not 0 <= i < len(lengths):
                     raise PlanError(f"micro-step {m}: sequence {i} is outside the batch of {len(lengths)}")
@@ -152,13 +243,15 @@ def check_plan(plan: Plan, lengths: Sequence[int], world_size: int, degrees: Seq
 
 @dataclass
 class MicroStepRecord:
-    """What one rank did in one micro-step (plain data for metrics.jsonl)."""
+    """What one rank did in one micro-step (free) or pass (lockstep): plain data for metrics.jsonl."""
 
     micro_step: int
     degree: int
-    """The rank's group degree; 0 when it idled."""
+    """The degree of the rank's (first) group; 0 when it idled (free) or ran an empty pass (lockstep)."""
     ranks: list[int]
+    """The ranks of that group."""
     sequences: list[int]
+    """Every sequence the rank ran a slice of (all its groups)."""
     tokens: int
     """Real tokens this rank processed (its slices, padding excluded)."""
     padded_tokens: int
@@ -166,9 +259,17 @@ class MicroStepRecord:
     loss: float | None
     """Mean cross-entropy over this rank's targets (None without targets)."""
     predicted_ms: float
-    """The plan's time for the group (0 when idle)."""
+    """The plan's time for the rank's work: its group's ``time_ms`` (free; 0 when idle), or in a
+    lockstep pass the sum of its groups' less the packed call's shared constant for every group after
+    the first (0 in an empty pass)."""
     measured_ms: float
     peak_memory_mb: float
+    groups: list[dict] = field(default_factory=list)
+    """Every group the rank served, in order: ``{degree, ranks, sequences}`` (lockstep passes may
+    hold several)."""
+    pass_ms: float | None = None
+    """Lockstep: the plan's predicted duration of the whole pass (its slowest rank, or FSDP's
+    collectives, plus the pass overhead); None under free execution."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -185,35 +286,36 @@ class StepResult:
     tokens: int
     """Tokens of the global batch."""
     measured_ms: float
-    """Wall time of the step on this rank: micro-steps and gradient all-reduce."""
+    """Wall time of the step on this rank: micro-steps (passes) and the gradient reduction."""
     allreduce_ms: float
-    """Time from this rank's last micro-step to the end of the all-reduce (includes waiting for
-    the slowest rank)."""
+    """Time from this rank's last micro-step to the end of the step's reduction (the stage's: an
+    all-reduce, reduces to owners, or under ZeRO-3 the loss only; includes waiting for the slowest
+    rank)."""
     records: list[MicroStepRecord] = field(default_factory=list)
     predicted_ms: float = 0.0
     """The plan's makespan (``plan.makespan_ms``)."""
+    execution: str = "free"
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def _my_group(ms, rank: int) -> Group | None:
-    for g in ms.groups:
-        if rank in g.ranks:
-            return g
-    return None
+def _my_groups(ms, rank: int) -> list[Group]:
+    return [g for g in ms.groups if rank in g.ranks]
 
 
 class StepExecutor:
-    """Runs plans on this rank's replica of ``model``.
+    """Runs plans on this rank's part of ``model``.
 
     ``registry`` holds the process groups; ``attn`` is the local attention callable (see
-    ``attention.select_attention``). Every rank of the world must call ``run`` for every step
-    with the same plan and batch: it ends with an all-reduce over all ranks.
+    ``attention.select_attention``); ``zero`` the model states' stage (``zero.parallelize``; None:
+    ZeRO-0 in the model's own dtype). Every rank of the world must call ``run`` for every step with
+    the same plan and batch: it ends in a reduction over all ranks (and under ZeRO-3 every pass is
+    collective).
     """
 
     def __init__(self, model: Transformer, registry: GroupRegistry, attn: Callable, *,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", zero: ZeroRuntime | None = None) -> None:
         self.model = model
         self.registry = registry
         self.attn = attn
@@ -223,7 +325,11 @@ class StepExecutor:
         if registry.world_size != self.world_size:
             raise ValueError(f"the group registry is for {registry.world_size} ranks but the world has "
                              f"{self.world_size}")
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.zero = zero if zero is not None else ZeroRuntime(model, zero_stage=0, precision="fp32", recompute=False,
+                                                              device=self.device)
+        if self.zero.model is not model:
+            raise ValueError("the ZeroRuntime holds another model than the executor's")
+        self.params = self.zero.params
         if not self.params:
             raise ValueError("the model has no trainable parameters")
 
@@ -232,38 +338,73 @@ class StepExecutor:
             torch.cuda.synchronize(self.device)
 
     def check(self, plan: Plan, lengths: Sequence[int]) -> None:
-        """``check_plan`` against this run's world, process groups and model. Raises PlanError."""
+        """``check_plan`` against this run's stage, world, process groups and model. Raises PlanError."""
         spec = self.model.spec
+        z = self.zero
         check_plan(plan, lengths, self.world_size, self.registry.degrees, max_context=spec.max_context,
-                   heads=spec.heads, kv_heads=spec.kv_heads)
+                   heads=spec.heads, kv_heads=spec.kv_heads, zero_stage=z.zero_stage, precision=z.precision,
+                   recompute=z.recompute)
 
     def run(self, plan: Plan, sequences: Sequence[torch.Tensor]) -> StepResult:
-        """Forward and backward of every micro-step, then the gradient all-reduce; leaves the
-        global-batch gradient in every parameter's ``.grad`` (overwriting what was there) and
-        returns this rank's StepResult.
+        """Every micro-step (free) or pass (lockstep) of ``plan``, then the stage's gradient
+        reduction; leaves the global-batch gradient in the parameters' ``.grad`` (overwriting what
+        was there: whole gradients under ZeRO 0-1, the owner's under ZeRO-2, the local shards under
+        ZeRO-3) and returns this rank's StepResult.
 
         ``sequences`` are the batch's 1-D token tensors (every rank passes the whole batch; each
-        uses its slices). Raises PlanError when the plan does not fit the batch, the world or the
-        model (checked before any collective, identically on every rank), and ValueError when the
-        batch has no target token.
+        uses its slices). Raises PlanError when the plan does not fit the batch, the run's stage,
+        the world or the model (checked before any collective, identically on every rank), and
+        ValueError when the batch has no target token.
         """
         lengths = [int(s.numel()) for s in sequences]
         self.check(plan, lengths)
         n_targets = sum(max(0, s - 1) for s in lengths)
         if n_targets == 0:
             raise ValueError("the batch has no target token (every sequence is 1 token long)")
-        for p in self.params:
-            p.grad = torch.zeros_like(p)
-        dev = self.device
+        self.zero.zero_grad()
         self._sync()
         t_step = time.perf_counter()
+        if plan.execution == "lockstep":
+            records, loss_sum = self._run_lockstep(plan, sequences, n_targets)
+        else:
+            records, loss_sum = self._run_free(plan, sequences, n_targets)
+        t_ar = time.perf_counter()
+        total = self.zero.reduce_gradients(loss_sum)
+        self._sync()
+        t_end = time.perf_counter()
+        return StepResult(loss=total / n_targets, targets=n_targets, tokens=sum(lengths),
+                          measured_ms=(t_end - t_step) * 1e3, allreduce_ms=(t_end - t_ar) * 1e3,
+                          records=records, predicted_ms=float(plan.makespan_ms), execution=plan.execution)
+
+    def _forward_backward(self, sh: LocalShard, attn: Callable, n_targets: int) -> float:
+        """One forward (in the stage's precision) and backward of a packed shard; returns the summed
+        token loss."""
+        dev = self.device
+        with self.zero.autocast():
+            logits = self.model(sh.tokens.to(dev), sh.positions.to(dev), sh.cu_seqlens.to(dev), sh.max_seqlen,
+                                attn)  # (T_loc, vocab)
+        loss = F.cross_entropy(_upcast(logits), sh.labels.to(dev), ignore_index=IGNORE, reduction="sum")
+        # every rank of a group runs backward, even one whose slices hold no target: the backward of
+        # the all-to-alls (and under ZeRO-3 FSDP's reduce-scatters) is collective too
+        (loss / n_targets).backward()
+        self._sync()
+        return float(loss.detach())
+
+    def _group_attention(self, g: Group, sh: LocalShard) -> Callable:
+        if g.degree == 1:
+            return self.attn
+        return UlyssesAttention(self.registry.get(g.ranks), sh.layout, self.attn)
+
+    def _run_free(self, plan: Plan, sequences, n_targets: int) -> tuple[list[MicroStepRecord], float]:
+        dev = self.device
         records: list[MicroStepRecord] = []
         loss_sum = 0.0
         for m, ms in enumerate(plan.micro_steps):
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             t0 = time.perf_counter()
-            g = _my_group(ms, self.rank)
+            mine = _my_groups(ms, self.rank)
+            g = mine[0] if mine else None
             if g is None or not g.sequences:
                 # idle in this micro-step: no collective of this micro-step involves this rank
                 records.append(MicroStepRecord(micro_step=m, degree=0, ranks=[], sequences=[], tokens=0,
@@ -271,42 +412,50 @@ class StepExecutor:
                                                measured_ms=0.0, peak_memory_mb=peak_memory_mb(dev)))
                 continue
             sh = make_shard([sequences[i] for i in g.sequences], g.degree, g.ranks.index(self.rank))
-            if g.degree == 1:
-                attn = self.attn
-            else:
-                attn = UlyssesAttention(self.registry.get(g.ranks), sh.layout, self.attn)
-            logits = self.model(sh.tokens.to(dev), sh.positions.to(dev), sh.cu_seqlens.to(dev), sh.max_seqlen,
-                                attn)  # (T_loc, vocab)
-            loss = F.cross_entropy(_upcast(logits), sh.labels.to(dev), ignore_index=IGNORE, reduction="sum")
-            # every rank of the group runs backward, even one whose slices hold no target: the
-            # backward of the all-to-alls is collective too
-            (loss / n_targets).backward()
-            self._sync()
-            lv = float(loss.detach())
+            lv = self._forward_backward(sh, self._group_attention(g, sh), n_targets)
             loss_sum += lv
             records.append(MicroStepRecord(
                 micro_step=m, degree=g.degree, ranks=list(g.ranks), sequences=list(g.sequences),
                 tokens=sh.real_tokens, padded_tokens=int(sh.tokens.numel()), targets=sh.targets,
                 loss=lv / sh.targets if sh.targets else None, predicted_ms=float(g.time_ms),
-                measured_ms=(time.perf_counter() - t0) * 1e3, peak_memory_mb=peak_memory_mb(dev)))
-        t_ar = time.perf_counter()
-        total = self._allreduce(loss_sum)
-        self._sync()
-        t_end = time.perf_counter()
-        return StepResult(loss=total / n_targets, targets=n_targets, tokens=sum(lengths),
-                          measured_ms=(t_end - t_step) * 1e3, allreduce_ms=(t_end - t_ar) * 1e3,
-                          records=records, predicted_ms=float(plan.makespan_ms))
+                measured_ms=(time.perf_counter() - t0) * 1e3, peak_memory_mb=peak_memory_mb(dev),
+                groups=[{"degree": g.degree, "ranks": list(g.ranks), "sequences": list(g.sequences)}]))
+        return records, loss_sum
 
-    def _allreduce(self, loss_sum: float) -> float:
-        """Sum gradients and the loss numerator over all ranks in one flat all-reduce (each rank's
-        gradient already carries its share of ``1/n_targets``); returns the global loss sum."""
-        flat = torch.cat([p.grad.reshape(-1) for p in self.params]
-                         + [torch.tensor([loss_sum], dtype=self.params[0].grad.dtype, device=self.device)])
-        if self.world_size > 1:
-            dist.all_reduce(flat)
-        off = 0
-        for p in self.params:
-            n = p.numel()
-            p.grad.copy_(flat[off:off + n].view_as(p))
-            off += n
-        return float(flat[off])
+    def _run_lockstep(self, plan: Plan, sequences, n_targets: int) -> tuple[list[MicroStepRecord], float]:
+        dev = self.device
+        records: list[MicroStepRecord] = []
+        loss_sum = 0.0
+        for m, ms in enumerate(plan.micro_steps):  # the same number of passes on every rank
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            t0 = time.perf_counter()
+            mine = _my_groups(ms, self.rank)  # in the pass's order: one global order for every rank
+            if not mine:
+                sh, attn = _empty_shard(), self.attn
+            else:
+                shards = [make_shard([sequences[i] for i in g.sequences], g.degree, g.ranks.index(self.rank))
+                          for g in mine]
+                sh = pack_shards(shards)
+                if len(mine) == 1:
+                    attn = self._group_attention(mine[0], shards[0])
+                else:
+                    segments, lo = [], 0
+                    for g, part in zip(mine, shards):
+                        hi = lo + int(part.tokens.numel())
+                        segments.append((lo, hi, self._group_attention(g, part), part.cu_seqlens, part.max_seqlen))
+                        lo = hi
+                    attn = PassAttention(segments)
+            lv = self._forward_backward(sh, attn, n_targets)
+            loss_sum += lv
+            load = sum(float(g.time_ms) for g in mine) - float(plan.shared_overhead_ms) * max(0, len(mine) - 1)
+            first = mine[0] if mine else None
+            records.append(MicroStepRecord(
+                micro_step=m, degree=first.degree if first else 0, ranks=list(first.ranks) if first else [],
+                sequences=[i for g in mine for i in g.sequences], tokens=sh.real_tokens,
+                padded_tokens=int(sh.tokens.numel()) if mine else 0, targets=sh.targets,
+                loss=lv / sh.targets if sh.targets else None, predicted_ms=load if mine else 0.0,
+                measured_ms=(time.perf_counter() - t0) * 1e3, peak_memory_mb=peak_memory_mb(dev),
+                groups=[{"degree": g.degree, "ranks": list(g.ranks), "sequences": list(g.sequences)} for g in mine],
+                pass_ms=None if ms.time_ms is None else float(ms.time_ms)))
+        return records, loss_sum

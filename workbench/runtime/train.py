@@ -8,13 +8,18 @@ Reads ``<run-dir>/spec.json`` (``workbench.launch.spec.TrainSpec``), then every 
 1. every rank draws the same global batch (``GlobalBatchSampler``, deterministic from the seed);
 2. rank 0 plans it (one step ahead with ``workbench.solve.ahead.PlanAhead`` when that exists) and
    broadcasts the plan as a dict; a planning error is broadcast instead, so every rank stops;
-3. every rank checks the plan (``check_plan``) before running it: a bad plan fails everywhere
-   at the same point, and no rank waits in a collective for one that gave up;
-4. ``StepExecutor.run`` does the micro-steps and the gradient all-reduce; the optimizer steps.
+3. every rank checks the plan (``check_plan``) before running it, against the run's ZeRO stage,
+   precision and recomputation too: a bad plan fails everywhere at the same point, and no rank
+   waits in a collective for one that gave up;
+4. ``StepExecutor.run`` does the micro-steps (or lockstep passes) and the stage's gradient
+   reduction; the optimizer steps.
 
-Artefacts in the run folder: ``plans.jsonl`` (rank 0), ``metrics.jsonl`` (one line per step and
-rank), ``status.json`` (rank 0: running / done / failed, step, error), ``checkpoints/step_<n>.pt``
-(model, optimizer, step, sampler position, RNG; loaded with ``weights_only=True``),
+The model states are held as the scenario's ZeRO stage says (``workbench.runtime.zero``: FSDP2
+under ZeRO-3, ZeroRedundancyOptimizer under 1-2), in its precision, with per-block recomputation
+when it asks for it. Artefacts in the run folder: ``plans.jsonl`` (rank 0), ``metrics.jsonl`` (one
+line per step and rank, with the bytes of model states the rank holds), ``status.json`` (rank 0:
+running / done / failed, step, error), ``checkpoints/step_<n>.pt`` or ``step_<n>.dcp/`` (ZeRO-3,
+sharded; ``workbench.runtime.checkpoint``),
 ``ranks/rank<k>.json`` (pid and host of each rank, so a stop can reach every process), and on a
 failure ``failures/rank<k>.json``. A restarted run resumes from its latest checkpoint.
 
@@ -30,7 +35,6 @@ import datetime
 import json
 import math
 import os
-import re
 import signal
 import socket
 import sys
@@ -39,7 +43,6 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -47,13 +50,13 @@ import torch.distributed as dist
 
 from workbench import runs
 from workbench.data.sequences import TokenData  # the data side lives there; re-exported for callers
+from workbench.runtime.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, checkpoint_path, latest_checkpoint,
+                                          load_checkpoint, resume_state)
 from workbench.training import CPU_MAX_LEN, SpecError, TrainSpec, read_train_spec
 from workbench.util import write_json_atomic
 
 __all__ = ["TokenData", "TrainError", "checkpoint_path", "latest_checkpoint", "load_checkpoint", "main"]
 
-CHECKPOINT_RE = re.compile(r"^step_(\d+)\.pt$")
-CHECKPOINT_FORMAT = 1
 FALLBACK_CPU_PROFILE = "a100-40g-flexsp"
 
 
@@ -68,80 +71,6 @@ def _say(msg: str) -> None:
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-# ------------------------------------------------------------------------------------------------
-# checkpoints
-# ------------------------------------------------------------------------------------------------
-
-
-def checkpoint_path(run_dir: str | Path, step: int) -> Path:
-    """``run_dir/checkpoints/step_<step>.pt`` (``step`` = optimizer steps taken)."""
-    return Path(run_dir) / "checkpoints" / f"step_{int(step)}.pt"
-
-
-def checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every checkpoint of a run, newest first."""
-    return sorted(runs.Run(run_dir).checkpoints(), reverse=True)
-
-
-def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
-    """``(step, path)`` of the newest checkpoint of a run (verified or not), or None."""
-    found = checkpoints(run_dir)
-    return found[0] if found else None
-
-
-def load_checkpoint(path: str | Path, map_location: Any = "cpu", *, verify: bool = True) -> dict:
-    """A checkpoint's state: ``{"format", "step", "model", "optimizer", "sampler", "rng", "spec"}``,
-    read with ``weights_only=True`` after checking the file against its ``.sha256``. Raises
-    TrainError naming the file when it is empty, damaged, unchecksummed (with ``verify``) or not a
-    workbench checkpoint."""
-    if verify:
-        why = runs.verify_checksum(path)
-        if why is not None:
-            raise TrainError(why)
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing here
-        first = str(e).splitlines()[0] if str(e) else ""
-        raise TrainError(f"checkpoint {path} cannot be loaded ({type(e).__name__}: {first})") from None
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise TrainError(f"{path} is not a workbench checkpoint (format {CHECKPOINT_FORMAT})")
-    return state
-
-
-def resume_state(run_dir: str | Path) -> tuple[int, Path, dict, list[str]] | None:
-    """The newest checkpoint that verifies and loads: ``(step, path, state, skipped)`` where
-    ``skipped`` says, one line each, which newer checkpoints were passed over and why. None when
-    the run has no checkpoint. Raises TrainError when it has some but none is usable."""
-    found = checkpoints(run_dir)
-    if not found:
-        return None
-    skipped = []
-    for step, path in found:
-        try:
-            return step, path, load_checkpoint(path), skipped
-        except TrainError as e:
-            skipped.append(str(e))
-    raise TrainError(f"no usable checkpoint in {Path(run_dir) / runs.CHECKPOINTS_DIR}: " + "; ".join(skipped)
-                     + "; start a new run")
-
-
-def _save_checkpoint(path: Path, state: dict) -> None:
-    """Write the checkpoint and then its checksum, each through a temporary file and a rename: a
-    crash leaves either the old pair, or a new file without a checksum (which resume skips)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        torch.save(state, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        runs.checksum_path(path).unlink(missing_ok=True)
-        os.replace(tmp, path)
-        runs.write_checksum(path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -193,8 +122,9 @@ def resolve_device(spec: TrainSpec | None, env: DistEnv) -> torch.device:
 def run_scenario(spec: TrainSpec, world: int, per_node: int, device: torch.device):
     """``(Scenario, note)`` this rank plans and trains with: the spec's, checked against the world
     torchrun gave, its max context resolved for the device (the spec's; else 1,024 on CPU, the
-    largest power of two the cluster holds on CUDA). Raises TrainError when the world differs from
-    the run's."""
+    largest power of two the cluster holds on CUDA) and its precision (the spec's; else bf16 on
+    CUDA, fp32 on CPU: resolved before planning, so the plans assume what the run computes in).
+    Raises TrainError when the world differs from the run's."""
     sc = spec.scenario
     if world != sc.num_gpus:
         raise TrainError(f"the run is prepared for {sc.num_gpus} rank(s) (nproc {spec.nproc} x nnodes {spec.nnodes}) "
@@ -202,6 +132,10 @@ def run_scenario(spec: TrainSpec, world: int, per_node: int, device: torch.devic
     if per_node != min(sc.gpus_per_node, sc.num_gpus):
         sc = sc.replace(gpus_per_node=per_node)
     note = ""
+    if sc.precision is None:
+        from workbench.runtime.zero import default_precision
+
+        sc = sc.replace(precision=default_precision(device))
     if sc.max_len is None:
         ctx = sc.model_spec().max_context
         sc = sc.replace(max_len=min(ctx, CPU_MAX_LEN) if device.type == "cpu" else sc.resolved_max_len())
@@ -385,6 +319,8 @@ class Trainer:
         if spec.debug.get("plan_num_gpus") is not None:
             k = int(spec.debug["plan_num_gpus"])
             self.plan_cost = sc.replace(num_gpus=k, gpus_per_node=min(sc.gpus_per_node, k)).cost()
+        elif spec.debug.get("plan_zero_stage") is not None:  # test hook: plans made for another stage
+            self.plan_cost = sc.replace(zero_stage=int(spec.debug["plan_zero_stage"])).cost()
         else:
             self.plan_cost = self.cost
         found = resume_state(self.run_dir)
@@ -433,7 +369,7 @@ class Trainer:
         if err is None:
             try:
                 self._setup_local(device)
-            except (TrainError, ValueError, FileNotFoundError, ImportError) as e:
+            except (TrainError, CheckpointError, ValueError, FileNotFoundError, ImportError) as e:
                 err = str(e).splitlines()[0] if str(e) else type(e).__name__
             except Exception as e:  # noqa: BLE001 - reported, never left to hang the others
                 err = f"{type(e).__name__}: {e}"
@@ -470,29 +406,30 @@ class Trainer:
         return code
 
     def _train(self, device: torch.device, backend: str) -> int:
+        from workbench.runtime.checkpoint import restore
         from workbench.runtime.groups import GroupRegistry
         from workbench.runtime.model import Transformer
         from workbench.runtime.step import StepExecutor, check_plan, peak_memory_mb
         from workbench.runtime.weights import load_initial_weights
+        from workbench.runtime.zero import parallelize
         from workbench.solve import plan_from_dict
 
         spec, env = self.spec, self.env
         world = env.world_size
         model_spec = self.cost.model
-        model = Transformer(model_spec, seed=self.scenario.seed).to(device)
-        # pretrained weights into the plain model, before anything wraps it (a resume loads its checkpoint instead)
+        sc = self.scenario
+        # the plain model in fp32 (master weights); pretrained weights into it before anything wraps it
+        # (a resume loads its checkpoint instead); then the stage the plans were made for
+        model = Transformer(model_spec, seed=sc.seed).to(device=device, dtype=torch.float32)
         init_note = load_initial_weights(model, spec.init) if spec.init and self.resume_state is None else None
-        params = [p for p in model.parameters() if p.requires_grad]
+        zero = parallelize(model, zero_stage=sc.zero_stage, precision=sc.precision, recompute=sc.recompute,
+                           device=device)
         lr = spec.learning_rate
-        if spec.optimizer == "sgd":
-            opt = torch.optim.SGD(params, lr=lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
-        else:
-            opt = torch.optim.AdamW(params, lr=lr, weight_decay=spec.weight_decay)
+        opt = zero.make_optimizer(spec.optimizer, lr=lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
         start = 0
         if self.resume_state is not None:
             st = self.resume_state
-            model.load_state_dict(st["model"])
-            opt.load_state_dict(st["optimizer"])
+            restore(st, model, zero)  # any layout, stage and world size it was written with
             start = int(st["step"])
             rng = st.get("rng", {})
             if "torch" in rng:
@@ -502,9 +439,8 @@ class Trainer:
             self.resume_state = None
         self.step = start
         registry = GroupRegistry(world, self.cost.degrees)
-        executor = StepExecutor(model, registry, self.attn, device=device)
+        executor = StepExecutor(model, registry, self.attn, device=device, zero=zero)
         planner = None
-        sc = self.scenario
         if self.rank == 0:
             planner = RankZeroPlanner(sc.planner, self.plan_cost, seed=sc.seed, time_limit=sc.time_limit,
                                       max_len=self.max_len, ahead=spec.plan_ahead, run_dir=self.run_dir)
@@ -522,13 +458,15 @@ class Trainer:
             "data": self.data.describe(), "sampler": self.sampler.describe(),
             "max_context": self.data.report.to_dict() if self.data.report is not None else None,
             "params": model_spec.params(), "scenario": sc.to_dict(),
-            "checkpoints_skipped": self.resume_skipped, "init": init_note,
+            "checkpoints_skipped": self.resume_skipped, "init": init_note, "zero": zero.describe(),
+            "zero_stage": zero.zero_stage, "precision": zero.precision, "recompute": zero.recompute,
+            "execution": zero.execution,
         }
         if self.rank == 0:
             if self.cost_note:
                 _say(f"workbench train: warning: {self.cost_note}")
             _say(f"workbench train: {sc.model} ({model_spec.params():,} parameters) on {world} rank(s), {backend}, "
-                 f"{device.type}; {self.data.describe()}; {self.sampler.describe()}; planner {sc.planner} "
+                 f"{device.type}; {zero.describe()}; {self.data.describe()}; {self.sampler.describe()}; planner {sc.planner} "
                  f"({resolved['planning']}); profile {self.cost.profile.name}")
             for why in self.resume_skipped:
                 _say(f"workbench train: warning: skipped a checkpoint: {why}")
@@ -553,7 +491,10 @@ class Trainer:
                     raise TrainError(msg["error"])
                 plan = plan_from_dict(msg["plan"])
                 lengths = [int(x) for x in batch.lengths]
-                check_plan(plan, lengths, world, registry.degrees)  # same verdict on every rank
+                # same verdict on every rank; a plan made for another stage, precision or
+                # recomputation is refused here, naming both
+                check_plan(plan, lengths, world, registry.degrees, zero_stage=zero.zero_stage,
+                           precision=zero.precision, recompute=zero.recompute)
                 if self.rank == 0:
                     runs.append_jsonl(self.run_dir / runs.PLANS_FILE, {
                         "step": step, "attempt": self.attempt, "batch_id": batch.batch_id,
@@ -563,8 +504,11 @@ class Trainer:
                 t_opt = time.perf_counter()
                 grad_norm = None
                 if spec.grad_clip > 0:
-                    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, spec.grad_clip))
+                    grad_norm = zero.clip_grad_norm(spec.grad_clip)
                 opt.step()
+                # what this rank holds, from tensor storage: parameters and optimizer states now (after
+                # the step), gradients at the step's peak (before a ZeRO-2 reduce freed any)
+                states = zero.state_bytes()
                 opt.zero_grad(set_to_none=True)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
@@ -581,13 +525,15 @@ class Trainer:
                     "step_ms": res.measured_ms, "allreduce_ms": res.allreduce_ms, "optimizer_ms": opt_ms,
                     "broadcast_ms": bcast_ms, "plan_wait_s": msg.get("plan_wait_s"), "planner": plan.planner,
                     "grad_norm": grad_norm, "lr": lr, "peak_memory_mb": peak, "time": time.time(),
+                    "model_states": states, "execution": res.execution,
+                    **({"max_memory_allocated_bytes": torch.cuda.max_memory_allocated(device)}
+                       if device.type == "cuda" else {}),
                     "micro_steps": [r.to_dict() for r in res.records],
                 })
                 done = step + 1
                 self.step = done
                 if spec.checkpoint_every and (done % spec.checkpoint_every == 0 or done == spec.steps):
-                    if self.rank == 0:
-                        self._checkpoint(done, model, opt, device)
+                    self._checkpoint(done, model, zero, device)  # every rank: sharded or consolidated
                 if self.rank == 0:
                     again = " (again, after resume)" if step < ran_before else ""
                     print(f"step {done}/{spec.steps}{again} loss {res.loss:.4f} tokens {res.tokens:,} "
@@ -597,7 +543,7 @@ class Trainer:
                 if sleep_s:
                     time.sleep(sleep_s)
                 batch = nxt
-            # a checkpoint written by rank 0 is complete before anyone reports done
+            # a checkpoint is complete before anyone reports done
             dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
         finally:
             if planner is not None:
@@ -606,20 +552,29 @@ class Trainer:
         self._write_status(step=self.step, message=f"trained {self.step} steps; exiting")
         return 0
 
-    def _checkpoint(self, done: int, model, opt, device: torch.device) -> None:
+    def _checkpoint(self, done: int, model, zero, device: torch.device) -> None:
+        """Every rank: a sharded folder under ZeRO-3 (each rank writes its shards), else a whole file
+        written by rank 0 (ZeRO 1-2 consolidate the optimizer's states there first)."""
+        from workbench.runtime.checkpoint import save_sharded, save_whole
+
         rng = {"torch": torch.get_rng_state()}
         if device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(device)
         state = {
             "format": CHECKPOINT_FORMAT, "step": done,
-            "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-            "optimizer": opt.state_dict(),
             "sampler": {"next_step": done, "seed": self.scenario.seed, "batch_size": self.batch_size,
                         "batch_tokens": self.batch_tokens, "lengths": self.scenario.source,
                         "data": self.data.fingerprint},
-            "rng": rng, "spec": json.dumps(self.spec.to_dict()),
+            "rng": rng, "spec": json.dumps(self.spec.to_dict()), "zero_stage": zero.zero_stage,
+            "precision": zero.precision, "world_size": self.env.world_size,
         }
-        _save_checkpoint(checkpoint_path(self.run_dir, done), state)
+        if zero.zero_stage == 3:
+            save_sharded(checkpoint_path(self.run_dir, done, sharded=True), model, zero.optimizer, state)
+            return
+        optimizer = zero.optimizer_state_dict()  # collective under ZeRO 1-2
+        if self.rank == 0:
+            state.update(model={k: v.detach().cpu() for k, v in model.state_dict().items()}, optimizer=optimizer)
+            save_whole(checkpoint_path(self.run_dir, done), state)
 
 
 def main(argv: list[str] | None = None) -> int:

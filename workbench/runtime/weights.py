@@ -142,12 +142,13 @@ def load_initial_weights(model: torch.nn.Module, path: str | os.PathLike) -> str
 
 def full_model_state(run_dir: str | Path, step: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
     """``(step, state)``: the full (unsharded) model state of a run's checkpoint at ``step`` (None:
-    the newest that verifies), under our parameter names, on CPU. The one place that knows how a
-    run stores its weights (today ``checkpoints/step_<n>.pt`` with its checksum).
+    the newest that verifies), under our parameter names, on CPU, whatever layout the run wrote
+    (``workbench.runtime.checkpoint.full_model_state`` reads whole files and sharded folders).
 
-    Raises ValueError (TrainError) when the run has no checkpoint, none at ``step`` (listing those
-    it has), or the file does not verify."""
-    from workbench.runtime.train import checkpoints, load_checkpoint
+    Raises ValueError when the run has no checkpoint, none at ``step`` (listing those it has), or it
+    does not verify."""
+    from workbench.runtime.checkpoint import checkpoints
+    from workbench.runtime.checkpoint import full_model_state as read
 
     found = checkpoints(run_dir)
     if not found:
@@ -155,19 +156,18 @@ def full_model_state(run_dir: str | Path, step: int | None = None) -> tuple[int,
                          f"checkpoint is always written after the last step unless it is 0)")
     if step is None:
         errors = []
-        for s, path in found:  # newest first
+        for s, _ in found:  # newest first
             try:
-                return s, load_checkpoint(path)["model"]
-            except Exception as e:  # noqa: BLE001 - TrainError; try the next older one
+                return s, read(run_dir, s)
+            except Exception as e:  # noqa: BLE001 - CheckpointError; try the next older one
                 errors.append(str(e))
         raise ValueError(f"no checkpoint of run {run_dir} verifies: " + "; ".join(errors))
-    steps = {s: path for s, path in found}
-    if int(step) not in steps:
-        have = ", ".join(str(s) for s in sorted(steps))
+    if int(step) not in {s for s, _ in found}:
+        have = ", ".join(str(s) for s in sorted(s for s, _ in found))
         raise ValueError(f"run {run_dir} has no checkpoint at step {step}; it has step(s) {have}")
     try:
-        return int(step), load_checkpoint(steps[int(step)])["model"]
-    except Exception as e:  # noqa: BLE001 - TrainError (damaged, unchecksummed): one line
+        return int(step), read(run_dir, int(step))
+    except Exception as e:  # noqa: BLE001 - CheckpointError (damaged, unchecksummed): one line
         raise ValueError(str(e)) from None
 
 
