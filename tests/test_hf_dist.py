@@ -230,7 +230,10 @@ def test_own_model_and_jsonl_train_from_init_on_4_ranks_and_export(tmp_path):
         from workbench.runtime.model import Transformer
 
         ours = Transformer(model_from_config(tmp_path / "mymodel"))
-        ours.load_state_dict(torch.load(run / "checkpoints" / "step_1.pt", weights_only=True)["model"])
+        # the run is ZeRO-3 (the default), so its checkpoint is a sharded folder; read it whole
+        from workbench.runtime.checkpoint import full_model_state
+
+        ours.load_state_dict(full_model_state(run, 1))
         s = seqs[0]
         with torch.no_grad():
             got = ours(s, torch.arange(s.numel()), torch.tensor([0, s.numel()], dtype=torch.int32), s.numel(),
