@@ -301,13 +301,15 @@ class HardwarePanel(Panel):
     # ------------------------------------------------------------------------------------------
     # measuring (workbench.profile, issue 10)
     # ------------------------------------------------------------------------------------------
-    def start_profile(self, *, nproc: int = 2, model: str = "tiny", quick: bool = True, name: str | None = None):
-        """Start a profile run of this machine (a torchrun process tree) and follow it. Returns the
-        Run. Raises RuntimeError when this version has no profiler."""
+    def start_profile(self, *, nproc: int = 2, model: str = "tiny", quick: bool = True, name: str | None = None,
+                      **options):
+        """Start a profile run of this machine (a torchrun process tree) and follow it; ``options``
+        are further ``prepare_profile`` settings (``max_len``, ``reps``, ``warmup``, ...). Returns the
+        Run. Raises RuntimeError when this version has no profiler, ValueError for a bad setting."""
         prof = _profiler()
         if prof is None:
             raise RuntimeError("this version of the workbench has no profiler (workbench.profile.prepare_profile)")
-        run = prof.prepare_profile(nproc=nproc, model=model, quick=quick, root=self.root, name=name)
+        run = prof.prepare_profile(nproc=nproc, model=model, quick=quick, root=self.root, name=name, **options)
         handle = prof.start_profile(run, stop_with_parent=False)
         with self._lock:
             self._stop_poll.set()

@@ -337,6 +337,7 @@ class LaunchPanel(Panel):
                 bits.append(st.message)
             if st.error:
                 bits.append(f"error: {str(st.error).splitlines()[0]}")
+            bits += [f"warning: {str(w).splitlines()[0]}" for w in st.warnings]
             if lingering and ended is None:
                 bits.append(f"waiting for {len(lingering)} process(es) to exit")
             elif lingering:

@@ -677,6 +677,8 @@ def cmd_runs(args) -> int:
         if st.error:
             rank = f" (rank {st.failing_rank}{', ' + st.signal if st.signal else ''})" if st.failing_rank is not None else ""
             print(f"  error{rank}: {st.error}")
+        for w in st.warnings:
+            print(f"  warning: {w}")
         for nd in s.get("nodes") or []:
             err = f": {nd['error']}" if nd.get("error") else ""
             print(f"  node {nd['node']} ({nd.get('host') or '?'}): {nd['state']}, attempt {nd.get('attempt')}{err}")

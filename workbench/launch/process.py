@@ -136,7 +136,7 @@ def start(run: runs.Run | str | Path, *, nproc: int, module: str = TRAINER_MODUL
         if mine is None or stale.stem[4:].isdigit() and int(stale.stem[4:]) in mine:
             stale.unlink(missing_ok=True)
     fresh = dict(state="starting", started=runs.now(), finished=None, error=None, failing_rank=None, signal=None,
-                 exit_code=None, exit_codes=None, log_tail=[], note=None, pids=None)
+                 exit_code=None, exit_codes=None, log_tail=[], note=None, warnings=None, pids=None)
     if node is None or node == 0:
         run_attempt = attempt if node is None else runs.read_status(run.path).attempt + 1
         runs.update_status(run.path, reopen=True, attempt=run_attempt, **fresh,
