@@ -270,15 +270,15 @@ def test_heartbeats_name_the_node_that_went_away():
     for w in watches.values():
         w.start()
     time.sleep(0.3)
-    assert watches[0].diagnose(wait=0.3) is None  # everybody beats
+    assert watches[0].diagnose(wait=1.0) is None  # everybody beats (20 beats in the window)
     watches[2].stop()
     watches[3].stop()  # node 1's processes are gone
     time.sleep(0.15)
-    assert watches[0].diagnose(wait=0.4) == "node 1 (b, ranks 2-3) stopped answering (its processes are gone)"
+    assert watches[0].diagnose(wait=1.0) == "node 1 (b, ranks 2-3) stopped answering (its processes are gone)"
     watches[1].mark_ended("failed")  # a rank that said it ended is not "gone"
     watches[1].stop()
     time.sleep(0.15)
-    assert watches[0].diagnose(wait=0.4) == "node 1 (b, ranks 2-3) stopped answering (its processes are gone)"
+    assert watches[0].diagnose(wait=1.0) == "node 1 (b, ranks 2-3) stopped answering (its processes are gone)"
     store.down = True  # the store lives on node 0: its loss names node 0
     assert watches[2].diagnose(wait=0.1).startswith("node 0 (a) is gone: the rendezvous store")
     for w in watches.values():
@@ -291,16 +291,16 @@ def test_a_silent_peer_ends_the_rank_instead_of_a_collective_timeout():
     store = FakeStore()
     members = {0: (0, "a"), 1: (1, "b")}
     heard: list[str] = []
-    me = PeerWatch(store, 0, members, interval=0.05, stall_s=0.4, on_stall=heard.append).start()
+    me = PeerWatch(store, 0, members, interval=0.05, stall_s=2.0, on_stall=heard.append).start()
     peer = PeerWatch(store, 1, members, interval=0.05).start()
-    time.sleep(0.3)
+    time.sleep(0.5)
     assert heard == []
     peer.stop()  # the machine vanished: no closed socket, no error, just silence
     t0 = time.monotonic()
-    while not heard and time.monotonic() - t0 < 5:
+    while not heard and time.monotonic() - t0 < 10:
         time.sleep(0.05)
     me.stop()
-    assert heard == ["node 1 (b, rank 1) silent for over 0 s"] or heard[0].startswith("node 1 (b, rank 1) silent for over")
+    assert heard == ["node 1 (b, rank 1) silent for over 2 s"]
 
 
 def test_node_records_in_the_run_store(tmp_path):
