@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 from pathlib import Path
@@ -34,16 +35,29 @@ FAKES = Path(__file__).resolve().parent / "fakes"
 # ------------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _stand_in_modules():
+    """The stand-ins imported inside leave ``sys.modules`` as they found it (other tests in this
+    worker check that flash-attn is imported lazily)."""
+    names = ("flash_attn", "flash_attn_interface", "_flash_checks")
+    saved = {m: sys.modules.pop(m) for m in names if m in sys.modules}
+    try:
+        yield
+    finally:
+        for m in names:
+            sys.modules.pop(m, None)
+        sys.modules.update(saved)
+
+
 @pytest.fixture
 def fake_fa2(monkeypatch):
     """flash-attn 2.x's stand-in importable as ``flash_attn`` (and no 3.x)."""
     monkeypatch.syspath_prepend(str(FAKES))
-    for mod in ("flash_attn", "flash_attn_interface", "_flash_checks"):
-        monkeypatch.delitem(sys.modules, mod, raising=False)
-    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # 3.x absent
-    fa = importlib.import_module("flash_attn")
-    fa.CALLS.clear()
-    return fa
+    with _stand_in_modules():
+        monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # 3.x absent
+        fa = importlib.import_module("flash_attn")
+        fa.CALLS.clear()
+        yield fa
 
 
 @pytest.fixture
@@ -51,12 +65,11 @@ def fake_fa3(monkeypatch):
     """Only flash-attn 3.x's stand-in (``flash_attn_interface``); no ``flash_attn``."""
     monkeypatch.syspath_prepend(str(FAKES / "fa3"))
     monkeypatch.syspath_prepend(str(FAKES))
-    for mod in ("flash_attn", "flash_attn_interface", "_flash_checks"):
-        monkeypatch.delitem(sys.modules, mod, raising=False)
-    monkeypatch.setitem(sys.modules, "flash_attn", None)  # 2.x absent
-    fa = importlib.import_module("flash_attn_interface")
-    fa.CALLS.clear()
-    return fa
+    with _stand_in_modules():
+        monkeypatch.setitem(sys.modules, "flash_attn", None)  # 2.x absent
+        fa = importlib.import_module("flash_attn_interface")
+        fa.CALLS.clear()
+        yield fa
 
 
 @pytest.fixture
