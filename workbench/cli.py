@@ -621,6 +621,12 @@ def cmd_runs(args) -> int:
             pred = f", predicted {s['median_predicted_ms']:,.0f} ms" if s.get("median_predicted_ms") else ""
             loss = f"; last loss {s['loss']:.4f}" if isinstance(s.get("loss"), float) else ""
             print(f"  median step: measured {s['median_measured_ms']:,.0f} ms{pred}{loss}")
+        if s.get("profile"):
+            print(f"  profile: {s['profile']}")
+        if s.get("profile_note"):
+            print(f"  note: {s['profile_note']}")
+        if (s.get("load_average") or {}).get("text"):
+            print(f"  load average during the run: {s['load_average']['text']}")
         for p in s.get("problems") or []:
             print(f"  note: {p}")
         if out["log_tail"]:

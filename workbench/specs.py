@@ -516,6 +516,12 @@ class HardwareProfile(_JsonMixin):
     """Measured fixed time of one lockstep pass by world size (ms): what a ZeRO-3 forward and backward
     costs every rank beyond its groups' work and the exposed all-gather / reduce-scatter (FSDP's
     hooks, the empty pass of an idle rank); empty: none."""
+    pass_compute_factor: dict = field(default_factory=dict, metadata={"from_json": _latency_table})
+    """How much longer a rank's work takes inside a lockstep (ZeRO-3) pass than the same work in a
+    free micro-step, by world size (1.15: 15% longer): every FSDP unit's all-gather and
+    reduce-scatter meets all ranks, so a pass waits for the slowest rank at each of them, and the
+    collectives' buffers share the caches (on GPUs, the SMs) with the compute. Fitted from real
+    passes at several loads; empty: 1."""
     activation_mb_per_token: float | None = None
     """Activation memory of the whole ``model`` per token in MB (1e6 bytes), measured; None to
     estimate it from the model's shape."""
@@ -529,7 +535,17 @@ class HardwareProfile(_JsonMixin):
     rank and pass in lockstep. None: not measured."""
     optimizer_ms_per_mparam: float | None = None
     """Time of the optimizer step per million parameters a rank updates (ms), measured with the
-    profiled optimizer; None: not measured."""
+    profiled optimizer on plain tensors (ZeRO 0-2: whole replicas, or ZeroRedundancyOptimizer's
+    partition); None: not measured."""
+    sharded_optimizer_ms_per_mparam: float | None = None
+    """The same under ZeRO-3, where the optimizer updates FSDP2's sharded parameters (DTensors,
+    whose per-tensor dispatch costs more than the arithmetic of a small shard); None: use
+    ``optimizer_ms_per_mparam``."""
+    pass_comm_overlap: float | None = None
+    """Share (0 to 1) of FSDP's all-gathers and reduce-scatters in a lockstep pass that runs under
+    the compute: 1 where FSDP2 prefetches on its own CUDA streams; 0 on CPU, where it runs them on
+    the compute thread in the order they are needed (a pass then costs compute plus all of them).
+    None: 1, the published (FlexSP) model."""
     gpu_memory_gb: float = 40.0
     """Memory of the profiled GPU (GB)."""
     provenance: dict = field(default_factory=dict)
@@ -542,17 +558,20 @@ class HardwareProfile(_JsonMixin):
         for n in ("all_to_all_gbps", "p2p_gbps", "allreduce_gbps", "allgather_gbps", "reduce_scatter_gbps"):
             object.__setattr__(self, n, _bw_table(getattr(self, n)))
         for n in ("all_to_all_latency_ms", "p2p_latency_ms", "allreduce_latency_ms", "sp_overhead_ms", "sp_token_ms",
-                  "allgather_latency_ms", "reduce_scatter_latency_ms", "pass_overhead_ms"):
+                  "allgather_latency_ms", "reduce_scatter_latency_ms", "pass_overhead_ms", "pass_compute_factor"):
             object.__setattr__(self, n, _latency_table(getattr(self, n)))
         _require(bool(self.all_to_all_gbps), f"HardwareProfile {self.name}: all_to_all_gbps is empty; "
                                              f"give at least one {{group size: GB/s}} entry")
         if self.activation_mb_per_token is not None:
             _require(self.activation_mb_per_token > 0,
                      f"HardwareProfile {self.name}: activation_mb_per_token must be > 0 or null")
-        for n in ("head_ms_per_token", "micro_step_ms", "optimizer_ms_per_mparam"):
+        for n in ("head_ms_per_token", "micro_step_ms", "optimizer_ms_per_mparam", "sharded_optimizer_ms_per_mparam",
+                  "pass_comm_overlap"):
             v = getattr(self, n)
             _require(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0),
                      f"HardwareProfile {self.name}: {n} must be a finite number >= 0 or null, got {v!r}")
+        _require(self.pass_comm_overlap is None or self.pass_comm_overlap <= 1,
+                 f"HardwareProfile {self.name}: pass_comm_overlap is a share from 0 to 1, got {self.pass_comm_overlap!r}")
         _require(self.gpu_memory_gb > 0, f"HardwareProfile {self.name}: gpu_memory_gb must be > 0")
         kind = self.provenance.get("kind") if isinstance(self.provenance, Mapping) else None
         _require(kind in ("measured", "reference", "estimate"),

@@ -201,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     runs.update_status(run_dir, reopen=True, state="starting", host=socket.gethostname(),
                        pids={"supervisor": os.getpid(), **runs.process_record()})
     state, code, fields = "failed", 1, {}
+    # the machine's load while the run lives (one node samples it: they may share the folder)
+    sampler = runs.LoadSampler(run_dir).start() if args.node_rank == 0 else None
     try:
         if args.nnodes == 1 and args.rdzv_endpoint is None:
             _register_loopback()
@@ -231,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in HANDLED_SIGNALS:  # a second signal must not interrupt the sweep
             signal.signal(s, signal.SIG_IGN)
+        if sampler is not None:
+            sampler.stop()
         left = sweep(run_dir)
     if _PARENT_GONE and state == "stopped":
         fields["note"] = f"stopped: the process that started it (pid {_PARENT_GONE[0]}) ended"

@@ -10,7 +10,10 @@ evidence next to it (residuals, held-out errors):
   (lengths not in the fit) are predicted and their absolute percentage errors reported;
 - **collectives**: per group size, ``t = latency + bytes / bandwidth`` over several message sizes
   (all-to-all: the bytes a rank sends to the others; all-reduce: the ring's ``2 (n-1)/n`` of the
-  buffer; point-to-point: the bytes of one ring step).
+  buffer; all-gather and reduce-scatter, FSDP's: ``(n-1)/n`` of the full buffer; point-to-point:
+  the bytes of one ring step);
+- **lines** (``fit_line``): ``t = slope * x + intercept``, non-negative, for the head's time per
+  token and the optimizer's per parameter.
 
 Everything is tested in milliseconds against synthetic timings with known coefficients.
 """
@@ -27,11 +30,11 @@ import numpy as np
 
 from workbench.specs import ComputeCurve
 
-__all__ = ["nnls", "trimmed_median", "ape", "error_summary", "fit_curve", "fit_pack_curve", "predict_pack",
+__all__ = ["nnls", "trimmed_median", "ape", "error_summary", "fit_curve", "fit_pack_curve", "predict_pack", "fit_line",
            "CurveFit", "fit_compute", "heldout_errors", "LinkFit", "fit_link", "fit_collectives",
            "COLLECTIVE_KINDS", "wire_bytes"]
 
-COLLECTIVE_KINDS = ("all_to_all", "allreduce", "p2p")
+COLLECTIVE_KINDS = ("all_to_all", "allreduce", "p2p", "allgather", "reduce_scatter")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -203,6 +206,23 @@ def fit_compute(rows: Sequence[Mapping[str, Any]]) -> dict:
     }
 
 
+def fit_line(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+    """``y = slope * x + intercept`` with both >= 0, minimising relative error (non-negative least
+    squares weighted by 1/y). Returns ``(slope, intercept)``; with one distinct x, ``(median y/x,
+    0)``. Raises ValueError for no points, mismatched lists or a non-positive value."""
+    xs = np.asarray(x, dtype=np.float64)
+    ys = np.asarray(y, dtype=np.float64)
+    if xs.shape != ys.shape or xs.size == 0:
+        raise ValueError(f"fit_line needs as many x as y values (at least one), got {xs.size} and {ys.size}")
+    if np.any(xs <= 0) or np.any(ys <= 0) or not np.all(np.isfinite(ys)):
+        raise ValueError(f"fit_line needs positive x and y values, got {xs.tolist()} and {ys.tolist()}")
+    if len(set(xs.tolist())) < 2:
+        return float(np.median(ys / xs)), 0.0
+    w = 1.0 / ys
+    slope, intercept = nnls(np.stack([xs, np.ones_like(xs)], axis=1) * w[:, None], ys * w)
+    return float(slope), float(intercept)
+
+
 # ------------------------------------------------------------------------------------------------
 # collectives
 # ------------------------------------------------------------------------------------------------
@@ -211,9 +231,11 @@ def fit_compute(rows: Sequence[Mapping[str, Any]]) -> dict:
 def wire_bytes(kind: str, message_bytes: float, group_size: int) -> float:
     """Bytes one rank moves in one call, the x of the latency/bandwidth fit: all-to-all sends
     ``(d-1)/d`` of its buffer to others; a ring all-reduce moves ``2 (n-1)/n`` of it (bus
-    bandwidth); a ring step sends the whole message once."""
+    bandwidth); an all-gather receives, and a reduce-scatter sends, ``(n-1)/n`` of the full
+    buffer (``message_bytes``: the gathered output, the scattered input); a ring step sends the
+    whole message once."""
     d = int(group_size)
-    if kind == "all_to_all":
+    if kind in ("all_to_all", "allgather", "reduce_scatter"):
         return message_bytes * (d - 1) / d
     if kind == "allreduce":
         return message_bytes * 2 * (d - 1) / d
