@@ -224,7 +224,24 @@ def test_demo_writes_the_explained_offline_report(tmp_path):
     assert len(html) > 3_000_000
     assert html.count("class=\"plotly-graph-div\"") >= 10
     for phrase in ("The clipped sequences.", "Where the gradient sync sits:", "How to read a timeline.", "Glossary",
-                   "lower bound, gap", "micro-step", "A real training run on this machine", "faster than static-max"):
+                   "lower bound, gap", "micro-step", "A real training run on this machine", "faster than static-max",
+                   "Where the predictions come from.", "this machine's quick profile for 2 processes (measured just now",
+                   "How well it predicted.", "The machine's load during the run"):
         assert phrase in html, phrase
+    # the first demo measured this machine (one profile run) and both training runs (the notebook's own
+    # and its "your own model" section) planned with it
     kinds = sorted(x.kind for x in runs.list_runs(tmp_path))
-    assert kinds == ["demo", "notebook", "notebook", "notebook", "train"]
+    assert kinds == ["demo", "notebook", "notebook", "notebook", "profile", "train", "train"]
+    (prof,) = runs.list_runs(tmp_path, kind="profile")
+    summary = json.loads((demo.path / "demo.json").read_text())["machine_profile"]
+    assert summary["measured"] and summary["run"] == prof.id and prof.spec()["fingerprint"]["nproc"] == 2
+    for t in runs.list_runs(tmp_path, kind="train"):
+        assert t.spec()["scenario"]["profile"] == str(prof.file(runs.PROFILE_FILE))
+        assert t.status().resolved["profile_from_this_machine"] is True and t.load_average()["samples"] >= 1
+    assert "run planned with profile <code>cpu-gloo-tiny-2r</code>" in html
+    # a second demo on this store reuses it, measuring nothing
+    from workbench.demo import _machine_profile
+
+    said = []
+    again, err = _machine_profile(tmp_path, said.append)
+    assert err is None and not again.measured and again.run == prof and "reusing" in said[0]

@@ -7,6 +7,7 @@ milliseconds."""
 
 from __future__ import annotations
 
+import html
 import json
 import time
 
@@ -352,3 +353,15 @@ def test_the_demo_report_states_the_profile_the_error_and_the_load(tmp_path):
     assert blocks[0][0] == "warn" and note in blocks[0][1]
     assert "workbench profile --check" in text and "median error" in text
     assert "The machine's load during the run" in text and "1.2" in text
+
+
+def test_hardware_panel_reuses_this_machines_cached_profile(tmp_path):
+    from widgets import HardwarePanel
+    from workbench.profile.machine import machine_fingerprint
+
+    cached = _cached(tmp_path, machine_fingerprint(2))
+    panel = HardwarePanel("cpu-gloo-tiny", root=tmp_path)
+    assert panel.measure_this_machine(nproc=2) is None  # nothing started: the cached one is selected
+    assert panel.profile_ref == str(cached.file(runs.PROFILE_FILE)) and panel.profile.name == "cpu-gloo-tiny-2r"
+    assert "reusing this machine's quick profile" in html.unescape(panel.run_status.value) and panel.run is None
+    assert len(runs.list_runs(tmp_path, kind="profile")) == 1

@@ -321,7 +321,7 @@ class HardwarePanel(Panel):
         fp = machine_fingerprint(nproc, device=device)
         found = find_machine_profile(nproc, root=self.root, device=device, fingerprint=fp) if reuse else None
         if found is not None:
-            self.select(found.run)
+            self.select(str(found.path))
             self.run_status.value = note_html(f"reusing this machine's quick profile for {nproc} process(es): run "
                                               f"{found.run.id} (untick 'reuse' to measure again)", "ok")
             return None

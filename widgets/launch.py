@@ -247,7 +247,9 @@ class LaunchPanel(Panel):
         on_cpu = settings.get("device", "auto") == "cpu" or (settings.get("device", "auto") == "auto"
                                                              and not training.cuda_visible())
         if self.measure_machine and on_cpu and not settings.get("profile"):
-            # predictions hold where they were measured: plan with this machine's own quick profile
+            # predictions hold where they were measured: plan with this machine's own quick profile,
+            # once every other setting checks out (a bad setting fails at once, nothing measured)
+            training.prepare_train(settings, root=self.root, check_only=True)
             try:
                 self.machine_profile = self.machine_profile_for(int(settings["nproc"]) * int(settings.get("nnodes", 1)))
                 settings["profile"] = str(self.machine_profile.path)

@@ -236,7 +236,7 @@ class ResumeChange:
 
 def prepare_train(settings: Mapping[str, Any] | None = None, *, scenario: Scenario | None = None,
                   run_dir: str | Path | None = None, root: str | Path | None = None, name: str | None = None,
-                  allow_changes: bool = False) -> tuple[runs.Run, TrainSpec, list[ResumeChange]]:
+                  allow_changes: bool = False, check_only: bool = False) -> tuple[runs.Run, TrainSpec, list[ResumeChange]]:
     """Make a new training run, or check a resume. Returns ``(run, spec, changes)``.
 
     New run (``run_dir`` None): ``settings`` are TrainSpec fields (``steps`` required) and Scenario
@@ -252,6 +252,9 @@ def prepare_train(settings: Mapping[str, Any] | None = None, *, scenario: Scenar
     ``settings`` may raise ``steps``; any other setting that differs is refused (ValueError listing
     them) unless ``allow_changes`` is True, then applied and returned in ``changes``. Settings equal
     to the run's are fine. Nothing is written here for a resume (the launcher records the attempt).
+
+    ``check_only`` (a new run): check every setting and return ``(None, spec, [])`` without
+    writing anything.
 
     Raises ValueError (SpecError) with one clear line for bad settings, a missing or foreign run
     folder, or a path that is a file.
@@ -285,6 +288,8 @@ def prepare_train(settings: Mapping[str, Any] | None = None, *, scenario: Scenar
     spec = TrainSpec(scenario=sc, **train)
     sc.cost()  # a cluster or profile that cannot work fails here, before a folder exists
     check_model_and_data(spec)
+    if check_only:  # every setting checked, nothing written (the run is None)
+        return None, spec, []
     run = runs.new_run("train", {k: v for k, v in spec.to_dict().items() if k != "kind"}, root=root, run_id=name)
     return run, spec, []
 

@@ -76,10 +76,12 @@ def default_grid(max_len: int, quick: bool) -> dict:
     def n(x: float) -> int:
         return max(8, int(x))
 
-    # packs of short sequences up to L tokens: what a rank runs in a pass of a long-tailed batch (the
-    # per-token cost grows a little with the tokens of a call, as they leave the CPU's caches)
+    # packs of short sequences up to 2L tokens: what a rank runs in a pass of a long-tailed batch (the
+    # per-token cost grows with the tokens of a call, as they leave the CPU's caches: the linear fit
+    # must see the sizes training runs)
     if quick:
-        fit = [[n(L / 64)], [n(L / 16)], [n(L / 4)], [L], [n(L / 64)] * 16, [n(L / 16)] * 8, [n(L / 8)] * 8]
+        fit = [[n(L / 64)], [n(L / 16)], [n(L / 4)], [L], [n(L / 64)] * 16, [n(L / 16)] * 8, [n(L / 8)] * 8,
+               [n(L / 16)] * 16, [n(L / 8)] * 16]
         held = [[n(L / 32)], [n(L / 8)], [n(L / 2)], [n(L / 32)] * 8]
         groups = [[n(L / 4)], [n(L / 2)], [n(L / 32)] * 8, [n(L / 16)] * 8]
     else:

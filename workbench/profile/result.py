@@ -319,8 +319,10 @@ def fit_pass_overhead(profile: HardwareProfile, world: int, steps: list[dict]) -
     rows = _pass_rows(cost, steps)
     if not rows:
         return None, None, []
-    free = {(c["name"].split("-", 1)[-1], m): max(float(x) for x in ms) for c in steps if c.get("execution") == "free"
-            for m, ms in enumerate(c["micro_step_ms"])}
+    # the same micro-step run free: its slowest group, each group's time the shortest of its ranks'
+    # (an early rank of a group waits inside its first collective)
+    free = {(c["name"].split("-", 1)[-1], m): max(min(float(ms[r]) for r in g["ranks"]) for g in c["micro_steps"][m])
+            for c in steps if c.get("execution") == "free" for m, ms in enumerate(c["micro_step_ms"])}
     for r in rows:
         r["work_ms"] = free.get((r["case"].split("-", 1)[-1], r["micro_step"]), r["load_ms"])
         # the pass model without its fixed cost, on that work
