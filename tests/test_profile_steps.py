@@ -365,3 +365,36 @@ def test_hardware_panel_reuses_this_machines_cached_profile(tmp_path):
     assert panel.profile_ref == str(cached.file(runs.PROFILE_FILE)) and panel.profile.name == "cpu-gloo-tiny-2r"
     assert "reusing this machine's quick profile" in html.unescape(panel.run_status.value) and panel.run is None
     assert len(runs.list_runs(tmp_path, kind="profile")) == 1
+
+
+def test_short_sequences_get_their_own_attention_coefficient_by_hand():
+    from workbench.profile.fit import choose_short_len, fit_compute, predict_pack, short_len_candidates
+    from workbench.specs import ComputeCurve
+
+    packs = [[64], [256], [1024], [4096], [64] * 16, [256] * 8, [512] * 8, [256] * 16, [512] * 16]
+    assert short_len_candidates(packs) == [362, 724]  # two lengths each side at least
+
+    def t(p, k):  # per layer; sequences under 724 tokens cost twice as much per token pair
+        return k * (sum((2 * 4e-6 if s < 724 else 4e-6) * s * s for s in p) + 0.01 * sum(p) + 0.5)
+
+    rows = [{"pack": p, "role": "fit", "forward_ms": t(p, 1.0), "backward_ms": t(p, 2.0)} for p in packs]
+    rows.append({"pack": [128] * 8, "role": "heldout", "forward_ms": t([128] * 8, 1.0), "backward_ms": t([128] * 8, 2.0)})
+    assert choose_short_len(packs, [t(p, 3.0) for p in packs]) == 724
+    comp = fit_compute(rows)
+    f = comp["forward"].curve
+    assert comp["short_len"] == 724 and (f.short_len, f.a, f.a_short, f.b) == pytest.approx((724, 4e-6, 8e-6, 0.01))
+    assert comp["backward"].curve.a_short == pytest.approx(16e-6) and comp["heldout"]["total"]["worst_ape"] < 1e-6
+    # one coefficient where it fits: no threshold
+    one = [{"pack": p, "role": "fit", "forward_ms": 4e-6 * sum(s * s for s in p) + 0.01 * sum(p) + 0.5,
+            "backward_ms": 1.0 + 0.02 * sum(p)} for p in packs]
+    assert fit_compute(one)["short_len"] is None
+    curve = ComputeCurve(a=4e-6, b=0.01, c=0.5, a_short=8e-6, short_len=724)
+    assert predict_pack(curve, [512, 1024]) == pytest.approx(8e-6 * 512**2 + 4e-6 * 1024**2 + 0.01 * 1536 + 0.5)
+    # the cost model: a 512-token sequence at the short coefficient, a 1,024 one at the long, x2 layers
+    prof = _profile(forward={"a": 4e-6, "b": 0.01, "c": 0.5, "a_short": 8e-6, "short_len": 724},
+                    backward={"a": 8e-6, "b": 0.02, "c": 1.0, "a_short": 16e-6, "short_len": 724})
+    cost = CostModel(prof, TINY, ClusterSpec(num_gpus=2, gpus_per_node=2, gpu_memory_gb=8.0, zero_stage=0))
+    got = cost.compute_ms([512, 1024], 2)
+    assert got == pytest.approx([2 * (24e-6 * 512**2 + 0.03 * 512) / 2, 2 * (12e-6 * 1024**2 + 0.03 * 1024) / 2])
+    with pytest.raises(ValueError, match="go together"):
+        ComputeCurve(a=1.0, b=1.0, a_short=2.0)

@@ -417,17 +417,38 @@ class ClusterSpec(_JsonMixin):
 class ComputeCurve(_JsonMixin):
     """Time in ms of one transformer layer on one GPU for a packed call: ``a*s^2 + b*s`` per
     sequence of ``s`` tokens (the whole sequence's work, before division by the SP degree) plus
-    ``c`` once per call (launch and fixed costs, paid once per group and micro-step)."""
+    ``c`` once per call (launch and fixed costs, paid once per group and micro-step). A sequence
+    shorter than ``short_len`` tokens costs ``a_short`` per token pair instead of ``a`` (attention
+    kernels block short sequences differently: on CPU the same pair costs about twice as much
+    below ~768 tokens); without them ``a`` holds for every length."""
 
     a: float
     b: float
     c: float = 0.0
+    a_short: float | None = None
+    short_len: int | None = None
 
     def __post_init__(self) -> None:
         for n in ("a", "b", "c"):
             v = getattr(self, n)
             _require(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0,
                      f"ComputeCurve.{n} must be a finite number >= 0, got {v!r}")
+        _require((self.a_short is None) == (self.short_len is None),
+                 "ComputeCurve.a_short and short_len go together: give both or neither")
+        if self.a_short is not None:
+            _require(isinstance(self.a_short, (int, float)) and math.isfinite(self.a_short) and self.a_short >= 0,
+                     f"ComputeCurve.a_short must be a finite number >= 0, got {self.a_short!r}")
+            _require(isinstance(self.short_len, int) and not isinstance(self.short_len, bool) and self.short_len >= 2,
+                     f"ComputeCurve.short_len must be an integer >= 2 (tokens), got {self.short_len!r}")
+
+    def quadratic(self, lengths):
+        """The attention part, ``a * s^2`` (``a_short * s^2`` below ``short_len``), of each length."""
+        import numpy as np
+
+        s = np.asarray(lengths, dtype=np.float64)
+        if self.short_len is None:
+            return self.a * s * s
+        return np.where(s < self.short_len, self.a_short, self.a) * s * s
 
 
 def _curve(v: Any) -> ComputeCurve:

@@ -2,7 +2,8 @@
 
 Time of one sequence of ``s`` tokens on a group of ``d`` GPUs (whole model, ms)::
 
-    compute(s, d) = (A*s^2 + B*s) / d                 # fitted per-layer curves x layers
+    compute(s, d) = (A*s^2 + B*s) / d                 # fitted per-layer curves x layers (A: A_short for
+                                                      # sequences under the profile's short_len)
     ulysses(s, d) = passes * layers * bytes(s, d) / all_to_all_bw(d)
         bytes(s, d) = dtype * (s/d) * (2*q_dim + 2*kv_dim_eff) * (d-1)/d    # q, k, v, o; each rank
                                                                             # sends (d-1)/d of its share
@@ -172,6 +173,14 @@ class _Fit:
     B: float  # ms per token: the blocks, and the embedding, head and loss when measured apart
     C: float  # ms per packed call (group and micro-step), the micro-step's fixed cost included
     act_bytes: float  # per token, whole model
+    A_short: float | None = None  # ms per token^2 of sequences under short_len (None: A for all)
+    short_len: int | None = None
+
+    def quadratic(self, s: np.ndarray) -> np.ndarray:
+        """The attention part of each sequence's time, ``A * s^2`` (``A_short`` below ``short_len``)."""
+        if self.short_len is None:
+            return self.A * s * s
+        return np.where(s < self.short_len, self.A_short, self.A) * s * s
 
 
 class CostModel:
@@ -240,18 +249,23 @@ class CostModel:
         ref = m if p.model == m.name else _reference_model(p.model)
         passes_f = 2.0 if self.recompute else 1.0  # recomputation runs the forward again
 
-        def tot(curve: ComputeCurve, n: float) -> tuple[float, float, float]:
-            return curve.a * n, curve.b * n, curve.c * n
+        def tot(curve: ComputeCurve, n: float) -> tuple[float, float, float, float]:
+            short = curve.a if curve.a_short is None else curve.a_short
+            return curve.a * n, curve.b * n, curve.c * n, short * n
 
-        af, bf, cf = tot(fwd, ref.layers)
-        ab, bb, cb = tot(bwd, ref.layers)
+        af, bf, cf, sf = tot(fwd, ref.layers)
+        ab, bb, cb, sb = tot(bwd, ref.layers)
         A = passes_f * af + ab
         B = passes_f * bf + bb
         C = passes_f * cf + cb
+        short_len = fwd.short_len or bwd.short_len  # the profiler fits both with one threshold
+        A_short = passes_f * sf + sb if short_len else None
         head = float(p.head_ms_per_token or 0.0)  # embedding, final norm, head and loss, per token
         if ref is not m:
             # scale by FLOPs: quadratic (attention) and linear (dense) parts separately
             A *= _quadratic_coeff(m) / _quadratic_coeff(ref)
+            if A_short is not None:
+                A_short *= _quadratic_coeff(m) / _quadratic_coeff(ref)
             B *= _linear_coeff(m) / _linear_coeff(ref)
             C *= m.layers / ref.layers
             head *= (m.vocab * m.hidden) / (ref.vocab * ref.hidden)
@@ -261,6 +275,7 @@ class CostModel:
             # inside a ZeRO-3 pass the same work takes longer (the profile's measured factor)
             f = _interp_latency(p.pass_compute_factor, self.cluster.num_gpus)
             A, B, C = A * f, B * f, C * f
+            A_short = None if A_short is None else A_short * f
         # bf16 under ZeRO 0-2 is autocast over the fp32 replica; under ZeRO-3 FSDP2 casts the weights
         autocast = self.precision == "bf16" and self.cluster.zero_stage < 3
         mine = activation_bytes_per_token(m, self.recompute, autocast=autocast)
@@ -271,7 +286,7 @@ class CostModel:
             act = act_mb * 1e6 * mine / activation_bytes_per_token(native, False)
         else:
             act = mine
-        return _Fit(A=A, B=B, C=C, act_bytes=act)
+        return _Fit(A=A, B=B, C=C, act_bytes=act, A_short=A_short, short_len=short_len)
 
     # ---- degrees ---------------------------------------------------------------------------
     def degree_supported(self, d: int) -> bool:
@@ -297,7 +312,7 @@ class CostModel:
         """Compute time (ms) of each sequence on a group of ``degree``, without communication."""
         s = np.asarray(lengths, dtype=np.float64)
         f = self._fit
-        return (f.A * s * s + f.B * s) / degree
+        return (f.quadratic(s) + f.B * s) / degree
 
     def comm_ms(self, lengths, degree: int) -> np.ndarray:
         """Exposed communication time (ms) of each sequence inside its SP group."""
@@ -316,7 +331,7 @@ class CostModel:
         per_layer = m.dtype_bytes * (s / d) * 2 * m.kv_dim * (d - 1)
         table = p.p2p_gbps or p.all_to_all_gbps
         comm = ring_passes * m.layers * per_layer / (_interp_bw(table, d) * 1e9) * 1e3
-        attn = self._fit.A * s * s / d
+        attn = self._fit.quadratic(s) / d
         return np.maximum(0.0, comm - attn)
 
     def sp_token_ms(self, lengths, degree: int) -> np.ndarray:

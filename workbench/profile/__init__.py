@@ -363,7 +363,7 @@ class ProfileSpec:
                                    else (50.0 if dev == "cpu" else 5.0)),
             "head_tokens": head_token_counts(max_len),
             "fsdp_bytes": fsdp_unit_bytes(self.model, dtype_bytes) if self.nproc > 1 else [],
-            "step_cases": default_step_cases(self.nproc, max_len // 2 if self.quick else max_len,
+            "step_cases": default_step_cases(self.nproc, max_len,
                                              max(sp) if sp else None) if run_steps else [],
             "optimizer": self.optimizer,
         }

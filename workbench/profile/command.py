@@ -100,6 +100,9 @@ def profile_table(res) -> str:
                      f"{f(h.get('median_ape'))} | {f(h.get('worst_ape'))} |")
     h = res.heldout.get("total", {})
     lines.append(f"| forward + backward | | | | | {f(h.get('median_ape'))} | {f(h.get('worst_ape'))} |")
+    if p.forward.short_len:
+        lines.append(f"\nsequences under {p.forward.short_len:,} tokens: a = {p.forward.a_short:.3e} forward, "
+                     f"{p.backward.a_short:.3e} backward (attention kernels block short sequences differently)")
     if h.get("points"):
         lines += ["", "| held-out pack | tokens | measured fwd+bwd (ms/layer) | predicted (ms/layer) | APE (%) |",
                   "|---|---:|---:|---:|---:|"]
