@@ -398,3 +398,22 @@ def test_short_sequences_get_their_own_attention_coefficient_by_hand():
     assert got == pytest.approx([2 * (24e-6 * 512**2 + 0.03 * 512) / 2, 2 * (12e-6 * 1024**2 + 0.03 * 1024) / 2])
     with pytest.raises(ValueError, match="go together"):
         ComputeCurve(a=1.0, b=1.0, a_short=2.0)
+
+
+def test_check_counts_the_plan_ahead_solver_on_the_ranks_cores(tmp_path):
+    prof = _profile(allgather_gbps={2: 1e9}, allgather_latency_ms={2: 0.5}, reduce_scatter_gbps={2: 1e9},
+                    reduce_scatter_latency_ms={2: 0.25}, pass_overhead_ms={2: 5.0}, pass_comm_overlap=0.0)
+    base = check_fidelity(prof, _lockstep_run(tmp_path / "a").path)["steps"][0]["predicted_ms"]
+    run = _lockstep_run(tmp_path / "b", resolved={"device": "cpu", "planning": "ahead", "local_world_size": 2,
+                                                  "machine": {"cores": 2}})
+    nxt = json.loads(run.file(runs.PLANS_FILE).read_text().splitlines()[-1])
+    nxt["step"], nxt["plan"]["solve_seconds"] = 2, 0.08  # solved by the worker while step 1 trained
+    runs.append_jsonl(run.file(runs.PLANS_FILE), nxt)
+    out = check_fidelity(prof, run.path)
+    st = out["steps"][0]
+    assert st["step"] == 1 and st["planner_cpu_ms"] == pytest.approx(80 / 2)  # 80 ms of solving over 2 cores
+    assert st["predicted_ms"] == pytest.approx(base + 40)
+    assert any("plan-ahead worker" in n for n in out["notes"])
+    # with a core to spare, or planning inline, the solver takes nothing from the ranks
+    runs.update_status(run.path, resolved={"local_world_size": 1})
+    assert check_fidelity(prof, run.path)["steps"][0]["planner_cpu_ms"] == 0.0

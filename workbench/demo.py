@@ -362,8 +362,10 @@ def _prediction_blocks(run: runs.Run, summary: dict, machine) -> list[tuple[str,
                          f"of a lockstep pass, each micro-step's own, the embedding, head and loss, the optimizer."))
     else:
         out.append(("p", f"The run planned with profile <code>{prof}</code>."))
+    ref = (run.spec().get("scenario") or {}).get("profile") or prof
     try:  # the profile the run planned with (a path or a shipped name), against the run itself
-        chk = check_fidelity((run.spec().get("scenario") or {}).get("profile") or prof, run.path)
+        chk = check_fidelity(ref, run.path)
+        chk["profile_ref"] = ref
     except ValueError:
         chk = None
     if chk is not None and chk["step_error"]["count"]:
@@ -373,6 +375,22 @@ def _prediction_blocks(run: runs.Run, summary: dict, machine) -> list[tuple[str,
                          f"(the first left out: it pays start-up costs)."))
     load = summary.get("load_average") or {}
     if load.get("text"):
-        out.append(("p", f"<b>The machine's load during the run</b>, sampled every 2 s: {load['text']}. Other work on a "
-                         f"shared machine slows the ranks down, and the profile measured the machine as it was then."))
+        pl = ((load_profile_safe(chk) or {}).get("provenance") or {}).get("load_average") or {}
+        then = (f" The profile was measured under {pl['start']:.1f} to {pl.get('end', pl['start']):.1f}."
+                if isinstance(pl.get("start"), (int, float)) else "")
+        out.append(("p", f"<b>The machine's load during the run</b>, sampled every 2 s: {load['text']}.{then} Other "
+                         f"work on a shared machine slows the ranks down; a profile predicts the machine as it was "
+                         f"when it was measured."))
     return out
+
+
+def load_profile_safe(check: dict | None) -> dict | None:
+    """The profile a ``check_fidelity`` result was made with, as a dict (None when it does not load)."""
+    from workbench.specs import load_profile
+
+    if not check or not check.get("profile_ref"):
+        return None
+    try:
+        return load_profile(check["profile_ref"]).to_dict()
+    except ValueError:
+        return None

@@ -15,9 +15,11 @@ measured (``metrics.jsonl``):
   measured = the *longest* of the ranks' times for it (ranks leave a pass together, at its last
   reduce-scatter; the one that started it last measured the least).
 - **step**: predicted = the plan's timeline replayed with the re-timed groups or passes, plus the
-  gradient reduction and the optimizer step (the planner's makespan); measured = the slowest rank's
-  ``measured_ms`` (micro-steps or passes, the reduction and the optimizer step). The optimizer and
-  the reduction are also compared on their own.
+  gradient reduction and the optimizer step (the planner's makespan), plus, on a CPU run planning
+  ahead with no core to spare (ranks on this node >= cores), the next plan's solve time divided by
+  the cores (the worker solves it on the ranks' cores while the step trains); measured = the
+  slowest rank's ``measured_ms`` (micro-steps or passes, the reduction and the optimizer step). The
+  optimizer and the reduction are also compared on their own.
 
 Errors are absolute percentage errors, ``100 |predicted - measured| / measured``; the first
 ``skip`` steps (start-up: allocator, thread pools, first collectives, the optimizer's state) are
@@ -27,6 +29,7 @@ left out when there are more.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -92,7 +95,7 @@ def check_fidelity(profile_or_path, train_run, *, skip: int = 1, root: str | Pat
         {"profile", "profile_kind", "run", "planner", "world_size", "model", "execution", "zero_stage",
          "skipped_steps",
          "steps": [{step, predicted_ms, measured_ms, run_predicted_ms, optimizer_ms, predicted_optimizer_ms,
-                    reduction_ms, predicted_reduction_ms, ape}],
+                    reduction_ms, predicted_reduction_ms, planner_cpu_ms, ape}],
          "groups": [{step, micro_step, degree, ranks, sequences, tokens, predicted_ms, measured_ms, ape}],
          "passes": [{step, pass, groups, load_ms, tokens, predicted_ms, measured_ms, ape}],
          "step_error": {count, median_ape, worst_ape, mean_ape}, "group_error": {...}, "pass_error": {...},
@@ -164,12 +167,21 @@ def check_fidelity(profile_or_path, train_run, *, skip: int = 1, root: str | Pat
     used = steps_all[skip:] if len(steps_all) > skip else steps_all
     step_rows, group_rows, pass_rows = [], [], []
     execution = None
+    # planning ahead on the ranks' own CPU cores: while step s trains, the worker solves step s+1's
+    # plan, and on a machine with no core to spare that solver time is taken from the ranks
+    res_ = st.resolved or {}
+    cores = int((res_.get("machine") or {}).get("cores") or os.cpu_count() or 1)
+    local = int(res_.get("local_world_size") or world)
+    contended = res_.get("device") == "cpu" and res_.get("planning") == "ahead" and local >= cores
     for s in used:
         plan = plan_from_dict(plans[s]["plan"])
         execution = plan.execution
         ranks_rows = by_step[s]
         replan = retime_plan(plan, cost)
-        pred_step = replan.makespan_ms
+        solver_ms = 0.0
+        if contended and s + 1 in plans:
+            solver_ms = 1e3 * float((plans[s + 1].get("plan") or {}).get("solve_seconds") or 0.0) / cores
+        pred_step = replan.makespan_ms + solver_ms
 
         def num(r, *keys):
             for k in keys:
@@ -187,7 +199,8 @@ def check_fidelity(profile_or_path, train_run, *, skip: int = 1, root: str | Pat
                               "run_predicted_ms": plan.makespan_ms, "optimizer_ms": max(opt_ms) if opt_ms else None,
                               "predicted_optimizer_ms": replan.optimizer_ms,
                               "reduction_ms": min(red_ms) if red_ms else None,
-                              "predicted_reduction_ms": replan.grad_sync_ms, "ape": ape(pred_step, meas_step)})
+                              "predicted_reduction_ms": replan.grad_sync_ms, "planner_cpu_ms": solver_ms,
+                              "ape": ape(pred_step, meas_step)})
 
         def rec_of(rank: int, m: int, ranks_rows=ranks_rows):
             recs = (ranks_rows.get(rank) or {}).get("micro_steps") or []
@@ -243,9 +256,19 @@ def check_fidelity(profile_or_path, train_run, *, skip: int = 1, root: str | Pat
         origin = None
     if origin:
         notes.append(origin)
+    if contended and any(r["planner_cpu_ms"] for r in step_rows):
+        mean = statistics.fmean(r["planner_cpu_ms"] for r in step_rows)
+        notes.append(f"the plan-ahead worker solved each next step's plan on the ranks' own {cores} CPU core(s) "
+                     f"({local} ranks, none to spare): its solve time / {cores} is added to each step's prediction "
+                     f"({mean:,.0f} ms a step on average; run with --no-plan-ahead, or on GPUs, to leave it out)")
     load = run.load_average() if hasattr(run, "load_average") else None
     if load and load.get("mean") is not None:
         notes.append(f"the machine's load average during the run: {load['text']}")
+    pl = prof.provenance.get("load_average") or {}
+    if isinstance(pl.get("start"), (int, float)):
+        notes.append(f"the profile was measured under a load average of {pl['start']:.1f} (start) to "
+                     f"{pl.get('end', pl['start']):.1f} (end): a machine busier or quieter during the run than then "
+                     f"moves the measured times away from the predicted ones")
     return {
         "profile": prof.name, "profile_kind": prof.provenance.get("kind"), "run": run.id,
         "planner": sc.get("planner"), "world_size": world, "model": model.name, "execution": execution,
