@@ -8,6 +8,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# make test runs the suite in parallel with the heavy (slow) tests one at a time: see _xdist_heavy.py
+from _xdist_heavy import (pytest_collection_modifyitems, pytest_configure, pytest_configure_node,  # noqa: E402,F401
+                          pytest_unconfigure, pytest_xdist_make_scheduler)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _token_cache_in_tmp(tmp_path_factory):

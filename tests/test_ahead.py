@@ -1,6 +1,10 @@
-"""Planning ahead in a worker process: every plan is handed out only for the batch it was made for."""
+"""Planning ahead in a worker process: every plan is handed out only for the batch it was made for;
+a worker that dies is a clear WorkerDied, and the trainer's planner goes on inline."""
 
+import os
+import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,8 +12,8 @@ import pytest
 from workbench.cost import InfeasibleError
 from workbench.data import GlobalBatchSampler, synthetic_lengths
 from workbench.solve import run_planner, validate
-from workbench.solve.ahead import (PlanAhead, PlanMismatchError, UnknownBatchError, check_pairing, plan_ahead,
-                                   plan_lengths)
+from workbench.solve.ahead import (PlanAhead, PlanMismatchError, UnknownBatchError, WorkerDied, check_pairing,
+                                   plan_ahead, plan_lengths)
 
 
 def _same(a, b):
@@ -179,3 +183,89 @@ def test_stopping_iterate_early_discards_what_was_planned_ahead(greedy_ahead, sa
         assert p.batch_id == b.batch_id == "b000000"
         break
     assert greedy_ahead.pending == []
+
+
+# ------------------------------------------------------------------------------------------------
+# a worker that dies
+# ------------------------------------------------------------------------------------------------
+
+
+def _planning_worker(ahead: PlanAhead) -> int:
+    """The pid of the planning worker itself (``worker_pids`` also lists multiprocessing's tracker)."""
+    pids = [p for p in ahead.worker_pids() if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+    assert len(pids) == 1, ahead.worker_pids()
+    return pids[0]
+
+
+def _gone(pid: int, seconds: float = 10.0) -> None:
+    from workbench.runs import pid_alive
+
+    t0 = time.monotonic()
+    while pid_alive(pid):  # a zombie (dead, not yet reaped by the pool) counts as gone
+        assert time.monotonic() - t0 < seconds, f"pid {pid} still alive"
+        time.sleep(0.05)
+
+
+def test_a_worker_killed_while_planning_is_a_clear_error(cost):
+    ahead = PlanAhead("_slow_planner:plan_until_cancelled", cost)
+    try:
+        ahead.warm_up(timeout=60)
+        pid = _planning_worker(ahead)
+        ahead.submit(("long", [100, 200]))
+        time.sleep(0.3)  # planning, for up to a minute
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerDied, match=f"while batch 'long' was queued or being planned .pid {pid} killed by "
+                                             f"SIGKILL"):
+            ahead.get("long", timeout=30)
+        with pytest.raises(WorkerDied, match="killed by SIGKILL"):  # and it stays dead
+            ahead.submit(("next", [100]))
+    finally:
+        ahead.close()
+
+
+def test_a_worker_killed_between_batches_is_a_clear_error(cost):
+    ahead = PlanAhead("greedy", cost)
+    try:
+        ahead.warm_up(timeout=60)
+        pid = _planning_worker(ahead)
+        os.kill(pid, signal.SIGKILL)
+        _gone(pid)
+        with pytest.raises(WorkerDied, match=f"pid {pid} killed by SIGKILL"):
+            ahead.submit(("b", [100, 200]))  # refused at once, or handed to the dead pool and failed in get
+            ahead.get("b", timeout=30)
+    finally:
+        ahead.close()
+
+
+def test_the_trainers_planner_goes_on_inline_with_the_same_plans(cost, sampler, tmp_path):
+    """RankZeroPlanner (rank 0 of a run): the worker killed while it plans the next batch; that
+    batch and every later one are planned inline, each plan equal to the planner's own plan of that
+    batch; the run's status and stderr say so once."""
+    from workbench import runs
+    from workbench.runtime.train import RankZeroPlanner
+
+    run = runs.new_run("train", {}, root=tmp_path, run_id="r")
+    planner = RankZeroPlanner("_slow_planner:plan_slow", cost, seed=3, time_limit=1.0, max_len=16384, ahead=True,
+                              run_dir=run.path)
+    try:
+        assert planner.mode == "ahead"
+        pid = _planning_worker(planner._ahead)
+        batches = sampler.take(4)
+        got = [planner.payload(batches[0], batches[1])]  # batch 1 now planning in the worker
+        os.kill(pid, signal.SIGKILL)
+        got += [planner.payload(b, nxt) for b, nxt in zip(batches[1:], batches[2:] + [None])]
+    finally:
+        planner.close()
+    for b, msg in zip(batches, got):
+        assert "error" not in msg, msg
+        # "_slow_planner:plan_slow" plans as greedy does, after a pause
+        want = run_planner("greedy", b.lengths, cost, seed=3, time_limit=1.0, max_len=16384, batch_id=b.batch_id)
+        got_plan, want_plan = msg["plan"], want.to_dict()
+        for d in (got_plan, want_plan):
+            d.pop("solve_seconds")
+        assert got_plan == want_plan
+    assert planner.mode == "inline" and planner.worker_pids() == []
+    assert f"pid {pid} killed by SIGKILL" in planner.note and "before step 2" in planner.note
+    st = run.status()
+    assert st.warnings == [planner.note]  # once
+    assert st.resolved["planning"].startswith("inline")

@@ -6,6 +6,8 @@ users cause, checked by pid.
   the failing rank named with its signal, no process left (the plan-ahead worker and the
   multiprocessing resource tracker included);
 - SIGTERM and SIGHUP to ``workbench train`` (a closed terminal) stop the run like Ctrl-C;
+- SIGKILL of the plan-ahead worker: the run says so once and trains on, planning inline, with the
+  planner's own plans;
 - corrupt and empty checkpoints (whole files under ZeRO-0, sharded folders under ZeRO-3): resume
   from the previous good one, saying which file was skipped; none usable: one line;
 - two runs at once, and a second start on a running run refused without touching its spec;
@@ -112,6 +114,59 @@ def test_sigkill_of_a_rank_fails_the_run_and_leaves_nothing(tmp_path, rank):
     assert final.exit_codes[str(rank)] == -signal.SIGKILL
     assert final.log_tail, "the failing rank's last log lines (or the run's) are in the status"
     print(f"rank {rank} killed: every process gone after {took:.1f}s")
+
+
+def test_a_killed_plan_ahead_worker_costs_time_not_the_run(tmp_path):
+    from workbench.scenario import Scenario
+    from workbench.solve import plan_from_dict, run_planner
+    from workbench.solve.ahead import plan_lengths
+    from widgets import LaunchPanel
+
+    steps = 10  # 2 before the kill; the rest leave time to open a panel on the live run
+    run, h = _start(tmp_path, "worker", steps=steps)
+    try:
+        st = _wait_for_step(run, 2, h)
+        # the planning worker itself (the recorded workers also hold multiprocessing's resource tracker)
+        worker = [p for p in st.pids["workers"] if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+        assert len(worker) == 1, st.pids
+        os.kill(worker[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        while not run.status().warnings:
+            assert time.monotonic() - t0 < 60 and launch.poll(h) is None, run.log_tail(30)
+            time.sleep(0.1)
+        # a Launch panel opened now (a notebook reattaching) shows the warning beside the progress
+        panel = LaunchPanel(root=tmp_path, follow=False)
+        assert panel.run == run, "the panel reattached to the live run"
+        panel.refresh()
+        shown = panel.status.value
+        panel.close()
+        final = launch.wait(h, timeout=TIMEOUT)
+    finally:
+        launch.stop(run)
+    assert "warning: the planning worker process died" in shown and "planning the remaining steps inline" in shown
+    assert final.state == "done" and final.step == steps, final.to_dict()
+    assert [s.step for s in run.steps()] == list(range(1, steps + 1))
+    # said once: in the status (what `workbench runs show` and the Launch panel print) and in the log
+    assert len(final.warnings) == 1, final.warnings
+    note = final.warnings[0]
+    assert f"pid {worker[0]} killed by SIGKILL" in note and "planning the remaining steps inline" in note
+    assert run.file("log.txt").read_text().count(f"pid {worker[0]} killed by SIGKILL") == 1
+    assert final.resolved["planning"].startswith("inline")
+    show = subprocess.run(_workbench("runs", "show", "worker", "--root", str(tmp_path)), capture_output=True,
+                          text=True, timeout=60).stdout
+    assert f"warning: {note}" in show
+    # every step ran the planner's own plan of its batch, before the kill and after it
+    sc = Scenario.from_dict(final.resolved["scenario"])
+    rows = [json.loads(x) for x in run.file("plans.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(steps))
+    for r in rows:
+        plan = plan_from_dict(r["plan"])
+        want = run_planner(sc.planner, plan_lengths(plan), sc.cost(), seed=sc.seed, time_limit=sc.time_limit,
+                           max_len=sc.max_len, batch_id=r["batch_id"]).to_dict()
+        got = dict(r["plan"])
+        for d in (got, want):
+            d.pop("solve_seconds")
+        assert got == want, r["step"]
 
 
 def _train_in_a_terminal(tmp_path: Path, name: str, **streams) -> tuple[subprocess.Popen, runs.Run]:

@@ -55,8 +55,9 @@ def _check_kind(registry, rank: int, folder: Path, ref: dict) -> dict:
     load_initial_weights(model, folder)
     seqs, logits_ref = ref["sequences"], ref["logits"]
     scale = max(float(x.abs().max()) for x in logits_ref)
+    # replicated weights (ZeRO-0, free micro-steps): the executor below holds the plain model
     cost = CostModel(load_profile("cpu-gloo-tiny"), spec, ClusterSpec(num_gpus=WORLD, gpus_per_node=WORLD,
-                                                                       gpu_memory_gb=4.0))
+                                                                       gpu_memory_gb=4.0, zero_stage=0))
     plan = build_plan("mixed", MICRO, LENGTHS, cost, blocks=BLOCKS)
     worst, compared, degrees = 0.0, 0, set()
     with torch.no_grad():
@@ -229,7 +230,10 @@ def test_own_model_and_jsonl_train_from_init_on_4_ranks_and_export(tmp_path):
         from workbench.runtime.model import Transformer
 
         ours = Transformer(model_from_config(tmp_path / "mymodel"))
-        ours.load_state_dict(torch.load(run / "checkpoints" / "step_1.pt", weights_only=True)["model"])
+        # the run is ZeRO-3 (the default), so its checkpoint is a sharded folder; read it whole
+        from workbench.runtime.checkpoint import full_model_state
+
+        ours.load_state_dict(full_model_state(run, 1))
         s = seqs[0]
         with torch.no_grad():
             got = ours(s, torch.arange(s.numel()), torch.tensor([0, s.numel()], dtype=torch.int32), s.numel(),

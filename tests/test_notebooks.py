@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -93,15 +94,29 @@ def test_parameters_are_parsed_typed_and_checked(tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_tour_runs_headless_through_the_cli(tmp_path):
-    r = workbench("notebook", "run", "00_tour", "-p", "samples", "20000", "-p", "time_limit", "0.3",
-                  "--run-root", str(tmp_path))
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """``workbench demo`` once, short (2 training steps, 20,000 sampled lengths, a 0.3 s planner
+    limit): ``(store, report, demo run, the store's (kind, id) right after it, {notebook: its run})``.
+    Its ``00_tour`` and ``04_train`` runs are what the tour and train tests check, so each notebook
+    runs once in this file."""
+    root = tmp_path_factory.mktemp("demo")
+    r = workbench("demo", "--run-root", str(root), "--steps", "2", "--samples", "20000", "--time-limit", "0.3",
+                  timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    run = runs.load_run(r.stdout.strip().splitlines()[-1])
+    report = Path(r.stdout.strip().splitlines()[-1])
+    run = runs.load_run(report.parent)
+    kinds = sorted((x.kind, x.id) for x in runs.list_runs(root))  # before a test adds its own runs to the store
+    made = json.loads(run.file("demo.json").read_text())["notebook_runs"]
+    return root, report, run, kinds, {name: runs.load_run(path) for name, path in made.items()}
+
+
+@pytest.mark.slow
+def test_tour_runs_headless(demo):
+    run = demo[4]["00_tour"]
     st = run.status()
     assert st.state == "done" and run.kind == "notebook"
-    assert run.spec()["parameters"] == {"samples": 20000, "time_limit": 0.3}
+    assert run.spec()["parameters"] == {"samples": 20000, "seed": 0, "time_limit": 0.3}
     nb = executed(run, "00_tour")
     assert errors_in(nb) == []
     tour = json.loads((run.path / "tables" / "tour.json").read_text())
@@ -148,12 +163,17 @@ def test_hardware_and_lengths_notebooks(tmp_path):
 
 
 @pytest.mark.slow
-def test_solver_notebook(tmp_path):
+def test_solver_notebook_through_the_cli(tmp_path):
     from workbench.scenario import Scenario
     from workbench.solve import plan_from_dict, validate
 
-    run = run_notebook("03_solver", {"num_gpus": 16, "batch_tokens": 262144, "time_limit": 0.3, "planner": "greedy"},
-                       root=tmp_path)
+    r = workbench("notebook", "run", "03_solver", "-p", "num_gpus", "16", "-p", "batch_tokens", "262144",
+                  "-p", "time_limit", "0.3", "-p", "planner", "greedy", "--run-root", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = runs.load_run(r.stdout.strip().splitlines()[-1])
+    assert run.status().state == "done" and run.kind == "notebook"
+    # the command line's strings arrive typed as the parameters cell declares them
+    assert run.spec()["parameters"] == {"num_gpus": 16, "batch_tokens": 262144, "time_limit": 0.3, "planner": "greedy"}
     assert errors_in(executed(run, "03_solver")) == []
     rows = json.loads((run.path / "tables" / "planners.json").read_text())
     assert [r["planner"] for r in rows][0] == "greedy" and len(rows) == 6
@@ -179,22 +199,26 @@ def test_solver_notebook(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_and_compare_notebooks_share_the_store(tmp_path):
-    run = run_notebook("04_train", {"steps": 3, "max_len": 512, "batch_tokens": 8192}, root=tmp_path)
-    assert errors_in(executed(run, "04_train")) == []
+def test_train_and_compare_notebooks_share_the_store(demo):
+    root, *_, made = demo
+    run = made["04_train"]  # the demo's: 2 steps of the tiny model on 2 processes
+    assert run.status().state == "done" and errors_in(executed(run, "04_train")) == []
     tr = json.loads((run.path / "tables" / "train_run.json").read_text())
     trained = runs.load_run(tr["run_dir"])
-    assert trained.path.parent == tmp_path.resolve()  # the training run landed in the same store
-    assert trained.status().state == "done" and len(trained.steps()) == 3
+    assert trained.path.parent == root.resolve()  # the training run landed in the same store
+    assert trained.status().state == "done" and len(trained.steps()) == 2
     assert (run.path / "figures" / "training.html").is_file()
 
-    # 05 finds one finished run, trains one more (greedy) and compares the two
-    run = run_notebook("05_compare", {"planners": "greedy", "steps": 2}, root=tmp_path)
+    # 05 finds one finished run, trains one more (greedy) and compares the two: in a store holding
+    # only that run (the demo's store also holds the run of 04_train's own-model section)
+    store = root.parent / "compare"
+    shutil.copytree(trained.path, store / trained.path.name)
+    run = run_notebook("05_compare", {"planners": "greedy", "steps": 2}, root=store)
     assert errors_in(executed(run, "05_compare")) == []
     table = json.loads((run.path / "tables" / "runs.json").read_text())
     assert len(table) == 2 and table[0]["id"] == trained.id and table[0]["speedup_over_baseline"] == 1.0
     assert table[1]["speedup_over_baseline"] > 0
-    assert len(runs.list_runs(tmp_path, kind="train")) == 2
+    assert len(runs.list_runs(store, kind="train")) == 2
 
 
 @pytest.mark.slow
@@ -213,12 +237,9 @@ def test_a_failing_cell_fails_the_run_with_its_error_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_writes_the_explained_offline_report(tmp_path):
-    r = workbench("demo", "--run-root", str(tmp_path), "--steps", "2", "--samples", "20000", timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    report = Path(r.stdout.strip().splitlines()[-1])
-    demo = runs.load_run(report.parent)
-    assert demo.kind == "demo" and demo.status().state == "done"
+def test_demo_writes_the_explained_offline_report(demo):
+    root, report, run, kinds, made = demo
+    assert run.kind == "demo" and run.status().state == "done"
     html = report.read_text()
     assert not re.search(r"<script[^>]*\ssrc=[\"']?https?:", html)  # plotly.js inlined: the page opens offline
     assert len(html) > 3_000_000
@@ -228,14 +249,21 @@ def test_demo_writes_the_explained_offline_report(tmp_path):
                    "Where the predictions come from.", "this machine's quick profile for 2 processes (measured just now",
                    "How well it predicted.", "The machine's load during the run"):
         assert phrase in html, phrase
-    # the first demo measured this machine (one profile run) and both training runs (the notebook's own
-    # and its "your own model" section) planned with it
-    kinds = sorted(x.kind for x in runs.list_runs(tmp_path))
-    assert kinds == ["demo", "notebook", "notebook", "notebook", "profile", "train", "train"]
-    (prof,) = runs.list_runs(tmp_path, kind="profile")
-    summary = json.loads((demo.path / "demo.json").read_text())["machine_profile"]
+    # the demo's run, its three notebooks, this machine's profile (measured first, once) and the training
+    # runs 04_train says it made (the tiny model's, and its own-model section's when that section trains)
+    tables = made["04_train"].path / "tables"
+    trained = [json.loads((tables / "train_run.json").read_text())["run"]]
+    if (tables / "own_model_run.json").is_file():
+        trained.append(json.loads((tables / "own_model_run.json").read_text())["run"])
+    assert [k for k, _ in kinds] == sorted(["demo", "notebook", "notebook", "notebook", "profile"]
+                                           + ["train"] * len(trained))
+    assert sorted(i for k, i in kinds if k == "train") == sorted(trained)
+    # every training run planned with this machine's profile, and the report says so, with the load
+    (prof,) = [runs.load_run(root / i) for k, i in kinds if k == "profile"]
+    summary = json.loads(run.file("demo.json").read_text())["machine_profile"]
     assert summary["measured"] and summary["run"] == prof.id and prof.spec()["fingerprint"]["nproc"] == 2
-    for t in runs.list_runs(tmp_path, kind="train"):
+    for t in trained:
+        t = runs.load_run(root / t)
         assert t.spec()["scenario"]["profile"] == str(prof.file(runs.PROFILE_FILE))
         assert t.status().resolved["profile_from_this_machine"] is True and t.load_average()["samples"] >= 1
     assert "run planned with profile <code>cpu-gloo-tiny-2r</code>" in html
@@ -243,5 +271,5 @@ def test_demo_writes_the_explained_offline_report(tmp_path):
     from workbench.demo import _machine_profile
 
     said = []
-    again, err = _machine_profile(tmp_path, said.append)
+    again, err = _machine_profile(root, said.append)
     assert err is None and not again.measured and again.run == prof and "reusing" in said[0]

@@ -1,25 +1,223 @@
-"""The README's commands and Python lines work as written (run from a temporary run store)."""
+"""Every command shown in README.md and in docs/*.md works as written (a new doc is picked up by
+itself).
 
+In every ```bash block:
+- ``workbench ...`` lines are parsed by the CLI's own parser (an unknown command or option, or a
+  bad value, fails); a usage line (``[--step N]``, ``a|b``) must name an existing command and
+  options. The fast ones that write nothing (``lengths``, ``cost``, ``plan``,
+  ``simulate``, ``notebook list``, ``runs list``) are also run, in a temporary folder with a
+  temporary run store, and must exit 0;
+- ``python bench/X.py ...``: the script exists and takes every option named (its ``--help``);
+  benchmarks take minutes, so they are never run here;
+- ``make TARGET ...``: the Makefile has the target;
+- ``.venv/bin/python -m pytest ...``: the test files exist and the marks are declared.
+Other lines (``apt-get``, ``cd``, ...) are left alone.
+
+A block whose commands must not run (they take long, or read a file an earlier command writes) is
+marked by this HTML comment on the line just before its opening fence (invisible when rendered;
+a reason may follow "only")::
+
+    <!-- docs-test: parse only -->
+
+Its commands are still parsed. Inline code in the prose that names a command (```workbench plan
+--gpus 64```, ```python bench/solver.py --small 120```) must name an existing command, script and
+options; inline code with syntax brackets (``[--html PATH]``) is not checked. Every ```python block
+compiles; README's block that trains runs as written (slow). Links between the docs, their
+#anchors and the images resolve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+PARSE_ONLY = "<!-- docs-test: parse only"
+RUN_COMMANDS = {("lengths",), ("cost",), ("plan",), ("simulate",), ("notebook", "list"), ("runs", "list")}
+
+FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", flags=re.S | re.M)
 
 
-def _python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+def _blocks(path: Path, lang: str) -> list[tuple[str, bool]]:
+    """``(body, parse_only)`` of each fenced block of ``lang`` in ``path``."""
+    text = path.read_text()
+    out = []
+    for m in FENCE.finditer(text):
+        if m.group(1) != lang:
+            continue
+        before = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
+        out.append((m.group(2), before.startswith(PARSE_ONLY)))
+    return out
+
+
+def _lines(path: Path) -> list[tuple[str, bool]]:
+    """The command lines of the bash blocks (comments stripped, ``\\`` continuations joined), with
+    the block's parse-only flag."""
+    out = []
+    for body, only in _blocks(path, "bash"):
+        for ln in body.replace("\\\n", " ").splitlines():
+            ln = ln.split(" #")[0].strip()
+            if ln and not ln.startswith("#"):
+                out.append((ln, only))
+    return out
+
+
+def _synopsis(line: str) -> bool:
+    """A usage line (``[--step N]``, ``a|b``, ``...``) rather than a command to type."""
+    return bool(re.search(r"[\[\]|]|\.\.\.", line))
+
+
+def _placeholders(args: list[str]) -> list[str]:
+    """``runs/<id>`` -> ``runs/1``, ``RUN``/``PATH``/``N`` -> ``1``: what a user types there."""
+    return ["1" if re.fullmatch(r"[A-Z]+", a) else re.sub(r"<[^>]+>", "1", a) for a in args]
+
+
+@functools.cache
+def _cli() -> argparse.ArgumentParser:
+    from workbench.cli import build_parser
+
+    return build_parser()
+
+
+def _subparser(command: str) -> argparse.ArgumentParser:
+    for action in _cli()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            assert command in action.choices, f"no command `workbench {command}`"
+            return action.choices[command]
+    raise AssertionError("the CLI has no subcommands")
+
+
+@functools.cache
+def _bench_options(script: str) -> str:
+    path = ROOT / script
+    assert path.is_file(), f"{script} does not exist"
+    p = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == 0, f"{script} --help failed: {p.stderr[-500:]}"
+    return p.stdout
+
+
+def _options(args: list[str]) -> list[str]:
+    return [a.split("=")[0] for a in args if a.startswith("--")]
+
+
+def _check_line(line: str, where: str, *, parse_fully: bool) -> list[str] | None:
+    """Check one command; returns the workbench arguments when it is one to run."""
+    args = _placeholders(shlex.split(line))
+    if len(args) < 2:
+        return None
+    if args[0] == "workbench":
+        if parse_fully:
+            try:
+                _cli().parse_args(args[1:])
+            except SystemExit:
+                raise AssertionError(f"{where}: `{line}` does not parse (see the usage line above)") from None
+        else:  # a mention in the prose: the command and its options exist
+            sub = _subparser(args[1])
+            for opt in _options(args[2:]):
+                assert opt in sub._option_string_actions, f"{where}: `workbench {args[1]}` has no option {opt}"
+        key = tuple(a for a in args[1:3] if not a.startswith("-"))
+        if key[:1] in RUN_COMMANDS or key[:2] in RUN_COMMANDS:
+            return args[1:]
+    elif args[0] == "python" and args[1].startswith("bench/") and args[1].endswith(".py"):
+        helptext = _bench_options(args[1])
+        for opt in _options(args[2:]):
+            assert re.search(rf"(^|[\s,]){re.escape(opt)}\b", helptext), f"{where}: {args[1]} has no option {opt}"
+    elif args[0] == "make":
+        targets = re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.M)
+        for t in (a for a in args[1:] if "=" not in a):
+            assert t in targets, f"{where}: the Makefile has no target {t}"
+    elif args[:3] == [".venv/bin/python", "-m", "pytest"]:
+        marks = (ROOT / "pyproject.toml").read_text()
+        rest = args[3:]
+        for k, a in enumerate(rest):
+            if a.endswith(".py") or "::" in a:
+                assert (ROOT / a.split("::")[0]).is_file(), f"{where}: {a} does not exist"
+            if k and rest[k - 1] == "-m":
+                for mark in re.findall(r"\w+", a.replace("not", " ")):
+                    assert f'"{mark}:' in marks, f"{where}: no pytest mark {mark} is declared"
+    return None
+
+
+def _doc_id(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_doc_id)
+def test_every_command_in_the_doc_parses_and_the_quick_ones_run(doc, tmp_path):
+    """The bash blocks: every command parses (or exists, for scripts and make targets); the quick
+    read-only ``workbench`` commands run and exit 0."""
+    to_run = []
+    for line, parse_only in _lines(doc):
+        args = _check_line(line, _doc_id(doc), parse_fully=not _synopsis(line))
+        if args is not None and not parse_only and not _synopsis(line):
+            to_run.append(args)
+    env = dict(os.environ, WORKBENCH_RUNS=str(tmp_path / "runs"), OMP_NUM_THREADS="1")
+    exe = Path(sys.executable).with_name("workbench")
+    for args in to_run:
+        cmd = [str(exe), *args] if exe.exists() else [sys.executable, "-m", "workbench.cli", *args]
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+        assert p.returncode == 0, (f"{_doc_id(doc)}: `workbench {' '.join(args)}` exited {p.returncode} (a command that "
+                                   f"needs your files or takes long: put {PARSE_ONLY} --> on the line before its "
+                                   f"block):\n{p.stderr[-2000:]}")
+
+
+def test_the_readme_shows_the_commands_a_newcomer_needs():
+    lines = [ln for ln, _ in _lines(README)]
+    for needed in ("make demo", "make test", "make lab", ".venv/bin/python -m pytest tests/test_cost.py"):
+        assert any(ln.startswith(needed) for ln in lines), needed
+    assert sum(ln.startswith("workbench ") for ln in lines) >= 8
+    assert len(README.read_text().splitlines()) < 250, "README.md is for a newcomer's ten minutes: move detail to docs/"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_doc_id)
+def test_commands_named_in_the_prose_exist(doc):
+    text = FENCE.sub("", doc.read_text())
+    for code in re.findall(r"`([^`]+)`", text):
+        code = " ".join(code.split())
+        if not re.match(r"(workbench|python bench/\S+\.py)( |$)", code) or _synopsis(code):
+            continue
+        _check_line(code, _doc_id(doc), parse_fully=False)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_doc_id)
+def test_links_and_images_resolve(doc):
+    for target in re.findall(r"\]\(([^)\s]+)\)", FENCE.sub("", doc.read_text())):
+        if re.match(r"[a-z]+://", target):
+            continue
+        file, _, anchor = target.partition("#")
+        path = (doc.parent / file).resolve() if file else doc
+        assert path.exists(), f"{_doc_id(doc)} links to {target}: no such file"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", FENCE.sub("", path.read_text()), flags=re.M)
+            assert anchor in {_slug(h) for h in headings}, f"{_doc_id(doc)} links to {target}: no such heading"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_doc_id)
+def test_python_blocks_compile(doc):
+    for k, (body, _) in enumerate(_blocks(doc, "python")):
+        compile(body, f"{_doc_id(doc)} python block {k + 1}", "exec")
 
 
 @pytest.mark.slow
 def test_readme_python_block_runs(tmp_path):
-    """The block runs as written in a fresh interpreter (as in a new notebook kernel), and leaves
-    that interpreter without torch: training ran as its own process tree."""
-    (block,) = _python_blocks()[:1]
+    """README's block that trains runs as written in a fresh interpreter (as in a new notebook
+    kernel), and leaves that interpreter without torch: training ran as its own process tree."""
+    (block,) = [b for b, _ in _blocks(README, "python") if "prepare_train" in b]
     checks = """
 import sys
 assert plan.planner == "greedy" and plan.lower_bound_ms <= plan.makespan_ms
@@ -37,19 +235,3 @@ print("README-OK", run.path)
                        timeout=300)
     assert p.returncode == 0 and "README-OK" in p.stdout, p.stdout[-2000:] + p.stderr[-4000:]
     assert str(tmp_path / "runs") in p.stdout
-
-
-def test_readme_names_only_existing_commands_and_options():
-    """Every `workbench COMMAND --option` in the README's shell blocks parses."""
-    from workbench.cli import build_parser
-
-    parser = build_parser()
-    text = README.read_text()
-    lines = [ln.split("#")[0].strip() for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S)
-             for ln in block.splitlines()]
-    cmds = [ln for ln in lines if ln.startswith("workbench ")]
-    assert len(cmds) >= 8
-    for ln in cmds:
-        args = [a.replace("<id>", "x").replace("<id-a>", "a").replace("<id-b>", "b").replace("PATH", "p.json")
-                for a in ln.split()[1:]]
-        parser.parse_args(args)  # exits (SystemExit) on an unknown command or option

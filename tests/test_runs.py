@@ -50,6 +50,24 @@ def test_update_status_merges_and_keeps_final_states(tmp_path):
         runs.update_status(r.path, state="exploded")
 
 
+def test_warnings_are_appended_once_and_shown(tmp_path):
+    from conftest import run_cli
+
+    r = runs.new_run("train", {}, root=tmp_path, run_id="w")
+    runs.update_status(r.path, state="running", warnings=["the worker died"])
+    runs.update_status(r.path, warnings=["the worker died"], step=3)  # said again: kept once
+    runs.update_status(r.path, warnings=["disk nearly full"])
+    assert runs.read_status(r.path).warnings == ["the worker died", "disk nearly full"]
+    assert r.summary()["warnings"] == ["the worker died", "disk nearly full"]
+    out = run_cli("runs", "show", "w", "--root", str(tmp_path)).stdout
+    assert "  warning: the worker died\n  warning: disk nearly full\n" in out
+    runs.update_status(r.path, state="starting", reopen=True, warnings=None)  # a new attempt
+    assert runs.read_status(r.path).warnings == []
+    # an older or foreign status with something else there still reads
+    (r.path / runs.STATUS_FILE).write_text(json.dumps({"state": "done", "warnings": "one line"}))
+    assert runs.read_status(r.path).warnings == ["one line"]
+
+
 def _writer(path: str, rank: int, n: int) -> None:
     for k in range(n):
         runs.update_status(path, pids={"ranks": {str(rank): 1000 + rank}}, resolved={f"r{rank}": k})

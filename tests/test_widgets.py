@@ -668,7 +668,9 @@ def test_hardware_panel_profiles_this_machine(tmp_path):
         pytest.skip("this tree has no profiler (workbench.profile.prepare_profile, issue 10)")
     seen = []
     panel.on_profile(seen.append)
-    run = panel.start_profile(nproc=2, model="tiny", quick=True)
+    # the small grid of test_profile_run.py: what the panel does with a profile run does not depend
+    # on how many lengths it measures (the default quick grid takes 4-5x longer)
+    run = panel.start_profile(nproc=2, model="tiny", quick=True, max_len=512, reps=2, warmup=1)
     st = panel.wait(timeout=600)
     assert st.state == "done", run.log_tail(30)
     assert panel.result is not None and panel.profile == panel.result.profile

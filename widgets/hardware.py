@@ -330,9 +330,10 @@ class HardwarePanel(Panel):
 
     def start_profile(self, *, nproc: int = 2, model: str = "tiny", quick: bool = True, name: str | None = None,
                       **options):
-        """Start a profile run of this machine (a torchrun process tree) and follow it. ``options``
-        are further ``ProfileSpec`` fields. Returns the Run. Raises RuntimeError when this version
-        has no profiler."""
+        """Start a profile run of this machine (a torchrun process tree) and follow it; ``options``
+        are further ``prepare_profile`` settings (``max_len``, ``reps``, ``warmup``, ``fingerprint``,
+        ...). Returns the Run. Raises RuntimeError when this version has no profiler, ValueError for
+        a bad setting."""
         prof = _profiler()
         if prof is None:
             raise RuntimeError("this version of the workbench has no profiler (workbench.profile.prepare_profile)")

@@ -378,6 +378,7 @@ class LaunchPanel(Panel):
             elif (st.resolved or {}).get("profile") and self.machine_profile is None:
                 self.profile_note.value = note_html(f"profile {st.resolved['profile']}: measured on this machine",
                                                     "info")
+            bits += [f"warning: {str(w).splitlines()[0]}" for w in st.warnings]
             if lingering and ended is None:
                 bits.append(f"waiting for {len(lingering)} process(es) to exit")
             elif lingering:

@@ -617,6 +617,8 @@ def cmd_runs(args) -> int:
         if st.error:
             rank = f" (rank {st.failing_rank}{', ' + st.signal if st.signal else ''})" if st.failing_rank is not None else ""
             print(f"  error{rank}: {st.error}")
+        for w in st.warnings:
+            print(f"  warning: {w}")
         if s.get("median_measured_ms"):
             pred = f", predicted {s['median_predicted_ms']:,.0f} ms" if s.get("median_predicted_ms") else ""
             loss = f"; last loss {s['loss']:.4f}" if isinstance(s.get("loss"), float) else ""

@@ -136,6 +136,9 @@ class RunStatus:
     resolved: dict = field(default_factory=dict)
     """Settings the run decided at start (world size, device, max context and what it did, ...)."""
     note: str | None = None
+    warnings: list = field(default_factory=list)
+    """One line each: what went wrong without stopping the run (e.g. the plan-ahead worker died and
+    planning went on inline). ``update_status(warnings=[...])`` appends; a new attempt starts empty."""
     extra: dict = field(default_factory=dict)
     """Fields of another version of the workbench, kept as they were."""
 
@@ -165,6 +168,8 @@ class RunStatus:
             st.pids = {}
         if not isinstance(st.exit_codes, dict):
             st.exit_codes = {}
+        if not isinstance(st.warnings, list):
+            st.warnings = [str(st.warnings)] if st.warnings else []
         return st
 
 
@@ -225,7 +230,7 @@ def update_status(run_dir: str | Path, *, reopen: bool = False, **changes: Any) 
 
     ``pids``, ``resolved`` and ``exit_codes`` are merged key by key (one level deep: ranks add
     their own pid to ``pids["ranks"]``); a None value deletes a key, and None for the whole field
-    empties it.
+    empties it. ``warnings`` are appended (a line already there is not repeated); None empties them.
 
     A final state is not overwritten by ``running`` or ``starting`` (a late progress write from a
     dying rank must not revive a stopped run) unless ``reopen`` is True (a new attempt of the
@@ -244,6 +249,11 @@ def update_status(run_dir: str | Path, *, reopen: bool = False, **changes: Any) 
         for k, v in changes.items():
             if k in _MERGED:
                 setattr(st, k, _merge(getattr(st, k), v))
+            elif k == "warnings" and v is not None:
+                have = list(st.warnings)
+                st.warnings = have + [w for w in v if w not in have]
+            elif k == "warnings":
+                st.warnings = []
             else:
                 setattr(st, k, v)
         st.updated = now()
@@ -601,7 +611,7 @@ class Run:
             "profile": (st.resolved or {}).get("profile") or sc.get("profile"),
             "profile_note": (st.resolved or {}).get("profile_note") or None,
             "load_average": self.load_average(),
-            "problems": list(dict.fromkeys(self.problems)),
+            "problems": list(dict.fromkeys(self.problems)), "warnings": list(st.warnings),
         }
         return json_safe(out)
 

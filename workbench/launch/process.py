@@ -108,7 +108,7 @@ def start(run: runs.Run | str | Path, *, nproc: int, module: str = TRAINER_MODUL
         stale.unlink(missing_ok=True)
     runs.update_status(run.path, reopen=True, state="starting", attempt=attempt, started=runs.now(), finished=None,
                        error=None, failing_rank=None, signal=None, exit_code=None, exit_codes=None, log_tail=[],
-                       note=None, pids=None, message="starting torchrun")
+                       note=None, warnings=None, pids=None, message="starting torchrun")
     with open(run.file(runs.LOG_FILE), "ab") as log:
         log.write(f"--- {runs.now()} attempt {attempt}: {' '.join(cmd)}\n".encode())
         log.flush()

@@ -154,21 +154,36 @@ def run_scenario(spec: TrainSpec, world: int, per_node: int, device: torch.devic
 class RankZeroPlanner:
     """Plans batches on rank 0: one step ahead with ``PlanAhead`` when available, else inline.
     ``payload(batch, next_batch)`` returns what is broadcast: ``{"plan": dict, "plan_wait_s"}`` or
-    ``{"error": message}``."""
+    ``{"error": message}``.
 
-    def __init__(self, name: str, cost, *, seed: int, time_limit: float, max_len: int, ahead: bool) -> None:
+    A plan-ahead worker that dies (killed, out of memory, a crash in the solver) costs time, not the
+    run: the planner says so once (``note``: stderr, hence the run's log, and with ``run_dir`` the
+    run's ``status.json``: ``warnings`` and ``resolved.planning``) and plans this batch and every
+    later one inline, with the same planner, seed, time limit and max context, so the plans are the
+    ones the worker would have made. It does not start a new worker: what killed one (the
+    out-of-memory killer, a planner crashing on these batches) would likely kill the next, and a
+    new process would have to be added to the pids a stop must reach while the run is live."""
+
+    def __init__(self, name: str, cost, *, seed: int, time_limit: float, max_len: int, ahead: bool,
+                 run_dir: Path | None = None) -> None:
         self.name, self.cost, self.seed, self.time_limit, self.max_len = name, cost, seed, time_limit, max_len
+        self.run_dir = run_dir
+        self.note: str | None = None
+        """Why planning went inline mid-run (None while it has not)."""
         self._ahead = None
         self.mode = "inline"
         if ahead:
             try:
-                from workbench.solve.ahead import PlanAhead
+                from workbench.solve.ahead import PlanAhead, WorkerDied
             except ImportError:
                 PlanAhead = None
             if PlanAhead is not None:
                 self._ahead = PlanAhead(name, cost, seed=seed, time_limit=time_limit, max_len=max_len)
-                self._ahead.warm_up()  # starts the worker now (its pid is recorded for stops)
                 self.mode = "ahead"
+                try:
+                    self._ahead.warm_up()  # starts the worker now (its pid is recorded for stops)
+                except WorkerDied as e:  # it died while starting
+                    self._go_inline(e, "before the first step")
 
     def _inline(self, batch):
         from workbench.solve import run_planner
@@ -176,15 +191,39 @@ class RankZeroPlanner:
         return run_planner(self.name, np.asarray(batch.lengths, dtype=np.int64), self.cost, seed=self.seed,
                            time_limit=self.time_limit, max_len=self.max_len, batch_id=batch.batch_id)
 
+    def _go_inline(self, why: Exception, when: str) -> None:
+        """The worker died: close what is left of it, say so once, plan inline from now on."""
+        ahead, self._ahead = self._ahead, None
+        self.mode = "inline"
+        try:
+            ahead.close()
+        except Exception:  # noqa: BLE001 - it is dead already
+            pass
+        self.note = (f"{why} {when}; planning the remaining steps inline (planner {self.name}, seed {self.seed}, "
+                     f"time limit {self.time_limit:g}s: the same plans, each step now waits for its own)")
+        _say(f"workbench train: warning: {self.note}")
+        if self.run_dir is not None:
+            try:
+                runs.update_status(self.run_dir, warnings=[self.note],
+                                   resolved={"planning": "inline (the plan-ahead worker died)"})
+            except (OSError, ValueError):
+                pass  # the log has it; the run goes on
+
     def payload(self, batch, next_batch=None) -> dict:
+        from workbench.solve.ahead import WorkerDied
+
         t0 = time.perf_counter()
         try:
+            plan = None
             if self._ahead is not None:
-                self._ahead.submit(batch)  # a no-op when it was submitted as the previous step's next batch
-                if next_batch is not None:
-                    self._ahead.submit(next_batch)  # planned while this step trains
-                plan = self._ahead.get(batch)
-            else:
+                try:
+                    self._ahead.submit(batch)  # a no-op when it was submitted as the previous step's next batch
+                    if next_batch is not None:
+                        self._ahead.submit(next_batch)  # planned while this step trains
+                    plan = self._ahead.get(batch)
+                except WorkerDied as e:
+                    self._go_inline(e, f"before step {batch.step + 1}")
+            if plan is None:
                 plan = self._inline(batch)
         except Exception as e:  # noqa: BLE001 - any planning failure stops every rank the same way
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -412,7 +451,7 @@ class Trainer:
         planner = None
         if self.rank == 0:
             planner = RankZeroPlanner(sc.planner, self.plan_cost, seed=sc.seed, time_limit=sc.time_limit,
-                                      max_len=self.max_len, ahead=spec.plan_ahead)
+                                      max_len=self.max_len, ahead=spec.plan_ahead, run_dir=self.run_dir)
             if planner.worker_pids():  # the plan-ahead worker and its helpers: a stop must reach them too
                 runs.update_status(self.run_dir, pids={"workers": planner.worker_pids(),
                                                        **{k: v for p in planner.worker_pids()

@@ -16,9 +16,12 @@ or, for a loop over batches, ``for batch, plan in plan_ahead(sampler, "greedy", 
 
 Planning runs in one worker process started with the ``spawn`` method (no fork of a process with
 threads, CUDA or a running OR-Tools solver), so neither the GIL nor the solver's threads stall the
-training loop. The cost model is sent once when the worker starts; each task sends only the
-lengths. ``planner`` is a registered name (``run_planner``) or an importable ``"module:function"``
-with the planner signature ``(lengths, cost, opts) -> Plan``.
+training loop. When that process dies (killed, out of memory, a crash in native code), ``submit``,
+``get`` and ``warm_up`` raise ``WorkerDied``, saying how it ended; the batches it held are lost, and
+a caller that wants to go on plans them itself (the trainer does: ``runtime.train.RankZeroPlanner``).
+The cost model is sent once when the worker starts; each task sends only the lengths. ``planner``
+is a registered name (``run_planner``) or an importable ``"module:function"`` with the planner
+signature ``(lengths, cost, opts) -> Plan``.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ import numpy as np
 from workbench.cost import CostModel
 from workbench.solve.plan import Plan
 
-__all__ = ["PlanAhead", "PlanMismatchError", "UnknownBatchError", "check_pairing", "plan_ahead", "plan_lengths",
-           "resolve_planner"]
+__all__ = ["PlanAhead", "PlanMismatchError", "UnknownBatchError", "WorkerDied", "check_pairing", "plan_ahead",
+           "plan_lengths", "resolve_planner"]
 
 
 class UnknownBatchError(KeyError):
@@ -50,6 +53,11 @@ class UnknownBatchError(KeyError):
 
 class PlanMismatchError(ValueError):
     """A plan or a request does not match the batch it is paired with."""
+
+
+class WorkerDied(RuntimeError):
+    """The planning worker process has died; this PlanAhead cannot plan any more (its message says
+    how the worker ended, e.g. ``killed by SIGKILL``)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -229,6 +237,7 @@ class PlanAhead:
             initargs=(pickle.dumps(cost), self.planner, self._cancel, os.getpid()))
         self._pending: dict[Any, tuple[np.ndarray, Any]] = {}
         self._done: deque = deque(maxlen=64)  # ids already handed out, for a clearer error
+        self._procs: dict[int, Any] = {}  # the worker processes started, kept to say how one ended
 
     # ---- context manager ----------------------------------------------------------------------
     def __enter__(self) -> "PlanAhead":
@@ -262,9 +271,43 @@ class PlanAhead:
                 return bid
             raise PlanMismatchError(f"batch {bid!r} was already submitted with other lengths; batch ids must be "
                                     f"unique")
-        fut = self._pool.submit(_worker_plan, bid, lens, self.seed, self.time_limit, self.max_len)
+        fut = self._submit(_worker_plan, bid, lens, self.seed, self.time_limit, self.max_len)
         self._pending[bid] = (lens, fut)
         return bid
+
+    def _submit(self, fn, *args):
+        try:
+            fut = self._pool.submit(fn, *args)
+        except BrokenProcessPool:  # it died between two tasks
+            raise WorkerDied(self._died("before this batch was submitted")) from None
+        self._procs.update(getattr(self._pool, "_processes", None) or {})
+        return fut
+
+    def _died(self, when: str) -> str:
+        """One line: the worker died, how it ended (pid, signal or exit status) and ``when``."""
+        import signal
+        import time
+
+        how = []
+        for pid, proc in self._procs.items():
+            code = proc.exitcode
+            # the pool's own thread may be reaping it right now (our poll then sees no child): its
+            # exit status is there a moment later
+            for _ in range(40):
+                if code is not None:
+                    break
+                time.sleep(0.025)
+                code = proc.exitcode
+            if code is None:
+                continue
+            if code < 0:
+                try:
+                    how.append(f"pid {pid} killed by {signal.Signals(-code).name}")
+                except ValueError:
+                    how.append(f"pid {pid} killed by signal {-code}")
+            else:
+                how.append(f"pid {pid} exited with status {code}")
+        return f"the planning worker process died {when} ({'; '.join(how) or 'how it ended is unknown'})"
 
     def ready(self, batch) -> bool:
         """Whether the plan for ``batch`` (a batch or its id) is finished (or failed)."""
@@ -293,10 +336,12 @@ class PlanAhead:
             raise TimeoutError(f"the plan for batch {bid!r} was not ready within {timeout} s")
         try:
             plan = fut.result()
-        except (BrokenProcessPool, CancelledError) as e:
+        except BrokenProcessPool:
             del self._pending[bid]
-            raise RuntimeError(f"the planning worker died while planning batch {bid!r} ({e}); create a new "
-                               f"PlanAhead") from None
+            raise WorkerDied(self._died(f"while batch {bid!r} was queued or being planned")) from None
+        except CancelledError:
+            del self._pending[bid]
+            raise RuntimeError(f"planning batch {bid!r} was cancelled (the PlanAhead is closing)") from None
         except Exception as e:
             del self._pending[bid]
             self._done.append(bid)
@@ -321,7 +366,10 @@ class PlanAhead:
         submitting: it waits behind any batch already queued."""
         if self._pool is None:
             raise RuntimeError("PlanAhead is closed")
-        self._pool.submit(_worker_ping).result(timeout=timeout)
+        try:
+            self._submit(_worker_ping).result(timeout=timeout)
+        except BrokenProcessPool:
+            raise WorkerDied(self._died("while starting")) from None
 
     def worker_pids(self) -> list[int]:
         """Pids of the worker process (once started: see :meth:`warm_up`) and of multiprocessing's

@@ -44,6 +44,8 @@ rank-slots are at most ``N * M`` (``2 * N * M``). Every pass is at least
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 __all__ = ["packing_bound_ms", "lockstep_packing_bound_ms", "step_bound_ms"]
@@ -79,32 +81,7 @@ def packing_bound_ms(lengths, cost, upper_ms: float | None = None) -> float:
     # no plan is faster than its slowest sequence alone on its fastest allowed degree
     alone = float(np.where(allowed, t + over[:, None], np.inf).min(axis=0).max())
     T = lp.NumVar(alone, inf, "T")
-    y = [lp.NumVar(0.0, inf, f"y{e}") for e in range(len(degs))]
-    x: dict = {}
-    for j in range(u.size):
-        row = []
-        for e in range(len(degs)):
-            if allowed[e, j]:
-                v = lp.NumVar(0.0, float(cnt[j]), f"x{j}_{e}")
-                x[j, e] = v
-                row.append(v)
-        lp.Add(lp.Sum(row) == float(cnt[j]))
-    work = []
-    for e, d in enumerate(degs):
-        js = [j for j in range(u.size) if (j, e) in x]
-        if not js:
-            continue
-        f = mem[e, js] / B
-        lp.Add(lp.Sum([x[j, e] * float(mem[e, j]) for j in js]) <= B * y[e])
-        half = [x[j, e] for j, fj in zip(js, f) if fj > 0.5 * (1 + 1e-12)]
-        if half:
-            lp.Add(lp.Sum(half) <= y[e])
-        third = [x[j, e] * (2.0 if fj > (2 / 3) * (1 + 1e-12) else 1.0) for j, fj in zip(js, f)
-                 if fj > (1 / 3) * (1 + 1e-12)]
-        if third:
-            lp.Add(lp.Sum(third) <= 2 * y[e])
-        work.append(y[e] * float(d * over[e]))
-        work.extend(x[j, e] * float(d * t[e, j]) for j in js)
+    work = _groups_lp(lp, u, cnt, allowed, degs, t, mem, over, B).work
     lp.Add(lp.Sum(work) <= n * T)
     lp.Minimize(T)
     status = lp.Solve()
@@ -154,37 +131,8 @@ def lockstep_packing_bound_ms(lengths, cost, upper_ms: float | None = None, *, m
     T = lp.NumVar(0.0, inf, "T")
     M = lp.NumVar(m_min, inf, "M")
     lam = lp.NumVar(0.0, inf, "Lam")
-    y = [lp.NumVar(0.0, inf, f"y{e}") for e in range(len(degs))]
-    x: dict = {}
-    for j in range(u.size):
-        row = []
-        for e in range(len(degs)):
-            if allowed[e, j]:
-                v = lp.NumVar(0.0, float(cnt[j]), f"x{j}_{e}")
-                x[j, e] = v
-                row.append(v)
-        lp.Add(lp.Sum(row) == float(cnt[j]))
-    work = []
-    slots = []
-    big_half, big_third = [], []  # rank-pass slots of sequences over half / a third of a rank's budget
-    for e, d in enumerate(degs):
-        js = [j for j in range(u.size) if (j, e) in x]
-        if not js:
-            continue
-        f = mem[e, js] / B
-        lp.Add(lp.Sum([x[j, e] * float(mem[e, j]) for j in js]) <= B * y[e])
-        half = [x[j, e] for j, fj in zip(js, f) if fj > 0.5 * (1 + 1e-12)]
-        if half:
-            lp.Add(lp.Sum(half) <= y[e])
-            big_half.extend(v * float(d) for v in half)
-        third = [x[j, e] * (2.0 if fj > (2 / 3) * (1 + 1e-12) else 1.0) for j, fj in zip(js, f)
-                 if fj > (1 / 3) * (1 + 1e-12)]
-        if third:
-            lp.Add(lp.Sum(third) <= 2 * y[e])
-            big_third.extend(v * float(d) for v in third)
-        work.append(y[e] * float(d * extra[e]))
-        work.extend(x[j, e] * float(d * t[e, j]) for j in js)
-        slots.append(y[e] * float(d))
+    groups = _groups_lp(lp, u, cnt, allowed, degs, t, mem, extra, B)
+    work, slots, big_half, big_third = groups.work, groups.slots, groups.big_half, groups.big_third
     # a rank holds, in one pass, at most one sequence share over half its budget (and at most two
     # "units", a share over two thirds weighing 2, one over a third 1), whatever groups it serves
     if big_half:
@@ -205,6 +153,56 @@ def lockstep_packing_bound_ms(lengths, cost, upper_ms: float | None = None, *, m
     if lp.Solve() != pywraplp.Solver.OPTIMAL:
         return end  # claim nothing
     return max(0.0, float(T.solution_value()) * (1 - 1e-7)) + end
+
+
+@dataclass
+class _GroupsLP:
+    """The part of the packing programmes both executions share (module docstring): what it adds
+    to the GPU-time, the group slots, and the rank-slots of sequences over half / a third of the budget."""
+
+    work: list
+    slots: list
+    big_half: list
+    big_third: list
+
+
+def _groups_lp(lp, u, cnt, allowed, degs, t, mem, per_group, B) -> _GroupsLP:
+    """Add to ``lp`` the shares ``x[j, d]`` of the sequences of each length ``u[j]`` (``cnt[j]`` of
+    them) run at each allowed degree, the group counts ``y[d]``, each degree's memory within its
+    groups' budget and the bin-packing cuts per group (at most one share over half a group's memory,
+    two "units" over a third). ``per_group[e]`` is what a group of degree ``degs[e]`` costs each of
+    its ranks beyond its sequences."""
+    inf = lp.infinity()
+    y = [lp.NumVar(0.0, inf, f"y{e}") for e in range(len(degs))]
+    x: dict = {}
+    for j in range(u.size):
+        row = []
+        for e in range(len(degs)):
+            if allowed[e, j]:
+                v = lp.NumVar(0.0, float(cnt[j]), f"x{j}_{e}")
+                x[j, e] = v
+                row.append(v)
+        lp.Add(lp.Sum(row) == float(cnt[j]))
+    out = _GroupsLP([], [], [], [])
+    for e, d in enumerate(degs):
+        js = [j for j in range(u.size) if (j, e) in x]
+        if not js:
+            continue
+        f = mem[e, js] / B
+        lp.Add(lp.Sum([x[j, e] * float(mem[e, j]) for j in js]) <= B * y[e])
+        half = [x[j, e] for j, fj in zip(js, f) if fj > 0.5 * (1 + 1e-12)]
+        if half:
+            lp.Add(lp.Sum(half) <= y[e])
+            out.big_half.extend(v * float(d) for v in half)
+        third = [x[j, e] * (2.0 if fj > (2 / 3) * (1 + 1e-12) else 1.0) for j, fj in zip(js, f)
+                 if fj > (1 / 3) * (1 + 1e-12)]
+        if third:
+            lp.Add(lp.Sum(third) <= 2 * y[e])
+            out.big_third.extend(v * float(d) for v in third)
+        out.work.append(y[e] * float(d * per_group[e]))
+        out.work.extend(x[j, e] * float(d * t[e, j]) for j in js)
+        out.slots.append(y[e] * float(d))
+    return out
 
 
 def step_bound_ms(lengths, cost, plans=()) -> float:

@@ -139,8 +139,8 @@ class Passes:
 
     @classmethod
     def from_passes(cls, tab, cost: CostModel, passes, *, multi: bool) -> "Passes":
-        """From ``[[(e, members), ...] per pass]`` (single-group passes: placed on the lowest free
-        aligned blocks, larger degrees first) or ``[[(e, b, members), ...] per pass]`` (blocks given)."""
+        """From a list of passes, each either ``[(e, members), ...]`` (single-group: placed on the lowest
+        free aligned blocks, larger degrees first) or ``[(e, b, members), ...]`` (blocks given)."""
         ps = cls(tab, cost, multi=multi)
         for groups in passes:
             groups = [g for g in groups if len(g[-1])]
@@ -630,7 +630,7 @@ def _resplit_pair(ps: "Passes", cost: CostModel, p: int, q: int, deadline: float
         return None
     rebuilt = [[(ps.g_e[g], ps.g_b[g], list(ps.g_members[g])) for g in ps.groups(r)] for r in ps.passes()
                if r not in (p, q)]
-    return _rebuild(tab, cost, rebuilt + [list(h) for h in best], multi=ps.multi)
+    return Passes.from_passes(tab, cost, rebuilt + [list(h) for h in best], multi=ps.multi)
 
 
 def _pair_search(ps: "Passes", cost: CostModel, deadline: float, cancel=None) -> tuple["Passes", int]:
@@ -863,7 +863,7 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
             if r is not None and r.makespan_ms < ps.pass_len(p) * (1 - 1e-9):
                 rebuilt = [[(ps.g_e[g], ps.g_b[g], list(ps.g_members[g])) for g in ps.groups(q)] if q != p
                            else [(e_of[d], list(m)) for d, m in r.groups] for q in ps.passes()]
-                ps = _rebuild(tab, cost, rebuilt, multi=False)
+                ps = Passes.from_passes(tab, cost, rebuilt, multi=False)
                 improved = True
                 order = sorted(ps.passes(), key=lambda q: -ps.pass_len(q))
         if improved and ps.step_ms() < best.ms * (1 - 1e-12):
@@ -907,23 +907,3 @@ def _replace(p: Plan, **kw) -> Plan:
     import dataclasses
 
     return dataclasses.replace(p, **kw)
-
-
-def _rebuild(tab, cost, passes, *, multi: bool) -> Passes:
-    """Passes from a mix of placed groups ``(e, b, members)`` and unplaced ones ``(e, members)`` per
-    pass (a pass is either)."""
-    ps = Passes(tab, cost, multi=multi)
-    for groups in passes:
-        groups = [g for g in groups if len(g[-1])]
-        if not groups:
-            continue
-        if len(groups[0]) == 3:
-            p = ps.new_pass()
-            for e, b, m in groups:
-                ps.add_group(p, e, b, m)
-        else:
-            sub = Passes.from_passes(tab, cost, [groups], multi=multi)
-            p = ps.new_pass()
-            for g in sub.groups():
-                ps.add_group(p, sub.g_e[g], sub.g_b[g], sub.g_members[g])
-    return ps

@@ -1,0 +1,97 @@
+"""``make test``'s parallel scheme (``_xdist_heavy.py``), checked on a small suite of its own run by a
+real ``pytest -n 2``: every heavy (``slow`` or ``serial``) test on one worker, never two at once,
+started first;
+the fast tests beside them, each module on one worker (its module fixture built once)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+MODULE = textwrap.dedent("""
+    import json, os, time
+    import pytest
+
+    def record(name, t0, t1):
+        with open(os.environ["RECORD"], "a") as f:
+            f.write(json.dumps({"name": name, "worker": os.environ.get("PYTEST_XDIST_WORKER"), "t0": t0, "t1": t1}) + "\\n")
+
+    @pytest.fixture(scope="module")
+    def built_once():
+        record(__name__ + ":fixture", time.time(), time.time())
+
+    @pytest.mark.parametrize("i", range(4))
+    def test_fast(i, built_once):
+        t0 = time.time(); time.sleep(0.1); record(f"{__name__}:fast{i}", t0, time.time())
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("i", range(2))
+    def test_heavy(i):
+        t0 = time.time(); time.sleep(0.3); record(f"{__name__}:heavy{i}", t0, time.time())
+
+    @pytest.mark.serial
+    def test_serial():
+        t0 = time.time(); time.sleep(0.1); record(f"{__name__}:heavy_serial", t0, time.time())
+""")
+
+
+def _suite(root: Path) -> None:
+    (root / "tests").mkdir()
+    (root / "pyproject.toml").write_text('[tool.pytest.ini_options]\ntestpaths = ["tests"]\n'
+                                         'markers = ["slow: heavy", "serial: cores"]\n')
+    (root / "tests" / "conftest.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(TESTS)!r})\n"
+        "from _xdist_heavy import (pytest_collection_modifyitems, pytest_configure, pytest_configure_node,  # noqa\n"
+        "                          pytest_unconfigure, pytest_xdist_make_scheduler)\n")
+    for name in ("test_a", "test_b", "test_c"):
+        (root / "tests" / f"{name}.py").write_text(MODULE)
+
+
+def _run(root: Path, *args: str) -> list[dict]:
+    record = root / "record.jsonl"
+    record.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # not this run's xdist worker
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=root,
+                       capture_output=True, text=True, timeout=120, env={**env, "RECORD": str(record)})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return [json.loads(x) for x in record.read_text().splitlines()]
+
+
+def test_heavy_tests_run_on_one_worker_one_at_a_time_and_first(tmp_path):
+    pytest.importorskip("xdist")
+    _suite(tmp_path)
+    rows = _run(tmp_path, "-n", "2")
+    heavy = sorted((r for r in rows if ":heavy" in r["name"]), key=lambda r: r["t0"])
+    fast = [r for r in rows if ":fast" in r["name"]]
+    assert len(heavy) == 9 and len(fast) == 12  # 2 slow and 1 serial test per module
+    assert len({r["worker"] for r in heavy}) == 1, heavy
+    for a, b in zip(heavy, heavy[1:]):
+        assert b["t0"] >= a["t1"], f"{a['name']} and {b['name']} overlapped"
+    worker = heavy[0]["worker"]
+    first = min((r for r in rows if r["worker"] == worker and ":fixture" not in r["name"]), key=lambda r: r["t0"])
+    assert ":heavy" in first["name"], "the heavy worker starts with the heavy tests"
+    # the other worker ran fast tests while the heavy ones ran
+    assert any(r["worker"] != worker and r["t0"] < heavy[-1]["t1"] for r in fast)
+    # a module's fast tests on one worker: its module fixture built once
+    fixtures = defaultdict(int)
+    for r in rows:
+        if ":fixture" in r["name"]:
+            fixtures[r["name"]] += 1
+    assert dict(fixtures) == {f"{m}:fixture": 1 for m in ("test_a", "test_b", "test_c")}
+
+
+def test_without_xdist_nothing_changes(tmp_path):
+    _suite(tmp_path)
+    rows = _run(tmp_path, "-p", "no:xdist")
+    names = [r["name"] for r in sorted(rows, key=lambda r: r["t0"]) if ":fixture" not in r["name"]]
+    assert names == [f"{m}:{k}" for m in ("test_a", "test_b", "test_c")
+                     for k in ("fast0", "fast1", "fast2", "fast3", "heavy0", "heavy1", "heavy_serial")]
