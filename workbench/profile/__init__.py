@@ -11,7 +11,8 @@ torchrun process tree, never inside a notebook kernel::
 
 Layout: ``fit`` (least squares, residuals, held-out error: pure numpy), ``result`` (measurements
 -> HardwareProfile + evidence: pure), ``fidelity`` (a profile against a training run's metrics:
-pure), ``measure`` (the torch side, run by the ranks), ``command`` (``workbench profile``).
+pure), ``machine`` (this machine's fingerprint, its cached quick profile, the note for another
+machine's: pure), ``measure`` (the torch side, run by the ranks), ``command`` (``workbench profile``).
 The shipped reference profiles live in ``reference/``. Importing this package never imports torch.
 """
 

@@ -9,19 +9,25 @@ ranks that share a machine contend as they do in training):
 1. **compute**: for each pack of the grid, forward (model + loss) and backward of the runtime's own
    model and attention backend, ``warmup`` untimed runs then ``reps`` timed ones, each after a
    barrier; CUDA events on GPU, ``time.perf_counter`` around synchronised work elsewhere. The
-   whole model (embedding, blocks, head, loss) is timed and divided by ``layers``, so the per-layer
-   curves times ``layers`` give what a training step pays. Per rank the trimmed median; the agreed
-   figure is the median over ranks (every rank's is kept).
+   whole model (embedding, blocks, head, loss) is timed and divided by ``layers``; the head alone
+   (embedding, final norm, head and loss) is timed too, at three lengths, so the fit can take its
+   per-token part out of the blocks' curves. Per rank the trimmed median; the agreed figure is the
+   median over ranks (every rank's is kept).
 2. **collectives**: for every group size, the Ulysses all-to-all (``all_to_all_single`` on every
    aligned block at once, as concurrent SP groups run it), ``collective_inner`` calls back to back
    per repetition, at several message sizes so latency and bandwidth can both be fitted; the
-   all-reduce of the whole world (gradient sync); point-to-point ring steps inside each block
+   all-reduce of the whole world (gradient sync); FSDP's all-gather and reduce-scatter over the
+   world, also at the sizes of the model's FSDP units; point-to-point ring steps inside each block
    (ring attention). Agreed over ranks the same way.
 3. **SP groups**: one micro-step of the runtime's own sequence-parallel path (slices, Ulysses
    all-to-alls around the varlen attention, forward and backward) for every group size and a few
-   packs, all blocks at once, sampled in the same rounds as the compute packs (the same load);
-   what it costs beyond the compute and collective fits is the profile's per-degree
-   ``sp_overhead_ms``.
+   packs, all blocks at once; what it costs beyond the compute and collective fits is the
+   profile's per-degree ``sp_overhead_ms``.
+   **Real steps**: the StepExecutor runs small plans (``default_step_cases``) under ZeRO-3 (FSDP2,
+   lockstep passes, idle ranks in empty passes) and ZeRO-0 (free micro-steps), each followed by an
+   optimizer step timed apart: a micro-step's and a pass's fixed costs, the pass's compute factor,
+   the optimizer per parameter. SP micro-steps and real steps are sampled in the same rounds as the
+   compute packs (the same load).
 4. **memory**: on CUDA the peak allocated bytes of a forward at two lengths (their difference per
    token: activations) and the allocated bytes of parameters, gradients and AdamW states (model
    states); on CPU the same figures computed from the model (bytes of the tensors autograd saves,
