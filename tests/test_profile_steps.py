@@ -417,3 +417,19 @@ def test_check_counts_the_plan_ahead_solver_on_the_ranks_cores(tmp_path):
     # with a core to spare, or planning inline, the solver takes nothing from the ranks
     runs.update_status(run.path, resolved={"local_world_size": 1})
     assert check_fidelity(prof, run.path)["steps"][0]["planner_cpu_ms"] == 0.0
+
+
+def test_a_cpu_run_without_a_profile_plans_with_this_machines_cached_one(tmp_path):
+    from workbench.profile.machine import machine_fingerprint
+    from workbench.training import prepare_train
+
+    settings = {"steps": 1, "nproc": 2, "device": "cpu", "max_len": 256, "batch_tokens": 1024}
+    _, spec, _ = prepare_train(settings, root=tmp_path, check_only=True)
+    assert spec.scenario.profile == "cpu-gloo-tiny" and not runs.list_runs(tmp_path)  # none cached; nothing written
+    cached = _cached(tmp_path, machine_fingerprint(2))
+    _, spec, _ = prepare_train(settings, root=tmp_path, check_only=True)
+    assert spec.scenario.profile == str(cached.file(runs.PROFILE_FILE))
+    _, spec, _ = prepare_train({**settings, "nproc": 1}, root=tmp_path, check_only=True)
+    assert spec.scenario.profile == "cpu-gloo-tiny"  # another process count: not this one's
+    _, spec, _ = prepare_train({**settings, "profile": "cpu-gloo-tiny"}, root=tmp_path, check_only=True)
+    assert spec.scenario.profile == "cpu-gloo-tiny"  # a profile named is the profile used

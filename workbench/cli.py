@@ -375,7 +375,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--planner", default=None, help="planner (default greedy)")
     g.add_argument("--time-limit", type=positive_float, default=None, metavar="S", help="planner time limit per step")
     g.add_argument("--profile", default=None, metavar="NAME|PATH",
-                   help="profile for the cost model (default cpu-gloo-tiny on CPU, a100-40g-flexsp on CUDA)")
+                   help="profile for the cost model (default on CPU: this machine's quick profile for the "
+                        "processes, when the run store holds one, else cpu-gloo-tiny; a100-40g-flexsp on CUDA)")
     g.add_argument("--gpu-memory", dest="gpu_memory_gb", type=positive_float, default=None, metavar="GB",
                    help="memory per device for the cost model (default: the profile's)")
     g.add_argument("--attention", default=None, choices=ATTENTION, help="attention backend (default auto)")
