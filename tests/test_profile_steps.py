@@ -413,6 +413,12 @@ def test_check_counts_the_plan_ahead_solver_on_the_ranks_cores(tmp_path):
     st = out["steps"][0]
     assert st["step"] == 1 and st["planner_cpu_ms"] == pytest.approx(80 / 2)  # 80 ms of solving over 2 cores
     assert st["predicted_ms"] == pytest.approx(base + 40)
+    # spread over the step's passes in proportion: every pass stretched by 1 + 40 / (the passes' sum)
+    before = check_fidelity(prof, _lockstep_run(tmp_path / "c").path)["passes"]
+    stretch = 1 + 40 / sum(p["predicted_ms"] for p in before if p["step"] == 1)
+    after = [p for p in out["passes"] if p["step"] == 1]
+    assert [p["predicted_ms"] for p in after] == pytest.approx([stretch * p["predicted_ms"] for p in before
+                                                                if p["step"] == 1])
     assert any("plan-ahead worker" in n for n in out["notes"])
     # with a core to spare, or planning inline, the solver takes nothing from the ranks
     runs.update_status(run.path, resolved={"local_world_size": 1})

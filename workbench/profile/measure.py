@@ -549,7 +549,9 @@ class _StepCases:
             def once(ex=ex, opt=opt, plan=plan, seqs=seqs) -> list[float]:
                 res = ex.run(plan, seqs)
                 t0 = time.perf_counter()
+                # the step's end as the trainer runs it: the update, the model states it records, zeroed grads
                 opt.step()
+                ex.zero.state_bytes()
                 opt.zero_grad(set_to_none=True)
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
