@@ -214,7 +214,8 @@ class LaunchPanel(Panel):
             if small:
                 taken["model"] = sc.model
             kept = {"max_len": min(int(self.w_max_len.value), CPU_MAX_LEN),
-                    "batch_tokens": int(self.w_batch.value), "profile": "cpu-gloo-tiny",
+                    "batch_tokens": int(self.w_batch.value),
+                    "profile": "this machine's quick profile (measured at the first launch, then reused)",
                     "GPUs": f"{int(self.w_nproc.value)} CPU processes instead of {sc.num_gpus} GPUs"}
             if not small:
                 kept = {"model": self.w_model.value, **kept}
