@@ -10,6 +10,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # Extra pip arguments for torch, e.g. TORCH_PIP_ARGS="--index-url <your CPU wheel index>".
+# FLASH_ATTN_BUILD=1 builds flash-attn from source where no prebuilt wheel matches (long; needs nvcc).
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
 # pytest-xdist workers: "auto" is one per physical core; TEST_WORKERS=0 runs the tests in this process
@@ -18,25 +19,22 @@ LAB_PORT ?= 8888
 
 .PHONY: demo test install bench lint clean lab
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile workbench/installer.py
 	$(PY) -m venv $(VENV)
 	@# torch first, pinned: where no CUDA is present the CPU build (found offline through pip's
-	@# find-links here); where CUDA is present the default build plus the gpu extra (flash-attn).
-	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-	  echo "CUDA found: installing torch==2.13.0 and the gpu extra"; \
-	  $(BIN)/pip install $(TORCH_PIP_ARGS) torch==2.13.0 && \
-	  $(BIN)/pip install -e '.[dev]' && \
-	  ($(BIN)/pip install --no-build-isolation -e '.[gpu]' || echo "flash-attn did not install: the PyTorch attention path will be used"); \
-	else \
-	  echo "no CUDA: installing the CPU build of torch==2.13.0"; \
-	  $(BIN)/pip install $(TORCH_PIP_ARGS) torch==2.13.0 && \
-	  $(BIN)/pip install -e '.[dev]'; \
-	fi
+	@# find-links here); where nvidia-smi lists a GPU the index's CUDA build (checked after install)
+	$(BIN)/python workbench/installer.py torch $(TORCH_PIP_ARGS)
+	$(BIN)/pip install -e '.[dev]'
+	@# flash-attn on CUDA machines only: its prebuilt wheel for this torch/CUDA/Python when the release
+	@# has one, else one line saying the PyTorch attention path is used (FLASH_ATTN_BUILD=1: build it)
+	-$(BIN)/python workbench/installer.py flash-attn
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# the doctor's summary first: what this machine can do (a failing line does not stop the demo)
 demo: $(STAMP)
+	-$(BIN)/workbench doctor
 	$(BIN)/workbench demo
 
 # the run store is the project's runs/ whatever folder the notebooks run in; the token stays on

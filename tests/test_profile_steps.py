@@ -430,12 +430,12 @@ def test_a_cpu_run_without_a_profile_plans_with_this_machines_cached_one(tmp_pat
     from workbench.training import prepare_train
 
     settings = {"steps": 1, "nproc": 2, "device": "cpu", "max_len": 256, "batch_tokens": 1024}
-    _, spec, _ = prepare_train(settings, root=tmp_path, check_only=True)
+    _, spec, _ = prepare_train(settings, root=tmp_path, dry_run=True)
     assert spec.scenario.profile == "cpu-gloo-tiny" and not runs.list_runs(tmp_path)  # none cached; nothing written
     cached = _cached(tmp_path, machine_fingerprint(2))
-    _, spec, _ = prepare_train(settings, root=tmp_path, check_only=True)
+    _, spec, _ = prepare_train(settings, root=tmp_path, dry_run=True)
     assert spec.scenario.profile == str(cached.file(runs.PROFILE_FILE))
-    _, spec, _ = prepare_train({**settings, "nproc": 1}, root=tmp_path, check_only=True)
+    _, spec, _ = prepare_train({**settings, "nproc": 1}, root=tmp_path, dry_run=True)
     assert spec.scenario.profile == "cpu-gloo-tiny"  # another process count: not this one's
-    _, spec, _ = prepare_train({**settings, "profile": "cpu-gloo-tiny"}, root=tmp_path, check_only=True)
+    _, spec, _ = prepare_train({**settings, "profile": "cpu-gloo-tiny"}, root=tmp_path, dry_run=True)
     assert spec.scenario.profile == "cpu-gloo-tiny"  # a profile named is the profile used

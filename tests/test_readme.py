@@ -113,6 +113,8 @@ def _options(args: list[str]) -> list[str]:
 def _check_line(line: str, where: str, *, parse_fully: bool) -> list[str] | None:
     """Check one command; returns the workbench arguments when it is one to run."""
     args = _placeholders(shlex.split(line))
+    if ">" in args:  # `workbench train ... --emit slurm > job.sbatch`: the command is what comes before
+        args = args[:args.index(">")]
     if len(args) < 2:
         return None
     if args[0] == "workbench":

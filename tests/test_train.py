@@ -184,7 +184,8 @@ def test_loopback_torchrun_arguments(tmp_path):
     assert one[one.index("--rdzv-endpoint") + 1].startswith("127.0.0.1:")
     two = torchrun_args(tmp_path, nproc=2, nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.5:29400", rdzv_id="x",
                         module="m", module_args=[], attempt=1)
-    assert two[two.index("--rdzv-backend") + 1] == "c10d" and two[two.index("--rdzv-endpoint") + 1] == "10.0.0.5:29400"
+    # several nodes: torchrun's static rendezvous, so node k is the node rank it was given (tests/test_multinode.py)
+    assert two[two.index("--rdzv-backend") + 1] == "static" and two[two.index("--rdzv-endpoint") + 1] == "10.0.0.5:29400"
 
 
 def test_resource_checks():

@@ -632,6 +632,7 @@ def test_driving_the_panels_never_imports_torch_into_the_kernel(tmp_path):
         while wb.launch.refresh().step < 1:
             time.sleep(0.3)
         st = wb.launch.stop()
+        wb.launch.cluster_script("slurm", nnodes=2, run_root={str(tmp_path / "shared")!r})
         print("STATE", st.state)
         print("TORCH", "torch" in sys.modules)
     """)
@@ -688,3 +689,72 @@ def test_hardware_panel_profiles_this_machine(tmp_path):
     time.sleep(3)
     st = panel.stop()
     assert st.state == "stopped" and not run_alive(runs.load_run(other.path).status())
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU and clusters: the Doctor section, the Launch panel's cluster script
+# ------------------------------------------------------------------------------------------------
+
+
+def test_hardware_panel_doctor_section_shows_what_this_machine_can_do(tmp_path):
+    """The Doctor section runs ``workbench doctor`` as a process and shows its lines; checked against
+    this machine's facts read here (Python's and torch's versions, no NVIDIA GPU on the test VM)."""
+    import importlib.metadata
+    import platform
+
+    from widgets import HardwarePanel
+    from workbench.training import cuda_visible
+
+    panel = HardwarePanel(root=tmp_path)
+    report = panel.run_doctor(quick=True)
+    rows = panel.doctor_rows()
+    by = {r["name"]: r for r in rows}
+    assert [r["name"] for r in rows] == [c["name"] for c in report["checks"]]
+    assert {r["status"] for r in rows} <= {"ok", "warn", "fail", "skip"}
+    assert report["counts"] == {s: sum(r["status"] == s for r in rows) for s in ("ok", "warn", "fail", "skip")}
+    assert by["python"]["status"] == "ok" and platform.python_version() in by["python"]["detail"]
+    assert importlib.metadata.version("torch") in by["torch"]["detail"]
+    assert by["training step"]["status"] in ("ok", "warn") and "left out" in by["training step"]["detail"]
+    if not cuda_visible():  # a CPU machine says which lines were skipped and why
+        for name in ("gpus", "nccl", "flash-attn", "topology"):
+            assert by[name]["status"] == "skip" and by[name]["detail"], by[name]
+    # what is shown is what the report says
+    for r in rows:
+        assert r["name"] in panel.doctor_section.table.value
+    assert report["summary"] in panel.doctor_section.status.value
+
+
+def test_launch_panel_cluster_script_runs_the_panels_settings_on_n_nodes(tmp_path):
+    """The script's ``workbench train`` command, parsed by the real CLI, prepares exactly the spec the
+    panel's settings make on N nodes (the reference: ``prepare_train`` of those settings)."""
+    import shlex
+
+    from widgets import LaunchPanel
+    from workbench.cli import _TRAIN_SETTINGS, build_parser
+    from workbench.training import prepare_train
+
+    panel = LaunchPanel(root=tmp_path, reattach=False, follow=False)
+    panel.set(steps=7, nproc=4, model="tiny", max_len=512, batch_tokens=8192, planner="flexsp", seed=3)
+    text = panel.cluster_script("slurm", nnodes=3, run_root=str(tmp_path / "shared"), name="job")
+    assert panel.cluster.area.value == text and "#SBATCH --nodes=3" in text and "#SBATCH --gpus-per-node=4" in text
+    # the command srun runs on every node: the script's last (backslash-continued) line after srun's own
+    cmd = shlex.split(text.split("workbench-node \\\n", 1)[1].replace("\\\n", " "))
+    args = build_parser().parse_args(cmd[1:] + ["--node-rank", "1"])
+    got = {k: getattr(args, k) for k in _TRAIN_SETTINGS if getattr(args, k, None) is not None}
+    _, spec, _ = prepare_train(got, dry_run=True, on_gpu=True)
+    _, want, _ = prepare_train({**panel.settings(), "nnodes": 3, "device": "cuda"}, dry_run=True, on_gpu=True)
+    assert spec == want and spec.nnodes == 3 and spec.scenario.num_gpus == 12
+    assert args.run_root == str((tmp_path / "shared").resolve()) and args.name == "job"
+    saved = panel.save_cluster_script(tmp_path / "job.sbatch")
+    assert saved.read_text() == text and saved.stat().st_mode & 0o111
+    # without Slurm: one command per node, node ranks 0..N-1, node 0's endpoint on every line
+    text = panel.cluster_script("torchrun", nnodes=2, run_root=str(tmp_path / "shared"), endpoint="10.1.2.3:29511",
+                                name="byhand")
+    lines = [shlex.split(x) for x in text.replace("\\\n", " ").splitlines() if x and not x.startswith("#")]
+    assert [x[x.index("--node-rank") + 1] for x in lines] == ["0", "1"]
+    assert {x[x.index("--rdzv-endpoint") + 1] for x in lines} == {"10.1.2.3:29511"}
+    # settings that cannot run are refused beside the button, in one line
+    panel.set(planner="nope")
+    panel.cluster._guard(lambda: panel.cluster_script("slurm", nnodes=2, run_root=str(tmp_path / "s2")))
+    assert "✖" in panel.cluster.status.value and "unknown planner" in panel.cluster.status.value
+    assert not (tmp_path / "s2").exists()

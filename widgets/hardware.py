@@ -18,6 +18,7 @@ from typing import Any, Callable
 import ipywidgets as W
 
 from widgets._base import Panel, figure_box, figure_widget, log_html, model_control, note_html, one_line, set_figure
+from widgets.cluster import DoctorSection
 
 __all__ = ["HardwarePanel"]
 
@@ -39,7 +40,8 @@ class HardwarePanel(Panel):
     :meth:`curves`, :meth:`points`, :meth:`load`, :meth:`save_profile`, :meth:`measure_this_machine`,
     :meth:`start_profile`,
     :meth:`refresh`, :meth:`wait`, :meth:`stop`, :meth:`load_result`, :meth:`check_fidelity`,
-    :meth:`on_profile`, :attr:`profiler_available`."""
+    :meth:`on_profile`, :attr:`profiler_available`; the Doctor section: :meth:`run_doctor`,
+    :meth:`doctor_rows`."""
 
     title = "Hardware"
 
@@ -94,6 +96,7 @@ class HardwarePanel(Panel):
         self.fig_collectives = figure_widget()
         self.fig_fidelity = figure_widget()
         self.w_train = W.Dropdown(description="check against run", style=st, layout=W.Layout(width="460px"))
+        self.doctor_section = DoctorSection()
         self.b_check = W.Button(description="Check fidelity", icon="check")
         self.w_profile.observe(self._on_pick, names="value")
         self.b_load.on_click(lambda _: self._guard(lambda: self.load(self.w_path.value)))
@@ -130,6 +133,7 @@ class HardwarePanel(Panel):
             W.HBox([self.b_run, self.b_stop, self.progress], layout=W.Layout(align_items="center")),
             self.run_status, self.log, figure_box(self.fig_fit), figure_box(self.fig_collectives),
             W.HBox([self.w_train, self.b_check]), figure_box(self.fig_fidelity),
+            self.doctor_section.widget,
         ])
 
     def _figure_widgets(self) -> dict:
@@ -448,6 +452,15 @@ class HardwarePanel(Panel):
         except ImportError:
             pass
         return check
+
+    def run_doctor(self, *, quick: bool = True, wait: bool = True) -> dict | None:
+        """``workbench doctor`` on this machine (a process of its own), shown in the Doctor section;
+        with ``wait`` returns its report (the ``--json`` dict)."""
+        return self.doctor_section.run(quick=quick, wait=wait)
+
+    def doctor_rows(self) -> list[dict]:
+        """The doctor's lines as the Doctor section shows them: ``{name, status, detail, fix}``."""
+        return self.doctor_section.rows()
 
     def tables(self) -> dict:
         if self.profile is None:

@@ -13,12 +13,14 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import ipywidgets as W
 
 from widgets._base import (Panel, figure_box, figure_widget, log_html, model_control, note_html, one_line, path_control,
                            set_figure)
+from widgets.cluster import ClusterSection
 from workbench.scenario import Scenario
 
 __all__ = ["LaunchPanel"]
@@ -33,7 +35,7 @@ class LaunchPanel(Panel):
     Python API (what the buttons call): :meth:`settings`, :meth:`set`, :meth:`use_scenario`,
     :meth:`launch` (returns the Run), :meth:`refresh` (one poll of the run store), :meth:`wait`,
     :meth:`stop`, :meth:`attach`, :meth:`live_runs`, :meth:`on_finished`; :attr:`run`,
-    :attr:`handle`, :attr:`state`."""
+    :attr:`handle`, :attr:`state`; on a cluster: :meth:`cluster_script`, :meth:`save_cluster_script`."""
 
     title = "Launch"
     LINGER_S = 30.0
@@ -119,6 +121,7 @@ class LaunchPanel(Panel):
         self.log_lines: list[str] = []
         """The log's last lines as shown."""
         self.fig = figure_widget()
+        self.cluster = ClusterSection(self.settings)
         self.b_launch.on_click(lambda _: self._guard(self.launch))
         self.b_stop.on_click(lambda _: self._stop_in_background())
         self.b_attach.on_click(lambda _: self._guard(lambda: self.attach(self.w_live.value or None)))
@@ -142,6 +145,7 @@ class LaunchPanel(Panel):
             W.HTML("<div style='color:#555;font-size:12.5px'>Loss, and each step's measured time against the time "
                    "the plan predicted from the cost model (the first step also pays start-up costs).</div>"),
             figure_box(self.fig),
+            self.cluster.widget,
         ])
 
     def _figure_widgets(self) -> dict:
@@ -247,12 +251,12 @@ class LaunchPanel(Panel):
         self.profile_note.value = ""
         on_cpu = settings.get("device", "auto") == "cpu" or (settings.get("device", "auto") == "auto"
                                                              and not training.cuda_visible())
-        if self.measure_machine and on_cpu and not settings.get("profile"):
+        if self.measure_machine and on_cpu and not settings.get("profile") and int(settings.get("nnodes", 1)) == 1:
             # predictions hold where they were measured: plan with this machine's own quick profile,
             # once every other setting checks out (a bad setting fails at once, nothing measured)
-            training.prepare_train(settings, root=self.root, check_only=True)
+            training.prepare_train(settings, root=self.root, dry_run=True)
             try:
-                self.machine_profile = self.machine_profile_for(int(settings["nproc"]) * int(settings.get("nnodes", 1)))
+                self.machine_profile = self.machine_profile_for(int(settings["nproc"]))
                 settings["profile"] = str(self.machine_profile.path)
             except RuntimeError as e:  # the run still goes, with the shipped profile and its note
                 warnings = [*warnings, f"this machine could not be measured ({one_line(e)}); planning with the "
@@ -476,6 +480,17 @@ class LaunchPanel(Panel):
         if self.run is None:
             return {}
         return {"run": self.run.summary()}
+
+    def cluster_script(self, kind: str = "slurm", *, nnodes: int = 2, run_root: str | None = None,
+                       endpoint: str | None = None, name: str | None = None) -> str:
+        """The Slurm batch script (``kind="slurm"``) or per-node torchrun commands (``"torchrun"``)
+        that run this panel's settings on ``nnodes`` nodes, with the run store at ``run_root`` (a path
+        every node sees); shown in the panel. What ``workbench train ... --emit KIND`` prints."""
+        return self.cluster.script(kind=kind, nnodes=nnodes, run_root=run_root, endpoint=endpoint, name=name)
+
+    def save_cluster_script(self, path) -> Path:
+        """Save the script shown (made with the current settings if none is) to ``path``."""
+        return self.cluster.save(path)
 
     def close(self) -> None:
         """Stop following (the run itself goes on)."""

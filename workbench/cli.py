@@ -1,4 +1,4 @@
-"""``workbench`` command line: lengths, cost, plan, simulate, demo, train, export, runs.
+"""``workbench`` command line: lengths, cost, plan, simulate, demo, train, export, runs, doctor.
 
 Thin: it parses, builds a :class:`~workbench.scenario.Scenario` (or a run), calls the library and
 prints. The shapes printed with ``--json`` are the stable interface of DESIGN.md (strict JSON).
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 import sys
 import time
 from pathlib import Path
@@ -330,7 +331,7 @@ _TRAIN_SETTINGS = ("model", "source", "samples", "column", "tokenizer", "init", 
                    "batch_size", "planner",
                    "time_limit", "profile", "gpu_memory_gb", "attention", "steps", "seed", "optimizer", "lr",
                    "weight_decay", "momentum", "grad_clip", "checkpoint_every", "plan_ahead", "timeout_s", "device",
-                   "nproc", "nnodes", "zero_stage", "precision", "recompute")
+                   "nproc", "nnodes", "zero_stage", "precision", "recompute", "memory_fraction", "degrees")
 
 
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -344,6 +345,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                    help="rendezvous endpoint (multi-node; a single node binds 127.0.0.1 only)")
     g.add_argument("--rdzv-id", default=None, metavar="ID", help="rendezvous id (default: the run id)")
+    g.add_argument("--rdzv-timeout", type=positive_float, default=None, metavar="S",
+                   help="how long a node waits to reach the endpoint, or node 0 for the others (default 600)")
     g.add_argument("--device", default=None, choices=DEVICES, help="auto (CUDA when available), cpu, cuda")
     g.add_argument("--oversubscribe", action="store_true",
                    help="start even with more processes than the machine's cores or memory hold")
@@ -379,6 +382,10 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "processes, when the run store holds one, else cpu-gloo-tiny; a100-40g-flexsp on CUDA)")
     g.add_argument("--gpu-memory", dest="gpu_memory_gb", type=positive_float, default=None, metavar="GB",
                    help="memory per device for the cost model (default: the profile's)")
+    g.add_argument("--memory-fraction", type=positive_float, default=None, metavar="F",
+                   help="share of device memory plans may fill (default 0.7)")
+    g.add_argument("--degrees", default=None, metavar="D1,D2,...",
+                   help="candidate SP degrees (default: powers of two up to the world size)")
     g.add_argument("--attention", default=None, choices=ATTENTION, help="attention backend (default auto)")
     g.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
                    help="how model states are held, planned and run (default 3: FSDP2, lockstep passes; 0-2 keep "
@@ -413,6 +420,11 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--run-root", default=None, metavar="DIR", help="where new run folders go (default runs)")
     g.add_argument("--name", default=None, metavar="ID", help="the new run's folder name (default: a fresh id)")
     g.add_argument("--detach", action="store_true", help="print the run folder and return; the run goes on")
+    g.add_argument("--emit", default=None, choices=["slurm", "torchrun"],
+                   help="print, instead of starting, what runs this run on --nnodes nodes: an sbatch script (slurm) "
+                        "or one command per node (torchrun); the run store is --run-root (a path every node sees)")
+    g.add_argument("--sbatch", action="append", default=[], metavar="OPTION=VALUE",
+                   help="with --emit slurm: an extra #SBATCH option, e.g. --sbatch partition=gpu --sbatch time=04:00:00")
     g.add_argument("--quiet", action="store_true", help="no progress output")
     # test hooks: rank 0 plans for this many ranks; each step sleeps
     p.add_argument("--debug-plan-gpus", type=int, default=None, help=argparse.SUPPRESS)
@@ -428,6 +440,8 @@ def cmd_train(args) -> int:
     from workbench.launch import process
 
     settings = {k: getattr(args, k) for k in _TRAIN_SETTINGS if getattr(args, k, None) is not None}
+    if isinstance(settings.get("degrees"), str):
+        settings["degrees"] = tuple(_positive_list(settings["degrees"], "--degrees"))
     debug = {}
     if args.debug_plan_gpus is not None:
         debug["plan_num_gpus"] = args.debug_plan_gpus
@@ -437,6 +451,10 @@ def cmd_train(args) -> int:
         debug["plan_zero_stage"] = args.debug_plan_zero_stage
     if debug:
         settings["debug"] = debug
+    if args.emit:
+        return _emit(args, settings)
+    if args.sbatch:
+        raise CliError("--sbatch goes with --emit slurm")
     if args.run_dir is not None:
         if args.name or args.run_root:
             raise CliError("--run-dir resumes a run; --name and --run-root are for new runs")
@@ -456,11 +474,20 @@ def cmd_train(args) -> int:
     model = spec.scenario.model if spec is not None else settings.get("model", training.TRAIN_DEFAULTS["model"])
     for w in training.check_resources(nproc, device=device, model=model, allow=args.oversubscribe):
         _say(f"workbench train: warning: {w}")
-    process.supervisor_command(".", nproc=nproc, nnodes=spec.nnodes if spec else int(settings.get("nnodes", 1)),
-                               node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)  # bad counts fail here
+    nnodes = spec.nnodes if spec else int(settings.get("nnodes", 1))
+    process.supervisor_command(".", nproc=nproc, nnodes=nnodes, node_rank=args.node_rank,
+                               rdzv_endpoint=args.rdzv_endpoint, rdzv_timeout=args.rdzv_timeout)  # bad counts fail here
     if spec is None:
-        run, spec, changes = training.prepare_train(settings, root=args.run_root or runs.default_root(), name=args.name)
+        # a node of a run over several nodes joins the run another node made (same --name, shared --run-root)
+        run, spec, changes = training.prepare_train(settings, root=args.run_root or runs.default_root(), name=args.name,
+                                                    join=nnodes > 1)
     else:
+        training.check_machine(spec)
+        if spec.nnodes > 1:
+            node_st = runs.read_status(run.path, args.node_rank)
+            if process.run_alive(node_st):
+                raise CliError(f"node {args.node_rank} of run {run.id} is already running; stop it first "
+                               f"(workbench runs stop {run.path})")
         if changes or spec.steps != training.read_train_spec(run.path).steps:
             from workbench.util import write_json_atomic
 
@@ -472,7 +499,8 @@ def cmd_train(args) -> int:
         _tokenise_with_progress(sc.source, sc.column, sc.tokenizer)
     print(run.path, flush=True)
     handle = process.start(run, nproc=spec.nproc, nnodes=spec.nnodes, node_rank=args.node_rank,
-                           rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, stop_with_parent=not args.detach)
+                           rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, stop_with_parent=not args.detach,
+                           rdzv_timeout=args.rdzv_timeout)
     if args.detach:
         _say(f"workbench train: detached; follow it with `workbench runs show {run.id}`, stop it with "
              f"`workbench runs stop {run.id}`")
@@ -481,6 +509,26 @@ def cmd_train(args) -> int:
     from workbench.launch.terminal import follow_in_terminal
 
     return follow_in_terminal(handle, name="train", follow=lambda: _follow(handle, spec, quiet=args.quiet), say=_say)
+
+
+def _emit(args, settings: dict) -> int:
+    """``workbench train ... --emit slurm|torchrun``: print what runs this run on several nodes
+    (nothing is started or written, except the run root's folder for Slurm's output file)."""
+    from workbench import runs
+    from workbench.launch import cluster
+
+    if args.run_dir is not None:
+        raise CliError("--emit writes the commands of a new run; leave --run-dir out (give --name to choose its id)")
+    if args.sbatch and args.emit != "slurm":
+        raise CliError("--sbatch goes with --emit slurm")
+    text, spec, name = cluster.emit(args.emit, settings, run_root=args.run_root or runs.default_root(), name=args.name,
+                                    endpoint=args.rdzv_endpoint, rdzv_timeout=args.rdzv_timeout, sbatch=args.sbatch)
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    _say(f"workbench train: {args.emit} {'script' if args.emit == 'slurm' else 'commands'} for run {name} on "
+         f"{spec.nnodes} node(s) x {spec.nproc}; the run store "
+         f"{Path(args.run_root or runs.default_root()).resolve()} must be shared by the nodes")
+    return 0
 
 
 def _follow(handle, spec, *, quiet: bool):
@@ -539,7 +587,8 @@ def _follow(handle, spec, *, quiet: bool):
                     bar.close()
                     bar = None
                 if not quiet and st.state == "done":
-                    _say(f"workbench train: done, {st.step} steps in {time.monotonic() - t0:.0f}s; {run.path}")
+                    _say(f"workbench train: done, {max(st.step, run.status().step)} steps in {time.monotonic() - t0:.0f}s; "
+                         f"{run.path}")
                 return st
             time.sleep(0.3 if started else 0.2)
     finally:
@@ -569,6 +618,17 @@ def cmd_export(args) -> int:
     print(f"{res['out']}: step {res['step']} of {run.id}, model {res['model']} ({res['params']:,} parameters), "
           f"{res['tensors']} tensors in {', '.join(res['files'])} ({res['dtype']}){tok}")
     return 0
+
+
+def cmd_doctor(args) -> int:
+    """``workbench doctor``: what this machine can do, each line ok / warn / fail (with the fix) or
+    skip (with the reason). Exit status 1 when a line failed."""
+    from workbench.doctor import format_report, run_doctor
+
+    rep = run_doctor(device=args.device, precision=args.precision, dist=not args.quick,
+                     progress=None if args.json or not sys.stderr.isatty() else _say)
+    print(dumps(rep.to_dict()) if args.json else format_report(rep), flush=True)
+    return 0 if rep.ok else 1
 
 
 def cmd_profile(args) -> int:
@@ -620,6 +680,9 @@ def cmd_runs(args) -> int:
             print(f"  error{rank}: {st.error}")
         for w in st.warnings:
             print(f"  warning: {w}")
+        for nd in s.get("nodes") or []:
+            err = f": {nd['error']}" if nd.get("error") else ""
+            print(f"  node {nd['node']} ({nd.get('host') or '?'}): {nd['state']}, attempt {nd.get('attempt')}{err}")
         if s.get("median_measured_ms"):
             pred = f", predicted {s['median_predicted_ms']:,.0f} ms" if s.get("median_predicted_ms") else ""
             loss = f"; last loss {s['loss']:.4f}" if isinstance(s.get("loss"), float) else ""
@@ -647,7 +710,11 @@ def cmd_runs(args) -> int:
             return 0
         st = process.stop(run)
         left = [p for p, t in runs.status_pids(st) if runs.pid_alive(p, t)]
-        print(f"{run.id}: {st.state}" + (f"; still alive: {left}" if left else "; no process left"))
+        left += [p for _, nst in process._records_here(run.path) for p, t in runs.status_pids(nst) if runs.pid_alive(p, t)]
+        nodes = run.nodes()
+        elsewhere = [f"node {k} ({r.host}): {r.state}" for k, r in nodes.items() if r.host != socket.gethostname()]
+        print(f"{run.id}: {st.state}" + (f"; still alive here: {sorted(set(left))}" if left else "; no process left here")
+              + (f"; {', '.join(elsewhere)}" if elsewhere else ""))
         return 0 if not left else 1
     if args.action == "compare":
         if len(args.ids) != 2:
@@ -781,6 +848,15 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--root", default=None, metavar="DIR", help="the run store (default runs, or $WORKBENCH_RUNS)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_export)
+
+    q = sub.add_parser("doctor", help="what this machine can do, checked by doing it: torch, CUDA/NCCL, GPUs and their "
+                                      "links, bf16, flash-attn, a training step, NCCL collectives, a sharded step")
+    q.add_argument("--json", action="store_true", help="the report as JSON (for scripts)")
+    q.add_argument("--quick", action="store_true", help="leave out the 2-rank checks (NCCL collectives, sharded step)")
+    q.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the training step runs")
+    q.add_argument("--precision", default=None, choices=["bf16", "fp32"],
+                   help="the training step's precision (default bf16 on GPUs that have it, else fp32)")
+    q.set_defaults(func=cmd_doctor)
 
     q = sub.add_parser("profile", help="measure this machine (a profile run) and fit the cost model; --check RUN: "
                                        "predicted vs measured step and group time of a training run")

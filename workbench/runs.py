@@ -11,10 +11,15 @@ Every run (training, profile, demo, notebook) is a folder ``<root>/<run-id>/``::
                      torch.distributed.checkpoint shards, trainer.pt, SHA256SUMS)
     ranks/, failures/, torchrun/   per-rank pids, error reports, per-rank logs
     load.jsonl       the machine's load while the run's processes lived (the supervisor samples it)
+    nodes/           a run over several nodes: node<k>.json (that node's RunStatus: host, pids, state,
+                     exit codes, error), node<k>.log.txt and node<k>.metrics.jsonl (nodes other than 0)
 
 ``status.json`` is written only by :func:`update_status` (under a lock, atomically): the
 supervisor, the trainer's rank 0 and the launcher all go through it, so no update is lost and no
-reader sees half a file. Readers (:func:`load_run`, :class:`Run`, :func:`list_runs`,
+reader sees half a file. A run over several nodes keeps one run (``status.json``: the run's state
+and progress, written from node 0, where rank 0 lives) and one record per node
+(``nodes/node<k>.json``: that node's host, processes and end, written only from that node), so a run
+store on a shared path never has two hosts writing one file. Readers (:func:`load_run`, :class:`Run`, :func:`list_runs`,
 :func:`compare`) take whatever is there: a missing or broken file becomes a note in
 ``Run.problems``, a bad or non-UTF-8 line in ``metrics.jsonl`` is skipped and counted.
 
@@ -49,6 +54,7 @@ __all__ = [
     "list_runs", "update_status", "read_status", "compare", "append_jsonl", "read_jsonl", "file_sha256",
     "checksum_path", "write_checksum", "verify_checksum", "now", "pid_alive", "status_pids", "tail_lines",
     "proc_start_time", "process_record", "LOAD_FILE", "read_loadavg", "LoadSampler", "summarize_load",
+    "NODES_DIR", "STOP_FILE", "node_status_path", "metrics_path", "log_path", "request_stop", "stop_requested",
 ]
 
 SPEC_FILE = "spec.json"
@@ -64,6 +70,8 @@ PROFILE_FILE = "profile.json"
 REPORT_FILE = "report.html"
 RESULTS_DIR = "results"
 LOAD_FILE = "load.jsonl"
+NODES_DIR = "nodes"
+STOP_FILE = "stop.json"
 _LOCK_FILE = ".status.lock"
 
 KINDS = ("train", "profile", "demo", "notebook", "simulate")
@@ -173,10 +181,53 @@ class RunStatus:
         return st
 
 
+def node_status_path(run_dir: str | Path, node: int | None = None) -> Path:
+    """Where a status record lives: ``status.json`` (the run; ``node`` None) or
+    ``nodes/node<k>.json`` (node ``k`` of a run over several nodes)."""
+    run_dir = Path(run_dir)
+    return run_dir / STATUS_FILE if node is None else run_dir / NODES_DIR / f"node{int(node)}.json"
+
+
+def metrics_path(run_dir: str | Path, node: int | None = None) -> Path:
+    """The metrics file the ranks of ``node`` append to: ``metrics.jsonl`` on one node and on node 0,
+    ``nodes/node<k>.metrics.jsonl`` on the others (appends from two hosts to one file on a shared
+    filesystem can overwrite each other). ``Run.metrics`` reads them all."""
+    run_dir = Path(run_dir)
+    return run_dir / METRICS_FILE if not node else run_dir / NODES_DIR / f"node{int(node)}.metrics.jsonl"
+
+
+def log_path(run_dir: str | Path, node: int | None = None) -> Path:
+    """The log a node's supervisor writes: ``log.txt`` (one node, node 0), ``nodes/node<k>.log.txt``."""
+    run_dir = Path(run_dir)
+    return run_dir / LOG_FILE if not node else run_dir / NODES_DIR / f"node{int(node)}.log.txt"
+
+
+def request_stop(run_dir: str | Path, reason: str = "") -> Path:
+    """Ask every node's supervisor of the run to stop (``stop.json``; supervisors of a run over
+    several nodes watch for it: a stop from one host reaches the others through a shared run store)."""
+    path = Path(run_dir) / STOP_FILE
+    write_json_atomic(path, {"time": time.time(), "host": socket.gethostname(), "reason": reason})
+    return path
+
+
+def stop_requested(run_dir: str | Path, since: float) -> dict | None:
+    """The stop request written after ``since`` (a ``time.time()``), or None."""
+    try:
+        d = json.loads((Path(run_dir) / STOP_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) and isinstance(d.get("time"), (int, float)) and d["time"] >= since else None
+
+
 @contextlib.contextmanager
-def _locked(run_dir: Path) -> Iterator[None]:
-    """An exclusive lock over the run's status (processes and threads of any writer)."""
-    fd = os.open(run_dir / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+def _locked(run_dir: Path, node: int | None = None) -> Iterator[None]:
+    """An exclusive lock over one status record (processes and threads of any writer on this host)."""
+    if node is None:
+        lock = run_dir / _LOCK_FILE
+    else:
+        (run_dir / NODES_DIR).mkdir(exist_ok=True)
+        lock = run_dir / NODES_DIR / f".node{int(node)}.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -185,11 +236,11 @@ def _locked(run_dir: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def read_status(run_dir: str | Path) -> RunStatus:
+def read_status(run_dir: str | Path, node: int | None = None) -> RunStatus:
     """The run's RunStatus as written (``state="created"`` when there is no readable status yet;
-    the reason is in ``note``). Never raises for a bad file."""
+    the reason is in ``note``), or with ``node`` that node's record. Never raises for a bad file."""
     run_dir = Path(run_dir)
-    path = run_dir / STATUS_FILE
+    path = node_status_path(run_dir, node)
     try:
         data = json.loads(path.read_bytes().decode("utf-8"))
         st = RunStatus.from_dict(data)
@@ -223,7 +274,7 @@ def _merge(old: Any, new: Any) -> dict:
     return out
 
 
-def update_status(run_dir: str | Path, *, reopen: bool = False, **changes: Any) -> RunStatus:
+def update_status(run_dir: str | Path, *, reopen: bool = False, node: int | None = None, **changes: Any) -> RunStatus:
     """The one writer of ``status.json``: under the run's lock, read the current record, apply
     ``changes`` (RunStatus fields; ``pids`` and ``resolved`` are merged key by key, ``exit_codes``
     too), stamp ``updated`` and write atomically. Returns the new record.
@@ -234,7 +285,8 @@ def update_status(run_dir: str | Path, *, reopen: bool = False, **changes: Any) 
 
     A final state is not overwritten by ``running`` or ``starting`` (a late progress write from a
     dying rank must not revive a stopped run) unless ``reopen`` is True (a new attempt of the
-    run). Raises ValueError for an unknown field or state."""
+    run). ``node``: write node ``k``'s record (``nodes/node<k>.json``) instead of the run's. Raises
+    ValueError for an unknown field or state."""
     run_dir = Path(run_dir)
     names = {f.name for f in dataclasses.fields(RunStatus)}
     unknown = sorted(set(changes) - names)
@@ -242,8 +294,10 @@ def update_status(run_dir: str | Path, *, reopen: bool = False, **changes: Any) 
         raise ValueError(f"RunStatus has no field(s) {unknown}")
     if "state" in changes and changes["state"] not in STATES:
         raise ValueError(f"unknown run state {changes['state']!r}; states are {', '.join(STATES)}")
-    with _locked(run_dir):
-        st = read_status(run_dir)
+    with _locked(run_dir, node):
+        st = read_status(run_dir, node)
+        if node is not None:
+            st.extra["node"] = int(node)
         if st.final and not reopen and changes.get("state") in ("created", "running", "starting"):
             changes = {k: v for k, v in changes.items() if k != "state"}
         for k, v in changes.items():
@@ -259,7 +313,7 @@ def update_status(run_dir: str | Path, *, reopen: bool = False, **changes: Any) 
         st.updated = now()
         if not st.host:
             st.host = socket.gethostname()
-        write_json_atomic(run_dir / STATUS_FILE, st.to_dict())
+        write_json_atomic(node_status_path(run_dir, node), st.to_dict())
     return st
 
 
@@ -524,18 +578,40 @@ class Run:
         st = read_status(self.path)
         if st.note and st.note.startswith("status.json is unreadable"):
             self._problem(f"{self.id}: {st.note}")
-        if st.state in ("starting", "running") and st.host in ("", socket.gethostname()) and st.pids:
-            if not any(pid_alive(p, t) for p, t in status_pids(st)):
-                st.state = "failed"
-                st.error = st.error or "the run's processes are gone but it did not report an end"
-                st.note = "ended without a final status (killed from outside?)"
+        if st.state not in ("starting", "running"):
+            return st
+        here = socket.gethostname()
+        nodes = self.nodes()
+        if any(r.host not in ("", here) and not r.final for r in nodes.values()):
+            return st  # a node elsewhere may still run it: only that host can tell
+        mine = [r for r in [st, *nodes.values()] if r.host in ("", here) and r.pids]
+        if mine and not any(pid_alive(p, t) for r in mine for p, t in status_pids(r)):
+            st.state = "failed"
+            failed = [r for r in nodes.values() if r.state == "failed" and r.error]
+            st.error = st.error or (failed[0].error if failed else "the run's processes are gone but it did not report an end")
+            st.note = "ended without a final status (killed from outside?)"
         return st
+
+    def nodes(self) -> dict[int, RunStatus]:
+        """The node records of a run over several nodes, by node rank (empty for a one-node run)."""
+        folder = self.file(NODES_DIR)
+        out = {}
+        for p in sorted(folder.glob("node*.json")) if folder.is_dir() else ():
+            m = re.match(r"^node(\d+)\.json$", p.name)
+            if m:
+                out[int(m.group(1))] = read_status(self.path, int(m.group(1)))
+        return dict(sorted(out.items()))
 
     # ---- what it measured ----------------------------------------------------------------------
     def metrics(self, rank: int | None = None) -> list[dict]:
         """Rows of ``metrics.jsonl`` (optionally of one rank), bad lines skipped and counted in
         ``problems``."""
         rows, skipped = read_jsonl(self.file(METRICS_FILE))
+        folder = self.file(NODES_DIR)
+        for extra in sorted(folder.glob("node*.metrics.jsonl")) if folder.is_dir() else ():
+            more, bad = read_jsonl(extra)  # the other nodes' ranks (a run over several nodes)
+            rows += more
+            skipped += bad
         if skipped:
             self._problem(f"{self.id}: {skipped} unreadable line(s) in {METRICS_FILE} skipped")
         return [r for r in rows if rank is None or r.get("rank") == rank]
@@ -613,6 +689,11 @@ class Run:
             "load_average": self.load_average(),
             "problems": list(dict.fromkeys(self.problems)), "warnings": list(st.warnings),
         }
+        nodes = self.nodes()
+        if nodes:
+            out["nnodes"] = spec.get("nnodes")
+            out["nodes"] = [{"node": k, "host": r.host, "state": r.state, "attempt": r.attempt, "error": r.error,
+                             "failing_rank": r.failing_rank, "exit_code": r.exit_code} for k, r in nodes.items()]
         return json_safe(out)
 
     def _problem(self, msg: str) -> None:

@@ -569,6 +569,19 @@ class HardwareProfile(_JsonMixin):
     None: 1, the published (FlexSP) model."""
     gpu_memory_gb: float = 40.0
     """Memory of the profiled GPU (GB)."""
+    gpus_per_node: int | None = None
+    """GPUs per node of the machines measured: entries of the bandwidth tables for larger groups were
+    measured across nodes (FlexSP's 8 x 8 A100: all-to-all within a node up to 8, over InfiniBand
+    from 16). None: one node, or not known (every entry is taken for every group)."""
+    inter_node_all_to_all_gbps: dict = field(default_factory=dict, metadata={"from_json": _bw_table})
+    """All-to-all bandwidth per GPU (GB/s) of groups that span nodes, by group size; empty: the
+    entries of ``all_to_all_gbps`` above ``gpus_per_node``."""
+    inter_node_p2p_gbps: dict = field(default_factory=dict, metadata={"from_json": _bw_table})
+    """Point-to-point bandwidth (GB/s) of rings that span nodes, by ring size; empty: the entries of
+    ``p2p_gbps`` above ``gpus_per_node``."""
+    inter_node_allreduce_gbps: dict = field(default_factory=dict, metadata={"from_json": _bw_table})
+    """Bus bandwidth (GB/s) of all-reduce, all-gather and reduce-scatter over ranks of several
+    nodes, by group size; empty: the entries of each table above ``gpus_per_node``."""
     provenance: dict = field(default_factory=dict)
     """Where the figures come from: ``{"kind": "measured"|"reference"|"estimate", "source": ..., ...}``."""
 
@@ -576,8 +589,12 @@ class HardwareProfile(_JsonMixin):
         _require(isinstance(self.name, str) and self.name, "HardwareProfile.name must be a non-empty string")
         object.__setattr__(self, "forward", _curve(self.forward))
         object.__setattr__(self, "backward", _curve(self.backward))
-        for n in ("all_to_all_gbps", "p2p_gbps", "allreduce_gbps", "allgather_gbps", "reduce_scatter_gbps"):
+        for n in ("all_to_all_gbps", "p2p_gbps", "allreduce_gbps", "allgather_gbps", "reduce_scatter_gbps",
+                  "inter_node_all_to_all_gbps", "inter_node_p2p_gbps", "inter_node_allreduce_gbps"):
             object.__setattr__(self, n, _bw_table(getattr(self, n)))
+        _require(self.gpus_per_node is None or (isinstance(self.gpus_per_node, int) and not isinstance(
+            self.gpus_per_node, bool) and self.gpus_per_node >= 1),
+                 f"HardwareProfile {self.name}: gpus_per_node must be a positive integer or null, got {self.gpus_per_node!r}")
         for n in ("all_to_all_latency_ms", "p2p_latency_ms", "allreduce_latency_ms", "sp_overhead_ms", "sp_token_ms",
                   "allgather_latency_ms", "reduce_scatter_latency_ms", "pass_overhead_ms", "pass_compute_factor"):
             object.__setattr__(self, n, _latency_table(getattr(self, n)))

@@ -25,7 +25,8 @@ from workbench.scenario import Scenario
 
 __all__ = ["TrainSpec", "SpecError", "read_train_spec", "prepare_train", "ResumeChange", "check_resources",
            "ResourceError", "cuda_visible", "OPTIMIZERS", "DEVICES", "ATTENTION", "DEFAULT_LR", "CPU_MAX_LEN",
-           "DEFAULT_BATCH_TOKENS", "TRAIN_DEFAULTS", "RANK_MEMORY_GB", "check_model_and_data"]
+           "DEFAULT_BATCH_TOKENS", "TRAIN_DEFAULTS", "RANK_MEMORY_GB", "check_model_and_data", "check_machine",
+           "flash_installed", "JOIN_WAIT_S"]
 
 OPTIMIZERS = ("sgd", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
@@ -42,6 +43,9 @@ RANK_MEMORY_GB = 0.45
 ~0.35 GB; rank 0's plan-ahead worker ~0.25 GB more."""
 MAX_PROCS_PER_CORE = 4
 """Above this many processes per core a CPU run is refused unless asked for."""
+JOIN_WAIT_S = 30.0
+"""How long a node joining a run over several nodes waits for the node that made its folder to write
+its spec."""
 
 
 class SpecError(ValueError):
@@ -236,7 +240,8 @@ class ResumeChange:
 
 def prepare_train(settings: Mapping[str, Any] | None = None, *, scenario: Scenario | None = None,
                   run_dir: str | Path | None = None, root: str | Path | None = None, name: str | None = None,
-                  allow_changes: bool = False, check_only: bool = False) -> tuple[runs.Run, TrainSpec, list[ResumeChange]]:
+                  allow_changes: bool = False, join: bool = False, dry_run: bool = False,
+                  on_gpu: bool | None = None) -> tuple[runs.Run | None, TrainSpec, list[ResumeChange]]:
     """Make a new training run, or check a resume. Returns ``(run, spec, changes)``.
 
     New run (``run_dir`` None): ``settings`` are TrainSpec fields (``steps`` required) and Scenario
@@ -254,11 +259,16 @@ def prepare_train(settings: Mapping[str, Any] | None = None, *, scenario: Scenar
     them) unless ``allow_changes`` is True, then applied and returned in ``changes``. Settings equal
     to the run's are fine. Nothing is written here for a resume (the launcher records the attempt).
 
-    ``check_only`` (a new run): check every setting and return ``(None, spec, [])`` without
-    writing anything.
+    A node of a run over several nodes (``join``): when ``root/name`` exists it is joined, provided it
+    holds a run that has not ended and whose spec is the one these settings make (else one line
+    naming what differs); when it does not exist it is made (whichever node comes first).
+    ``dry_run``: check and return the spec, write nothing (``run`` is None); ``on_gpu`` resolves
+    the defaults for a machine with (True) or without (False) CUDA instead of this one (cluster
+    scripts written on a login node) and skips the checks of this machine.
 
     Raises ValueError (SpecError) with one clear line for bad settings, a missing or foreign run
-    folder, or a path that is a file.
+    folder, or a path that is a file; for ``--device cuda`` on a machine without an NVIDIA GPU, and
+    for ``--attention flash`` where flash-attn cannot run (``check_machine``).
     """
     settings = {k: v for k, v in dict(settings or {}).items() if v is not None}
     unknown = sorted(set(settings) - _TRAIN_FIELDS - _SCENARIO_FIELDS)
@@ -273,10 +283,15 @@ def prepare_train(settings: Mapping[str, Any] | None = None, *, scenario: Scenar
     scen = {k: v for k, v in settings.items() if k in _SCENARIO_FIELDS}
     nproc, nnodes = int(train.get("nproc", 1)), int(train.get("nnodes", 1))
     device = train.get("device", "auto")
-    on_gpu = device == "cuda" or (device == "auto" and cuda_visible())
+    here = on_gpu is None
+    if on_gpu is None:
+        on_gpu = device == "cuda" or (device == "auto" and cuda_visible())
     base = scenario.to_dict() if scenario is not None else dict(TRAIN_DEFAULTS)
     if scenario is None and "profile" not in scen:
-        base["profile"] = "a100-40g-flexsp" if on_gpu else _cpu_profile(nproc * nnodes, root)
+        # this machine's cached profile is one machine's: not for a run over several nodes, nor for a
+        # script written for another machine
+        base["profile"] = ("a100-40g-flexsp" if on_gpu else
+                           _cpu_profile(nproc, root) if here and nnodes == 1 else "cpu-gloo-tiny")
     if "gpus_per_node" not in scen:
         base["gpus_per_node"] = nproc
     base.update(scen)
@@ -289,10 +304,84 @@ def prepare_train(settings: Mapping[str, Any] | None = None, *, scenario: Scenar
     spec = TrainSpec(scenario=sc, **train)
     sc.cost()  # a cluster or profile that cannot work fails here, before a folder exists
     check_model_and_data(spec)
-    if check_only:  # every setting checked, nothing written (the run is None)
+    if here:
+        check_machine(spec)
+    if dry_run:
         return None, spec, []
-    run = runs.new_run("train", {k: v for k, v in spec.to_dict().items() if k != "kind"}, root=root, run_id=name)
+    body = {k: v for k, v in spec.to_dict().items() if k != "kind"}
+    if join:
+        return _join(spec, body, root, name), spec, []
+    run = runs.new_run("train", body, root=root, run_id=name)
     return run, spec, []
+
+
+def _join(spec: TrainSpec, body: dict, root, name: str | None) -> runs.Run:
+    """Make ``root/name`` with ``spec``, or join it when another node made it (the same spec, not
+    ended). Raises SpecError naming what differs."""
+    import time
+
+    from workbench.launch.cluster import spec_differences
+
+    if not name:
+        raise SpecError("a run over several nodes needs --name ID, the same on every node, so that the nodes join one "
+                        "run (`workbench train ... --emit torchrun` prints the commands)")
+    root = Path(root) if root is not None else runs.default_root()
+    try:
+        return runs.new_run("train", body, root=root, run_id=name)
+    except ValueError as e:
+        if "already exists" not in str(e):
+            raise
+    path = root / name
+    deadline = time.monotonic() + JOIN_WAIT_S
+    while not (path / runs.SPEC_FILE).is_file() and time.monotonic() < deadline:
+        time.sleep(0.2)  # the node that made the folder writes its spec next
+    theirs = read_train_spec(path)
+    st = runs.read_status(path)
+    if st.final:
+        raise SpecError(f"run {name} in {root} already ended ({st.state}); pick another --name for a new run, or "
+                        f"resume it with --run-dir {path} on every node")
+    mine = {k: v for k, v in spec.to_dict().items() if k != "steps"}
+    there = {k: v for k, v in theirs.to_dict().items() if k != "steps"}
+    if mine != there or spec.steps != theirs.steps:
+        diff = spec_differences(theirs.to_dict(), spec.to_dict())
+        raise SpecError(f"run {name} in {root} was prepared (by another node) with other settings ({'; '.join(diff)}); "
+                        f"give every node the same settings, or another --name for another run")
+    return runs.Run(path)
+
+
+def flash_installed() -> str | None:
+    """The module flash-attn would be imported from (``flash_attn``, 2.x; ``flash_attn_interface``,
+    3.x), found without importing it (no torch, no CUDA), or None."""
+    import importlib.util
+
+    for mod in ("flash_attn", "flash_attn_interface"):
+        try:
+            if importlib.util.find_spec(mod) is not None:
+                return mod
+        except (ImportError, ValueError):
+            continue
+    return None
+
+
+def check_machine(spec: TrainSpec) -> None:
+    """What this machine must have for ``spec``, checked without importing torch; raises SpecError
+    with one line: ``--device cuda`` without an NVIDIA GPU; ``--attention flash`` on CPU, in fp32,
+    or without flash-attn installed."""
+    gpu = cuda_visible()
+    if spec.device == "cuda" and not gpu:
+        raise SpecError("--device cuda but this machine shows no NVIDIA GPU (no /proc/driver/nvidia/gpus, and "
+                        "nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them); use --device cpu or auto, or run "
+                        "`workbench doctor` to see what this machine has")
+    if spec.attention == "flash":
+        if spec.device == "cpu" or not gpu:
+            raise SpecError("--attention flash needs CUDA and this run is on CPU; use --attention torch (or auto)")
+        if spec.scenario.precision == "fp32":
+            raise SpecError("--attention flash computes in bf16/fp16 but this run's precision is fp32; use --precision "
+                            "bf16, or --attention torch")
+        if flash_installed() is None:
+            raise SpecError("--attention flash but flash-attn is not installed here (`make install` fetches a prebuilt "
+                            "wheel when one matches torch and CUDA; see docs/gpu-and-clusters.md); use --attention auto "
+                            "(the PyTorch path) or torch")
 
 
 def _cpu_profile(world: int, root) -> str:

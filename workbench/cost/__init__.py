@@ -10,7 +10,9 @@ Time of one sequence of ``s`` tokens on a group of ``d`` GPUs (whole model, ms):
     ring(s, d)    = max(0, passes * layers * p2p_bytes(s, d) / p2p_bw(d) - A*s^2/d)   # overlapped
                                                                                       # with attention
 
-``passes`` is 2 (forward and backward), 3 with full recomputation. A group's time in a micro-step
+``passes`` is 2 (forward and backward), 3 with full recomputation. A group larger than a node
+(``cluster.gpus_per_node``) spans nodes and gets the profile's inter-node bandwidth (``link_gbps``);
+so do the all-rank collectives of a cluster of several nodes. A group's time in a micro-step
 is the sum of its sequences' times plus ``group_overhead_ms(d)``: the fitted constant ``c`` (one
 packed call per layer) and, when the profile measured it, the fixed latency of the group's
 collective calls, which does not depend on how many tokens the group runs::
@@ -112,6 +114,16 @@ def _interp(table: dict[int, float], d: int, *, log_values: bool) -> float:
 def _interp_bw(table: dict[int, float], d: int) -> float:
     """Bandwidth for group size ``d``: log-log interpolation between measured sizes, clamped."""
     return _interp(table, d, log_values=True)
+
+
+def _node_split(table: dict[int, float], node: int | None) -> tuple[dict[int, float], dict[int, float]]:
+    """A size-keyed table split at the profile's node size: ``(within a node, across nodes)``. Without
+    a node size (or nothing on one side) the whole table serves that side."""
+    if not node:
+        return table, {}
+    intra = {k: v for k, v in table.items() if k <= node}
+    inter = {k: v for k, v in table.items() if k > node}
+    return intra or table, inter
 
 
 def _interp_latency(table: dict[int, float], d: int) -> float:
@@ -307,6 +319,48 @@ class CostModel:
         return (f"Ulysses degree {d} does not divide the {self.model.heads} attention heads of {self.model.name}; "
                 f"use --strategy ring or degrees up to {max(self.degrees)}")
 
+    # ---- links: within a node or across nodes -------------------------------------------------
+    def crosses_nodes(self, degree: int) -> bool:
+        """Whether a group of ``degree`` ranks spans nodes. Groups are aligned blocks whose degree
+        divides the node size or is a multiple of it (``ClusterSpec`` checks), so exactly those
+        larger than a node do."""
+        return int(degree) > self.cluster.gpus_per_node
+
+    def _table_gbps(self, table: dict[int, float], inter: dict[int, float], d: int) -> float:
+        intra_part, inter_part = _node_split(table, self.profile.gpus_per_node)
+        if self.crosses_nodes(d):
+            across = inter or inter_part
+            return _interp_bw(across or table, d)
+        return _interp_bw(intra_part, d)
+
+    def link_gbps(self, kind: str, degree: int) -> float:
+        """Bandwidth (GB/s) a group of ``degree`` gets for ``kind`` (``all_to_all``: Ulysses; ``p2p``:
+        ring steps). A group within a node takes the profile's figures measured within a node (its
+        entries up to ``profile.gpus_per_node``); a group that spans nodes (``crosses_nodes``) takes
+        the inter-node figures: ``inter_node_*_gbps`` when the profile has them, else its entries
+        measured on groups larger than a node, else (a one-node profile) the same table. Raises
+        ValueError for an unknown kind."""
+        p = self.profile
+        if kind == "all_to_all":
+            return self._table_gbps(p.all_to_all_gbps, p.inter_node_all_to_all_gbps, degree)
+        if kind == "p2p":
+            if p.p2p_gbps:
+                return self._table_gbps(p.p2p_gbps, p.inter_node_p2p_gbps, degree)
+            return self._table_gbps(p.all_to_all_gbps, p.inter_node_all_to_all_gbps, degree)
+        raise ValueError(f"unknown link kind {kind!r}; all_to_all or p2p")
+
+    def inter_node_source(self) -> str:
+        """Where the figures of node-spanning groups come from, in words (for notes and the cost table)."""
+        p = self.profile
+        if self.cluster.num_gpus <= self.cluster.gpus_per_node:
+            return "one node: no group spans nodes"
+        if p.inter_node_all_to_all_gbps:
+            return f"the profile's inter-node tables (profile {p.name})"
+        if p.gpus_per_node and any(k > p.gpus_per_node for k in p.all_to_all_gbps):
+            return f"the profile's entries for groups over {p.gpus_per_node} GPUs (measured across nodes)"
+        return (f"profile {p.name} has no inter-node figures: groups over {self.cluster.gpus_per_node} ranks are "
+                f"costed as if within a node (measure across nodes, or give inter_node_all_to_all_gbps)")
+
     # ---- per-sequence costs -------------------------------------------------------------------
     def compute_ms(self, lengths, degree: int) -> np.ndarray:
         """Compute time (ms) of each sequence on a group of ``degree``, without communication."""
@@ -320,17 +374,16 @@ class CostModel:
         d = int(degree)
         if d == 1:
             return np.zeros_like(s)
-        m, p = self.model, self.profile
+        m = self.model
         passes = 3.0 if self.recompute else 2.0
         if self.strategy == "ulysses":
             kv_eff = max(m.kv_heads, d) * m.head_dim  # KV replicated when d exceeds the KV heads
             per_layer = m.dtype_bytes * (s / d) * (2 * m.q_dim + 2 * kv_eff) * (d - 1) / d  # q and o, k and v
-            return passes * m.layers * per_layer / (_interp_bw(p.all_to_all_gbps, d) * 1e9) * 1e3
+            return passes * m.layers * per_layer / (self.link_gbps("all_to_all", d) * 1e9) * 1e3
         # ring: every rank passes its K/V block d-1 times forward; backward passes K/V and dK/dV
         ring_passes = (passes - 1) + 2.0
         per_layer = m.dtype_bytes * (s / d) * 2 * m.kv_dim * (d - 1)
-        table = p.p2p_gbps or p.all_to_all_gbps
-        comm = ring_passes * m.layers * per_layer / (_interp_bw(table, d) * 1e9) * 1e3
+        comm = ring_passes * m.layers * per_layer / (self.link_gbps("p2p", d) * 1e9) * 1e3
         attn = self._fit.quadratic(s) / d
         return np.maximum(0.0, comm - attn)
 
@@ -417,7 +470,8 @@ class CostModel:
         if n <= 1 or not bw:
             return 0.0
         share = 2 * (n - 1) / n if kind == "allreduce" else (n - 1) / n
-        return share * nbytes / (_interp_bw(bw, n) * 1e9) * 1e3 + _interp_latency(lat, n)
+        return share * nbytes / (self._table_gbps(bw, p.inter_node_allreduce_gbps, n) * 1e9) * 1e3 + \
+            _interp_latency(lat, n)
 
     def grad_sync_ms(self, num_ranks: int | None = None) -> float:
         """The step's gradient reduction after the last micro-step of a free step, fp32 gradients
@@ -603,6 +657,11 @@ class CostModel:
             "model": self.model.name,
             "profile": self.profile.name,
             "profile_kind": self.profile.provenance.get("kind"),
+            "gpus_per_node": self.cluster.gpus_per_node,
+            "inter_node_degrees": [int(d) for d in degrees if self.crosses_nodes(d)],
+            "link_gbps": {str(d): self.link_gbps("all_to_all" if self.strategy == "ulysses" else "p2p", d)
+                          for d in degrees if d > 1},
+            "inter_node_source": self.inter_node_source(),
         }
 
 

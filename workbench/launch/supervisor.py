@@ -1,7 +1,7 @@
 """The supervisor: one process per run and node that *is* torchrun, and cleans up after it.
 
     python -m workbench.launch.supervisor --run-dir RUN --nproc N [--nnodes K --node-rank R
-        --rdzv-endpoint HOST:PORT --rdzv-id ID] [--parent-pid PID] --module MOD [-- ARGS...]
+        --rdzv-endpoint HOST:PORT --rdzv-id ID --rdzv-timeout S] [--parent-pid PID] --module MOD [-- ARGS...]
 
 It runs torchrun's own entry (``torch.distributed.run.run``) in this process, so torchrun's
 elastic agent is this process and its structured failures come back as an exception rather
@@ -9,8 +9,14 @@ than as text. Around it:
 
 - **Loopback only on one node.** Without ``--rdzv-endpoint`` the rendezvous store is a TCPStore
   created on a socket bound to 127.0.0.1 (a registered ``workbench-loopback`` rendezvous; torch's
-  own stores listen on every interface), and gloo/NCCL are pinned to the loopback interface. A
-  multi-node run passes the user's endpoint to the c10d rendezvous unchanged.
+  own stores listen on every interface), and gloo/NCCL are pinned to the loopback interface.
+- **Several nodes.** torchrun's static rendezvous on the user's endpoint: node 0 hosts the store
+  there, every node is the rank it was given (``--node-rank``: node k holds ranks
+  ``k*nproc .. (k+1)*nproc - 1``, so the plan's node-aligned groups are the machines'), and a node
+  that cannot reach the endpoint, or a node 0 that waits for the others, gives up after
+  ``--rdzv-timeout`` seconds with one line naming the endpoint. Each node writes its own record
+  (``nodes/node<k>.json``: host, pids, attempt, end) and watches the run store's ``stop.json``, so a
+  stop from any host reaches it through a shared run store.
 - **Per-rank logs** under ``RUN/torchrun/attempt_<k>/`` (and every line also in ``log.txt``).
 - **Signals.** SIGTERM, SIGINT, SIGHUP and SIGQUIT stop the run (torchrun terminates its ranks;
   the supervisor then sweeps). With ``--parent-pid`` the run also stops when that process dies
@@ -29,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -93,18 +100,27 @@ def _register_loopback() -> None:
         pass  # already registered in this process
 
 
+DEFAULT_RDZV_TIMEOUT_S = 600
+"""How long a node waits for the rendezvous (to reach the endpoint, or for every node to join)."""
+
+
 def torchrun_args(run_dir: Path, *, nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None,
-                  rdzv_id: str | None, module: str, module_args: list[str], attempt: int) -> list[str]:
+                  rdzv_id: str | None, module: str, module_args: list[str], attempt: int,
+                  rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT_S) -> list[str]:
     """torchrun's arguments for this node's share of the run."""
+    log_dir = run_dir / runs.TORCHRUN_LOG_DIR / f"attempt_{attempt}"
     if nnodes == 1 and rdzv_endpoint is None:
         out = ["--nnodes", "1", "--node-rank", "0", "--rdzv-backend", LOOPBACK_BACKEND,
                "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-conf", "rank=0"]
     else:
         if rdzv_endpoint is None:
             raise ValueError("a run over several nodes needs --rdzv-endpoint HOST:PORT (the same on every node)")
-        out = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id or run_dir.name]
-    log_dir = run_dir / runs.TORCHRUN_LOG_DIR / f"attempt_{attempt}"
+        # static: node k is group rank k (c10d would order nodes by host name and pid)
+        out = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "static",
+               "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id or run_dir.name,
+               "--rdzv-conf", f"rank={node_rank},timeout={max(1, int(round(rdzv_timeout)))}"]
+        if nnodes > 1:
+            log_dir = log_dir / f"node{node_rank}"
     out += ["--nproc-per-node", str(nproc), "--max-restarts", "0", "--monitor-interval", "0.2",
             "--log-dir", str(log_dir), "--redirects", "3", "--tee", "3",
             "-m", module, "--run-dir", str(run_dir), *module_args]
@@ -164,6 +180,38 @@ def _describe_exit(code: int) -> tuple[str, str | None]:
 _PARENT_GONE: list[int] = []
 
 
+def _watch_stop_file(run_dir: Path, since: float) -> None:
+    """Stop this node (SIGTERM to ourselves) when the run store asks every node to stop."""
+
+    def loop() -> None:
+        while runs.stop_requested(run_dir, since) is None:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=loop, name="stop-watch", daemon=True).start()
+
+
+def _is_loopback(endpoint: str) -> bool:
+    host = endpoint.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _rendezvous_error(e: BaseException, endpoint: str, nnodes: int, node_rank: int, timeout: float) -> str | None:
+    """One line for a rendezvous that failed (torchrun's static store: a client that cannot connect,
+    a host that waited for the others), or None when ``e`` is something else."""
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    low = text.lower()
+    if "waiting for clients" in low or "waiting for workers" in low:
+        m = re.search(r"(\d+)/(\d+) clients joined", text)
+        joined = f"{m.group(1)} of {m.group(2)}" if m else "not every"
+        return (f"the rendezvous at {endpoint} (hosted by node 0) waited {timeout:.0f} s but only {joined} node(s) "
+                f"joined: start every node with --nnodes {nnodes} and --rdzv-endpoint {endpoint} (or raise --rdzv-timeout)")
+    if "connect" in low or "timed out" in low or "refused" in low or "unreachable" in low or "resolve" in low:
+        return (f"node {node_rank}: the rendezvous endpoint {endpoint} did not answer within {timeout:.0f} s ({text}); "
+                f"start node 0 first (it listens there) and check the address and that the port is open between the nodes")
+    return None
+
+
 def _watch_parent(pid: int) -> None:
     """Stop the run (SIGTERM to ourselves) when process ``pid`` is gone."""
     start = runs.proc_start_time(pid)
@@ -186,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--node-rank", type=int, default=0)
     ap.add_argument("--rdzv-endpoint", default=None)
     ap.add_argument("--rdzv-id", default=None)
+    ap.add_argument("--rdzv-timeout", type=float, default=DEFAULT_RDZV_TIMEOUT_S)
     ap.add_argument("--parent-pid", type=int, default=None)
     ap.add_argument("--module", default="workbench.runtime.train")
     ap.add_argument("module_args", nargs=argparse.REMAINDER)
@@ -196,10 +245,14 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(s, _early_handler)
     if args.parent_pid:
         _watch_parent(args.parent_pid)
-    st = runs.read_status(run_dir)
+    node = args.node_rank if args.nnodes > 1 else None
+    started = time.time()
+    st = runs.read_status(run_dir, node)
     attempt = max(1, st.attempt)
-    runs.update_status(run_dir, reopen=True, state="starting", host=socket.gethostname(),
+    runs.update_status(run_dir, node=node, reopen=True, state="starting", host=socket.gethostname(),
                        pids={"supervisor": os.getpid(), **runs.process_record()})
+    if node is not None:
+        _watch_stop_file(run_dir, started)
     state, code, fields = "failed", 1, {}
     # the machine's load while the run lives (one node samples it: they may share the folder)
     sampler = runs.LoadSampler(run_dir).start() if args.node_rank == 0 else None
@@ -208,13 +261,16 @@ def main(argv: list[str] | None = None) -> int:
             _register_loopback()
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
             os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        elif _is_loopback(args.rdzv_endpoint):  # every "node" on this machine (a test, a rehearsal)
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import parse_args, run
 
         targs = torchrun_args(run_dir, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                               rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, module=args.module,
-                              module_args=extra, attempt=attempt)
+                              module_args=extra, attempt=attempt, rdzv_timeout=args.rdzv_timeout)
         print(f"workbench supervisor: torchrun {' '.join(targs)}", flush=True)
         try:
             run(parse_args(targs))
@@ -229,24 +285,40 @@ def main(argv: list[str] | None = None) -> int:
         state, code, fields = "stopped", 128 + e.signum, {"note": f"stopped by {e}"}
     except Exception as e:  # noqa: BLE001 - recorded in the status, never a silent death
         state, code = "failed", 1
-        fields = {"error": f"torchrun could not run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        rdzv = (_rendezvous_error(e, args.rdzv_endpoint, args.nnodes, args.node_rank, args.rdzv_timeout)
+                if args.rdzv_endpoint else None)
+        fields = {"error": rdzv or f"torchrun could not run: {type(e).__name__}: "
+                                   f"{str(e).splitlines()[0] if str(e) else ''}"}
     finally:
         for s in HANDLED_SIGNALS:  # a second signal must not interrupt the sweep
             signal.signal(s, signal.SIG_IGN)
         if sampler is not None:
             sampler.stop()
-        left = sweep(run_dir)
+        left = sweep(run_dir, node=node)
+    asked = runs.stop_requested(run_dir, started) if node is not None else None
+    if asked is not None and state == "failed":
+        # every node was asked to stop: a rank that saw its peers go first failed only because of it
+        state, code = "stopped", 128 + signal.SIGTERM
+        fields = {"note": f"stopped: the run store asked every node to stop ({asked.get('reason') or 'stop.json'})"}
     if _PARENT_GONE and state == "stopped":
         fields["note"] = f"stopped: the process that started it (pid {_PARENT_GONE[0]}) ended"
     if left:
         fields["note"] = (fields.get("note", "") + f"; ended {len(left)} leftover process(es)").lstrip("; ")
-    prev = runs.read_status(run_dir)
+    prev = runs.read_status(run_dir) if node in (None, 0) else runs.read_status(run_dir, node)
     if state == "done" and prev.state == "failed":  # the trainer said it failed, torchrun did not
         state, code = "failed", 1
     if state == "failed" and not fields.get("error"):
         fields["error"] = prev.error or _reported_error(run_dir, fields.get("failing_rank")) or "the run failed"
-    runs.update_status(run_dir, state=state, exit_code=code, finished=runs.now(), reopen=True, **fields)
-    print(f"workbench supervisor: run {state} (exit {code})", flush=True)
+    if node is not None:
+        runs.update_status(run_dir, node=node, state=state, exit_code=code, finished=runs.now(), reopen=True, **fields)
+    # the run's own end: node 0 (rank 0's node) writes it; another node only when it failed first
+    if node in (None, 0):
+        runs.update_status(run_dir, state=state, exit_code=code, finished=runs.now(), reopen=True, **fields)
+    elif state != "done" and not runs.read_status(run_dir).final:
+        runs.update_status(run_dir, state=state, finished=runs.now(), error=fields.get("error"),
+                           failing_rank=fields.get("failing_rank"))
+    print(f"workbench supervisor: {'node ' + str(node) + ' of the ' if node is not None else ''}run {state} "
+          f"(exit {code})", flush=True)
     return code
 
 

@@ -85,30 +85,7 @@ def _say(msg: str) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-class Clock:
-    """Intervals between marks, in ms: CUDA events on a GPU (recorded on the current stream and
-    read after one synchronisation), a monotonic clock with synchronisation elsewhere."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.device = device
-        self._marks: list = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self._marks.append(ev)
-        else:
-            self._marks.append(time.perf_counter())
-
-    def intervals(self) -> list[float]:
-        """The ms between consecutive marks (then the marks are cleared)."""
-        marks, self._marks = self._marks, []
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
-        return [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
+from workbench.runtime.timing import Clock  # noqa: E402 - CUDA events on a GPU; shared with the doctor
 
 
 def _barrier(device: torch.device) -> None:

@@ -14,6 +14,11 @@
   ``full_model_state(run_dir, step)``.
 - ``weights``: Hugging Face safetensors in (``load_initial_weights``, strict) and out (``export_run``),
   through the name adapter of ``workbench.hf``; a run's weights are read with ``checkpoint.full_model_state``.
+- ``timing``: ``Clock`` (CUDA events on a GPU), ``PeakMemory`` (the allocator's peak, reset per step),
+  ``StepStats`` (the first step left out); shared by the profiler and the doctor.
+- ``peers``: heartbeats through torchrun's store (``PeerWatch``), naming the node of a run over several
+  nodes that went away.
+- ``doctor``: the torch side of ``workbench doctor`` (run as a process of its own).
 - measuring this machine for a ``HardwareProfile`` lives in ``workbench.profile.measure`` (``workbench profile``).
 
 Everything here imports torch; the planning side (``workbench.solve``, ``cost``, ``specs``) never does.

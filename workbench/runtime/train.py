@@ -26,6 +26,13 @@ failure ``failures/rank<k>.json``. A restarted run resumes from its latest check
 Setup errors (a missing or invalid spec, a bad source, a sequence over the max context under
 policy ``error``...) are collected on every rank *before* the first collective that could block,
 then agreed on with one ``all_gather_object``: every rank stops, rank 0 writes the message.
+
+Over several nodes (torchrun's ``GROUP_WORLD_SIZE`` > 1) that same gather also compares the nodes:
+another ``--nproc``, another run or another spec on some node stops every rank with one line naming
+it (``workbench.runtime.peers.node_problem``). Each rank records its pid in its node's record
+(``nodes/node<k>.json``) and, on nodes other than 0, appends its metrics to that node's file;
+heartbeats through torchrun's store (``PeerWatch``) let a rank whose collective failed name the node
+that went away.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import datetime
 import json
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -86,6 +94,14 @@ class DistEnv:
     world_size: int
     local_rank: int
     local_world_size: int
+    node: int = 0
+    """This node's rank (torchrun's ``GROUP_RANK``: the ``--node-rank`` it was started with)."""
+    nnodes: int = 1
+    """Nodes of the run (torchrun's ``GROUP_WORLD_SIZE``)."""
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes > 1
 
     @classmethod
     def from_env(cls) -> "DistEnv":
@@ -96,7 +112,8 @@ class DistEnv:
             env.setdefault("MASTER_PORT", str(_free_port()))
         return cls(rank=int(env.get("RANK", 0)), world_size=int(env.get("WORLD_SIZE", 1)),
                    local_rank=int(env.get("LOCAL_RANK", 0)),
-                   local_world_size=int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1))))
+                   local_world_size=int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1))),
+                   node=int(env.get("GROUP_RANK", 0)), nnodes=int(env.get("GROUP_WORLD_SIZE", 1)))
 
 
 def _free_port() -> int:
@@ -275,6 +292,11 @@ class Trainer:
         self.spec: TrainSpec | None = None
         self.step = 0
         self.attempt = 1
+        self.node = env.node if env.multi_node else None
+        """This rank's node record (``nodes/node<k>.json``) in a run over several nodes, else None."""
+        self.peers = None
+        self.members: dict[int, tuple[int, str]] = {}
+        """Every rank's ``(node, host)``, agreed at start."""
 
     # ---- status and artefacts (rank 0 writes the run's progress; every rank its pid) ---------------
     def _write_status(self, **fields) -> None:
@@ -284,6 +306,8 @@ class Trainer:
 
     def _fail(self, msg: str, *, where: str = "") -> int:
         """Report a failure on this rank (stderr, failures/rank<k>.json; status.json on rank 0)."""
+        if self.peers is not None:
+            self.peers.mark_ended("failed")
         _say(f"workbench train: error (rank {self.rank}{', ' + where if where else ''}): {msg}")
         if self.run_dir.is_dir():
             try:
@@ -323,7 +347,7 @@ class Trainer:
             raise TrainError("the scenario has neither batch_tokens nor batch_size; give --batch-tokens T")
         self.batch_size, self.batch_tokens = bs, bt
         self.sampler = GlobalBatchSampler(self.data, batch_size=bs, batch_tokens=bt, seed=sc.seed)
-        self.attn, self.attn_name = select_attention(spec.attention, device)
+        self.attn, self.attn_name = select_attention(spec.attention, device, sc.precision)
         if spec.debug.get("plan_num_gpus") is not None:
             k = int(spec.debug["plan_num_gpus"])
             self.plan_cost = sc.replace(num_gpus=k, gpus_per_node=min(sc.gpus_per_node, k)).cost()
@@ -348,14 +372,66 @@ class Trainer:
                                  f"({', '.join(f'{k}: {a!r} there, {b!r} now' for k, (a, b) in diff.items())}); "
                                  f"use a new run folder")
 
+    def _info(self) -> dict:
+        """What this rank says about itself at start, for the nodes' comparison."""
+        spec = self.spec.to_dict() if self.spec is not None else None
+        if spec is not None:
+            spec.pop("steps", None)  # a resume may raise the steps on one node first; the rest must match
+        return {"rank": self.rank, "node": self.env.node, "host": socket.gethostname(),
+                "local_world_size": self.env.local_world_size, "run_id": self.run_dir.name, "spec": spec}
+
     def _agree(self, err: str | None) -> tuple[int, str] | None:
-        """All ranks' setup errors, gathered on every rank: ``(rank, message)`` of the first, or None."""
-        errs: list = [None] * self.env.world_size
-        dist.all_gather_object(errs, err)
-        for r, e in enumerate(errs):
+        """All ranks' setup errors (and, over several nodes, what differs between the nodes), gathered
+        on every rank: ``(rank, message)`` of the first, or None. Also keeps every rank's node and
+        host (``self.members``) for naming a node that goes away later."""
+        from workbench.runtime.peers import node_problem
+
+        got: list = [None] * self.env.world_size
+        dist.all_gather_object(got, (err, self._info()))
+        self.members = {int(i["rank"]): (int(i["node"]), str(i["host"])) for _, i in got}
+        nodes = node_problem([i for _, i in got])
+        if nodes is not None:
+            return nodes  # before the errors it causes (a world of another size, say)
+        for r, (e, _) in enumerate(got):
             if e is not None:
                 return r, e
         return None
+
+    def _watch_peers(self) -> None:
+        """Heartbeats through torchrun's store (several nodes only), so a failure can name the node gone."""
+        from workbench.runtime.peers import PeerWatch, store_from_env
+
+        if not self.env.multi_node:
+            return
+        try:
+            found = store_from_env(timeout_s=10.0)
+        except Exception as e:  # noqa: BLE001 - without it a failure is reported as it comes
+            _say(f"workbench train: warning (rank {self.rank}): no heartbeats through the rendezvous store: {e}")
+            return
+        if found is None:
+            return
+        store, where = found
+        stall = min(60.0, float(self.spec.timeout_s)) if self.spec is not None else 60.0
+
+        def stalled(msg: str) -> None:
+            # a peer vanished without closing its sockets: end now rather than wait in a collective
+            self._fail(msg, where=f"step {self.step}")
+            os._exit(1)
+
+        self.peers = PeerWatch(store, self.rank, self.members, stall_s=stall, on_stall=stalled,
+                               store_host=where).start()
+
+    def _explain(self, msg: str) -> str:
+        """A failure's message, prefixed with which node went away when a peer is gone (the
+        collective's own words then shortened to their first sentence, without gloo's source path)."""
+        if self.peers is None:
+            return msg
+        why = self.peers.diagnose()
+        if not why:
+            return msg
+        short = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", msg)
+        short = re.split(r"(?<=[.!?])\s", short, maxsplit=1)[0]
+        return f"{why} ({short})"
 
     # ---- the run ----------------------------------------------------------------------------------
     def run(self) -> int:
@@ -364,8 +440,10 @@ class Trainer:
         device = torch.device("cpu")
         if self.run_dir.is_dir():
             # where every rank lives, so that a stop can reach processes torchrun put in their own sessions
-            runs.update_status(self.run_dir, pids={"ranks": {str(self.rank): os.getpid()}, **runs.process_record()})
-            self.attempt = max(1, runs.read_status(self.run_dir).attempt)
+            # (over several nodes: in this node's record, written on this host only)
+            runs.update_status(self.run_dir, node=self.node,
+                               pids={"ranks": {str(self.rank): os.getpid()}, **runs.process_record()})
+            self.attempt = max(1, runs.read_status(self.run_dir, self.node).attempt)
         try:
             self.spec = read_train_spec(self.run_dir)
         except SpecError as e:
@@ -374,6 +452,10 @@ class Trainer:
             device = resolve_device(self.spec, env)
         except TrainError as e:
             err = err or str(e)
+        if device.type == "cuda":
+            # before anything touches CUDA (and before the process group): every later CUDA call and
+            # NCCL's communicator use this rank's own GPU, never GPU 0 of every rank
+            torch.cuda.set_device(device)
         if err is None:
             try:
                 self._setup_local(device)
@@ -382,34 +464,43 @@ class Trainer:
             except Exception as e:  # noqa: BLE001 - reported, never left to hang the others
                 err = f"{type(e).__name__}: {e}"
                 traceback.print_exc()
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
         # decided the same way on every rank (not from this rank's device, which a failed set-up
         # may have left on CPU): ranks on different backends would never meet
         cuda = torch.cuda.is_available() and (self.spec is None or self.spec.device != "cpu")
         backend = "nccl" if cuda else "gloo"
         timeout = datetime.timedelta(seconds=self.spec.timeout_s if self.spec is not None else 600.0)
         try:
-            dist.init_process_group(backend, timeout=timeout, rank=env.rank, world_size=env.world_size)
+            # NCCL bound to this rank's GPU (``device_id``): the communicator forms now, and subgroups
+            # split from it
+            bind = {"device_id": device} if backend == "nccl" and device.type == "cuda" else {}
+            dist.init_process_group(backend, timeout=timeout, rank=env.rank, world_size=env.world_size, **bind)
         except Exception as e:  # noqa: BLE001
             return self._fail(f"process group ({backend}) did not start: {e}", where="init")
         agreed = self._agree(err)
         if agreed is not None:
             origin, msg = agreed
-            if self.rank == 0:  # one report of the first error, naming the rank it came from
-                self._fail(msg if origin == 0 else f"rank {origin}: {msg}", where="setup")
-            elif self.rank == origin:
+            if self.rank == origin:
                 self._fail(msg, where="setup")
+            elif self.rank == 0 or (self.env.multi_node and self.env.local_rank == 0):
+                # one report of the first error, naming the rank it came from (and one on every node,
+                # whose run store may not be rank 0's)
+                self._fail(f"rank {origin}: {msg}", where="setup")
             # everybody agreed to stop: nothing is pending, so the group can be torn down cleanly
             dist.destroy_process_group()
             return 1
+        self._watch_peers()
         try:
             code = self._train(device, backend)
         except (TrainError, ValueError) as e:
-            return self._fail(str(e).splitlines()[0] if str(e) else type(e).__name__, where=f"step {self.step}")
+            return self._fail(self._explain(str(e).splitlines()[0] if str(e) else type(e).__name__),
+                              where=f"step {self.step}")
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            return self._fail(f"{type(e).__name__}: {e}", where=f"step {self.step}")
+            first = str(e).splitlines()[0] if str(e) else ""
+            return self._fail(self._explain(f"{type(e).__name__}: {first}"), where=f"step {self.step}")
+        if self.peers is not None:
+            self.peers.mark_ended("done")
+            self.peers.stop()
         dist.destroy_process_group()
         return code
 
@@ -453,13 +544,15 @@ class Trainer:
             planner = RankZeroPlanner(sc.planner, self.plan_cost, seed=sc.seed, time_limit=sc.time_limit,
                                       max_len=self.max_len, ahead=spec.plan_ahead, run_dir=self.run_dir)
             if planner.worker_pids():  # the plan-ahead worker and its helpers: a stop must reach them too
-                runs.update_status(self.run_dir, pids={"workers": planner.worker_pids(),
+                runs.update_status(self.run_dir, node=self.node, pids={"workers": planner.worker_pids(),
                                                        **{k: v for p in planner.worker_pids()
                                                           for k, v in runs.process_record(p).items()}})
         # steps that ran in an earlier attempt after the checkpoint we resume from run again: say so
         ran_before = max((r.step for r in runs.Run(self.run_dir).steps()), default=0) if self.rank == 0 else 0
         resolved = {
-            "world_size": world, "local_world_size": env.local_world_size, "device": device.type, "backend": backend,
+            "world_size": world, "local_world_size": env.local_world_size, "nnodes": env.nnodes,
+            "hosts": sorted({h for _, h in self.members.values()}),
+            "device": device.type, "backend": backend,
             "attention": self.attn_name, "profile": self.cost.profile.name, "profile_note": self.cost_note,
             "max_len": self.max_len, "batch_size": self.batch_size, "batch_tokens": self.batch_tokens,
             "lr": lr, "degrees": list(self.cost.degrees), "planning": planner.mode if planner else None,
@@ -525,7 +618,7 @@ class Trainer:
                 if not math.isfinite(res.loss):
                     raise TrainError(f"loss is {res.loss} at step {step}; lower --lr or set a gradient clip")
                 peak = max([r.peak_memory_mb for r in res.records] + [peak_memory_mb(device)])
-                runs.append_jsonl(self.run_dir / runs.METRICS_FILE, {
+                runs.append_jsonl(runs.metrics_path(self.run_dir, self.node), {
                     "step": step, "rank": self.rank, "attempt": self.attempt, "repeat": step < ran_before,
                     "batch_id": batch.batch_id, "loss": res.loss,
                     "tokens": sum(r.tokens for r in res.records), "batch_tokens": res.tokens,

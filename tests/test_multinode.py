@@ -1,0 +1,660 @@
+"""Runs over several nodes, tested on one machine, and the way from the workbench to a cluster.
+
+Fast: the inter-node cost of groups that span nodes (hand-computed), the profile fields, the
+rendezvous arguments, the node checks (another --nproc, run or spec), heartbeats naming the node
+gone (a stand-in store), node records in the run store, joining a run by name, the emitted commands
+rebuilding the same spec, the Slurm script's syntax, and the one-line refusals of this machine
+(--device cuda without a GPU, --attention flash without flash-attn or CUDA).
+
+Slow (real torchrun "nodes" of 2 processes each on this machine, gloo, the tiny model): one
+heterogeneous plan whose groups span the node boundary gives the single-process update (ZeRO-3,
+and ZeRO-0 through the emitted torchrun commands); a stand-in ``srun`` runs the Slurm script;
+node 1 killed mid-run fails both nodes' runs naming it and leaves no process; a stop from the run
+store ends both nodes; an endpoint that does not answer, a node 0 left alone, another --nproc and
+another spec on the second node each end in one line with nothing left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from workbench import runs
+from workbench.launch import cluster
+from workbench.training import SpecError, prepare_train
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 300
+# a batch whose plan under this memory puts the 500-token sequence (and the next) on a group of all
+# 4 ranks (both nodes) and the rest on groups of 1-2 ranks (the planner's own choice, checked below)
+LENGTHS = "500,240,200,90,60,30"
+HETERO = ["--lengths", LENGTHS, "--gpu-memory", "0.005", "--planner", "greedy"]
+
+
+def _exe() -> list[str]:
+    exe = Path(sys.executable).with_name("workbench")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "workbench.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def _procs_of(run_dir: Path) -> list[int]:
+    """Every process on this machine whose command line names the run folder (supervisors, ranks,
+    plan-ahead workers): what "no process left" is checked against."""
+    needle = str(run_dir)
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in cmd and state != "Z":
+            out.append(int(d.name))
+    return out
+
+
+def _none_left(run_dir: Path, within: float = 15.0) -> None:
+    t0 = time.monotonic()
+    while _procs_of(run_dir):
+        assert time.monotonic() - t0 < within, f"left running: {_procs_of(run_dir)}"
+        time.sleep(0.2)
+
+
+class Nodes:
+    """Two ``workbench train`` commands, one per "node", as two machines' shells would start them."""
+
+    def __init__(self, tmp_path: Path, name: str, common: list[str], per_node: list[list[str]] | None = None,
+                 roots: list[Path] | None = None, port: int | None = None, delay: float = 0.5) -> None:
+        self.port = port or _free_port()
+        self.roots = roots or [tmp_path / "store"] * 2
+        self.name = name
+        self.procs = []
+        for k in range(2):
+            args = [*_exe(), "train", "--nnodes", "2", "--node-rank", str(k), "--rdzv-endpoint",
+                    f"127.0.0.1:{self.port}", "--run-root", str(self.roots[k]), "--name", name, "--device", "cpu", "--nproc", "2",
+                    "--quiet", *common, *((per_node or [[], []])[k])]
+            self.procs.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                               cwd=ROOT, env=_env(), start_new_session=True))
+            time.sleep(delay)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.roots[0] / self.name
+
+    def wait(self, timeout: float = TIMEOUT) -> list[tuple[int, str, str]]:
+        out = []
+        for p in self.procs:
+            try:
+                o, e = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                o, e = p.communicate()
+                pytest.fail(f"a node did not finish in {timeout}s:\n{e[-3000:]}")
+            out.append((p.returncode, o, e))
+        return out
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------------------------------
+# fast: the cost of groups that span nodes
+# ------------------------------------------------------------------------------------------------
+
+
+def _ulysses_ms(cost, s: float, d: int, gbps: float) -> float:
+    """The all-to-all time of one sequence of ``s`` tokens on ``d`` ranks at ``gbps``, written out from
+    the cost model's formula (q, k, v and o; each rank sends (d-1)/d of its share; forward and backward)."""
+    m = cost.model
+    kv_eff = max(m.kv_heads, d) * m.head_dim
+    per_layer = m.dtype_bytes * (s / d) * (2 * m.q_dim + 2 * kv_eff) * (d - 1) / d
+    return 2 * m.layers * per_layer / (gbps * 1e9) * 1e3
+
+
+def test_groups_larger_than_a_node_pay_inter_node_bandwidth():
+    from workbench.cost import CostModel
+    from workbench.specs import ClusterSpec, get_model, load_profile
+
+    prof = load_profile("a100-40g-flexsp")  # FlexSP's table: NVLink up to 8, InfiniBand from 16 (8 x 8 A100)
+    assert prof.gpus_per_node == 8
+    m = get_model("7b")
+    eight = CostModel(prof, m, ClusterSpec(num_gpus=64, gpus_per_node=8))
+    four = CostModel(prof, m, ClusterSpec(num_gpus=64, gpus_per_node=4))
+    s = 32768.0
+    # 8 GPUs per node: a group of 8 stays on NVLink (96.5 GB/s); of 16 it crosses (10.33)
+    assert not eight.crosses_nodes(8) and eight.crosses_nodes(16)
+    assert eight.comm_ms([s], 8)[0] == pytest.approx(_ulysses_ms(eight, s, 8, 96.5))
+    assert eight.comm_ms([s], 16)[0] == pytest.approx(_ulysses_ms(eight, s, 16, 10.33))
+    # 4 GPUs per node: the same group of 8 spans two nodes and gets the inter-node figure (the table's
+    # smallest inter-node entry, 16's: no faster link exists between nodes), 4 stays intra-node
+    assert four.crosses_nodes(8) and not four.crosses_nodes(4)
+    assert four.comm_ms([s], 8)[0] == pytest.approx(_ulysses_ms(four, s, 8, 10.33))
+    assert four.comm_ms([s], 4)[0] == pytest.approx(_ulysses_ms(four, s, 4, 104.1))
+    assert four.time([s], 8)[0] > eight.time([s], 8)[0]
+    t = four.table([s], [4, 8, 16])
+    assert t["inter_node_degrees"] == [8, 16] and t["link_gbps"]["8"] == pytest.approx(10.33)
+
+
+def test_an_explicit_inter_node_table_is_used_for_spanning_groups_and_the_gradient_sync():
+    import dataclasses
+
+    from workbench.cost import CostModel
+    from workbench.specs import ClusterSpec, HardwareProfile, get_model, load_profile
+
+    base = load_profile("cpu-gloo-tiny")  # one machine: no node size, no inter-node figures
+    m = get_model("tiny")
+    one_node = CostModel(base, m, ClusterSpec(num_gpus=4, gpus_per_node=2, gpu_memory_gb=4.0, zero_stage=0))
+    assert "no inter-node figures" in one_node.inter_node_source()
+    # without inter-node figures a spanning group keeps the table's figure (and the source says so)
+    assert one_node.link_gbps("all_to_all", 4) == pytest.approx(base.all_to_all_gbps[4])
+    prof = dataclasses.replace(base, inter_node_all_to_all_gbps={4: 0.05}, inter_node_allreduce_gbps={4: 0.5})
+    back = HardwareProfile.from_dict(prof.to_dict())  # new fields round-trip through JSON
+    assert back.inter_node_all_to_all_gbps == {4: 0.05} and back.gpus_per_node is None
+    cost = CostModel(back, m, ClusterSpec(num_gpus=4, gpus_per_node=2, gpu_memory_gb=4.0, zero_stage=0))
+    assert cost.link_gbps("all_to_all", 2) == pytest.approx(base.all_to_all_gbps[2])  # inside a node
+    assert cost.link_gbps("all_to_all", 4) == pytest.approx(0.05)
+    assert cost.comm_ms([300], 4)[0] == pytest.approx(_ulysses_ms(cost, 300, 4, 0.05))
+    # the whole-world all-reduce of a 2-node cluster runs across nodes: 2(n-1)/n of fp32 gradients
+    n, nbytes = 4, 4.0 * m.params()
+    want = 2 * (n - 1) / n * nbytes / (0.5 * 1e9) * 1e3 + base.allreduce_latency_ms[4]
+    assert cost.grad_sync_ms() == pytest.approx(want)
+    with pytest.raises(ValueError, match="gpus_per_node must be a positive integer"):
+        dataclasses.replace(base, gpus_per_node=0)
+
+
+def test_the_planner_avoids_spanning_groups_that_inter_node_links_make_slow():
+    from workbench.scenario import Scenario
+
+    kw = dict(model="7b", num_gpus=16, source="65536,65536,8192,4096,2048,1024,1024,512", planner="greedy",
+              zero_stage=3, seed=0)
+    wide = Scenario(gpus_per_node=16, **kw).plan()  # one node of 16: every group on NVLink
+    narrow = Scenario(gpus_per_node=4, **kw).plan()  # 4 nodes of 4: groups of 8 and 16 cross InfiniBand
+    assert narrow.makespan_ms > wide.makespan_ms
+
+
+# ------------------------------------------------------------------------------------------------
+# fast: rendezvous, node checks, heartbeats, node records
+# ------------------------------------------------------------------------------------------------
+
+
+def test_several_nodes_use_the_static_rendezvous_with_their_node_rank(tmp_path):
+    from workbench.launch.supervisor import torchrun_args
+
+    args = torchrun_args(tmp_path, nproc=2, nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.5:29400", rdzv_id="r",
+                         module="m", module_args=[], attempt=3, rdzv_timeout=45)
+    assert args[args.index("--rdzv-backend") + 1] == "static"
+    assert args[args.index("--node-rank") + 1] == "1" and args[args.index("--rdzv-conf") + 1] == "rank=1,timeout=45"
+    assert args[args.index("--log-dir") + 1].endswith("attempt_3/node1")
+
+
+def test_node_problems_name_the_node():
+    from workbench.launch.cluster import node_problem
+
+    spec = {"nproc": 2, "scenario": {"planner": "greedy", "seed": 1}}
+
+    def info(rank, node, lws=2, run="r", sp=spec):
+        return {"rank": rank, "node": node, "host": f"h{node}", "local_world_size": lws, "run_id": run, "spec": sp}
+
+    same = [info(0, 0), info(1, 0), info(2, 1), info(3, 1)]
+    assert node_problem(same) is None
+    r, msg = node_problem([info(0, 0), info(1, 0), info(2, 1, lws=1)])
+    assert node_problem([info(0, 0), info(1, 0), info(2, 1, lws=1, sp={**spec, "nproc": 1})]) == (r, msg)  # node 0's spec decides
+    assert r == 2 and "node 1 (h1) started 1 process(es) but the run has 2 per node" in msg and "--nproc 2" in msg
+    r, msg = node_problem([info(0, 0), info(1, 0), info(2, 1, run="other"), info(3, 1, run="other")])
+    assert r == 2 and "node 1 (h1) joined with run 'other' but node 0 runs 'r'" in msg
+    other = {"nproc": 2, "scenario": {"planner": "flexsp", "seed": 1}}
+    r, msg = node_problem([info(0, 0), info(1, 0), info(2, 1, sp=other), info(3, 1, sp=other)])
+    assert "node 1 (h1) runs another spec than node 0 (planner: 'greedy' on node 0, 'flexsp' here)" in msg
+
+
+class FakeStore:
+    """The few Store calls PeerWatch makes (add, set, check), kept in a dict."""
+
+    def __init__(self):
+        self.kv: dict[str, int | bytes] = {}
+        self.down = False
+
+    def _up(self):
+        if self.down:
+            raise RuntimeError("Connection reset by peer")
+
+    def add(self, key, n):
+        self._up()
+        self.kv[key] = int(self.kv.get(key, 0)) + n
+        return self.kv[key]
+
+    def set(self, key, value):
+        self._up()
+        self.kv[key] = value
+
+    def check(self, keys):
+        self._up()
+        return all(k in self.kv for k in keys)
+
+
+def test_heartbeats_name_the_node_that_went_away():
+    from workbench.runtime.peers import PeerWatch
+
+    store = FakeStore()
+    members = {0: (0, "a"), 1: (0, "a"), 2: (1, "b"), 3: (1, "b")}
+    watches = {r: PeerWatch(store, r, members, interval=0.05) for r in members}
+    for w in watches.values():
+        w.start()
+    time.sleep(0.3)
+    assert watches[0].diagnose(wait=1.0) is None  # everybody beats (20 beats in the window)
+    watches[2].stop()
+    watches[3].stop()  # node 1's processes are gone
+    time.sleep(0.15)
+    assert watches[0].diagnose(wait=1.0) == "node 1 (b, ranks 2-3) stopped answering (its processes are gone)"
+    watches[1].mark_ended("failed")  # a rank that said it ended is not "gone"
+    watches[1].stop()
+    time.sleep(0.15)
+    assert watches[0].diagnose(wait=1.0) == "node 1 (b, ranks 2-3) stopped answering (its processes are gone)"
+    store.down = True  # the store lives on node 0: its loss names node 0
+    assert watches[2].diagnose(wait=0.1).startswith("node 0 (a) is gone: the rendezvous store")
+    for w in watches.values():
+        w.stop()
+
+
+def test_a_silent_peer_ends_the_rank_instead_of_a_collective_timeout():
+    from workbench.runtime.peers import PeerWatch
+
+    store = FakeStore()
+    members = {0: (0, "a"), 1: (1, "b")}
+    heard: list[str] = []
+    me = PeerWatch(store, 0, members, interval=0.05, stall_s=2.0, on_stall=heard.append).start()
+    peer = PeerWatch(store, 1, members, interval=0.05).start()
+    time.sleep(0.5)
+    assert heard == []
+    peer.stop()  # the machine vanished: no closed socket, no error, just silence
+    t0 = time.monotonic()
+    while not heard and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    me.stop()
+    assert heard == ["node 1 (b, rank 1) silent for over 2 s"]
+
+
+def test_node_records_in_the_run_store(tmp_path):
+    run = runs.new_run("train", {"steps": 2, "nnodes": 2}, root=tmp_path, run_id="r")
+    runs.update_status(run.path, node=1, state="running", pids={"supervisor": 123})
+    runs.update_status(run.path, node=0, state="running")
+    runs.append_jsonl(runs.metrics_path(run.path, 0), {"step": 0, "rank": 0, "loss": 1.0, "measured_ms": 5.0})
+    runs.append_jsonl(runs.metrics_path(run.path, 1), {"step": 0, "rank": 2, "loss": 1.0, "measured_ms": 6.0})
+    assert runs.metrics_path(run.path, 1) == run.path / "nodes" / "node1.metrics.jsonl"
+    assert sorted(r["rank"] for r in run.metrics()) == [0, 2]  # both nodes' rows, one run
+    nodes = run.nodes()
+    assert sorted(nodes) == [0, 1] and nodes[1].pids["supervisor"] == 123 and nodes[1].extra["node"] == 1
+    assert runs.read_status(run.path).pids == {}  # the run's own record holds no node's processes
+    s = run.summary()
+    assert [n["node"] for n in s["nodes"]] == [0, 1] and s["nodes"][1]["state"] == "running"
+    t0 = time.time()
+    assert runs.stop_requested(run.path, t0) is None
+    runs.request_stop(run.path, "test")
+    assert runs.stop_requested(run.path, t0)["reason"] == "test"
+    assert runs.stop_requested(run.path, time.time() + 10) is None  # an older request is not for a later start
+
+
+# ------------------------------------------------------------------------------------------------
+# fast: joining a run, the emitted commands, this machine's refusals
+# ------------------------------------------------------------------------------------------------
+
+SET = dict(model="tiny", max_len=256, batch_tokens=1024, time_limit=0.5, device="cpu", steps=2, nproc=2, nnodes=2)
+
+
+def test_nodes_join_one_run_by_name_and_refuse_another_runs_spec(tmp_path):
+    run0, spec0, _ = prepare_train(SET, root=tmp_path, name="j", join=True)
+    run1, spec1, _ = prepare_train(SET, root=tmp_path, name="j", join=True)  # the second node joins
+    assert run1.path == run0.path and spec1 == spec0
+    with pytest.raises(SpecError, match=r"run j in .* was prepared \(by another node\) with other settings "
+                                        r"\(nproc: 2 on node 0, 1 here"):
+        prepare_train({**SET, "nproc": 1}, root=tmp_path, name="j", join=True)
+    with pytest.raises(SpecError, match="planner: 'greedy' on node 0, 'flexsp' here"):
+        prepare_train({**SET, "planner": "flexsp"}, root=tmp_path, name="j", join=True)
+    runs.update_status(run0.path, state="done")
+    with pytest.raises(SpecError, match="already ended \\(done\\); pick another --name"):
+        prepare_train(SET, root=tmp_path, name="j", join=True)
+    with pytest.raises(SpecError, match="needs --name ID, the same on every node"):
+        prepare_train(SET, root=tmp_path, join=True)
+
+
+def test_emitted_arguments_rebuild_the_same_spec(tmp_path):
+    from workbench.cli import build_parser
+    from workbench.cli import _TRAIN_SETTINGS  # the flags' settings, as cmd_train collects them
+
+    data = tmp_path / "lengths.txt"
+    data.write_text("\n".join(str(x) for x in (300, 20, 75, 512, 9)))
+    _, spec, _ = prepare_train({**SET, "source": str(data), "planner": "flexsp", "zero_stage": 1, "precision": "bf16",
+                                "recompute": True, "optimizer": "sgd", "momentum": 0.9, "lr": 0.25, "seed": 9,
+                                "debug": {"step_sleep_s": 0.5}, "degrees": (1, 2, 4), "memory_fraction": 0.6},
+                               dry_run=True)
+    argv = cluster.train_argv(spec)
+    args = build_parser().parse_args(["train", *argv])
+    settings = {k: getattr(args, k) for k in _TRAIN_SETTINGS if getattr(args, k, None) is not None}
+    settings["degrees"] = tuple(int(x) for x in settings["degrees"].split(","))
+    settings["debug"] = {"step_sleep_s": args.debug_step_sleep}
+    _, again, _ = prepare_train(settings, dry_run=True, on_gpu=False)
+    assert again == spec
+
+
+def test_slurm_script_runs_one_workbench_per_node(tmp_path):
+    _, spec, _ = prepare_train({**SET, "device": "cuda"}, dry_run=True, on_gpu=True)
+    text = cluster.slurm_script(spec, run_root=tmp_path / "shared", name="job", port=29555,
+                                sbatch=["partition=gpu", "time=01:00:00"])
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0  # the script parses
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=2",
+                 "#SBATCH --partition=gpu", "#SBATCH --time=01:00:00", "PORT=${WORKBENCH_RDZV_PORT:-29555}"):
+        assert line in text.splitlines(), line
+    assert "--node-rank \"$SLURM_NODEID\"" in text and '"$HEAD:$PORT"' in text and "slurm-$SLURM_JOB_ID" in text
+    assert f"--run-root {tmp_path / 'shared'}" in text and "--precision bf16" in text and "--device cuda" in text
+
+
+def test_this_machines_refusals_are_one_line(tmp_path, monkeypatch):
+    from workbench import training
+
+    for bad, words in (({"device": "cuda"}, "--device cuda but this machine shows no NVIDIA GPU"),
+                       ({"attention": "flash"}, "--attention flash needs CUDA and this run is on CPU")):
+        p = subprocess.run([*_exe(), "train", "--steps", "1", "--run-root", str(tmp_path), "--model", "tiny",
+                            *sum(([f"--{k}", v] for k, v in bad.items()), [])],
+                           capture_output=True, text=True, cwd=ROOT, env=dict(_env(), CUDA_VISIBLE_DEVICES=""),
+                           timeout=120)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and words in lines[0], p.stderr
+        assert not any(tmp_path.iterdir())
+    # a machine with a GPU but no flash-attn, and an fp32 run asking for flash
+    monkeypatch.setattr(training, "cuda_visible", lambda: True)
+    monkeypatch.setattr(training, "flash_installed", lambda: None)
+    with pytest.raises(SpecError, match="flash-attn is not installed here .*use --attention auto"):
+        prepare_train({"steps": 1, "attention": "flash", "model": "tiny"}, root=tmp_path)
+    with pytest.raises(SpecError, match="precision is fp32; use --precision bf16"):
+        prepare_train({"steps": 1, "attention": "flash", "model": "tiny", "precision": "fp32"}, root=tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------------------------------------
+# slow: two torchrun nodes on this machine
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hetero_reference(tmp_path_factory):
+    """The single-process SGD step on the heterogeneous batch (test_train's reference recipe: one
+    rank, static:1, ZeRO-0)."""
+    from test_train import SMALL, _ok, _train
+
+    d = tmp_path_factory.mktemp("ref") / "run"
+    _ok(_train(d, "--nproc", "1", "--planner", "static:1", "--steps", "1", "--seed", "7", "--optimizer", "sgd",
+               "--lr", "0.5", "--checkpoint-every", "1", "--zero-stage", "0", "--lengths", LENGTHS, *SMALL), d)
+    return d
+
+
+EXACT = ["--steps", "1", "--seed", "7", "--optimizer", "sgd", "--lr", "0.5", "--checkpoint-every", "1", "--model", "tiny",
+         "--max-len", "512", "--time-limit", "0.5", *HETERO]
+
+
+def _assert_same_update(run_dir: Path, reference: Path) -> dict:
+    from test_train import params_of
+
+    from workbench.runtime.model import Transformer
+    from workbench.specs import get_model
+
+    plan = json.loads((run_dir / "plans.jsonl").read_text().splitlines()[0])["plan"]
+    groups = [g for m in plan["micro_steps"] for g in m["groups"]]
+    degrees = {g["degree"] for g in groups}
+    # heterogeneous, and one group spans the node boundary (ranks 0-1 are node 0, 2-3 node 1)
+    assert 4 in degrees and degrees & {1, 2}, degrees
+    assert any(min(g["ranks"]) < 2 <= max(g["ranks"]) for g in groups)
+    ref, got = params_of(reference, 1), params_of(run_dir, 1)
+    init = Transformer(get_model("tiny"), seed=7).state_dict()
+    assert max(float((ref[k] - init[k]).abs().max()) for k in ref) > 1e-4  # the step moved the weights
+    for name, t in ref.items():
+        np.testing.assert_allclose(got[name].numpy(), t.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+    return plan
+
+
+@pytest.mark.slow
+def test_two_nodes_give_the_single_process_update(hetero_reference, tmp_path):
+    nodes = Nodes(tmp_path, "mn3", EXACT)
+    outs = nodes.wait()
+    d = nodes.run_dir
+    for k, (code, _, err) in enumerate(outs):
+        assert code == 0, f"node {k}:\n{err[-3000:]}\n" + "\n".join(runs.tail_lines(d / 'log.txt', 40))
+    plan = _assert_same_update(d, hetero_reference)
+    assert plan["execution"] == "lockstep"  # ZeRO-3, the default
+    run = runs.load_run(d)
+    st = run.status()
+    assert st.state == "done" and st.resolved["world_size"] == 4 and st.resolved["nnodes"] == 2
+    nodes_ = run.nodes()  # one run, two node records
+    assert sorted(nodes_) == [0, 1] and all(n.state == "done" for n in nodes_.values())
+    assert {tuple(sorted(n.pids["ranks"])) for n in nodes_.values()} == {("0", "1"), ("2", "3")}
+    assert sorted({r["rank"] for r in run.metrics()}) == [0, 1, 2, 3]
+    show = subprocess.run([*_exe(), "runs", "show", "mn3", "--root", str(d.parent)], capture_output=True, text=True)
+    assert "node 0 (" in show.stdout and "node 1 (" in show.stdout and ": done, attempt 1" in show.stdout
+    listed = subprocess.run([*_exe(), "runs", "list", "--json", "--root", str(d.parent)], capture_output=True, text=True)
+    assert [r["id"] for r in json.loads(listed.stdout)["runs"]] == ["mn3"]  # one run, not one per node
+    _none_left(d)
+    # both nodes resume it from its (sharded) checkpoint for one more step
+    port = _free_port()
+    procs = [subprocess.Popen([*_exe(), "train", "--run-dir", str(d), "--steps", "2", "--nnodes", "2", "--node-rank", str(k),
+                               "--rdzv-endpoint", f"127.0.0.1:{port}", "--quiet"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env(), start_new_session=True)
+             for k in (0, 1)]
+    for k, pr in enumerate(procs):
+        _, err = pr.communicate(timeout=TIMEOUT)
+        assert pr.returncode == 0, f"node {k}: {err[-3000:]}"
+    st = run.status()
+    assert st.state == "done" and st.step == 2 and st.resumed_from == 1 and st.attempt == 2
+    assert all(n.attempt == 2 and n.state == "done" for n in run.nodes().values())
+    _none_left(d)
+
+
+@pytest.mark.slow
+def test_emitted_torchrun_commands_run_two_local_nodes(hetero_reference, tmp_path):
+    port = _free_port()
+    p = subprocess.run([*_exe(), "train", "--emit", "torchrun", "--nproc", "2", "--nnodes", "2", "--device", "cpu",
+                        "--zero-stage", "0", "--rdzv-endpoint", f"127.0.0.1:{port}", "--run-root", str(tmp_path / "s"),
+                        "--name", "emitted", *EXACT], capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=120)
+    assert p.returncode == 0, p.stderr
+    # one command per node (continued over lines with backslashes, as a shell reads them)
+    cmds = [shlex.split(ln) for ln in p.stdout.replace("\\\n", " ").splitlines() if ln and not ln.startswith("#")]
+    assert len(cmds) == 2 and [c[c.index("--node-rank") + 1] for c in cmds] == ["0", "1"]
+    assert not (tmp_path / "s" / "emitted").exists()  # emitting starts and writes nothing
+    procs = []
+    for c in cmds:  # each node's shell runs its line
+        procs.append(subprocess.Popen([*c, "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      cwd=tmp_path, env=_env(), start_new_session=True))
+        time.sleep(0.5)
+    for k, pr in enumerate(procs):
+        _, err = pr.communicate(timeout=TIMEOUT)
+        assert pr.returncode == 0, f"node {k}: {err[-3000:]}"
+    d = tmp_path / "s" / "emitted"
+    plan = _assert_same_update(d, hetero_reference)
+    assert plan["execution"] == "free" and runs.load_run(d).status().state == "done"
+    _none_left(d)
+
+
+FAKE_SRUN = r'''#!{python}
+"""A stand-in srun: starts the command once per node of the job on this machine, with the node's
+SLURM_NODEID, and (--kill-on-bad-exit) ends the others when one fails."""
+import os, subprocess, sys, time
+args = sys.argv[1:]
+while args and args[0].startswith("--"):
+    args.pop(0)
+nnodes = int(os.environ["SLURM_NNODES"])
+procs = []
+for k in range(nnodes):
+    procs.append(subprocess.Popen(args, env=dict(os.environ, SLURM_NODEID=str(k), SLURM_PROCID=str(k))))
+    time.sleep(0.5)
+code = 0
+while any(p.poll() is None for p in procs):
+    if any(p.returncode not in (None, 0) for p in procs):
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+    time.sleep(0.2)
+sys.exit(max(abs(p.returncode) for p in procs))
+'''
+
+
+@pytest.mark.slow
+def test_slurm_script_under_a_stand_in_srun(tmp_path):
+    port = _free_port()
+    p = subprocess.run([*_exe(), "train", "--emit", "slurm", "--nproc", "2", "--nnodes", "2", "--device", "cpu",
+                        "--rdzv-endpoint", f":{port}", "--run-root", str(tmp_path / "shared"), "--name", "sl",
+                        "--steps", "2", "--model", "tiny", "--max-len", "256", "--batch-tokens", "1024",
+                        "--checkpoint-every", "0", "--time-limit", "0.5"], capture_output=True, text=True, cwd=ROOT,
+                       env=_env(), timeout=120)
+    assert p.returncode == 0, p.stderr
+    script = tmp_path / "job.sbatch"
+    script.write_text(p.stdout)
+    assert "#SBATCH --gpus-per-node" not in p.stdout  # a CPU rehearsal asks for no GPUs
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "srun").write_text(FAKE_SRUN.replace("{python}", sys.executable))
+    (bin_ / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")  # `scontrol show hostnames`: the job's hosts
+    for f in bin_.iterdir():
+        f.chmod(f.stat().st_mode | stat.S_IEXEC)
+    env = dict(_env(), PATH=f"{bin_}:{os.environ['PATH']}", SLURM_JOB_NODELIST="node[0-1]", SLURM_NNODES="2",
+               SLURM_JOB_ID="4242")
+    job = subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=TIMEOUT)
+    d = tmp_path / "shared" / "sl"
+    assert job.returncode == 0, job.stderr[-3000:]
+    run = runs.load_run(d)
+    assert run.status().state == "done" and run.status().step == 2
+    assert sorted(run.nodes()) == [0, 1] and all(n.state == "done" for n in run.nodes().values())
+    log = (d / "log.txt").read_text()
+    assert "--rdzv-id slurm-4242" in log and f"127.0.0.1:{port}" in log
+    _none_left(d)
+
+
+def _wait_for_steps(run_dir: Path, n: int, nodes: Nodes) -> None:
+    t0 = time.monotonic()
+    while True:
+        rows = runs.Run(run_dir).metrics() if run_dir.exists() else []
+        if len({r["step"] for r in rows}) >= n:
+            return
+        assert all(p.poll() is None for p in nodes.procs), [p.communicate() for p in nodes.procs]
+        assert time.monotonic() - t0 < TIMEOUT, "no progress"
+        time.sleep(0.3)
+
+
+LONG = ["--steps", "200", "--model", "tiny", "--max-len", "256", "--batch-tokens", "1024", "--checkpoint-every", "0",
+        "--time-limit", "0.5", "--debug-step-sleep", "0.3"]
+
+
+@pytest.mark.slow
+def test_node_1_killed_fails_both_nodes_naming_it(tmp_path):
+    nodes = Nodes(tmp_path, "killed", LONG)
+    d = nodes.run_dir
+    try:
+        _wait_for_steps(d, 2, nodes)
+        sup = runs.read_status(d, 1).pids["supervisor"]
+        os.kill(sup, signal.SIGKILL)  # node 1's torchrun agent dies, as with its machine
+        outs = nodes.wait(timeout=120)
+    finally:
+        nodes.kill()
+    (c0, _, e0), (c1, _, e1) = outs
+    last0, last1 = e0.strip().splitlines()[-1], e1.strip().splitlines()[-1]
+    assert c0 == 1 and "node 1 (" in last0 and "ranks 2-3) stopped answering" in last0, e0[-2000:]
+    assert c1 == 1 and "node 1 (" in last1 and "killed by SIGKILL" in last1, e1[-2000:]
+    run = runs.load_run(d)
+    st, n0, n1 = run.status(), runs.read_status(d, 0), runs.read_status(d, 1)
+    assert st.state == "failed" and "node 1" in st.error
+    assert n0.state == "failed" and "node 1" in n0.error and n1.state == "failed" and "SIGKILL" in n1.error
+    _none_left(d)
+
+
+@pytest.mark.slow
+def test_a_stop_from_the_run_store_ends_both_nodes(tmp_path):
+    nodes = Nodes(tmp_path, "stopped", LONG)
+    d = nodes.run_dir
+    try:
+        _wait_for_steps(d, 1, nodes)
+        p = subprocess.run([*_exe(), "runs", "stop", "stopped", "--root", str(d.parent)], capture_output=True,
+                           text=True, timeout=120)
+        outs = nodes.wait(timeout=60)
+    finally:
+        nodes.kill()
+    assert p.returncode == 0 and "no process left here" in p.stdout, p.stdout + p.stderr
+    assert all(code != 0 for code, _, _ in outs)
+    assert runs.load_run(d).status().state == "stopped"
+    assert {runs.read_status(d, k).state for k in (0, 1)} == {"stopped"}
+    _none_left(d)
+
+
+@pytest.mark.slow
+def test_an_endpoint_that_does_not_answer_is_one_line(tmp_path):
+    dead = _free_port()  # nothing listens there
+    p = subprocess.run([*_exe(), "train", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{dead}",
+                        "--rdzv-timeout", "5", "--run-root", str(tmp_path), "--name", "lonely", "--nproc", "2",
+                        "--device", "cpu", "--quiet", *LONG], capture_output=True, text=True, cwd=ROOT, env=_env(),
+                       timeout=120)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 1 and f"node 1: the rendezvous endpoint 127.0.0.1:{dead} did not answer within 5 s" in last
+    assert runs.read_status(tmp_path / "lonely", 1).state == "failed"
+    _none_left(tmp_path / "lonely")
+    # node 0 alone waits for the others, then says how many came
+    p = subprocess.run([*_exe(), "train", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint",
+                        f"127.0.0.1:{_free_port()}", "--rdzv-timeout", "5", "--run-root", str(tmp_path), "--name",
+                        "alone", "--nproc", "2", "--device", "cpu", "--quiet", *LONG], capture_output=True, text=True,
+                       cwd=ROOT, env=_env(), timeout=120)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 1 and "waited 5 s but only 1 of 2 node(s) joined" in last, p.stderr[-2000:]
+    _none_left(tmp_path / "alone")
+
+
+@pytest.mark.slow
+def test_another_nproc_or_spec_on_the_second_node_is_one_line(tmp_path):
+    # on a shared run store the second node is refused before it starts anything; node 0, left
+    # waiting for it, is stopped (its terminal's Ctrl-C) and leaves nothing
+    nodes = Nodes(tmp_path, "mismatch", [*LONG, "--rdzv-timeout", "60"], per_node=[["--nproc", "2"], ["--nproc", "1"]])
+    try:
+        _, e1 = nodes.procs[1].communicate(timeout=120)
+        c1 = nodes.procs[1].returncode
+    finally:
+        nodes.kill()
+    assert c1 == 2 and len(e1.strip().splitlines()) == 1 and "nproc: 2 on node 0, 1 here" in e1, e1
+    _none_left(tmp_path / "store" / "mismatch")
+    # each node with its own run store (no shared path): the nodes compare themselves at start
+    cases = [("apart-nproc", [["--nproc", "2"], ["--nproc", "1"]], "started 1 process(es) but the run has 2 per node"),
+             ("apart-spec", [["--planner", "greedy"], ["--planner", "static:1"]],
+              "runs another spec than node 0 (planner: 'greedy' on node 0, 'static:1' here)")]
+    for name, per_node, words in cases:
+        nodes = Nodes(tmp_path, name, [*LONG, "--timeout", "60"], per_node=per_node, roots=[tmp_path / "a", tmp_path / "b"])
+        try:
+            outs = nodes.wait(timeout=180)
+        finally:
+            nodes.kill()
+        for k, (code, _, err) in enumerate(outs):
+            last = err.strip().splitlines()[-1]
+            assert code == 1 and "node 1 (" in last and words in last, f"{name}, node {k}: {err[-2000:]}"
+        for r in (tmp_path / "a", tmp_path / "b"):
+            _none_left(r / name)
