@@ -9,9 +9,14 @@ For one long-tailed global batch (a synthetic length family, or the stdlib corpu
 where registered) plans the step against the cost model of ``--profile`` (a shipped name or a
 profile JSON, e.g. a fresh ``workbench profile --quick --nproc 4 --oversubscribe --out p.json``),
 built through ``workbench.scenario.Scenario``; then every rank runs that plan with the StepExecutor: ``--warmup`` untimed
-steps and ``--steps`` timed ones, round-robin over the planners. A step's time is the slowest rank's (they end together in the
-gradient all-reduce); the table shows its median next to the plan's predicted makespan, and the
-median ratio measured/predicted of the plan's groups (compute per micro-step, without waits).
+steps and ``--steps`` timed ones, round-robin over the planners, each followed by an AdamW step with learning rate 0 (the
+optimizer's work, the weights unchanged, so every step runs the same model). A step's time is the slowest rank's (they
+end together in the gradient reduction), optimizer included; the table shows its median next to the plan's predicted
+makespan, and the median ratio measured/predicted of the plan's groups (compute per micro-step, without waits).
+
+``--profile machine`` (the default) is this machine's quick profile for ``--nproc`` processes
+(``workbench.profile.machine``): taken from the run store (``--run-root``, default runs/), or measured
+first, as the demo and the Launch panel do.
 
 Memory: activations of the tiny model are ~13 KB/token, so real CPU RAM never binds and every
 planner would run everything on degree 1. By default the per-rank memory is set so that a
@@ -25,7 +30,7 @@ an early rank waits inside the group's first collective); then the speedup of ea
 least disturbed by other work on a shared machine), and the ratio of the gains (1: the model
 predicts the measured gain exactly).
 
-Usage: python bench/runtime.py [--nproc 4] [--zero-stage 3,0] [--profile NAME|PATH] [--lengths wikipedia]
+Usage: python bench/runtime.py [--nproc 4] [--zero-stage 3,0] [--profile machine|NAME|PATH] [--lengths wikipedia]
 [--max-len 4096] [--batch-tokens 32768] [--steps 3] [--warmup 1] [--planners a,b] [--gpu-memory-gb G] [--json PATH]
 It launches torchrun itself (argument lists, its own session; killed on --timeout).
 """
@@ -61,7 +66,10 @@ def _args(argv=None):
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--planners", default=",".join(PLANNERS))
-    ap.add_argument("--profile", default="cpu-gloo-tiny", help="profile name or JSON path (default cpu-gloo-tiny)")
+    ap.add_argument("--profile", default="machine",
+                    help="profile name or JSON path, or 'machine': this machine's quick profile for --nproc, from the "
+                         "run store or measured first (default)")
+    ap.add_argument("--run-root", default=None, help="the run store holding machine profiles (default runs/)")
     ap.add_argument("--gpu-memory-gb", type=float, default=None,
                     help="per-rank memory for the cost model (default: a max-len sequence needs degree nproc)")
     ap.add_argument("--time-limit", type=float, default=2.0, help="solver time limit (flexsp)")
@@ -84,7 +92,7 @@ def _scenario(args, gpu_memory_gb: float, stage: int):
     return Scenario(model="tiny", profile=args.profile, num_gpus=n, gpus_per_node=n, gpu_memory_gb=gpu_memory_gb,
                     source=args.lengths, samples=args.samples, max_len=args.max_len, policy="clip",
                     batch_tokens=args.batch_tokens, seed=args.seed, time_limit=args.time_limit, zero_stage=stage,
-                    precision="fp32", optimizer="sgd")
+                    precision="fp32", optimizer="adamw")
 
 
 def _setup(args, stage: int):
@@ -148,6 +156,7 @@ def _run_stage(args, stage: int, rank: int, world: int) -> dict:
     model = Transformer(spec, seed=args.seed)
     zero = parallelize(model, zero_stage=stage, precision="fp32")
     ex = StepExecutor(model, registry, attn, zero=zero)
+    opt = zero.make_optimizer("adamw", lr=0.0)  # the optimizer's work, the weights unchanged
     gen = torch.Generator().manual_seed(args.seed)
     seqs = [torch.randint(0, spec.vocab, (n,), generator=gen) for n in info["lengths"]]
     # round-robin over the plans, step by step, so that load from elsewhere on the machine hits
@@ -161,14 +170,20 @@ def _run_stage(args, stage: int, rank: int, world: int) -> dict:
         for name, plan in parsed.items():
             dist.barrier()
             res = ex.run(plan, seqs)
-            t = torch.tensor([res.measured_ms])
+            t0 = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            t = torch.tensor([res.measured_ms + (time.perf_counter() - t0) * 1e3])
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             losses[name] = res.loss
             if i >= args.warmup:
                 steps[name].append(float(t))
-                ratios[name] += [r.measured_ms / r.predicted_ms for r in res.records if r.degree and r.predicted_ms > 0]
-                groups[name] += [((i, r.micro_step, r.ranks[0]), (r.degree, r.measured_ms, r.predicted_ms))
-                                 for r in res.records if r.degree and r.predicted_ms > 0]
+                # lockstep: a rank's time is the whole pass (it waits for the slowest rank and FSDP's
+                # collectives), so it is compared with the pass's prediction, not its own load
+                pred = [(r, r.pass_ms if r.pass_ms is not None else r.predicted_ms) for r in res.records]
+                ratios[name] += [r.measured_ms / p for r, p in pred if r.degree and p > 0]
+                groups[name] += [((i, r.micro_step, r.ranks[0]), (r.degree, r.measured_ms, p))
+                                 for r, p in pred if r.degree and p > 0]
     rows = {}
     for name, pd in plans.items():
         all_ratios = [None] * world
@@ -249,8 +264,10 @@ def _print_stage(args, stage: str, res: dict) -> None:
         print(f"# lower bound (cost model): {info['lower_bound_ms']:.0f} ms")
     print()
     unit = "passes" if info["execution"] == "lockstep" else "micro-steps"
+    what = ("pass measured/predicted by the degree of the rank's first group (median)" if info["execution"] == "lockstep"
+            else "group measured/predicted by degree (median)")
     print(f"| planner | degrees | {unit} | predicted (ms) | measured (ms) | best step (ms) | measured/predicted | "
-          "step APE (%) | group measured/predicted by degree (median) |")
+          f"step APE (%) | {what} |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     apes = []
     for name in args.planners.split(","):
@@ -293,13 +310,30 @@ def main(argv=None) -> int:
     if args.worker_out:
         return _worker(args)
     _stages(args)  # a bad --zero-stage fails here, before torchrun starts
+    if args.profile == "machine":
+        from workbench.profile.machine import ensure_machine_profile
+
+        def show(frac: float, msg: str) -> None:
+            print(f"# measuring this machine ({args.nproc} processes): {100 * frac:.0f}% {msg}", file=sys.stderr)
+
+        mp = ensure_machine_profile(args.nproc, root=args.run_root, progress=show)
+        print(f"# profile: {mp.describe()}: {mp.path}", file=sys.stderr)
+        args.profile = str(mp.path)
+        argv = [*argv, "--profile", args.profile]
+    from workbench.runs import LoadSampler, read_jsonl, summarize_load
+
     t0 = time.perf_counter()
-    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    res = _launch(args, argv)
-    load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    with tempfile.TemporaryDirectory() as tmp:  # the machine's load, sampled every 2 s while the ranks run
+        sampler = LoadSampler(tmp).start()
+        try:
+            res = _launch(args, argv)
+        finally:
+            sampler.stop()
+        load = summarize_load(read_jsonl(Path(tmp) / "load.jsonl")[0], processes=args.nproc)
+    res["load_average"] = load
     print(f"# tiny model, {res['world']} gloo ranks on CPU ({os.cpu_count()} cores, {res['threads_per_rank']} thread "
-          f"each); load average {load0:.1f} before, {load1:.1f} after (other work on the machine inflates measured "
-          f"times)")
+          f"each); load average during the run: {load['text'] if load else 'not available'} (other work on the "
+          f"machine inflates measured times)")
     for stage, sres in res["stages"].items():
         _print_stage(args, stage, sres)
     print(f"\n# {time.perf_counter() - t0:.0f} s in all", file=sys.stderr)

@@ -245,13 +245,31 @@ def test_demo_writes_the_explained_offline_report(demo):
     assert len(html) > 3_000_000
     assert html.count("class=\"plotly-graph-div\"") >= 10
     for phrase in ("The clipped sequences.", "Where the gradient sync sits:", "How to read a timeline.", "Glossary",
-                   "lower bound, gap", "micro-step", "A real training run on this machine", "faster than static-max"):
+                   "lower bound, gap", "micro-step", "A real training run on this machine", "faster than static-max",
+                   "Where the predictions come from.", "this machine's quick profile for 2 processes (measured just now",
+                   "How well it predicted.", "The machine's load during the run"):
         assert phrase in html, phrase
-    # the demo's run, its three notebooks, and the training runs 04_train says it made (the tiny
-    # model's, and its own-model section's when that section trains)
+    # the demo's run, its three notebooks, this machine's profile (measured first, once) and the training
+    # runs 04_train says it made (the tiny model's, and its own-model section's when that section trains)
     tables = made["04_train"].path / "tables"
     trained = [json.loads((tables / "train_run.json").read_text())["run"]]
     if (tables / "own_model_run.json").is_file():
         trained.append(json.loads((tables / "own_model_run.json").read_text())["run"])
-    assert [k for k, _ in kinds] == sorted(["demo", "notebook", "notebook", "notebook"] + ["train"] * len(trained))
+    assert [k for k, _ in kinds] == sorted(["demo", "notebook", "notebook", "notebook", "profile"]
+                                           + ["train"] * len(trained))
     assert sorted(i for k, i in kinds if k == "train") == sorted(trained)
+    # every training run planned with this machine's profile, and the report says so, with the load
+    (prof,) = [runs.load_run(root / i) for k, i in kinds if k == "profile"]
+    summary = json.loads(run.file("demo.json").read_text())["machine_profile"]
+    assert summary["measured"] and summary["run"] == prof.id and prof.spec()["fingerprint"]["nproc"] == 2
+    for t in trained:
+        t = runs.load_run(root / t)
+        assert t.spec()["scenario"]["profile"] == str(prof.file(runs.PROFILE_FILE))
+        assert t.status().resolved["profile_from_this_machine"] is True and t.load_average()["samples"] >= 1
+    assert "run planned with profile <code>cpu-gloo-tiny-2r</code>" in html
+    # a second demo on this store reuses it, measuring nothing
+    from workbench.demo import _machine_profile
+
+    said = []
+    again, err = _machine_profile(root, said.append)
+    assert err is None and not again.measured and again.run == prof and "reusing" in said[0]

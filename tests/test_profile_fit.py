@@ -313,11 +313,13 @@ def test_check_fidelity_on_a_fixed_run_by_hand(tmp_path):
     # groups (tiny: 2 layers; per layer fwd+bwd b = 0.03 ms/token, c = 3 ms):
     #   d1 [100, 300]: 2*0.03*400 + 6 = 30; d1 [200]: 2*0.03*200 + 6 = 18;
     #   d2 [400]: 2*0.03*400/2 + 6 + 8 calls x 0.5 ms = 22 (the all-to-all bytes at 1e9 GB/s are ~0)
-    # step: rank 0 runs 30 then the d2 group, which starts at max(30, 18): 52 ms (no all-reduce figure)
+    # step: rank 0 runs 30 then the d2 group, which starts at max(30, 18): 52 ms (no all-reduce or
+    # optimizer figure); measured: the slowest rank's step with its optimizer step, 60 + 2 ms
     assert out["skipped_steps"] == 1 and len(out["steps"]) == 1
     st = out["steps"][0]
-    assert st["predicted_ms"] == pytest.approx(52.0) and st["measured_ms"] == 60.0
-    assert st["ape"] == pytest.approx(100 * 8 / 60)
+    assert st["predicted_ms"] == pytest.approx(52.0) and st["measured_ms"] == 62.0
+    assert st["ape"] == pytest.approx(100 * 10 / 62)
+    assert st["optimizer_ms"] == 2.0 and st["predicted_optimizer_ms"] == 0.0
     g = sorted(out["groups"], key=lambda r: (r["micro_step"], r["ranks"][0]))
     assert [round(r["predicted_ms"], 6) for r in g] == [30.0, 18.0, 22.0]
     assert [r["measured_ms"] for r in g] == [33.0, 18.0, 24.0]  # the d2 group: the shorter of 24 and 35

@@ -48,11 +48,23 @@ def test_quick_profile_on_two_gloo_ranks(profiled):
     assert set(prof.all_to_all_gbps) == {2} and set(prof.all_to_all_latency_ms) == {2}
     assert set(prof.allreduce_gbps) == {2} and set(prof.p2p_gbps) == {2}
     assert prof.forward.a + prof.forward.b > 0 and prof.activation_mb_per_token > 0
+    # what a step costs beyond its layers, from real steps in the same rounds: FSDP's collectives at
+    # the unit sizes, the head, a micro-step's and a ZeRO-3 pass's fixed costs, the optimizer
+    assert set(prof.allgather_gbps) == {2} and set(prof.reduce_scatter_latency_ms) == {2}
+    assert prof.head_ms_per_token > 0 and prof.micro_step_ms is not None
+    assert set(prof.pass_overhead_ms) == {2} and set(prof.pass_compute_factor) == {2}
+    assert prof.pass_comm_overlap == 0.0 and prof.pass_compute_factor[2] >= 1.0
+    assert prof.optimizer_ms_per_mparam > 0 and prof.sharded_optimizer_ms_per_mparam > 0
+    assert prof.provenance["load_average"]["start"] is not None
+    names = {c["name"] for c in json.loads((run.path / "measurements.json").read_text())["steps"]}
+    assert names == {"lockstep-idle", "lockstep-busy", "lockstep-heavy", "lockstep-mixed", "free-busy", "free-heavy",
+                     "free-mixed"}
     res = load_result(run)
     assert res.heldout["total"]["count"] >= 3 and res.heldout["total"]["median_ape"] is not None
     assert {r["role"] for r in res.compute} == {"fit", "heldout"}
     assert all(len(r["per_rank"]["forward_ms"]) == 2 for r in res.compute)
-    assert "| forward |" in p.stdout and "held-out" in p.stdout
+    assert "| forward |" in p.stdout and "held-out" in p.stdout and "fixed cost of a ZeRO-3 pass" in p.stdout
+    assert (run.path / runs.LOAD_FILE).is_file()  # the supervisor sampled the machine's load
     assert (run.path / runs.LOG_FILE).is_file()
     from workbench.report.profile import collectives_figure, fit_figure, residual_figure
 
@@ -78,13 +90,29 @@ def test_profile_drives_plan_simulate_train_and_check(profiled):
     chk = json.loads(run_cli("profile", "--check", "t2", "--profile", str(out), "--run-root", str(root), "--json",
                              "--html", str(root / "fidelity.html")).stdout)
     assert chk["run"] == "t2" and chk["skipped_steps"] == 1 and len(chk["steps"]) == 2
-    assert chk["groups"] and all(g["predicted_ms"] > 0 and g["measured_ms"] > 0 for g in chk["groups"])
+    # ZeRO-3 by default: lockstep passes, compared pass by pass, the optimizer step in both figures
+    assert chk["execution"] == "lockstep" and chk["passes"] and not chk["groups"]
+    assert all(x["predicted_ms"] > 0 and x["measured_ms"] > 0 for x in chk["passes"])
+    assert all(s["optimizer_ms"] > 0 and s["predicted_optimizer_ms"] > 0 for s in chk["steps"])
+    assert chk["profile_note"] is None  # measured here for this process count
     assert chk["step_error"]["median_ape"] is not None and (root / "fidelity.html").stat().st_size > 10_000
     # the run was planned with this very profile: re-timing its plans reproduces the run's own predictions
+    # (plus the plan-ahead solver's time on the ranks' cores: 2 ranks on this 2-core machine)
     for s in chk["steps"]:
-        assert s["predicted_ms"] == pytest.approx(s["run_predicted_ms"], rel=1e-9)
+        assert s["predicted_ms"] - s["planner_cpu_ms"] == pytest.approx(s["run_predicted_ms"], rel=1e-9)
     text = run_cli("profile", "--check", "t2", "--profile", "p2", "--run-root", str(root)).stdout
-    assert "| step |" in text and "| group (all) |" in text
+    assert "| step |" in text and "| lockstep pass |" in text
+    # without --profile: the one the run planned with
+    assert json.loads(run_cli("profile", "--check", "t2", "--run-root", str(root), "--json").stdout)["profile"] == \
+        chk["profile"]
+    # a ZeRO-0 run of the same: free micro-steps, compared group by group
+    tr = run_cli("train", "--nproc", "2", "--model", "tiny", "--lengths", "300,200,150,100,60,40", "--planner", "greedy",
+                 "--steps", "3", "--seed", "0", "--profile", str(out), "--run-root", str(root), "--name", "t0",
+                 "--quiet", "--checkpoint-every", "0", "--zero-stage", "0")
+    free = json.loads(run_cli("profile", "--check", "t0", "--run-root", str(root), "--json").stdout)
+    assert free["execution"] == "free" and free["groups"] and not free["passes"]
+    assert all(s["predicted_ms"] - s["planner_cpu_ms"] == pytest.approx(s["run_predicted_ms"], rel=1e-9)
+               for s in free["steps"])
 
 
 def test_a_failing_profile_says_why(tmp_path):
@@ -121,3 +149,24 @@ def test_a_profile_run_stops(tmp_path):
     st = runs.Run(run.path).status()
     assert st.state == "stopped"
     assert not [pid for pid, t in runs.status_pids(st) if runs.pid_alive(pid, t)]
+
+
+def test_a_damaged_machine_profile_is_measured_again(tmp_path):
+    """This machine's cached profile whose file was damaged is passed over: a fresh quick profile is
+    measured (a real 2-rank run, with its progress), and the next call reuses that one."""
+    from workbench import runs
+    from workbench.profile.machine import ensure_machine_profile, machine_fingerprint
+    from workbench.specs import load_profile
+
+    fp = machine_fingerprint(2)
+    old = runs.new_run("profile", {"model": "tiny", "nproc": 2, "quick": True, "fingerprint": fp}, root=tmp_path)
+    old.file(runs.PROFILE_FILE).write_text('{"name": "cut sho')  # a half-written file
+    runs.update_status(old.path, state="done")
+    seen = []
+    mp = ensure_machine_profile(2, root=tmp_path, progress=lambda f, m: seen.append(f))
+    assert mp.measured and mp.run != old and mp.run.status().state == "done"
+    prof = load_profile(mp.path)
+    assert prof.provenance["fingerprint"]["key"] == fp["key"] and prof.pass_overhead_ms and prof.head_ms_per_token
+    assert seen and max(seen) == 1.0 and seen == sorted(seen)  # progress while it ran, up to the end
+    again = ensure_machine_profile(2, root=tmp_path)
+    assert not again.measured and again.run == mp.run

@@ -7,6 +7,7 @@ Slow tests (``-m slow``) start real torchrun runs through the Launch panel.
 
 from __future__ import annotations
 
+import html
 import json
 import statistics
 import subprocess
@@ -484,12 +485,31 @@ def two_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     panel = LaunchPanel(root=root, nproc=2, steps=3, follow=False, reattach=False)
     done = []
+    panel.machines = []
     for planner in ("static-max", "greedy"):
         run = panel.launch(planner=planner, **TINY)
+        panel.machines.append(panel.machine_profile)
         st = panel.wait(timeout=300)
         assert st.state == "done", run.log_tail(30)
         done.append(run)
     return root, done, panel
+
+
+@pytest.mark.slow
+def test_launch_panel_plans_cpu_runs_with_this_machines_profile(two_runs):
+    from workbench import runs
+
+    root, (a, b), panel = two_runs
+    first, second = panel.machines
+    # the first launch measured this machine (a quick profile for 2 processes), the second reused it
+    assert first.measured and not second.measured and first.run == second.run
+    assert [r.id for r in runs.list_runs(root, kind="profile")] == [first.run.id]
+    assert first.run.spec()["fingerprint"]["nproc"] == 2 and first.run.status().state == "done"
+    for r in (a, b):
+        assert r.spec()["scenario"]["profile"] == str(first.path)
+        res = r.status().resolved
+        assert res["profile_from_this_machine"] is True and not res.get("profile_note")
+    assert "planned with this machine's quick profile" in html.unescape(panel.profile_note.value)
 
 
 @pytest.mark.slow
@@ -519,11 +539,15 @@ def test_launch_panel_stop_ends_every_process_and_reattach(tmp_path):
 
     first = LaunchPanel(root=tmp_path, nproc=2, steps=200, follow=False, reattach=False)
     finished = []
-    run = first.launch(debug={"step_sleep_s": 0.5}, **TINY)
+    # a profile of its own (the shipped one, another machine's): nothing is measured, the run says so
+    run = first.launch(debug={"step_sleep_s": 0.5}, profile="cpu-gloo-tiny", **TINY)
+    assert first.machine_profile is None and not runs.list_runs(tmp_path, kind="profile")
     deadline = time.monotonic() + 180
     while first.refresh().step < 1:
         assert time.monotonic() < deadline, run.log_tail(30)
         time.sleep(0.3)
+    assert "cpu-gloo-tiny is from another machine" in first.profile_note.value
+    assert "another machine" in runs.load_run(run.path).summary()["profile_note"]
     # a new panel (as after a kernel restart or a page reload) finds the live run and follows it
     second = LaunchPanel(root=tmp_path)
     assert second.run == run and second.handle is not None and second.state == "running"

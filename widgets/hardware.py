@@ -9,6 +9,7 @@ residuals, held-out errors and collectives are drawn and the profile can be used
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -36,7 +37,8 @@ class HardwarePanel(Panel):
 
     Python API: :meth:`select` (a shipped name, a profile JSON file or a profile run),
     :attr:`profile` (the HardwareProfile), :attr:`profile_ref` (what ``Scenario.profile`` takes),
-    :meth:`curves`, :meth:`points`, :meth:`load`, :meth:`save_profile`, :meth:`start_profile`,
+    :meth:`curves`, :meth:`points`, :meth:`load`, :meth:`save_profile`, :meth:`measure_this_machine`,
+    :meth:`start_profile`,
     :meth:`refresh`, :meth:`wait`, :meth:`stop`, :meth:`load_result`, :meth:`check_fidelity`,
     :meth:`on_profile`, :attr:`profiler_available`; the Doctor section: :meth:`run_doctor`,
     :meth:`doctor_rows`."""
@@ -78,6 +80,9 @@ class HardwarePanel(Panel):
         self.w_nproc = W.IntSlider(min=1, max=8, value=2, description="processes", style=st, continuous_update=False)
         self.w_model = model_control("tiny", width="260px")
         self.w_quick = W.Checkbox(value=True, description="quick (fewer lengths and repeats)", indent=False)
+        self.w_reuse = W.Checkbox(value=True, description="reuse this machine's cached quick profile", indent=False,
+                                  tooltip="a quick profile of the tiny model measured here for this process count is "
+                                          "kept in the run store and reused; untick to measure again")
         self.b_run = W.Button(description="Profile this machine", icon="play", button_style="primary",
                               layout=W.Layout(width="200px"))
         self.b_stop = W.Button(description="Stop", icon="stop", button_style="danger", disabled=True)
@@ -96,12 +101,11 @@ class HardwarePanel(Panel):
         self.w_profile.observe(self._on_pick, names="value")
         self.b_load.on_click(lambda _: self._guard(lambda: self.load(self.w_path.value)))
         self.b_save.on_click(lambda _: self._guard(lambda: self.save_profile(self.w_save.value)))
-        self.b_run.on_click(lambda _: self._guard(lambda: self.start_profile(
-            nproc=int(self.w_nproc.value), model=self.w_model.value.strip(), quick=bool(self.w_quick.value))))
+        self.b_run.on_click(lambda _: self._guard(self._on_run))
         self.b_stop.on_click(lambda _: threading.Thread(target=lambda: self._guard(self.stop), daemon=True).start())
         self.b_check.on_click(lambda _: self._guard(lambda: self.check_fidelity(self.w_train.value)))
         available = _profiler() is not None
-        for w in (self.b_run, self.w_nproc, self.w_model, self.w_quick, self.b_check, self.w_train):
+        for w in (self.b_run, self.w_nproc, self.w_model, self.w_quick, self.w_reuse, self.b_check, self.w_train):
             w.disabled = not available
         self.run_status.value = note_html("" if available else
                                           "this version has no profiler (workbench.profile); pick a reference profile",
@@ -125,7 +129,7 @@ class HardwarePanel(Panel):
                 "leave a node fall from NVLink to the network: that is why wide SP groups are expensive."),
             figure_box(self.fig_bandwidth),
             W.HTML("<h4 style='margin:10px 0 2px'>Profile this machine</h4>"),
-            W.HBox([self.w_nproc, self.w_model, self.w_quick], layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([self.w_nproc, self.w_model, self.w_quick, self.w_reuse], layout=W.Layout(flex_flow="row wrap")),
             W.HBox([self.b_run, self.b_stop, self.progress], layout=W.Layout(align_items="center")),
             self.run_status, self.log, figure_box(self.fig_fit), figure_box(self.fig_collectives),
             W.HBox([self.w_train, self.b_check]), figure_box(self.fig_fidelity),
@@ -301,11 +305,39 @@ class HardwarePanel(Panel):
     # ------------------------------------------------------------------------------------------
     # measuring (workbench.profile, issue 10)
     # ------------------------------------------------------------------------------------------
+    def _on_run(self) -> None:
+        nproc, model, quick = int(self.w_nproc.value), self.w_model.value.strip(), bool(self.w_quick.value)
+        if quick and model == "tiny":
+            self.measure_this_machine(nproc=nproc, reuse=bool(self.w_reuse.value))
+        else:
+            self.start_profile(nproc=nproc, model=model, quick=quick)
+
+    def measure_this_machine(self, *, nproc: int = 2, reuse: bool = True):
+        """This machine's quick profile for ``nproc`` processes (the tiny model), as the demo and the
+        Launch panel use it: with ``reuse``, the one cached in the run store for this machine's
+        fingerprint (CPU, cores, torch, device, processes) is selected at once and None returned;
+        otherwise a quick profile run carrying the fingerprint starts (it becomes the cached one)
+        and its Run is returned, followed like :meth:`start_profile`."""
+        from workbench.profile.machine import find_machine_profile, machine_fingerprint
+        from workbench.training import cuda_visible
+
+        device = "cuda" if cuda_visible() else "cpu"
+        fp = machine_fingerprint(nproc, device=device)
+        found = find_machine_profile(nproc, root=self.root, device=device, fingerprint=fp) if reuse else None
+        if found is not None:
+            self.select(str(found.path))
+            self.run_status.value = note_html(f"reusing this machine's quick profile for {nproc} process(es): run "
+                                              f"{found.run.id} (untick 'reuse' to measure again)", "ok")
+            return None
+        return self.start_profile(nproc=nproc, model="tiny", quick=True, device=device, fingerprint=fp,
+                                  oversubscribe=nproc > (os.cpu_count() or 1))
+
     def start_profile(self, *, nproc: int = 2, model: str = "tiny", quick: bool = True, name: str | None = None,
                       **options):
         """Start a profile run of this machine (a torchrun process tree) and follow it; ``options``
-        are further ``prepare_profile`` settings (``max_len``, ``reps``, ``warmup``, ...). Returns the
-        Run. Raises RuntimeError when this version has no profiler, ValueError for a bad setting."""
+        are further ``prepare_profile`` settings (``max_len``, ``reps``, ``warmup``, ``fingerprint``,
+        ...). Returns the Run. Raises RuntimeError when this version has no profiler, ValueError for
+        a bad setting."""
         prof = _profiler()
         if prof is None:
             raise RuntimeError("this version of the workbench has no profiler (workbench.profile.prepare_profile)")

@@ -43,11 +43,17 @@ class LaunchPanel(Panel):
     reports the end anyway (naming what is still alive)."""
 
     def __init__(self, *, root=None, reattach: bool = True, poll_interval: float = 0.5, nproc: int = 2,
-                 steps: int = 20, follow: bool = True) -> None:
+                 steps: int = 20, follow: bool = True, measure_machine: bool = True) -> None:
         self.root = root
         self.poll_interval = float(poll_interval)
         self.follow = follow
         """Whether a background thread polls the run (False: call :meth:`refresh` yourself)."""
+        self.measure_machine = measure_machine
+        """Whether a CPU run without a profile of its own plans with this machine's quick profile for
+        its process count (measured on the first launch, then reused from the run store)."""
+        self.machine_profile = None
+        """The ``workbench.profile.machine.MachineProfile`` the last launch planned with (None: the
+        run named its own profile, or ran on GPUs)."""
         self.run = None
         self.handle = None
         self.final = None
@@ -108,6 +114,7 @@ class LaunchPanel(Panel):
         self.reattach_row = W.HBox([self.w_live, self.b_attach, self.b_scan], layout=W.Layout(align_items="center"))
         self.settings_note = W.HTML()
         self.status = W.HTML(note_html("no run yet: set the run up and press Launch"))
+        self.profile_note = W.HTML()
         self.progress = W.IntProgress(min=0, max=steps, value=0, description="step 0", style=st,
                                       layout=W.Layout(width="420px"))
         self.log = W.HTML(log_html([]))
@@ -130,6 +137,7 @@ class LaunchPanel(Panel):
             self.settings_note,
             W.HBox([self.b_launch, self.b_stop, self.progress], layout=W.Layout(align_items="center", flex_flow="row wrap")),
             self.status,
+            self.profile_note,
             self.reattach_row,
             W.HTML("<div style='color:#555;font-size:12.5px'>The run's log (its last lines, read from "
                    "<code>log.txt</code> in the run folder):</div>"),
@@ -210,7 +218,8 @@ class LaunchPanel(Panel):
             if small:
                 taken["model"] = sc.model
             kept = {"max_len": min(int(self.w_max_len.value), CPU_MAX_LEN),
-                    "batch_tokens": int(self.w_batch.value), "profile": "cpu-gloo-tiny",
+                    "batch_tokens": int(self.w_batch.value),
+                    "profile": "this machine's quick profile (measured at the first launch, then reused)",
                     "GPUs": f"{int(self.w_nproc.value)} CPU processes instead of {sc.num_gpus} GPUs"}
             if not small:
                 kept = {"model": self.w_model.value, **kept}
@@ -238,6 +247,20 @@ class LaunchPanel(Panel):
             raise ValueError(f"run {self.run.id} is still going; stop it first")
         settings = {**self.settings(), **overrides}
         warnings = training.check_resources(int(settings["nproc"]), model=settings.get("model", "tiny"))
+        self.machine_profile = None
+        self.profile_note.value = ""
+        on_cpu = settings.get("device", "auto") == "cpu" or (settings.get("device", "auto") == "auto"
+                                                             and not training.cuda_visible())
+        if self.measure_machine and on_cpu and not settings.get("profile") and int(settings.get("nnodes", 1)) == 1:
+            # predictions hold where they were measured: plan with this machine's own quick profile,
+            # once every other setting checks out (a bad setting fails at once, nothing measured)
+            training.prepare_train(settings, root=self.root, dry_run=True)
+            try:
+                self.machine_profile = self.machine_profile_for(int(settings["nproc"]))
+                settings["profile"] = str(self.machine_profile.path)
+            except RuntimeError as e:  # the run still goes, with the shipped profile and its note
+                warnings = [*warnings, f"this machine could not be measured ({one_line(e)}); planning with the "
+                                       f"shipped profile"]
         run, spec, _ = training.prepare_train(settings, root=self.root)
         handle = launch.start(run, nproc=spec.nproc, stop_with_parent=False)
         self._reattached = False
@@ -245,6 +268,23 @@ class LaunchPanel(Panel):
         note = ("; " + "; ".join(warnings)) if warnings else ""
         self.status.value = note_html(f"started {run.id}: {spec.nproc} process(es), {spec.steps} steps{note}", "busy")
         return run
+
+    def machine_profile_for(self, nproc: int):
+        """This machine's quick profile for ``nproc`` processes (``ensure_machine_profile``): the one
+        cached in the run store, or measured now with its progress on the panel. Returns the
+        MachineProfile; raises RuntimeError when measuring fails."""
+        from workbench.profile.machine import ensure_machine_profile
+
+        def show(frac: float, msg: str) -> None:
+            self.progress.max = 100
+            self.progress.value = int(100 * min(1.0, max(0.0, frac)))
+            self.progress.description = "profile"
+            self.status.value = note_html(f"measuring this machine first (a quick profile of {nproc} process(es), "
+                                          f"kept for later runs): {msg}", "busy")
+
+        mp = ensure_machine_profile(nproc, root=self.root, progress=show)
+        self.profile_note.value = note_html(f"planned with {mp.describe()}: {mp.path}", "info")
+        return mp
 
     def _follow(self, run, handle, steps: int | None) -> None:
         with self._lock:
@@ -337,6 +377,12 @@ class LaunchPanel(Panel):
                 bits.append(st.message)
             if st.error:
                 bits.append(f"error: {str(st.error).splitlines()[0]}")
+            note = (st.resolved or {}).get("profile_note")
+            if note:  # planned with another machine's profile: its predictions may not hold here
+                self.profile_note.value = note_html(note, "warn")
+            elif (st.resolved or {}).get("profile") and self.machine_profile is None:
+                self.profile_note.value = note_html(f"profile {st.resolved['profile']}: measured on this machine",
+                                                    "info")
             bits += [f"warning: {str(w).splitlines()[0]}" for w in st.warnings]
             if lingering and ended is None:
                 bits.append(f"waiting for {len(lingering)} process(es) to exit")

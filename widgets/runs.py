@@ -152,8 +152,12 @@ class RunsPanel(Panel):
         rows = []
         for r, s in zip(sel, series):
             st = r.status()
+            summ = r.summary()
             tps = [x for x in s["tokens_per_s"][self.skip:] or s["tokens_per_s"] if x]
-            rows.append({"id": r.id, "label": s["label"], "planner": r.summary().get("planner"), "state": st.state,
+            load = summ.get("load_average") or {}
+            rows.append({"id": r.id, "label": s["label"], "planner": summ.get("planner"), "state": st.state,
+                         "profile": summ.get("profile"), "profile_note": summ.get("profile_note"),
+                         "load_average": load.get("mean"), "load_text": load.get("text"),
                          "steps": len(s["step"]), "median_measured_ms": s["median_measured_ms"],
                          "median_predicted_ms": s["median_predicted_ms"],
                          "measured_over_predicted": (s["median_measured_ms"] / s["median_predicted_ms"]
@@ -179,7 +183,12 @@ class RunsPanel(Panel):
             ("id", "run", None), ("planner", "planner", None), ("state", "state", None), ("steps", "steps", "d"),
             ("median_measured_ms", "measured (ms)", ",.0f"), ("median_predicted_ms", "predicted (ms)", ",.0f"),
             ("measured_over_predicted", "meas/pred", ".2f"), ("median_tokens_per_s", "tokens/s", ",.0f"),
-            ("last_loss", "last loss", ".4f"), ("speedup_over_baseline", "speedup", ".2f")]) if rows else ""
+            ("last_loss", "last loss", ".4f"), ("speedup_over_baseline", "speedup", ".2f"),
+            ("profile", "profile", None), ("load_average", "load avg", ".1f")]) if rows else ""
+        # predictions hold where the profile was measured: a run planned with another machine's says so
+        notes = [f"{r['id']}: {r['profile_note']}" for r in rows if r.get("profile_note")]
+        if notes:
+            self.table_html.value += "".join(f"<div>{note_html(n, 'warn')}</div>" for n in notes)
         if not sel:
             self.status.value = note_html(f"{len(self.w_runs.options)} run(s) in the store; pick some to compare")
             for f in (self.fig_loss, self.fig_time, self.fig_speedup):

@@ -378,7 +378,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--planner", default=None, help="planner (default greedy)")
     g.add_argument("--time-limit", type=positive_float, default=None, metavar="S", help="planner time limit per step")
     g.add_argument("--profile", default=None, metavar="NAME|PATH",
-                   help="profile for the cost model (default cpu-gloo-tiny on CPU, a100-40g-flexsp on CUDA)")
+                   help="profile for the cost model (default on CPU: this machine's quick profile for the "
+                        "processes, when the run store holds one, else cpu-gloo-tiny; a100-40g-flexsp on CUDA)")
     g.add_argument("--gpu-memory", dest="gpu_memory_gb", type=positive_float, default=None, metavar="GB",
                    help="memory per device for the cost model (default: the profile's)")
     g.add_argument("--memory-fraction", type=positive_float, default=None, metavar="F",
@@ -686,6 +687,12 @@ def cmd_runs(args) -> int:
             pred = f", predicted {s['median_predicted_ms']:,.0f} ms" if s.get("median_predicted_ms") else ""
             loss = f"; last loss {s['loss']:.4f}" if isinstance(s.get("loss"), float) else ""
             print(f"  median step: measured {s['median_measured_ms']:,.0f} ms{pred}{loss}")
+        if s.get("profile"):
+            print(f"  profile: {s['profile']}")
+        if s.get("profile_note"):
+            print(f"  note: {s['profile_note']}")
+        if (s.get("load_average") or {}).get("text"):
+            print(f"  load average during the run: {s['load_average']['text']}")
         for p in s.get("problems") or []:
             print(f"  note: {p}")
         if out["log_tail"]:

@@ -83,10 +83,19 @@ def run_demo(*, root: Path | str | None = None, train_steps: int = 8, train: boo
     say(f"demo: writing {demo.path}")
     jobs = [("00_tour", {"samples": samples, "seed": seed, "time_limit": time_limit}),
             ("03_solver", {"samples": samples, "seed": seed, "time_limit": time_limit})]
-    if train:
-        jobs.append(("04_train", {"steps": train_steps, "nproc": 2, "max_len": 512, "batch_tokens": 8192, "seed": seed}))
     done: dict[str, runs.Run] = {}
     failed: dict[str, str] = {}
+    machine, machine_error = None, None
+    if train:
+        jobs.append(("04_train", {"steps": train_steps, "nproc": TRAIN_NPROC, "max_len": 512, "batch_tokens": 8192,
+                                  "seed": seed}))
+        # the training run plans with a profile of this machine: measured now the first time (a quick
+        # profile for its process count), reused from the run store after that
+        runs.update_status(demo.path, progress=0.0, message="this machine's profile")
+        machine, machine_error = _machine_profile(store, say)
+    summary_profile = None if machine is None else {"path": str(machine.path), "run": machine.run.id,
+                                                    "measured": machine.measured, "seconds": machine.seconds,
+                                                    "fingerprint": machine.fingerprint}
     for k, (name, params) in enumerate(jobs):
         runs.update_status(demo.path, progress=k / (len(jobs) + 1), message=f"running {name}")
         t = time.perf_counter()
@@ -97,8 +106,9 @@ def run_demo(*, root: Path | str | None = None, train_steps: int = 8, train: boo
             failed[name] = str(e)
             say(f"demo: {name} failed: {e}")
     runs.update_status(demo.path, progress=len(jobs) / (len(jobs) + 1), message="writing the report")
-    report = _write_report(demo, done, failed, t0)
-    summary = {"notebook_runs": {k: str(v.path) for k, v in done.items()}, "failed": failed, "report": str(report)}
+    report = _write_report(demo, done, failed, t0, machine, machine_error)
+    summary = {"notebook_runs": {k: str(v.path) for k, v in done.items()}, "failed": failed, "report": str(report),
+               "machine_profile": summary_profile, "machine_profile_error": machine_error}
     from workbench.util import write_json_atomic
 
     write_json_atomic(demo.file("demo.json"), summary)
@@ -114,7 +124,42 @@ def run_demo(*, root: Path | str | None = None, train_steps: int = 8, train: boo
     return demo
 
 
-def _write_report(demo: runs.Run, done: dict, failed: dict, t0: float) -> Path:
+TRAIN_NPROC = 2
+"""Processes of the demo's training run (and of the machine profile it plans with)."""
+
+
+def _machine_profile(store: Path, say: Callable[[str], None]):
+    """``(MachineProfile or None, error or None)``: this machine's quick profile for the demo's
+    training run, cached or measured now with its progress in ``say`` lines."""
+    from workbench.profile.machine import ensure_machine_profile, find_machine_profile
+
+    found = find_machine_profile(TRAIN_NPROC, root=store)
+    if found is not None:
+        say(f"demo: reusing this machine's profile {found.run.id} (measured for {TRAIN_NPROC} processes)")
+        return found, None
+    say(f"demo: measuring this machine first: a quick profile of {TRAIN_NPROC} processes, kept in {store} for later "
+        f"runs (about 20 s on 2 cores)")
+    last = [None, 0.0]
+
+    def progress(frac: float, msg: str) -> None:
+        phase = msg.split(":")[0]
+        now = time.monotonic()
+        if phase != last[0] or now - last[1] > 5.0:
+            last[0], last[1] = phase, now
+            say(f"demo: profile {100 * frac:3.0f}% {msg}")
+
+    t = time.perf_counter()
+    try:
+        mp = ensure_machine_profile(TRAIN_NPROC, root=store, progress=progress)
+    except (RuntimeError, ValueError) as e:
+        say(f"demo: measuring this machine failed: {e}; the run plans with the shipped profile")
+        return None, str(e)
+    say(f"demo: this machine's profile done in {time.perf_counter() - t:.0f}s ({mp.run.path})")
+    return mp, None
+
+
+def _write_report(demo: runs.Run, done: dict, failed: dict, t0: float, machine=None,
+                  machine_error: str | None = None) -> Path:
     from workbench.report.page import write_page
 
     tour, solver, train = done.get("00_tour"), done.get("03_solver"), done.get("04_train")
@@ -265,9 +310,12 @@ def _write_report(demo: runs.Run, done: dict, failed: dict, t0: float) -> Path:
                             f"CPU) trained the tiny model for {st7.get('step')} steps on the Python standard library's source, each "
                             f"step running its planner's plan ({s7.get('planner')}). State: <b>{st7.get('state')}</b>. Median step: "
                             f"measured {s7.get('median_measured_ms') or 0:,.0f} ms against "
-                            f"{s7.get('median_predicted_ms') or 0:,.0f} ms "
-                            f"predicted by the CPU profile (other work on the machine inflates measured times). Left: the loss "
+                            f"{s7.get('median_predicted_ms') or 0:,.0f} ms predicted. Left: the loss "
                             f"falls; right: each step's measured time (solid) and the plan's prediction (dashed)."))
+        if machine_error:
+            blocks.append(("warn", f"<b>This machine could not be measured</b> ({machine_error}): the run planned with the "
+                                   f"shipped profile."))
+        blocks += _prediction_blocks(run, s7, machine)
         fig(train, "training")
         plans = run.plans()
         if plans:
@@ -290,3 +338,59 @@ def _write_report(demo: runs.Run, done: dict, failed: dict, t0: float) -> Path:
                         f"change; run any of them headless with <code>workbench notebook run NAME -p KEY VALUE</code>."))
     title = "Workbench demo: why long-tailed data wastes GPUs, and what heterogeneous SP does about it"
     return write_page(demo.file(runs.REPORT_FILE), title, blocks, lead=lead)
+
+
+def _prediction_blocks(run: runs.Run, summary: dict, machine) -> list[tuple[str, object]]:
+    """What the report says about the run's predictions: the profile they came from (this
+    machine's, measured now or reused, or another machine's, said as a warning), how far they were
+    from the measured steps (``workbench profile --check``), and the load the machine was under."""
+    from workbench.profile import check_fidelity
+
+    out: list[tuple[str, object]] = []
+    note = summary.get("profile_note")
+    prof = summary.get("profile") or "?"
+    if note:
+        out.append(("warn", f"<b>Predictions from another machine.</b> {note}."))
+    elif machine is not None:
+        how = (f"measured just now, in {machine.seconds:.0f} s" if machine.measured
+               else f"reused from the run store (profile run <code>{machine.run.id}</code>)")
+        out.append(("p", f"<b>Where the predictions come from.</b> The run planned with profile <code>{prof}</code>: this "
+                         f"machine's quick profile for {machine.fingerprint.get('nproc')} processes ({how}; the key is the "
+                         f"CPU, its cores, the torch version, the device and the process count, so a later demo reuses it "
+                         f"and another machine measures its own). Besides each layer's compute and the collectives it "
+                         f"holds what a step costs beyond its layers, measured from a few real steps: FSDP's fixed cost "
+                         f"of a lockstep pass, each micro-step's own, the embedding, head and loss, the optimizer."))
+    else:
+        out.append(("p", f"The run planned with profile <code>{prof}</code>."))
+    ref = (run.spec().get("scenario") or {}).get("profile") or prof
+    try:  # the profile the run planned with (a path or a shipped name), against the run itself
+        chk = check_fidelity(ref, run.path)
+        chk["profile_ref"] = ref
+    except ValueError:
+        chk = None
+    if chk is not None and chk["step_error"]["count"]:
+        e = chk["step_error"]
+        out.append(("p", f"<b>How well it predicted.</b> <code>workbench profile --check {run.id}</code>: the step time's median "
+                         f"error is {e['median_ape']:.1f}% (worst {e['worst_ape']:.1f}%) over {e['count']} steps "
+                         f"(the first left out: it pays start-up costs)."))
+    load = summary.get("load_average") or {}
+    if load.get("text"):
+        pl = ((load_profile_safe(chk) or {}).get("provenance") or {}).get("load_average") or {}
+        then = (f" The profile was measured under {pl['start']:.1f} to {pl.get('end', pl['start']):.1f}."
+                if isinstance(pl.get("start"), (int, float)) else "")
+        out.append(("p", f"<b>The machine's load during the run</b>, sampled every 2 s: {load['text']}.{then} Other "
+                         f"work on a shared machine slows the ranks down; a profile predicts the machine as it was "
+                         f"when it was measured."))
+    return out
+
+
+def load_profile_safe(check: dict | None) -> dict | None:
+    """The profile a ``check_fidelity`` result was made with, as a dict (None when it does not load)."""
+    from workbench.specs import load_profile
+
+    if not check or not check.get("profile_ref"):
+        return None
+    try:
+        return load_profile(check["profile_ref"]).to_dict()
+    except ValueError:
+        return None

@@ -10,6 +10,7 @@ Every run (training, profile, demo, notebook) is a folder ``<root>/<run-id>/``::
     checkpoints/     step_<n>.pt with step_<n>.pt.sha256 beside it (ZeRO 0-2), or step_<n>.dcp/ (ZeRO-3:
                      torch.distributed.checkpoint shards, trainer.pt, SHA256SUMS)
     ranks/, failures/, torchrun/   per-rank pids, error reports, per-rank logs
+    load.jsonl       the machine's load while the run's processes lived (the supervisor samples it)
     nodes/           a run over several nodes: node<k>.json (that node's RunStatus: host, pids, state,
                      exit codes, error), node<k>.log.txt and node<k>.metrics.jsonl (nodes other than 0)
 
@@ -52,8 +53,8 @@ __all__ = [
     "FINAL_STATES", "RunStatus", "Run", "StepRecord", "RunNotFound", "default_root", "new_run", "load_run",
     "list_runs", "update_status", "read_status", "compare", "append_jsonl", "read_jsonl", "file_sha256",
     "checksum_path", "write_checksum", "verify_checksum", "now", "pid_alive", "status_pids", "tail_lines",
-    "proc_start_time", "process_record", "NODES_DIR", "STOP_FILE", "node_status_path", "metrics_path", "log_path",
-    "request_stop", "stop_requested",
+    "proc_start_time", "process_record", "LOAD_FILE", "read_loadavg", "LoadSampler", "summarize_load",
+    "NODES_DIR", "STOP_FILE", "node_status_path", "metrics_path", "log_path", "request_stop", "stop_requested",
 ]
 
 SPEC_FILE = "spec.json"
@@ -68,6 +69,7 @@ TORCHRUN_LOG_DIR = "torchrun"
 PROFILE_FILE = "profile.json"
 REPORT_FILE = "report.html"
 RESULTS_DIR = "results"
+LOAD_FILE = "load.jsonl"
 NODES_DIR = "nodes"
 STOP_FILE = "stop.json"
 _LOCK_FILE = ".status.lock"
@@ -354,6 +356,87 @@ def read_jsonl(path: str | Path) -> tuple[list[dict], int]:
 
 
 # ------------------------------------------------------------------------------------------------
+# the machine's load while a run lives
+# ------------------------------------------------------------------------------------------------
+
+
+def read_loadavg() -> dict | None:
+    """The machine's load now: ``{"t", "load1", "load5", "load15", "running"}`` from
+    ``/proc/loadavg`` (``running``: tasks runnable at this instant), or the load averages alone
+    where there is no such file; None where the OS has neither."""
+    try:
+        parts = Path("/proc/loadavg").read_text().split()
+        running = int(parts[3].split("/")[0])
+        return {"t": time.time(), "load1": float(parts[0]), "load5": float(parts[1]), "load15": float(parts[2]),
+                "running": running}
+    except (OSError, IndexError, ValueError):
+        pass
+    try:
+        a, b, c = os.getloadavg()
+    except (AttributeError, OSError):
+        return None
+    return {"t": time.time(), "load1": a, "load5": b, "load15": c, "running": None}
+
+
+class LoadSampler:
+    """Samples the machine's load (:func:`read_loadavg`) into ``RUN/load.jsonl`` every
+    ``interval`` seconds from a daemon thread, from :meth:`start` to :meth:`stop` (one sample at
+    each end). What a run's report says about the load it ran under comes from here, not a guess."""
+
+    def __init__(self, run_dir: str | Path, interval: float = 2.0) -> None:
+        self.path = Path(run_dir) / LOAD_FILE
+        self.interval = float(interval)
+        self._stop = None
+        self._thread = None
+
+    def _sample(self) -> None:
+        row = read_loadavg()
+        if row is not None:
+            try:
+                append_jsonl(self.path, row)
+            except OSError:
+                pass  # a full disk must not end the run
+
+    def start(self) -> "LoadSampler":
+        import threading
+
+        self._sample()
+        self._stop = threading.Event()
+
+        def loop(stop=self._stop) -> None:
+            while not stop.wait(self.interval):
+                self._sample()
+
+        self._thread = threading.Thread(target=loop, name="load-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            self._thread.join(timeout=2.0)
+            self._stop = None
+            self._sample()
+
+
+def summarize_load(rows: list[dict], *, processes: int | None = None, cores: int | None = None) -> dict | None:
+    """The load a run ran under, from its ``load.jsonl`` rows: ``{"samples", "start", "end", "mean",
+    "max" (1-minute load average), "running_mean" (runnable tasks, sampled), "cores", "text"}``;
+    None without samples. ``processes``: the run's own (they count in the load)."""
+    pts = [r for r in rows if isinstance(r.get("load1"), (int, float))]
+    if not pts:
+        return None
+    load = [float(r["load1"]) for r in pts]
+    run_q = [float(r["running"]) for r in pts if isinstance(r.get("running"), (int, float))]
+    cores = cores or os.cpu_count()
+    own = f"; the run's own {processes} process(es) count in it" if processes else ""
+    text = (f"{statistics.fmean(load):.1f} on {cores} cores (1-minute load average over {len(pts)} sample(s): "
+            f"{load[0]:.1f} at the start, {max(load):.1f} at most, {load[-1]:.1f} at the end{own})")
+    return {"samples": len(pts), "start": load[0], "end": load[-1], "mean": statistics.fmean(load), "max": max(load),
+            "running_mean": statistics.fmean(run_q) if run_q else None, "cores": cores, "text": text}
+
+
+# ------------------------------------------------------------------------------------------------
 # checksums (checkpoints)
 # ------------------------------------------------------------------------------------------------
 
@@ -549,6 +632,14 @@ class Run:
                 self._problem(f"{self.id}: metrics row of step {k} lacks fields; skipped")
         return out
 
+    def load_average(self) -> dict | None:
+        """The machine's load while the run's processes lived (``summarize_load`` of its
+        ``load.jsonl``); None when nothing was sampled (a run older than the sampler)."""
+        rows, _ = read_jsonl(self.file(LOAD_FILE))
+        spec = self.spec()
+        n = spec.get("nproc")
+        return summarize_load(rows, processes=int(n) if isinstance(n, int) else None)
+
     def losses(self) -> dict[int, float]:
         """Loss by step (1-based steps completed)."""
         return {r.step: r.loss for r in self.steps() if r.loss is not None}
@@ -593,6 +684,9 @@ class Run:
             "nproc": spec.get("nproc"), "loss": steps[-1].loss if steps else st.loss,
             "median_measured_ms": statistics.median(meas) if meas else None,
             "median_predicted_ms": statistics.median(pred) if pred else None,
+            "profile": (st.resolved or {}).get("profile") or sc.get("profile"),
+            "profile_note": (st.resolved or {}).get("profile_note") or None,
+            "load_average": self.load_average(),
             "problems": list(dict.fromkeys(self.problems)), "warnings": list(st.warnings),
         }
         nodes = self.nodes()

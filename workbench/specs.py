@@ -417,17 +417,38 @@ class ClusterSpec(_JsonMixin):
 class ComputeCurve(_JsonMixin):
     """Time in ms of one transformer layer on one GPU for a packed call: ``a*s^2 + b*s`` per
     sequence of ``s`` tokens (the whole sequence's work, before division by the SP degree) plus
-    ``c`` once per call (launch and fixed costs, paid once per group and micro-step)."""
+    ``c`` once per call (launch and fixed costs, paid once per group and micro-step). A sequence
+    shorter than ``short_len`` tokens costs ``a_short`` per token pair instead of ``a`` (attention
+    kernels block short sequences differently: on CPU the same pair costs about twice as much
+    below ~768 tokens); without them ``a`` holds for every length."""
 
     a: float
     b: float
     c: float = 0.0
+    a_short: float | None = None
+    short_len: int | None = None
 
     def __post_init__(self) -> None:
         for n in ("a", "b", "c"):
             v = getattr(self, n)
             _require(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0,
                      f"ComputeCurve.{n} must be a finite number >= 0, got {v!r}")
+        _require((self.a_short is None) == (self.short_len is None),
+                 "ComputeCurve.a_short and short_len go together: give both or neither")
+        if self.a_short is not None:
+            _require(isinstance(self.a_short, (int, float)) and math.isfinite(self.a_short) and self.a_short >= 0,
+                     f"ComputeCurve.a_short must be a finite number >= 0, got {self.a_short!r}")
+            _require(isinstance(self.short_len, int) and not isinstance(self.short_len, bool) and self.short_len >= 2,
+                     f"ComputeCurve.short_len must be an integer >= 2 (tokens), got {self.short_len!r}")
+
+    def quadratic(self, lengths):
+        """The attention part, ``a * s^2`` (``a_short * s^2`` below ``short_len``), of each length."""
+        import numpy as np
+
+        s = np.asarray(lengths, dtype=np.float64)
+        if self.short_len is None:
+            return self.a * s * s
+        return np.where(s < self.short_len, self.a_short, self.a) * s * s
 
 
 def _curve(v: Any) -> ComputeCurve:
@@ -516,6 +537,12 @@ class HardwareProfile(_JsonMixin):
     """Measured fixed time of one lockstep pass by world size (ms): what a ZeRO-3 forward and backward
     costs every rank beyond its groups' work and the exposed all-gather / reduce-scatter (FSDP's
     hooks, the empty pass of an idle rank); empty: none."""
+    pass_compute_factor: dict = field(default_factory=dict, metadata={"from_json": _latency_table})
+    """How much longer a rank's work takes inside a lockstep (ZeRO-3) pass than the same work in a
+    free micro-step, by world size (1.15: 15% longer): every FSDP unit's all-gather and
+    reduce-scatter meets all ranks, so a pass waits for the slowest rank at each of them, and the
+    collectives' buffers share the caches (on GPUs, the SMs) with the compute. Fitted from real
+    passes at several loads; empty: 1."""
     activation_mb_per_token: float | None = None
     """Activation memory of the whole ``model`` per token in MB (1e6 bytes), measured; None to
     estimate it from the model's shape."""
@@ -529,7 +556,17 @@ class HardwareProfile(_JsonMixin):
     rank and pass in lockstep. None: not measured."""
     optimizer_ms_per_mparam: float | None = None
     """Time of the optimizer step per million parameters a rank updates (ms), measured with the
-    profiled optimizer; None: not measured."""
+    profiled optimizer on plain tensors (ZeRO 0-2: whole replicas, or ZeroRedundancyOptimizer's
+    partition); None: not measured."""
+    sharded_optimizer_ms_per_mparam: float | None = None
+    """The same under ZeRO-3, where the optimizer updates FSDP2's sharded parameters (DTensors,
+    whose per-tensor dispatch costs more than the arithmetic of a small shard); None: use
+    ``optimizer_ms_per_mparam``."""
+    pass_comm_overlap: float | None = None
+    """Share (0 to 1) of FSDP's all-gathers and reduce-scatters in a lockstep pass that runs under
+    the compute: 1 where FSDP2 prefetches on its own CUDA streams; 0 on CPU, where it runs them on
+    the compute thread in the order they are needed (a pass then costs compute plus all of them).
+    None: 1, the published (FlexSP) model."""
     gpu_memory_gb: float = 40.0
     """Memory of the profiled GPU (GB)."""
     gpus_per_node: int | None = None
@@ -559,17 +596,20 @@ class HardwareProfile(_JsonMixin):
             self.gpus_per_node, bool) and self.gpus_per_node >= 1),
                  f"HardwareProfile {self.name}: gpus_per_node must be a positive integer or null, got {self.gpus_per_node!r}")
         for n in ("all_to_all_latency_ms", "p2p_latency_ms", "allreduce_latency_ms", "sp_overhead_ms", "sp_token_ms",
-                  "allgather_latency_ms", "reduce_scatter_latency_ms", "pass_overhead_ms"):
+                  "allgather_latency_ms", "reduce_scatter_latency_ms", "pass_overhead_ms", "pass_compute_factor"):
             object.__setattr__(self, n, _latency_table(getattr(self, n)))
         _require(bool(self.all_to_all_gbps), f"HardwareProfile {self.name}: all_to_all_gbps is empty; "
                                              f"give at least one {{group size: GB/s}} entry")
         if self.activation_mb_per_token is not None:
             _require(self.activation_mb_per_token > 0,
                      f"HardwareProfile {self.name}: activation_mb_per_token must be > 0 or null")
-        for n in ("head_ms_per_token", "micro_step_ms", "optimizer_ms_per_mparam"):
+        for n in ("head_ms_per_token", "micro_step_ms", "optimizer_ms_per_mparam", "sharded_optimizer_ms_per_mparam",
+                  "pass_comm_overlap"):
             v = getattr(self, n)
             _require(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0),
                      f"HardwareProfile {self.name}: {n} must be a finite number >= 0 or null, got {v!r}")
+        _require(self.pass_comm_overlap is None or self.pass_comm_overlap <= 1,
+                 f"HardwareProfile {self.name}: pass_comm_overlap is a share from 0 to 1, got {self.pass_comm_overlap!r}")
         _require(self.gpu_memory_gb > 0, f"HardwareProfile {self.name}: gpu_memory_gb must be > 0")
         kind = self.provenance.get("kind") if isinstance(self.provenance, Mapping) else None
         _require(kind in ("measured", "reference", "estimate"),

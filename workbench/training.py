@@ -246,8 +246,9 @@ def prepare_train(settings: Mapping[str, Any] | None = None, *, scenario: Scenar
 
     New run (``run_dir`` None): ``settings`` are TrainSpec fields (``steps`` required) and Scenario
     fields; ``scenario`` (e.g. from a panel) is the base they apply to, else the training defaults
-    (:data:`TRAIN_DEFAULTS`). The world is ``nproc x nnodes``; the profile defaults to
-    ``cpu-gloo-tiny`` on CPU and ``a100-40g-flexsp`` with CUDA; the max context to 1,024 (policy
+    (:data:`TRAIN_DEFAULTS`). The world is ``nproc x nnodes``; the profile defaults, on CPU, to this
+    machine's cached quick profile for the world size when the store holds one, else
+    ``cpu-gloo-tiny``, and to ``a100-40g-flexsp`` with CUDA; the max context to 1,024 (policy
     split: every token kept) on CPU; the precision to bf16 with CUDA and fp32 on CPU; the ZeRO stage
     is the scenario's (3 unless given), and the scenario's optimizer follows ``optimizer`` and
     ``momentum``. The folder is ``root/name`` (or a fresh id); nothing is written
@@ -287,7 +288,10 @@ def prepare_train(settings: Mapping[str, Any] | None = None, *, scenario: Scenar
         on_gpu = device == "cuda" or (device == "auto" and cuda_visible())
     base = scenario.to_dict() if scenario is not None else dict(TRAIN_DEFAULTS)
     if scenario is None and "profile" not in scen:
-        base["profile"] = "a100-40g-flexsp" if on_gpu else "cpu-gloo-tiny"
+        # this machine's cached profile is one machine's: not for a run over several nodes, nor for a
+        # script written for another machine
+        base["profile"] = ("a100-40g-flexsp" if on_gpu else
+                           _cpu_profile(nproc, root) if here and nnodes == 1 else "cpu-gloo-tiny")
     if "gpus_per_node" not in scen:
         base["gpus_per_node"] = nproc
     base.update(scen)
@@ -378,6 +382,16 @@ def check_machine(spec: TrainSpec) -> None:
             raise SpecError("--attention flash but flash-attn is not installed here (`make install` fetches a prebuilt "
                             "wheel when one matches torch and CUDA; see docs/gpu-and-clusters.md); use --attention auto "
                             "(the PyTorch path) or torch")
+
+
+def _cpu_profile(world: int, root) -> str:
+    """A CPU run's default profile: this machine's cached quick profile for ``world`` processes
+    (``workbench.profile.machine``) when the run store has one, else the shipped ``cpu-gloo-tiny``
+    (another machine's: the run will say so)."""
+    from workbench.profile.machine import find_machine_profile
+
+    found = find_machine_profile(world, root=root)
+    return str(found.path) if found is not None else "cpu-gloo-tiny"
 
 
 _PATH_SETTINGS = ("model", "source", "tokenizer", "init", "profile")

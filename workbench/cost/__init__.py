@@ -2,7 +2,8 @@
 
 Time of one sequence of ``s`` tokens on a group of ``d`` GPUs (whole model, ms)::
 
-    compute(s, d) = (A*s^2 + B*s) / d                 # fitted per-layer curves x layers
+    compute(s, d) = (A*s^2 + B*s) / d                 # fitted per-layer curves x layers (A: A_short for
+                                                      # sequences under the profile's short_len)
     ulysses(s, d) = passes * layers * bytes(s, d) / all_to_all_bw(d)
         bytes(s, d) = dtype * (s/d) * (2*q_dim + 2*kv_dim_eff) * (d-1)/d    # q, k, v, o; each rank
                                                                             # sends (d-1)/d of its share
@@ -47,6 +48,23 @@ How a step executes depends on the ZeRO stage (``execution``):
 
       pass = max(max over ranks of rank load, pass_comm) + pass_overhead
       step = sum of the passes     (gradients are reduce-scattered inside every pass)
+
+  How much of FSDP's traffic can hide under the compute is the profile's ``pass_comm_overlap`` o
+  (1 when it does not say: FSDP2 prefetches on CUDA streams; measured profiles on CPU say 0, as
+  FSDP2 runs every collective on the compute thread there). With ``comm`` all of a pass's
+  all-gathers and reduce-scatters and ``first`` the first unit's::
+
+      pass_comm     = o * comm
+      pass_overhead = (1 - o) * comm + o * first + fixed(world size)
+
+  so a CPU pass costs its slowest rank's load plus every collective plus the fixed cost, and a
+  GPU pass the longer of the two plus what cannot overlap. A rank's work itself runs the profile's
+  ``pass_compute_factor`` f times longer inside a pass than in a free micro-step (every unit's
+  collectives meet all ranks, so each waits for the slowest; their buffers share the caches): under
+  lockstep execution the fitted A, B and C are multiplied by f.
+
+Every step ends with ``step_end_ms``: the gradient reduction of free execution and the optimizer
+step (the profile's time per million parameters the most loaded rank updates).
 
 Pure numpy: no torch.
 """
@@ -167,6 +185,14 @@ class _Fit:
     B: float  # ms per token: the blocks, and the embedding, head and loss when measured apart
     C: float  # ms per packed call (group and micro-step), the micro-step's fixed cost included
     act_bytes: float  # per token, whole model
+    A_short: float | None = None  # ms per token^2 of sequences under short_len (None: A for all)
+    short_len: int | None = None
+
+    def quadratic(self, s: np.ndarray) -> np.ndarray:
+        """The attention part of each sequence's time, ``A * s^2`` (``A_short`` below ``short_len``)."""
+        if self.short_len is None:
+            return self.A * s * s
+        return np.where(s < self.short_len, self.A_short, self.A) * s * s
 
 
 class CostModel:
@@ -235,23 +261,33 @@ class CostModel:
         ref = m if p.model == m.name else _reference_model(p.model)
         passes_f = 2.0 if self.recompute else 1.0  # recomputation runs the forward again
 
-        def tot(curve: ComputeCurve, n: float) -> tuple[float, float, float]:
-            return curve.a * n, curve.b * n, curve.c * n
+        def tot(curve: ComputeCurve, n: float) -> tuple[float, float, float, float]:
+            short = curve.a if curve.a_short is None else curve.a_short
+            return curve.a * n, curve.b * n, curve.c * n, short * n
 
-        af, bf, cf = tot(fwd, ref.layers)
-        ab, bb, cb = tot(bwd, ref.layers)
+        af, bf, cf, sf = tot(fwd, ref.layers)
+        ab, bb, cb, sb = tot(bwd, ref.layers)
         A = passes_f * af + ab
         B = passes_f * bf + bb
         C = passes_f * cf + cb
+        short_len = fwd.short_len or bwd.short_len  # the profiler fits both with one threshold
+        A_short = passes_f * sf + sb if short_len else None
         head = float(p.head_ms_per_token or 0.0)  # embedding, final norm, head and loss, per token
         if ref is not m:
             # scale by FLOPs: quadratic (attention) and linear (dense) parts separately
             A *= _quadratic_coeff(m) / _quadratic_coeff(ref)
+            if A_short is not None:
+                A_short *= _quadratic_coeff(m) / _quadratic_coeff(ref)
             B *= _linear_coeff(m) / _linear_coeff(ref)
             C *= m.layers / ref.layers
             head *= (m.vocab * m.hidden) / (ref.vocab * ref.hidden)
         B += head
         C += float(p.micro_step_ms or 0.0)
+        if self.execution == "lockstep" and p.pass_compute_factor:
+            # inside a ZeRO-3 pass the same work takes longer (the profile's measured factor)
+            f = _interp_latency(p.pass_compute_factor, self.cluster.num_gpus)
+            A, B, C = A * f, B * f, C * f
+            A_short = None if A_short is None else A_short * f
         # bf16 under ZeRO 0-2 is autocast over the fp32 replica; under ZeRO-3 FSDP2 casts the weights
         autocast = self.precision == "bf16" and self.cluster.zero_stage < 3
         mine = activation_bytes_per_token(m, self.recompute, autocast=autocast)
@@ -262,7 +298,7 @@ class CostModel:
             act = act_mb * 1e6 * mine / activation_bytes_per_token(native, False)
         else:
             act = mine
-        return _Fit(A=A, B=B, C=C, act_bytes=act)
+        return _Fit(A=A, B=B, C=C, act_bytes=act, A_short=A_short, short_len=short_len)
 
     # ---- degrees ---------------------------------------------------------------------------
     def degree_supported(self, d: int) -> bool:
@@ -330,7 +366,7 @@ class CostModel:
         """Compute time (ms) of each sequence on a group of ``degree``, without communication."""
         s = np.asarray(lengths, dtype=np.float64)
         f = self._fit
-        return (f.A * s * s + f.B * s) / degree
+        return (f.quadratic(s) + f.B * s) / degree
 
     def comm_ms(self, lengths, degree: int) -> np.ndarray:
         """Exposed communication time (ms) of each sequence inside its SP group."""
@@ -348,7 +384,7 @@ class CostModel:
         ring_passes = (passes - 1) + 2.0
         per_layer = m.dtype_bytes * (s / d) * 2 * m.kv_dim * (d - 1)
         comm = ring_passes * m.layers * per_layer / (self.link_gbps("p2p", d) * 1e9) * 1e3
-        attn = self._fit.A * s * s / d
+        attn = self._fit.quadratic(s) / d
         return np.maximum(0.0, comm - attn)
 
     def sp_token_ms(self, lengths, degree: int) -> np.ndarray:
@@ -475,8 +511,12 @@ class CostModel:
 
     def optimizer_ms(self) -> float:
         """The optimizer step after the step's last micro-step (ms): the profile's measured time per
-        million updated parameters times ``updated_params``; 0 when the profile did not measure it."""
-        rate = self.profile.optimizer_ms_per_mparam
+        million updated parameters (its ZeRO-3 figure for FSDP's sharded parameters when it has
+        one) times ``updated_params``; 0 when the profile did not measure it."""
+        p = self.profile
+        rate = p.optimizer_ms_per_mparam
+        if self.cluster.zero_stage == 3 and self.cluster.num_gpus > 1 and p.sharded_optimizer_ms_per_mparam is not None:
+            rate = p.sharded_optimizer_ms_per_mparam
         return float(rate) * self.updated_params() / 1e6 if rate else 0.0
 
     # ---- lockstep passes (ZeRO-3) ---------------------------------------------------------------------
@@ -501,25 +541,39 @@ class CostModel:
                         self._bus("reduce_scatter", numel * 4.0, n)))
         return out
 
-    def pass_comm_ms(self) -> float:
-        """FSDP's collectives in one lockstep pass (ms): every unit all-gathered for the forward and
-        again for the backward, its gradient reduce-scattered in fp32. FSDP overlaps them with the
-        compute, so a pass is at least this long. 0 outside lockstep execution or on one rank."""
+    def fsdp_comm_ms(self) -> float:
+        """All of FSDP's collectives in one lockstep pass (ms): every unit all-gathered for the
+        forward and again for the backward, its gradient reduce-scattered in fp32. 0 outside
+        lockstep execution or on one rank."""
         if self.execution != "lockstep" or self.cluster.num_gpus <= 1:
             return 0.0
         return float(sum(2 * ag + rs for ag, rs in self._unit_comm()))
 
+    def comm_overlap(self) -> float:
+        """The profile's ``pass_comm_overlap`` (1 when it does not say)."""
+        o = self.profile.pass_comm_overlap
+        return 1.0 if o is None else float(o)
+
+    def pass_comm_ms(self) -> float:
+        """The part of FSDP's collectives in one lockstep pass that overlaps the compute
+        (``comm_overlap * fsdp_comm_ms``): a pass is at least this long. 0 outside lockstep
+        execution or on one rank."""
+        return self.comm_overlap() * self.fsdp_comm_ms()
+
     def pass_overhead_ms(self) -> float:
         """What every lockstep pass costs beyond the longer of its compute and ``pass_comm_ms``: the
-        first unit's all-gather (nothing computes before it arrives), its reduce-scatter (nothing
-        computes after it), and the profile's measured fixed cost of a pass. 0 outside lockstep."""
+        collectives that do not overlap (``(1 - overlap) * fsdp_comm_ms``; of those that do, the
+        first unit's all-gather, as nothing computes before it arrives, and its reduce-scatter, as
+        nothing computes after it), and the profile's measured fixed cost of a pass. 0 outside
+        lockstep."""
         if self.execution != "lockstep":
             return 0.0
         fixed = _interp_latency(self.profile.pass_overhead_ms, self.cluster.num_gpus)
         if self.cluster.num_gpus <= 1:
             return fixed
+        o = self.comm_overlap()
         ag0, rs0 = self._unit_comm()[0]
-        return ag0 + rs0 + fixed
+        return (1 - o) * self.fsdp_comm_ms() + o * (ag0 + rs0) + fixed
 
     def pass_ms(self, max_rank_load_ms: float) -> float:
         """Duration of one lockstep pass whose most loaded rank computes ``max_rank_load_ms``."""
@@ -596,6 +650,8 @@ class CostModel:
             "call_overhead_ms": self.call_overhead_ms(),
             "pass_comm_ms": self.pass_comm_ms(),
             "pass_overhead_ms": self.pass_overhead_ms(),
+            "fsdp_comm_ms": self.fsdp_comm_ms(),
+            "pass_comm_overlap": self.comm_overlap(),
             "strategy": self.strategy,
             "recompute": self.recompute,
             "model": self.model.name,

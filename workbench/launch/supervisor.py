@@ -254,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     if node is not None:
         _watch_stop_file(run_dir, started)
     state, code, fields = "failed", 1, {}
+    # the machine's load while the run lives (one node samples it: they may share the folder)
+    sampler = runs.LoadSampler(run_dir).start() if args.node_rank == 0 else None
     try:
         if args.nnodes == 1 and args.rdzv_endpoint is None:
             _register_loopback()
@@ -290,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in HANDLED_SIGNALS:  # a second signal must not interrupt the sweep
             signal.signal(s, signal.SIG_IGN)
+        if sampler is not None:
+            sampler.stop()
         left = sweep(run_dir, node=node)
     asked = runs.stop_requested(run_dir, started) if node is not None else None
     if asked is not None and state == "failed":

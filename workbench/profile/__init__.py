@@ -11,7 +11,8 @@ torchrun process tree, never inside a notebook kernel::
 
 Layout: ``fit`` (least squares, residuals, held-out error: pure numpy), ``result`` (measurements
 -> HardwareProfile + evidence: pure), ``fidelity`` (a profile against a training run's metrics:
-pure), ``measure`` (the torch side, run by the ranks), ``command`` (``workbench profile``).
+pure), ``machine`` (this machine's fingerprint, its cached quick profile, the note for another
+machine's: pure), ``measure`` (the torch side, run by the ranks), ``command`` (``workbench profile``).
 The shipped reference profiles live in ``reference/``. Importing this package never imports torch.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -33,7 +35,8 @@ from workbench.profile.fit import ape, error_summary, fit_curve, fit_pack_curve,
 from workbench.profile.result import MEASUREMENTS_FILE, RESULT_FILE, ProfileResult, build_result
 
 __all__ = ["ProfileSpec", "prepare_profile", "start_profile", "load_result", "check_fidelity", "ProfileResult",
-           "build_result", "read_profile_spec", "default_grid", "gpu_count", "MEASURE_MODULE", "RESULT_FILE",
+           "build_result", "read_profile_spec", "default_grid", "default_step_cases", "head_token_counts",
+           "fsdp_unit_bytes", "gpu_count", "MEASURE_MODULE", "RESULT_FILE",
            "MEASUREMENTS_FILE", "nnls", "fit_curve", "fit_pack_curve", "trimmed_median", "ape", "error_summary",
            "DEVICES", "ATTENTION"]
 
@@ -74,13 +77,18 @@ def default_grid(max_len: int, quick: bool) -> dict:
     def n(x: float) -> int:
         return max(8, int(x))
 
+    # packs of short sequences up to 2L tokens: what a rank runs in a pass of a long-tailed batch (the
+    # per-token cost grows with the tokens of a call, as they leave the CPU's caches: the linear fit
+    # must see the sizes training runs)
     if quick:
-        fit = [[n(L / 64)], [n(L / 16)], [n(L / 4)], [L], [n(L / 64)] * 16, [n(L / 16)] * 8]
+        fit = [[n(L / 64)], [n(L / 16)], [n(L / 4)], [L], [n(L / 64)] * 16, [n(L / 16)] * 8, [n(L / 8)] * 8,
+               [n(L / 16)] * 16, [n(L / 8)] * 16]
         held = [[n(L / 32)], [n(L / 8)], [n(L / 2)], [n(L / 32)] * 8]
         groups = [[n(L / 4)], [n(L / 2)], [n(L / 32)] * 8, [n(L / 16)] * 8]
     else:
         fit = [[n(L / 128)], [n(L / 64)], [n(L / 16)], [n(L / 4)], [n(L / 2)], [L], [n(L / 64)] * 16,
-               [n(L / 16)] * 8, [n(L / 4), n(L / 8), n(L / 16), n(L / 32), n(L / 64), n(L / 64)], [n(L / 128)] * 32]
+               [n(L / 16)] * 8, [n(L / 4), n(L / 8), n(L / 16), n(L / 32), n(L / 64), n(L / 64)], [n(L / 128)] * 32,
+               [n(L / 8)] * 8, [n(L / 4)] * 8]
         held = [[n(3 * L / 64)], [n(3 * L / 16)], [n(3 * L / 8)], [n(3 * L / 4)], [n(3 * L / 32)] * 5,
                 [n(L / 32)] * 12]
         groups = [[n(L / 4)], [n(L / 2)], [L], [n(L / 32)] * 8, [n(L / 16)] * 8, [n(L / 64)] * 32]
@@ -91,6 +99,59 @@ def default_grid(max_len: int, quick: bool) -> dict:
             fit_u.append(p)
     held_u = [p for p in held if tuple(p) not in seen and not seen.add(tuple(p))]
     return {"fit": fit_u, "heldout": held_u, "groups": groups}
+
+
+def default_step_cases(world: int, max_len: int, sp_degree: int | None = None) -> list[dict]:
+    """The real training steps a profile run times on ``world`` ranks (what a step costs beyond its
+    layers): ``[{"name", "execution", "micro_steps": [[{"degree", "ranks", "lengths"}]]}]``.
+
+    Lockstep (ZeRO-3, FSDP2 over every rank): a pass where one rank runs a few tokens and every
+    other rank an empty pass (the pass's fixed cost), a pass where every rank runs a sequence of
+    ``max_len / 4``, one where every rank runs 8 of ``max_len / 8``, and two passes of short packs
+    then a ``max_len / 2`` sequence on groups of ``sp_degree`` (when given). Free (ZeRO-0
+    replicas): the same work but the first as micro-steps (the fixed cost of a micro-step; and,
+    pass by pass against the lockstep cases, how much longer the same work takes in a pass). After
+    each, the optimizer steps (its time per parameter)."""
+    L = _pow2_floor(max_len)
+
+    def n(x: float) -> int:
+        return max(8, int(x))
+
+    busy = [{"degree": 1, "ranks": [r], "lengths": [n(L / 4)]} for r in range(world)]
+    heavy = [{"degree": 1, "ranks": [r], "lengths": [n(L / 8)] * 8} for r in range(world)]
+    short = [{"degree": 1, "ranks": [r], "lengths": [n(L / 32)] * 8} for r in range(world)]
+    mixed = [short]
+    if sp_degree and sp_degree > 1 and world % sp_degree == 0:
+        mixed.append([{"degree": sp_degree, "ranks": list(range(b * sp_degree, (b + 1) * sp_degree)),
+                       "lengths": [n(L / 2)]} for b in range(world // sp_degree)])
+    return [
+        {"name": "lockstep-idle", "execution": "lockstep", "micro_steps": [[{"degree": 1, "ranks": [0], "lengths": [8]}]]},
+        {"name": "lockstep-busy", "execution": "lockstep", "micro_steps": [busy]},
+        {"name": "lockstep-heavy", "execution": "lockstep", "micro_steps": [heavy]},
+        {"name": "lockstep-mixed", "execution": "lockstep", "micro_steps": mixed},
+        {"name": "free-busy", "execution": "free", "micro_steps": [busy]},
+        {"name": "free-heavy", "execution": "free", "micro_steps": [heavy]},
+        {"name": "free-mixed", "execution": "free", "micro_steps": mixed},
+    ]
+
+
+def head_token_counts(max_len: int) -> list[int]:
+    """Lengths the head (embedding, final norm, output head, loss) is timed at alone."""
+    L = _pow2_floor(max_len)
+    return sorted({max(8, L // 16), max(8, L // 4), L})
+
+
+def fsdp_unit_bytes(model_name: str, dtype_bytes: int) -> list[int]:
+    """The sizes FSDP moves under ZeRO-3 for ``model_name``: each unit's parameters (all-gathered,
+    in ``dtype_bytes``) and gradients (reduce-scattered in fp32), distinct, at most four (the
+    smallest and largest of each)."""
+    from workbench.cost.memory import fsdp_units
+    from workbench.specs import get_model
+
+    m = get_model(model_name)
+    numels = sorted({sum(math.prod(shape) for _, shape in u) for u in fsdp_units(m)})
+    picks = {numels[0], numels[-1]}
+    return sorted({x * b for x in picks for b in {int(dtype_bytes), 4}})
 
 
 def gpu_count() -> int:
@@ -173,6 +234,17 @@ class ProfileSpec:
     """Parameter dtype, as the runtime trains (fp32; flash-attn runs its kernel in bf16)."""
     oversubscribe: bool = False
     """Allow more processes than CPU cores (or GPUs)."""
+    steps: bool = True
+    """Also time real training steps (ZeRO-3 lockstep passes and ZeRO-0 micro-steps, each followed by
+    an optimizer step), in the same rounds as the compute packs: the fixed costs of a micro-step
+    and of a pass, the pass's compute factor and the optimizer's time per parameter
+    (``default_step_cases``; models over 200M parameters skip them: three copies of the model
+    states would be held at once)."""
+    optimizer: str = "adamw"
+    """The optimizer whose step is timed (``adamw`` or ``sgd``), as training runs it."""
+    fingerprint: dict | None = None
+    """The machine this profile is for (``workbench.profile.machine``): set when it is measured
+    as this machine's cached profile; kept in the profile's provenance."""
     timeout_s: float = 300.0
     """Collective timeout: a rank waiting longer fails instead of hanging."""
     name: str | None = None
@@ -240,6 +312,12 @@ class ProfileSpec:
         if any(x < 64 for x in mb):
             bad("message_bytes", "must all be at least 64", list(mb))
         object.__setattr__(self, "message_bytes", tuple(sorted(set(mb))))
+        if not isinstance(self.steps, bool):
+            bad("steps", "must be true or false", self.steps)
+        if self.optimizer not in ("adamw", "sgd"):
+            bad("optimizer", "must be adamw or sgd", self.optimizer)
+        if self.fingerprint is not None and not isinstance(self.fingerprint, Mapping):
+            bad("fingerprint", "must be an object or null", self.fingerprint)
         if self.dtype not in ("float32", "bfloat16", "float16"):
             bad("dtype", "must be float32, bfloat16 or float16", self.dtype)
         if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
@@ -269,6 +347,10 @@ class ProfileSpec:
         held = [p for p in held if tuple(p) not in fit_keys]
         groups = list(self.group_sizes) or [d for d in (2 ** i for i in range(1, 12)) if d <= self.nproc
                                             and self.nproc % d == 0]
+        sp = [d for d in groups if m.heads % d == 0 and (m.kv_heads % d == 0 or d % m.kv_heads == 0)]
+        dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        # the runtime computes in fp32 or bf16; a big model's three copies of its states would not fit
+        run_steps = self.steps and self.dtype != "float16" and m.params() <= 200e6
         return {
             "device": dev, "max_len": max_len, "fit_packs": fit, "heldout_packs": held,
             "warmup": self.warmup if self.warmup is not None else (1 if self.quick else 2),
@@ -280,6 +362,11 @@ class ProfileSpec:
             "group_packs": [list(p) for p in self.group_packs] or grid["groups"],
             "min_sample_ms": float(self.min_sample_ms if self.min_sample_ms is not None
                                    else (50.0 if dev == "cpu" else 5.0)),
+            "head_tokens": head_token_counts(max_len),
+            "fsdp_bytes": fsdp_unit_bytes(self.model, dtype_bytes) if self.nproc > 1 else [],
+            "step_cases": default_step_cases(self.nproc, max_len,
+                                             max(sp) if sp else None) if run_steps else [],
+            "optimizer": self.optimizer,
         }
 
     def to_dict(self) -> dict:

@@ -68,8 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--check", default=None, metavar="RUN",
                    help="compare a profile's predicted step and group times with this training run's measured ones")
     g.add_argument("--profile", default=None, metavar="NAME|PATH|RUN",
-                   help="with --check: the profile to test (default: the newest finished profile run, else the "
-                        "run's own)")
+                   help="with --check: the profile to test (default: the one the run planned with, else the newest "
+                        "finished profile run)")
     g.add_argument("--skip", type=int, default=1, metavar="K", help="with --check: leave out the first K steps (default 1)")
     g.add_argument("--json", action="store_true", help="print plain JSON")
     g.add_argument("--html", default=None, metavar="PATH", help="also write the figures to this HTML file")
@@ -100,6 +100,9 @@ def profile_table(res) -> str:
                      f"{f(h.get('median_ape'))} | {f(h.get('worst_ape'))} |")
     h = res.heldout.get("total", {})
     lines.append(f"| forward + backward | | | | | {f(h.get('median_ape'))} | {f(h.get('worst_ape'))} |")
+    if p.forward.short_len:
+        lines.append(f"\nsequences under {p.forward.short_len:,} tokens: a = {p.forward.a_short:.3e} forward, "
+                     f"{p.backward.a_short:.3e} backward (attention kernels block short sequences differently)")
     if h.get("points"):
         lines += ["", "| held-out pack | tokens | measured fwd+bwd (ms/layer) | predicted (ms/layer) | APE (%) |",
                   "|---|---:|---:|---:|---:|"]
@@ -128,6 +131,28 @@ def profile_table(res) -> str:
             tok = res.profile.sp_token_ms
             lines.append("\nSP overhead per layer: " + ", ".join(
                 f"degree {d}: {v:.2f} ms + {1e3 * tok.get(d, 0.0):.2f} ms per 1,000 tokens" for d, v in sp.items()))
+    extras = [(k, v) for k, v in (
+        ("head (embedding, final norm, head, loss) per 1,000 tokens, fwd+bwd",
+         None if p.head_ms_per_token is None else f"{1e3 * p.head_ms_per_token:.3f} ms"),
+        ("fixed cost of a micro-step", None if p.micro_step_ms is None else f"{p.micro_step_ms:.2f} ms"),
+        ("fixed cost of a ZeRO-3 pass", ", ".join(f"{d} ranks: {v:.2f} ms" for d, v in p.pass_overhead_ms.items())
+         or None),
+        ("work inside a ZeRO-3 pass, vs a free micro-step",
+         ", ".join(f"{d} ranks: x{v:.3f}" for d, v in p.pass_compute_factor.items()) or None),
+        ("FSDP's collectives overlapping compute", None if p.pass_comm_overlap is None else f"{p.pass_comm_overlap:g}"),
+        ("optimizer per million parameters (replicas)",
+         None if p.optimizer_ms_per_mparam is None else f"{p.optimizer_ms_per_mparam:.2f} ms"),
+        ("optimizer per million parameters (ZeRO-3 shards)",
+         None if p.sharded_optimizer_ms_per_mparam is None else f"{p.sharded_optimizer_ms_per_mparam:.2f} ms"),
+    ) if v is not None]
+    if extras:
+        lines += ["", "| what a step costs beyond its layers (measured from real steps) | |", "|---|---:|"]
+        lines += [f"| {k} | {v} |" for k, v in extras]
+        whole = [r for r in res.steps if r.get("step")]
+        if whole:
+            lines += ["", "| real step (the profiler's own, re-timed with this profile) | measured (ms) | predicted (ms) |",
+                      "|---|---:|---:|"]
+            lines += [f"| {r['case']} | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} |" for r in whole]
     m = res.memory
     if m:
         lines += ["", f"activations {f(m.get('activation_mb_per_token'), '.4f')} MB/token, model states "
@@ -144,13 +169,22 @@ def _check(args) -> int:
     root = Path(args.run_root) if args.run_root else runs.default_root()
     prof = args.profile
     if prof is None:
-        done = [r for r in runs.list_runs(root, kind="profile") if r.file(runs.PROFILE_FILE).is_file()]
-        prof = str(done[-1].path) if done else None
-    if prof is None:
+        # the profile the run planned with (a shipped name or a file), else the newest measured here
+        from workbench.specs import load_profile
+
         train = runs.load_run(args.check, root=root)
-        prof = (train.status().resolved or {}).get("profile") or (train.spec().get("scenario") or {}).get("profile")
+        own = (train.spec().get("scenario") or {}).get("profile")
+        try:
+            if own:
+                load_profile(own)
+                prof = own
+        except ValueError:
+            prof = None
+        if prof is None:
+            done = [r for r in runs.list_runs(root, kind="profile") if r.file(runs.PROFILE_FILE).is_file()]
+            prof = str(done[-1].path) if done else None
         if not prof:
-            raise ValueError(f"no profile to check: give --profile NAME|PATH (run {train.id} names none)")
+            raise ValueError(f"no profile to check: give --profile NAME|PATH (run {train.id} names none that loads)")
     else:
         p = Path(prof)
         if not p.exists() and not prof.endswith(".json"):

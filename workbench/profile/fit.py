@@ -6,11 +6,17 @@ evidence next to it (residuals, held-out errors):
 
 - **compute**: per-layer forward and backward time of packs of sequences,
   ``t = a * sum(s^2) + b * sum(s) + c``, fitted by non-negative least squares on relative error
-  (short packs count as much as long ones), on the ``fit`` points only; the ``heldout`` points
-  (lengths not in the fit) are predicted and their absolute percentage errors reported;
+  (short packs count as much as long ones), on the ``fit`` points only; when a separate ``a_short``
+  for the sequences under a threshold (between the fit's lengths) leaves less than 60% of the
+  residual, the curves carry it (``choose_short_len``: attention kernels block short sequences
+  differently); the ``heldout`` points (lengths not in the fit) are predicted and their absolute
+  percentage errors reported;
 - **collectives**: per group size, ``t = latency + bytes / bandwidth`` over several message sizes
   (all-to-all: the bytes a rank sends to the others; all-reduce: the ring's ``2 (n-1)/n`` of the
-  buffer; point-to-point: the bytes of one ring step).
+  buffer; all-gather and reduce-scatter, FSDP's: ``(n-1)/n`` of the full buffer; point-to-point:
+  the bytes of one ring step);
+- **lines** (``fit_line``): ``t = slope * x + intercept``, non-negative, for the head's time per
+  token and the optimizer's per parameter.
 
 Everything is tested in milliseconds against synthetic timings with known coefficients.
 """
@@ -27,11 +33,11 @@ import numpy as np
 
 from workbench.specs import ComputeCurve
 
-__all__ = ["nnls", "trimmed_median", "ape", "error_summary", "fit_curve", "fit_pack_curve", "predict_pack",
-           "CurveFit", "fit_compute", "heldout_errors", "LinkFit", "fit_link", "fit_collectives",
-           "COLLECTIVE_KINDS", "wire_bytes"]
+__all__ = ["nnls", "trimmed_median", "ape", "error_summary", "fit_curve", "fit_pack_curve", "predict_pack", "fit_line",
+           "CurveFit", "fit_compute", "heldout_errors", "choose_short_len", "short_len_candidates", "LinkFit", "fit_link",
+           "fit_collectives", "COLLECTIVE_KINDS", "wire_bytes"]
 
-COLLECTIVE_KINDS = ("all_to_all", "allreduce", "p2p")
+COLLECTIVE_KINDS = ("all_to_all", "allreduce", "p2p", "allgather", "reduce_scatter")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -100,14 +106,20 @@ def error_summary(errors: Sequence[float]) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
-def _pack_features(pack: Sequence[int]) -> tuple[float, float, float]:
-    return float(sum(int(s) * int(s) for s in pack)), float(sum(int(s) for s in pack)), 1.0
+def _pack_features(pack: Sequence[int], short_len: int | None = None) -> tuple[float, ...]:
+    """``(sum s^2, sum s, 1)``, or with ``short_len`` ``(sum s^2 of the long, sum s, 1, sum s^2 of
+    the short)``."""
+    q = float(sum(int(s) * int(s) for s in pack if short_len is None or int(s) >= short_len))
+    feats = (q, float(sum(int(s) for s in pack)), 1.0)
+    if short_len is None:
+        return feats
+    return (*feats, float(sum(int(s) * int(s) for s in pack if int(s) < short_len)))
 
 
 def predict_pack(curve: ComputeCurve, pack: Sequence[int]) -> float:
-    """A curve's time (ms) for one packed call: ``a * sum(s^2) + b * sum(s) + c``."""
-    q, lin, one = _pack_features(pack)
-    return curve.a * q + curve.b * lin + curve.c * one
+    """A curve's time (ms) for one packed call: ``a * sum(s^2) + b * sum(s) + c`` (``a_short`` for
+    the sequences under ``short_len``)."""
+    return float(curve.quadratic([int(s) for s in pack]).sum()) + curve.b * sum(int(s) for s in pack) + curve.c
 
 
 def fit_curve(packs: Sequence[Sequence[int]], times_ms: Sequence[float]) -> ComputeCurve:
@@ -142,13 +154,16 @@ class CurveFit:
         return error_summary([ape(p, m) for p, m in zip(self.predicted_ms, self.measured_ms)])
 
     def to_dict(self) -> dict:
-        return {"a": self.curve.a, "b": self.curve.b, "c": self.curve.c, "packs": self.packs,
+        return {"a": self.curve.a, "b": self.curve.b, "c": self.curve.c, "a_short": self.curve.a_short,
+                "short_len": self.curve.short_len, "packs": self.packs,
                 "measured_ms": self.measured_ms, "predicted_ms": self.predicted_ms,
                 "residuals_ms": self.residuals_ms, "errors": self.errors()}
 
 
-def fit_pack_curve(packs: Sequence[Sequence[int]], times_ms: Sequence[float]) -> CurveFit:
-    """:func:`fit_curve` returning the fit with its points and residuals (a :class:`CurveFit`)."""
+def fit_pack_curve(packs: Sequence[Sequence[int]], times_ms: Sequence[float], *,
+                   short_len: int | None = None) -> CurveFit:
+    """:func:`fit_curve` returning the fit with its points and residuals (a :class:`CurveFit`);
+    with ``short_len``, sequences under it get an ``a_short`` of their own."""
     packs = [[int(s) for s in p] for p in packs]
     t = np.asarray(times_ms, dtype=np.float64)
     if len(t) != len(packs):
@@ -159,10 +174,11 @@ def fit_pack_curve(packs: Sequence[Sequence[int]], times_ms: Sequence[float]) ->
         raise ValueError(f"measured times must be finite and positive, got {t.tolist()}")
     if any(not p or min(p) < 1 for p in packs):
         raise ValueError("every pack needs at least one sequence of positive length")
-    X = np.array([_pack_features(p) for p in packs], dtype=np.float64)
+    X = np.array([_pack_features(p, short_len) for p in packs], dtype=np.float64)
     w = 1.0 / t
     coef = nnls(X * w[:, None], t * w)
-    curve = ComputeCurve(a=float(coef[0]), b=float(coef[1]), c=float(coef[2]))
+    curve = ComputeCurve(a=float(coef[0]), b=float(coef[1]), c=float(coef[2]),
+                         **({} if short_len is None else {"a_short": float(coef[3]), "short_len": int(short_len)}))
     pred = (X @ coef).tolist()
     return CurveFit(curve=curve, packs=packs, measured_ms=t.tolist(), predicted_ms=[float(x) for x in pred])
 
@@ -181,26 +197,79 @@ def heldout_errors(curve: ComputeCurve, packs: Sequence[Sequence[int]], measured
     return {"points": pts, **error_summary([x["ape"] for x in pts])}
 
 
+SHORT_GAIN = 0.6
+"""``short_len`` is kept only when it leaves at most this share of the single-``a`` fit's squared
+relative residual (a fourth coefficient must earn its place)."""
+
+
+def short_len_candidates(packs: Sequence[Sequence[int]]) -> list[int]:
+    """Thresholds between the fit's distinct sequence lengths (geometric midpoints) that leave at
+    least two distinct lengths above them and two below (both ``a`` need points of their own)."""
+    ls = sorted({int(s) for p in packs for s in p})
+    return [int(round(math.sqrt(lo * hi))) for i, (lo, hi) in enumerate(zip(ls, ls[1:]))
+            if i + 1 >= 2 and len(ls) - (i + 1) >= 2]
+
+
+def _rel_sse(fit: CurveFit) -> float:
+    return float(sum(((p - m) / m) ** 2 for p, m in zip(fit.predicted_ms, fit.measured_ms)))
+
+
+def choose_short_len(packs: Sequence[Sequence[int]], times_ms: Sequence[float]) -> int | None:
+    """The threshold (``short_len_candidates``) whose two-coefficient fit of ``times_ms`` has the
+    smallest squared relative residual, when that is at most ``SHORT_GAIN`` of the one-coefficient
+    fit's; else None."""
+    if len(packs) < 5:
+        return None
+    base = _rel_sse(fit_pack_curve(packs, times_ms))
+    best, best_sse = None, SHORT_GAIN * base
+    for cand in short_len_candidates(packs):
+        sse = _rel_sse(fit_pack_curve(packs, times_ms, short_len=cand))
+        if sse < best_sse:
+            best, best_sse = cand, sse
+    return best
+
+
 def fit_compute(rows: Sequence[Mapping[str, Any]]) -> dict:
     """Fit forward and backward curves to measured rows ``{"pack", "role": "fit"|"heldout",
-    "forward_ms", "backward_ms"}``. Returns ``{"forward": CurveFit, "backward": CurveFit,
-    "heldout": {"forward": ..., "backward": ..., "total": ...}}`` where ``total`` is forward plus
-    backward (what a training step pays). Raises ValueError with fewer than 3 fit rows."""
+    "forward_ms", "backward_ms"}``, with one ``short_len`` for both (``choose_short_len`` on their
+    sum). Returns ``{"forward": CurveFit, "backward": CurveFit, "heldout": {"forward": ...,
+    "backward": ..., "total": ...}, "short_len"}`` where ``total`` is forward plus backward (what a
+    training step pays). Raises ValueError with fewer than 3 fit rows."""
     fit_rows = [r for r in rows if r.get("role", "fit") == "fit"]
     held = [r for r in rows if r.get("role") == "heldout"]
     packs = [r["pack"] for r in fit_rows]
-    fwd = fit_pack_curve(packs, [r["forward_ms"] for r in fit_rows])
-    bwd = fit_pack_curve(packs, [r["backward_ms"] for r in fit_rows])
-    total = ComputeCurve(a=fwd.curve.a + bwd.curve.a, b=fwd.curve.b + bwd.curve.b, c=fwd.curve.c + bwd.curve.c)
+    short = choose_short_len(packs, [r["forward_ms"] + r["backward_ms"] for r in fit_rows])
+    fwd = fit_pack_curve(packs, [r["forward_ms"] for r in fit_rows], short_len=short)
+    bwd = fit_pack_curve(packs, [r["backward_ms"] for r in fit_rows], short_len=short)
+    extra = {} if short is None else {"a_short": fwd.curve.a_short + bwd.curve.a_short, "short_len": short}
+    total = ComputeCurve(a=fwd.curve.a + bwd.curve.a, b=fwd.curve.b + bwd.curve.b, c=fwd.curve.c + bwd.curve.c,
+                         **extra)
     hp = [r["pack"] for r in held]
     return {
-        "forward": fwd, "backward": bwd,
+        "forward": fwd, "backward": bwd, "short_len": short,
         "heldout": {
             "forward": heldout_errors(fwd.curve, hp, [r["forward_ms"] for r in held]),
             "backward": heldout_errors(bwd.curve, hp, [r["backward_ms"] for r in held]),
             "total": heldout_errors(total, hp, [r["forward_ms"] + r["backward_ms"] for r in held]),
         },
     }
+
+
+def fit_line(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+    """``y = slope * x + intercept`` with both >= 0, minimising relative error (non-negative least
+    squares weighted by 1/y). Returns ``(slope, intercept)``; with one distinct x, ``(median y/x,
+    0)``. Raises ValueError for no points, mismatched lists or a non-positive value."""
+    xs = np.asarray(x, dtype=np.float64)
+    ys = np.asarray(y, dtype=np.float64)
+    if xs.shape != ys.shape or xs.size == 0:
+        raise ValueError(f"fit_line needs as many x as y values (at least one), got {xs.size} and {ys.size}")
+    if np.any(xs <= 0) or np.any(ys <= 0) or not np.all(np.isfinite(ys)):
+        raise ValueError(f"fit_line needs positive x and y values, got {xs.tolist()} and {ys.tolist()}")
+    if len(set(xs.tolist())) < 2:
+        return float(np.median(ys / xs)), 0.0
+    w = 1.0 / ys
+    slope, intercept = nnls(np.stack([xs, np.ones_like(xs)], axis=1) * w[:, None], ys * w)
+    return float(slope), float(intercept)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -211,9 +280,11 @@ def fit_compute(rows: Sequence[Mapping[str, Any]]) -> dict:
 def wire_bytes(kind: str, message_bytes: float, group_size: int) -> float:
     """Bytes one rank moves in one call, the x of the latency/bandwidth fit: all-to-all sends
     ``(d-1)/d`` of its buffer to others; a ring all-reduce moves ``2 (n-1)/n`` of it (bus
-    bandwidth); a ring step sends the whole message once."""
+    bandwidth); an all-gather receives, and a reduce-scatter sends, ``(n-1)/n`` of the full
+    buffer (``message_bytes``: the gathered output, the scattered input); a ring step sends the
+    whole message once."""
     d = int(group_size)
-    if kind == "all_to_all":
+    if kind in ("all_to_all", "allgather", "reduce_scatter"):
         return message_bytes * (d - 1) / d
     if kind == "allreduce":
         return message_bytes * 2 * (d - 1) / d

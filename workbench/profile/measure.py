@@ -9,19 +9,25 @@ ranks that share a machine contend as they do in training):
 1. **compute**: for each pack of the grid, forward (model + loss) and backward of the runtime's own
    model and attention backend, ``warmup`` untimed runs then ``reps`` timed ones, each after a
    barrier; CUDA events on GPU, ``time.perf_counter`` around synchronised work elsewhere. The
-   whole model (embedding, blocks, head, loss) is timed and divided by ``layers``, so the per-layer
-   curves times ``layers`` give what a training step pays. Per rank the trimmed median; the agreed
-   figure is the median over ranks (every rank's is kept).
+   whole model (embedding, blocks, head, loss) is timed and divided by ``layers``; the head alone
+   (embedding, final norm, head and loss) is timed too, at three lengths, so the fit can take its
+   per-token part out of the blocks' curves. Per rank the trimmed median; the agreed figure is the
+   median over ranks (every rank's is kept).
 2. **collectives**: for every group size, the Ulysses all-to-all (``all_to_all_single`` on every
    aligned block at once, as concurrent SP groups run it), ``collective_inner`` calls back to back
    per repetition, at several message sizes so latency and bandwidth can both be fitted; the
-   all-reduce of the whole world (gradient sync); point-to-point ring steps inside each block
+   all-reduce of the whole world (gradient sync); FSDP's all-gather and reduce-scatter over the
+   world, also at the sizes of the model's FSDP units; point-to-point ring steps inside each block
    (ring attention). Agreed over ranks the same way.
 3. **SP groups**: one micro-step of the runtime's own sequence-parallel path (slices, Ulysses
    all-to-alls around the varlen attention, forward and backward) for every group size and a few
-   packs, all blocks at once, sampled in the same rounds as the compute packs (the same load);
-   what it costs beyond the compute and collective fits is the profile's per-degree
-   ``sp_overhead_ms``.
+   packs, all blocks at once; what it costs beyond the compute and collective fits is the
+   profile's per-degree ``sp_overhead_ms``.
+   **Real steps**: the StepExecutor runs small plans (``default_step_cases``) under ZeRO-3 (FSDP2,
+   lockstep passes, idle ranks in empty passes) and ZeRO-0 (free micro-steps), each followed by an
+   optimizer step timed apart: a micro-step's and a pass's fixed costs, the pass's compute factor,
+   the optimizer per parameter. SP micro-steps and real steps are sampled in the same rounds as the
+   compute packs (the same load).
 4. **memory**: on CUDA the peak allocated bytes of a forward at two lengths (their difference per
    token: activations) and the allocated bytes of parameters, gradients and AdamW states (model
    states); on CPU the same figures computed from the model (bytes of the tensors autograd saves,
@@ -64,7 +70,7 @@ from workbench.specs import ModelSpec, get_model
 from workbench.util import write_json_atomic
 
 __all__ = ["Clock", "measure_compute", "measure_collectives", "measure_groups", "measure_compute_and_groups",
-           "measure_memory", "agree", "main"]
+           "measure_steps", "measure_memory", "agree", "main"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -184,6 +190,38 @@ def _compute_cases(spec: ModelSpec, net, packs, attn, dev: torch.device, clock: 
     return cases
 
 
+def _head_cases(spec: ModelSpec, net, token_counts, dev: torch.device, clock: Clock, gen) -> list[Callable]:
+    """What is not a transformer block, timed alone: the embedding, the final norm, the output head
+    and the loss (forward, then backward) of one sequence of each token count."""
+    cases = []
+    for n in token_counts:
+        inp = _pack_inputs([int(n)], spec.vocab, dev, gen)
+
+        def once(inp=inp) -> list[float]:
+            tokens, _, _, _, labels = inp
+            net.zero_grad(set_to_none=True)
+            clock.mark()
+            logits = net.head(net.norm(net.embed(tokens)))  # (T, vocab)
+            loss = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
+            clock.mark()
+            loss.backward()
+            clock.mark()
+            return clock.intervals()  # [forward, backward]
+
+        cases.append(once)
+    return cases
+
+
+def _head_rows(token_counts, samples, trim: float, device: torch.device) -> list[dict]:
+    fwd = [trimmed_median([x[0] for x in smp], trim) for smp in samples]
+    bwd = [trimmed_median([x[1] for x in smp], trim) for smp in samples]
+    f, f_ranks = agree(fwd, device)
+    b, b_ranks = agree(bwd, device)
+    return [{"tokens": int(n), "forward_ms": f[i], "backward_ms": b[i],
+             "per_rank": {"forward_ms": [x[i] for x in f_ranks], "backward_ms": [x[i] for x in b_ranks]}}
+            for i, n in enumerate(token_counts)]
+
+
 def _compute_rows(spec: ModelSpec, packs, samples, ks, trim: float) -> list[dict]:
     rows = []
     for pack, smp, k in zip(packs, samples, ks):
@@ -225,16 +263,22 @@ def measure_compute(spec: ModelSpec, packs: Sequence[Sequence[int]], *, attn: Ca
 def measure_collectives(registry, group_sizes: Sequence[int], message_bytes: Sequence[int], *,
                         device: torch.device | str = "cpu", warmup: int = 1, reps: int = 5, inner: int = 4,
                         trim: float = 0.2, kinds: Sequence[str] = ("all_to_all", "allreduce", "p2p"),
+                        fsdp_bytes: Sequence[int] = (),
                         progress: Callable[[str], None] | None = None) -> list[dict]:
     """Time collectives under an initialised process group; every rank must call this together.
 
     ``all_to_all``: for each group size d, every aligned block of d ranks runs
     ``all_to_all_single`` at once on a buffer of ``message_bytes`` per rank. ``allreduce``: the
     whole world. ``p2p``: one ring step inside each block (send to the next rank, receive from the
-    previous). Each timed repetition is ``inner`` calls back to back after a barrier; a point is
-    the trimmed median of a rank's repetitions per call, agreed over ranks (median).
+    previous). ``allgather`` and ``reduce_scatter``: the whole world, as FSDP2 calls them under
+    ZeRO-3 (``all_gather_single`` of a shard into a full buffer, ``reduce_scatter_single`` of a full
+    buffer into a shard), the full buffer ``message_bytes`` and every size of ``fsdp_bytes`` (one
+    FSDP unit's parameters or gradients: the sizes a pass moves). Each timed repetition is
+    ``inner`` calls back to back after a barrier; a point is the trimmed median of a rank's
+    repetitions per call, agreed over ranks (median).
 
-    Returns ``[{"kind", "group_size", "message_bytes", "ms", "per_rank"}]``."""
+    Returns ``[{"kind", "group_size", "message_bytes", "ms", "per_rank"}]`` (``message_bytes``:
+    per rank for all-to-all and ring steps, the full buffer for the others)."""
     dev = torch.device(device)
     world, rank = dist.get_world_size(), dist.get_rank()
     clock = Clock(dev)
@@ -261,12 +305,20 @@ def measure_collectives(registry, group_sizes: Sequence[int], message_bytes: Seq
             jobs += [("p2p", d, m) for m in message_bytes]
     if "allreduce" in kinds and world > 1:
         jobs += [("allreduce", world, m) for m in message_bytes]
+    fsdp_sizes = sorted({int(m) for m in (*message_bytes, *fsdp_bytes)})
+    for kind in ("allgather", "reduce_scatter"):
+        if kind in kinds and world > 1:
+            jobs += [(kind, world, m) for m in fsdp_sizes]
     for kind, d, m in jobs:
         lo = rank // d * d
-        group = None if kind == "allreduce" else registry.get(tuple(range(lo, lo + d)))
+        group = None if kind in _WORLD_KINDS else registry.get(tuple(range(lo, lo + d)))
         numel = max(d, int(m) // 4 // d * d)
         send = torch.randn(numel, device=dev)
         recv = torch.empty_like(send)
+        if kind == "allgather":  # a shard in, the full buffer out
+            send = send[: numel // d].clone()
+        elif kind == "reduce_scatter":  # the full buffer in, a shard out
+            recv = recv[: numel // d].clone()
         fn = _collective_call(kind, send, recv, group, lo + (rank - lo + 1) % d, lo + (rank - lo - 1) % d)
         t = timed(fn)
         med, per_rank = agree([t], dev)
@@ -277,12 +329,21 @@ def measure_collectives(registry, group_sizes: Sequence[int], message_bytes: Seq
     return points
 
 
+_WORLD_KINDS = ("allreduce", "allgather", "reduce_scatter")
+
+
 def _collective_call(kind: str, send: torch.Tensor, recv: torch.Tensor, group, nxt: int, prv: int) -> Callable[[], None]:
     """One call of collective ``kind`` on these buffers (``nxt``/``prv``: the ring neighbours)."""
     if kind == "all_to_all":
         return lambda: dist.all_to_all_single(recv, send, group=group)
     if kind == "allreduce":
         return lambda: dist.all_reduce(send)
+    if kind == "allgather":  # what FSDP2 calls (older torch: all_gather_into_tensor, the same collective)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(recv, send)
+    if kind == "reduce_scatter":
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: scatter(recv, send)
 
     ops = [dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]
 
@@ -365,11 +426,17 @@ def measure_groups(spec: ModelSpec, registry, group_sizes: Sequence[int], packs:
 def measure_compute_and_groups(spec: ModelSpec, packs, registry, group_sizes, group_packs, *, attn: Callable,
                                device: torch.device | str = "cpu", warmup: int = 1, reps: int = 3, trim: float = 0.2,
                                dtype: torch.dtype = torch.float32, seed: int = 0, min_sample_ms: float = 0.0,
-                               progress: Callable[[int, int], None] | None = None) -> tuple[list[dict], list[dict]]:
-    """:func:`measure_compute` and :func:`measure_groups` in the same round-robin rounds, so the SP
-    micro-steps see the same load as the compute curve they are compared with (on a shared machine
-    the load drifts between phases). ``registry`` None: compute only. ``progress(j, n)`` after each
-    of the ``n`` samples. Returns ``(compute rows, group rows)``."""
+                               head_tokens: Sequence[int] = (), step_cases: Sequence[dict] = (),
+                               optimizer: str = "adamw",
+                               progress: Callable[[int, int], None] | None = None) -> tuple[list, list, list, list]:
+    """:func:`measure_compute`, :func:`measure_groups`, the head alone (embedding, final norm,
+    output head and loss of one sequence of each of ``head_tokens``) and the real steps of
+    ``step_cases`` (:func:`measure_steps`) in the same round-robin rounds, so that the SP
+    micro-steps, the head and the real steps see the same load as the compute curve they are
+    compared with (on a shared machine the load drifts between phases). ``registry`` None: no SP
+    groups and no steps. ``progress(j, n)`` after each of the ``n`` samples. Returns ``(compute
+    rows, group rows, head rows, step rows)``; a head row is ``{"tokens", "forward_ms",
+    "backward_ms" (whole; trimmed median, median over ranks), "per_rank"}``."""
     from workbench.runtime.model import Transformer
 
     dev = torch.device(device)
@@ -377,14 +444,134 @@ def measure_compute_and_groups(spec: ModelSpec, packs, registry, group_sizes, gr
     clock = Clock(dev)
     gen = torch.Generator().manual_seed(seed)
     ccases = _compute_cases(spec, net, packs, attn, dev, clock, gen)
+    hcases = _head_cases(spec, net, head_tokens, dev, clock, gen)
     keys, gcases = ([], []) if registry is None else _group_cases(spec, net, registry, group_sizes, group_packs, attn,
                                                                   dev, clock, gen)
-    n = reps * (len(ccases) + len(gcases))
-    samples, ks = _round_robin(ccases + gcases, device=dev, warmup=warmup, reps=reps, min_sample_ms=min_sample_ms,
+    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+    steps = None
+    if step_cases and registry is not None:
+        steps = _StepCases(spec, registry, step_cases, attn=attn, dev=dev, precision=precision, optimizer=optimizer,
+                           seed=seed, gen=gen)
+    scases = steps.callables if steps is not None else []
+    cases = ccases + hcases + gcases + scases
+    n = reps * len(cases)
+    samples, ks = _round_robin(cases, device=dev, warmup=warmup, reps=reps, min_sample_ms=min_sample_ms,
                                progress=None if progress is None else (lambda j: progress(j, n)))
-    rows = _compute_rows(spec, packs, samples[:len(ccases)], ks[:len(ccases)], trim)
-    groups = _group_rows(keys, samples[len(ccases):], trim, dev) if registry is not None else []
-    return rows, groups
+    nc, nh, ng = len(ccases), len(hcases), len(gcases)
+    rows = _compute_rows(spec, packs, samples[:nc], ks[:nc], trim)
+    heads = _head_rows(head_tokens, samples[nc:nc + nh], trim, dev) if hcases else []
+    groups = _group_rows(keys, samples[nc + nh:nc + nh + ng], trim, dev) if registry is not None else []
+    step_rows = steps.rows(samples[nc + nh + ng:], trim, dev, optimizer, precision) if steps is not None else []
+    return rows, groups, heads, step_rows
+
+
+# ------------------------------------------------------------------------------------------------
+# real steps: what a step costs beyond its layers
+# ------------------------------------------------------------------------------------------------
+
+
+def _case_plan(case: dict, world: int, stage: int, precision: str):
+    """The Plan (and the batch's lengths) of one step case (``workbench.profile.default_step_cases``)."""
+    from workbench.solve.plan import Group, MicroStep, Plan
+
+    lengths: list[int] = []
+    micro = []
+    for groups in case["micro_steps"]:
+        gs = []
+        for g in groups:
+            seqs = tuple(range(len(lengths), len(lengths) + len(g["lengths"])))
+            lengths += [int(x) for x in g["lengths"]]
+            gs.append(Group(degree=int(g["degree"]), ranks=tuple(int(r) for r in g["ranks"]), sequences=seqs,
+                            lengths=tuple(int(x) for x in g["lengths"]), time_ms=0.0, memory_gb=0.0))
+        micro.append(MicroStep(groups=tuple(gs), time_ms=0.0 if case["execution"] == "lockstep" else None))
+    plan = Plan(planner="profile", status="heuristic", makespan_ms=0.0, lower_bound_ms=0.0, solve_seconds=0.0,
+                micro_steps=tuple(micro), num_gpus=world, execution=case["execution"], zero_stage=stage,
+                precision=precision, recompute=False)
+    return plan, lengths
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    return int(p.to_local().numel() if hasattr(p, "to_local") else p.numel())
+
+
+class _StepCases:
+    """The real steps of ``cases`` as round-robin callables: one model with its optimizer per ZeRO
+    stage the cases need (lockstep: ZeRO-3, FSDP2 over every rank; free: ZeRO-0 replicas), each
+    case a StepExecutor run of its plan on random tokens, then an optimizer step timed apart."""
+
+    def __init__(self, spec: ModelSpec, registry, cases: Sequence[dict], *, attn: Callable, dev: torch.device,
+                 precision: str, optimizer: str, seed: int, gen: torch.Generator) -> None:
+        from workbench.runtime.model import Transformer
+        from workbench.runtime.step import StepExecutor
+        from workbench.runtime.zero import parallelize
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.cases = list(cases)
+        self.plans, self.callables, self.updated = [], [], {}
+        runtimes = {}
+        for stage in sorted({3 if c["execution"] == "lockstep" else 0 for c in self.cases}, reverse=True):
+            net = Transformer(spec, seed=seed).to(device=dev, dtype=torch.float32)
+            zero = parallelize(net, zero_stage=stage, precision=precision, device=dev)
+            opt = zero.make_optimizer(optimizer, lr=1e-4)
+            runtimes[stage] = (StepExecutor(net, registry, attn, device=dev, zero=zero), opt)
+            self.updated[stage] = sum(_local_numel(q) for q in zero.params)
+        self.runtimes = runtimes
+        for c in self.cases:
+            stage = 3 if c["execution"] == "lockstep" else 0
+            plan, lengths = _case_plan(c, world, stage, precision)
+            seqs = [torch.randint(0, spec.vocab, (n,), generator=gen) for n in lengths]
+            ex, opt = runtimes[stage]
+            self.plans.append((plan, lengths, stage))
+
+            def once(ex=ex, opt=opt, plan=plan, seqs=seqs) -> list[float]:
+                res = ex.run(plan, seqs)
+                t0 = time.perf_counter()
+                # the step's end as the trainer runs it: the update, the model states it records, zeroed grads
+                opt.step()
+                ex.zero.state_bytes()
+                opt.zero_grad(set_to_none=True)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                return [r.measured_ms for r in res.records] + [res.measured_ms, res.allreduce_ms,
+                                                              (time.perf_counter() - t0) * 1e3]
+
+            self.callables.append(once)
+
+    def rows(self, samples, trim: float, dev: torch.device, optimizer: str, precision: str) -> list[dict]:
+        """Per case, each rank's trimmed median of every figure, gathered on every rank."""
+        out = []
+        for c, (plan, lengths, stage), smp in zip(self.cases, self.plans, samples):
+            mine = [trimmed_median(col, trim) for col in zip(*smp)] + [float(self.updated[stage])]
+            _, per_rank = agree(mine, dev)
+            k = len(plan.micro_steps)
+            out.append({
+                "name": c["name"], "execution": c["execution"], "zero_stage": stage, "precision": precision,
+                "optimizer": optimizer, "micro_steps": c["micro_steps"], "lengths": lengths,
+                "micro_step_ms": [[pr[m] for pr in per_rank] for m in range(k)],
+                "step_ms": [pr[k] for pr in per_rank], "allreduce_ms": [pr[k + 1] for pr in per_rank],
+                "optimizer_ms": [pr[k + 2] for pr in per_rank], "updated_params": [int(pr[k + 3]) for pr in per_rank]})
+        return out
+
+
+def measure_steps(spec: ModelSpec, registry, cases: Sequence[dict], *, attn: Callable,
+                  device: torch.device | str = "cpu", precision: str = "fp32", optimizer: str = "adamw",
+                  warmup: int = 1, reps: int = 3, trim: float = 0.2, seed: int = 0, min_sample_ms: float = 0.0,
+                  progress: Callable[[int], None] | None = None) -> list[dict]:
+    """Run real training steps of the runtime: for each case (``{"name", "execution", "micro_steps":
+    [[{"degree", "ranks", "lengths"}]]}``) the StepExecutor runs its plan on random tokens with the
+    model states of the execution's ZeRO stage (lockstep: ZeRO-3, FSDP2 over every rank; free:
+    ZeRO-0 replicas), then ``optimizer`` steps, timed apart; round-robin over the cases as
+    :func:`_round_robin` samples. Every rank must call this together.
+
+    Returns, per case, ``{"name", "execution", "zero_stage", "micro_steps", "lengths",
+    "micro_step_ms": [[ms per rank] per micro-step or pass], "step_ms", "allreduce_ms",
+    "optimizer_ms", "updated_params": [per rank]}``: each rank's trimmed median over the repetitions."""
+    dev = torch.device(device)
+    sc = _StepCases(spec, registry, cases, attn=attn, dev=dev, precision=precision, optimizer=optimizer, seed=seed,
+                    gen=torch.Generator().manual_seed(seed))
+    samples, _ = _round_robin(sc.callables, device=dev, warmup=warmup, reps=reps, min_sample_ms=min_sample_ms,
+                              progress=progress)
+    return sc.rows(samples, trim, dev, optimizer, precision)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -475,6 +662,14 @@ def measure_memory(spec: ModelSpec, *, device: torch.device | str = "cpu", attn:
 # ------------------------------------------------------------------------------------------------
 
 
+def _loadavg() -> float | None:
+    """The machine's 1-minute load average (None where the OS has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -537,8 +732,8 @@ def _machine(device: torch.device) -> dict:
 class Profiler:
     """One rank of a profile run. ``run()`` returns the exit status (0 done, 1 failed)."""
 
-    # shares of the progress bar: compute with SP micro-steps, collectives, memory, fit
-    SHARES = (0.78, 0.14, 0.04, 0.04)
+    # shares of the progress bar: compute with SP micro-steps and real steps, collectives, memory, fit
+    SHARES = (0.8, 0.12, 0.04, 0.04)
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = Path(run_dir)
@@ -653,13 +848,20 @@ class Profiler:
                         if model.heads % d == 0 and (model.kv_heads % d == 0 or d % model.kv_heads == 0)]
 
         def on_sample(j: int, n: int) -> None:
-            self._progress(self.SHARES[0] * (j + 1) / n, f"compute and SP micro-steps: sample {j + 1}/{n} "
+            self._progress(self.SHARES[0] * (j + 1) / n, f"compute, SP micro-steps and real steps: sample {j + 1}/{n} "
                                                          f"(round {j * res['reps'] // n + 1}/{res['reps']})")
 
-        rows, groups = measure_compute_and_groups(
+        load_start = _loadavg()
+        cases = res.get("step_cases") or []
+        if cases and dist.is_initialized() and registry is None:  # one process: steps without SP groups
+            from workbench.runtime.groups import GroupRegistry
+
+            registry = GroupRegistry(self.world, [1])
+        rows, groups, heads, steps = measure_compute_and_groups(
             model, [p for p, _ in packs], registry, sp_sizes, res["group_packs"], attn=attn, warmup=res["warmup"],
             reps=res["reps"], trim=res["trim"], device=device, dtype=dtype, min_sample_ms=res["min_sample_ms"],
-            progress=on_sample)
+            head_tokens=res.get("head_tokens") or (), step_cases=cases if dist.is_initialized() else (),
+            optimizer=res.get("optimizer") or "adamw", progress=on_sample)
         fwd, fwd_ranks = agree([r["forward_ms"] for r in rows], device)
         bwd, bwd_ranks = agree([r["backward_ms"] for r in rows], device)
         compute = []
@@ -680,9 +882,13 @@ class Profiler:
                 done[0] += 1
                 self._progress(self.SHARES[0] + self.SHARES[1] * done[0] / n_jobs, f"collectives: {what}")
 
+            fsdp = res.get("fsdp_bytes") or []
+            n_jobs += 2 * len(set(res["message_bytes"]) | set(fsdp))
             collectives = measure_collectives(registry, sizes, res["message_bytes"], device=device,
                                               reps=res["collective_reps"], inner=res["collective_inner"],
-                                              trim=res["trim"], progress=on_coll)
+                                              trim=res["trim"], fsdp_bytes=fsdp,
+                                              kinds=("all_to_all", "allreduce", "p2p", "allgather", "reduce_scatter"),
+                                              progress=on_coll)
         self.phase = "memory"
         self._progress(sum(self.SHARES[:2]), "memory")
         memory = measure_memory(model, device=device, attn=attn, dtype=dtype) if self.rank == 0 else {}
@@ -709,12 +915,20 @@ class Profiler:
                             f"non-negative least squares on relative error; collectives: "
                             f"{res['collective_reps']} x {res['collective_inner']} back-to-back calls per size",
                 "grid": {"fit_packs": fit, "heldout_packs": held, "max_len": res["max_len"],
-                         "group_packs": res["group_packs"],
-                         "message_bytes": res["message_bytes"], "group_sizes": res["group_sizes"]},
+                         "group_packs": res["group_packs"], "head_tokens": res.get("head_tokens"),
+                         "message_bytes": res["message_bytes"], "fsdp_bytes": res.get("fsdp_bytes"),
+                         "group_sizes": res["group_sizes"], "step_cases": [c["name"] for c in cases],
+                         "optimizer": res.get("optimizer")},
+                "load_average": {"start": load_start, "end": _loadavg(), "cores": os.cpu_count(),
+                                 "note": "1-minute load average of the machine (os.getloadavg) when the measuring "
+                                         f"started and ended; this run's own {self.world} rank(s) count in it"},
                 "seconds": None,
             }
+            if spec.fingerprint:
+                provenance["fingerprint"] = dict(spec.fingerprint)
             meas = {"model": model.name, "world_size": self.world, "device": device.type, "scope": "model",
                     "compute": compute, "collectives": collectives, "groups": groups, "memory": memory,
+                    "head": heads, "steps": steps,
                     "meta": {"name": name, "gpu": mach["gpu"], "gpu_memory_gb": mach["gpu_memory_gb"],
                              "provenance": provenance}}
             provenance["seconds"] = round(time.perf_counter() - t_start, 1)

@@ -9,11 +9,35 @@
      "collectives": [{"kind": "all_to_all"|"allreduce"|"p2p", "group_size": d, "message_bytes": m,
                       "ms": t, "per_rank": [...]}],
      "groups": [{"degree": d, "pack": [..], "ms": whole-model micro-step, "per_rank": [...]}],
+     "head": [{"tokens": n, "forward_ms": whole, "backward_ms": whole, "per_rank": {...}}],
+     "steps": [{"name", "execution": "lockstep"|"free", "zero_stage", "micro_steps": [[{degree, ranks,
+                lengths}]], "micro_step_ms": [[ms per rank] per pass or micro-step], "step_ms": [per rank],
+                "allreduce_ms": [...], "optimizer_ms": [...], "updated_params": [...]}],
      "memory": {"activation_mb_per_token": x, "model_state_mb": y, "method": "..."},
      "meta": {"name", "gpu", "gpu_memory_gb", "provenance": {...}}}
 
 :func:`build_result` fits it (``workbench.profile.fit``) into a :class:`ProfileResult`: the profile,
-plus every point and curve the figures draw.
+plus every point and curve the figures draw. In order:
+
+1. the **head** (embedding, final norm, output head and loss, timed alone): a line per token
+   (``head_ms_per_token``), whose per-token part is taken out of the whole-model compute rows, so
+   that the per-layer curves are the blocks' own (the head scales with vocab x hidden, the blocks
+   with their FLOPs, when the profile plans another model);
+2. the per-layer **compute curves** and the **collectives** (all-to-all, ring steps, all-reduce,
+   and FSDP's all-gather and reduce-scatter over the world);
+3. the **micro-step's fixed cost** (``micro_step_ms``): what the runtime's real micro-steps of
+   degree-1 groups (free execution, ZeRO-0) take beyond the curves and the head: the Python of a
+   forward and backward, building the shard, the loss;
+4. the **SP overhead** per degree from the real SP micro-steps (``fit_sp_overhead``);
+5. the **fixed cost of a lockstep pass** (``pass_overhead_ms`` at the world size) and the
+   **pass's compute factor** (``pass_compute_factor``) from real ZeRO-3 steps (FSDP2 over every
+   rank, idle ranks running empty passes): what a pass takes beyond FSDP's collectives
+   (``pass_comm_overlap``: 0 on CPU, where they do not overlap) and beyond the same work run as
+   free micro-steps, as a fixed cost plus a share of that work;
+6. the **optimizer step** per million parameters a rank updates, plain (ZeRO-0) and sharded (ZeRO-3).
+
+Steps 3-6 need the ``steps`` measurements (profiles measured before them have none: those fields
+stay empty and the cost model leaves the terms out).
 """
 
 from __future__ import annotations
@@ -21,10 +45,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from workbench.profile.fit import fit_collectives, fit_compute
+import dataclasses
+import statistics
+
+from workbench.profile.fit import fit_collectives, fit_compute, fit_line
 from workbench.specs import HardwareProfile
 
-__all__ = ["ProfileResult", "build_result", "fit_sp_overhead", "ESTIMATED_ALL_TO_ALL_GBPS", "RESULT_FILE", "MEASUREMENTS_FILE"]
+__all__ = ["ProfileResult", "build_result", "fit_sp_overhead", "fit_head", "fit_micro_step", "fit_pass_overhead",
+           "fit_optimizer", "step_predictions", "ESTIMATED_ALL_TO_ALL_GBPS", "RESULT_FILE", "MEASUREMENTS_FILE"]
 
 RESULT_FILE = "profile_result.json"
 """The fit and its evidence, in a profile run's folder (beside ``profile.json``)."""
@@ -64,6 +92,13 @@ class ProfileResult:
     memory: dict = field(default_factory=dict)
     groups: list = field(default_factory=list)
     run_id: str | None = None
+    head: dict = field(default_factory=dict)
+    """The head alone: ``{"points": [{tokens, forward_ms, backward_ms}], "forward_per_token",
+    "backward_per_token", "forward_intercept", "backward_intercept"}`` (empty: not measured)."""
+    steps: list = field(default_factory=list)
+    """Real steps, per pass or micro-step: ``{case, execution, micro_step, measured_ms,
+    predicted_ms (with every fitted term), loads_ms}`` and per step ``{case, execution, step,
+    measured_ms, predicted_ms, optimizer_ms, predicted_optimizer_ms}``."""
 
     def summary(self) -> dict:
         """The headline figures: held-out median/worst APE and the fitted links."""
@@ -80,7 +115,8 @@ class ProfileResult:
         return {"profile": self.profile.to_dict(), "compute": self.compute, "fits": self.fits,
                 "heldout": self.heldout, "collectives": self.collectives,
                 "collective_fits": {k: {str(d): f for d, f in v.items()} for k, v in self.collective_fits.items()},
-                "memory": self.memory, "groups": self.groups, "run_id": self.run_id}
+                "memory": self.memory, "groups": self.groups, "run_id": self.run_id, "head": self.head,
+                "steps": self.steps}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ProfileResult":
@@ -92,7 +128,7 @@ class ProfileResult:
         return cls(profile=prof, compute=list(data.get("compute") or []), fits=dict(data.get("fits") or {}),
                    heldout=dict(data.get("heldout") or {}), collectives=list(data.get("collectives") or []),
                    collective_fits=cf, memory=dict(data.get("memory") or {}), groups=list(data.get("groups") or []),
-                   run_id=data.get("run_id"))
+                   run_id=data.get("run_id"), head=dict(data.get("head") or {}), steps=list(data.get("steps") or []))
 
     def to_json(self, **kw) -> str:
         from workbench.util import dumps
@@ -108,8 +144,6 @@ def fit_sp_overhead(profile: HardwareProfile, world: int, groups: list[dict]) ->
     are fitted as ``layers * (o + r * tokens)`` with o, r >= 0 (least squares; r = 0 when the packs
     have one token count). Returns ``({degree: o, ms per layer}, {degree: r, ms per token and
     layer}, rows)``; rows hold every case's measured and predicted time, before and after."""
-    import dataclasses
-
     import numpy as np
 
     from workbench.cost import CostModel
@@ -147,6 +181,211 @@ def fit_sp_overhead(profile: HardwareProfile, world: int, groups: list[dict]) ->
     return fixed, per_token, rows
 
 
+def _model(name: str):
+    from workbench.specs import get_model
+
+    return get_model(name)
+
+
+def _cluster(world: int, zero_stage: int):
+    from workbench.specs import ClusterSpec
+
+    # memory never binds here: these cost models re-time what ran, they do not plan it
+    return ClusterSpec(num_gpus=world, gpus_per_node=world, gpu_memory_gb=1e6, zero_stage=zero_stage)
+
+
+def fit_head(heads: list[dict]) -> dict:
+    """The head's forward and backward time as lines in the tokens (``fit_line``), from rows
+    ``{"tokens", "forward_ms", "backward_ms"}`` (the whole head, one sequence). Returns ``{}`` for
+    no rows, else ``{"forward_per_token", "backward_per_token", "forward_intercept",
+    "backward_intercept", "points"}`` (ms and ms per token)."""
+    pts = [h for h in heads if h.get("forward_ms", 0) > 0 and h.get("backward_ms", 0) > 0]
+    if not pts:
+        return {}
+    toks = [float(h["tokens"]) for h in pts]
+    fs, fi = fit_line(toks, [h["forward_ms"] for h in pts])
+    bs, bi = fit_line(toks, [h["backward_ms"] for h in pts])
+    return {"forward_per_token": fs, "backward_per_token": bs, "forward_intercept": fi, "backward_intercept": bi,
+            "points": [{"tokens": int(h["tokens"]), "forward_ms": h["forward_ms"], "backward_ms": h["backward_ms"]}
+                       for h in pts]}
+
+
+def _blocks_only(rows: list[dict], head: dict, layers: int) -> list[dict]:
+    """Compute rows with the head's per-token time taken out (its intercept stays, with every
+    other per-call constant, in the curves' c); the whole-model figures kept as ``model_*``."""
+    if not head:
+        return rows
+    out = []
+    for r in rows:
+        r = dict(r)
+        t = float(r["tokens"])
+        for k in ("forward", "backward"):
+            whole = r[f"{k}_ms"]
+            r[f"model_{k}_ms"] = whole
+            # never below a tenth of the whole: a head measured slower than the model it is part of
+            # is noise, and a non-positive time cannot be fitted
+            r[f"{k}_ms"] = max(0.1 * whole, whole - head[f"{k}_per_token"] * t / layers)
+        out.append(r)
+    return out
+
+
+def _free_group_rows(cost, steps: list[dict]) -> list[dict]:
+    """Every group of the free (ZeRO-0) steps: measured (the shortest of its ranks' micro-step
+    times: an early rank waits inside the group's first collective) against ``cost``'s
+    ``group_time``."""
+    import numpy as np
+
+    from workbench.solve.plan import group_time
+
+    out = []
+    for c in steps:
+        if c.get("execution") != "free":
+            continue
+        for m, groups in enumerate(c["micro_steps"]):
+            for g in groups:
+                ls = np.asarray(g["lengths"], dtype=np.int64)
+                meas = min(float(c["micro_step_ms"][m][r]) for r in g["ranks"])
+                pred = group_time(cost, ls, int(g["degree"]), list(range(len(ls))))
+                out.append({"case": c["name"], "micro_step": m, "degree": int(g["degree"]), "ranks": list(g["ranks"]),
+                            "tokens": int(ls.sum()), "measured_ms": meas, "predicted_ms": pred})
+    return out
+
+
+def fit_micro_step(profile: HardwareProfile, world: int, steps: list[dict], groups: list[dict]) -> tuple[float | None, list[dict]]:
+    """The fixed cost of one micro-step outside the layers (ms): the median of what the runtime's
+    real degree-1 micro-steps take beyond ``profile``'s curves and head (free steps: the
+    StepExecutor's own micro-steps, ZeRO-0), clipped at 0; without steps, from the degree-1 SP
+    micro-steps (``groups``). Returns ``(micro_step_ms or None without points, rows)``; rows hold
+    each point's measured and predicted time (without the fixed cost)."""
+    from workbench.cost import CostModel
+
+    base = dataclasses.replace(profile, micro_step_ms=None, sp_overhead_ms={}, sp_token_ms={})
+    cost = CostModel(base, _model(profile.model), _cluster(world, 0))
+    rows = [r for r in _free_group_rows(cost, steps) if r["degree"] == 1]
+    if not rows:
+        for g in groups:
+            if int(g["degree"]) == 1:
+                pred = cost.group_overhead_ms(1) + float(cost.time(g["pack"], 1).sum())
+                rows.append({"case": "sp micro-step", "degree": 1, "tokens": int(sum(g["pack"])),
+                             "measured_ms": float(g["ms"]), "predicted_ms": pred})
+    if not rows:
+        return None, []
+    return max(0.0, float(statistics.median(r["measured_ms"] - r["predicted_ms"] for r in rows))), rows
+
+
+def _pass_rows(cost, steps: list[dict]) -> list[dict]:
+    """Every pass of the lockstep (ZeRO-3) steps: measured (the slowest rank's: ranks leave a pass
+    together, at its last reduce-scatter) against ``cost``'s pass (its slowest rank's load, the
+    packed call's constant once per rank)."""
+    import numpy as np
+
+    from workbench.solve.plan import group_time
+
+    out = []
+    C = cost.call_overhead_ms()
+    for c in steps:
+        if c.get("execution") != "lockstep":
+            continue
+        for m, groups in enumerate(c["micro_steps"]):
+            load = np.zeros(cost.cluster.num_gpus)
+            count = np.zeros(cost.cluster.num_gpus)
+            for g in groups:
+                ls = np.asarray(g["lengths"], dtype=np.int64)
+                load[list(g["ranks"])] += group_time(cost, ls, int(g["degree"]), list(range(len(ls))))
+                count[list(g["ranks"])] += 1
+            load -= C * np.maximum(count - 1, 0)
+            meas = max(float(x) for x in c["micro_step_ms"][m])
+            out.append({"case": c["name"], "micro_step": m, "measured_ms": meas, "load_ms": float(load.max()),
+                        "predicted_ms": cost.pass_ms(float(load.max()))})
+    return out
+
+
+def fit_pass_overhead(profile: HardwareProfile, world: int, steps: list[dict]) -> tuple[float | None, float | None, list[dict]]:
+    """What a lockstep pass on ``world`` ranks costs beyond ``profile``'s pass model without it (its
+    slowest rank's load, FSDP's collectives as ``pass_comm_overlap`` says), from real ZeRO-3 passes:
+    ``excess = fixed + (factor - 1) * work``, fitted (non-negative least squares) over the passes,
+    where ``work`` is what the same pass took as a free micro-step (the free case of the same name,
+    measured in the same run: the factor is then the pass's own, not the compute curve's error), or
+    the curve's load where there is none (the near-empty pass). Returns ``(fixed ms, factor, rows)``
+    (``(None, None, [])`` without lockstep steps; the factor is None with fewer than two distinct
+    works, and then the fixed cost is the median excess, clipped at 0)."""
+    import numpy as np
+
+    from workbench.cost import CostModel
+    from workbench.profile.fit import nnls
+
+    base = dataclasses.replace(profile, pass_overhead_ms={}, pass_compute_factor={})
+    cost = CostModel(base, _model(profile.model), _cluster(world, 3))
+    rows = _pass_rows(cost, steps)
+    if not rows:
+        return None, None, []
+    # the same micro-step run free: its slowest group, each group's time the shortest of its ranks'
+    # (an early rank of a group waits inside its first collective)
+    free = {(c["name"].split("-", 1)[-1], m): max(min(float(ms[r]) for r in g["ranks"]) for g in c["micro_steps"][m])
+            for c in steps if c.get("execution") == "free" for m, ms in enumerate(c["micro_step_ms"])}
+    for r in rows:
+        r["work_ms"] = free.get((r["case"].split("-", 1)[-1], r["micro_step"]), r["load_ms"])
+        # the pass model without its fixed cost, on that work
+        r["excess_ms"] = r["measured_ms"] - cost.pass_ms(r["work_ms"])
+    x = np.array([r["work_ms"] for r in rows])
+    y = np.array([r["excess_ms"] for r in rows])
+    if len(set(np.round(x, 6).tolist())) < 2:
+        return max(0.0, float(np.median(y))), None, rows
+    fixed, slope = nnls(np.stack([np.ones_like(x), x], axis=1), y)
+    return float(fixed), 1.0 + float(slope), rows
+
+
+def fit_optimizer(steps: list[dict]) -> tuple[float | None, float | None]:
+    """The optimizer step per million updated parameters (ms), ``(plain, sharded)``: the median over
+    the steps and ranks of ``optimizer_ms / updated_params`` of the free (ZeRO-0) steps and of the
+    lockstep (ZeRO-3, FSDP2's DTensor shards) steps; None where there are none."""
+    out = []
+    for execution in ("free", "lockstep"):
+        rates = [1e6 * float(t) / float(n) for c in steps if c.get("execution") == execution
+                 for t, n in zip(c.get("optimizer_ms") or [], c.get("updated_params") or []) if n and t > 0]
+        out.append(float(statistics.median(rates)) if rates else None)
+    return out[0], out[1]
+
+
+def step_predictions(profile: HardwareProfile, world: int, steps: list[dict]) -> list[dict]:
+    """Every real step re-timed with ``profile`` (every fitted term), as evidence: per pass or
+    group ``{case, execution, micro_step, degree?, measured_ms, predicted_ms}`` and per step
+    ``{case, execution, step: True, measured_ms (slowest rank, optimizer included), predicted_ms}``."""
+    from workbench.cost import CostModel
+    from workbench.solve.plan import build_plan
+
+    import numpy as np
+
+    out: list[dict] = []
+    model = _model(profile.model)
+    for stage, execution in ((3, "lockstep"), (0, "free")):
+        cases = [c for c in steps if c.get("execution") == execution]
+        if not cases:
+            continue
+        cost = CostModel(profile, model, _cluster(world, stage))
+        rows = _pass_rows(cost, cases) if execution == "lockstep" else _free_group_rows(cost, cases)
+        out += [{**r, "execution": execution} for r in rows]
+        for c in cases:
+            lengths: list[int] = []
+            assignment = []
+            blocks = []
+            for groups in c["micro_steps"]:
+                ms, bs = [], []
+                for g in groups:
+                    ms.append((int(g["degree"]), list(range(len(lengths), len(lengths) + len(g["lengths"])))))
+                    bs.append(int(g["ranks"][0]) // int(g["degree"]))
+                    lengths += [int(x) for x in g["lengths"]]
+                assignment.append(ms)
+                blocks.append(bs)
+            plan = build_plan("profile", assignment, np.asarray(lengths, dtype=np.int64), cost, blocks=blocks,
+                              lower_bound=0.0)
+            meas = max(float(s) + float(o) for s, o in zip(c["step_ms"], c["optimizer_ms"]))
+            out.append({"case": c["name"], "execution": execution, "step": True, "measured_ms": meas,
+                        "predicted_ms": plan.makespan_ms, "optimizer_ms": max(c["optimizer_ms"]),
+                        "predicted_optimizer_ms": cost.optimizer_ms()})
+    return out
+
+
 def build_result(measurements: Mapping[str, Any], *, run_id: str | None = None) -> ProfileResult:
     """Fit ``measurements`` (the shape in the module docstring) into a ProfileResult. Raises
     ValueError when there are too few compute points or a figure is missing."""
@@ -154,6 +393,11 @@ def build_result(measurements: Mapping[str, Any], *, run_id: str | None = None) 
     rows = [dict(r) for r in measurements.get("compute") or []]
     if not rows:
         raise ValueError("no compute measurements to fit")
+    model_name = str(measurements.get("model") or meta.get("model"))
+    world = int(measurements.get("world_size") or 1)
+    head = fit_head([dict(h) for h in measurements.get("head") or []])
+    if head:
+        rows = _blocks_only(rows, head, _model(model_name).layers)
     comp = fit_compute(rows)
     coll_pts = [dict(p) for p in measurements.get("collectives") or []]
     links = fit_collectives(coll_pts)
@@ -176,28 +420,70 @@ def build_result(measurements: Mapping[str, Any], *, run_id: str | None = None) 
         "heldout_worst_ape": {k: comp["heldout"][k]["worst_ape"] for k in ("forward", "backward", "total")},
     }
     prov["memory"] = {k: v for k, v in mem.items() if k != "points"}
+
+    def link(kind: str, attr: str) -> dict:
+        return {d: getattr(f, attr) for d, f in links.get(kind, {}).items()}
+
+    device = str(measurements.get("device") or prov.get("device") or "cpu")
+    steps = [dict(c) for c in measurements.get("steps") or []]
     profile = HardwareProfile(
         name=str(meta.get("name") or f"measured-{measurements.get('model', 'model')}"),
-        gpu=str(meta.get("gpu") or "unknown"), model=str(measurements.get("model") or meta.get("model")),
+        gpu=str(meta.get("gpu") or "unknown"), model=model_name,
         forward=comp["forward"].curve, backward=comp["backward"].curve,
         all_to_all_gbps=a2a, all_to_all_latency_ms=a2a_lat,
-        p2p_gbps={d: f.gbps for d, f in links.get("p2p", {}).items()},
-        p2p_latency_ms={d: f.latency_ms for d, f in links.get("p2p", {}).items()},
-        allreduce_gbps={d: f.gbps for d, f in links.get("allreduce", {}).items()},
-        allreduce_latency_ms={d: f.latency_ms for d, f in links.get("allreduce", {}).items()},
+        p2p_gbps=link("p2p", "gbps"), p2p_latency_ms=link("p2p", "latency_ms"),
+        allreduce_gbps=link("allreduce", "gbps"), allreduce_latency_ms=link("allreduce", "latency_ms"),
+        allgather_gbps=link("allgather", "gbps"), allgather_latency_ms=link("allgather", "latency_ms"),
+        reduce_scatter_gbps=link("reduce_scatter", "gbps"),
+        reduce_scatter_latency_ms=link("reduce_scatter", "latency_ms"),
+        head_ms_per_token=(head["forward_per_token"] + head["backward_per_token"]) if head else None,
+        # FSDP2 overlaps its collectives with compute only on CUDA streams (prefetching); on CPU it
+        # runs them on the compute thread, in the order they are needed
+        pass_comm_overlap=(0.0 if device == "cpu" else 1.0) if steps else None,
         activation_mb_per_token=float(act) if act else None,
         gpu_memory_gb=float(meta.get("gpu_memory_gb") or 40.0), provenance=prov)
+    if head:
+        prov["head"] = ("head_ms_per_token: the embedding, final norm, output head and loss timed alone (forward and "
+                        "backward) at several lengths, a line in the tokens; its per-token part is taken out of the "
+                        "whole-model times before the per-layer curves are fitted")
     groups = [dict(g) for g in measurements.get("groups") or []]
-    sp, sp_tok, group_rows = fit_sp_overhead(profile, int(measurements.get("world_size") or 1), groups)
+    micro, micro_rows = fit_micro_step(profile, world, steps, groups)
+    if micro is not None:
+        profile = dataclasses.replace(profile, micro_step_ms=micro)
+        prov["micro_step"] = ("micro_step_ms: the median of what the runtime's real micro-steps of one rank take beyond "
+                              "the curves and the head (" + ("free ZeRO-0 steps of the StepExecutor" if steps else
+                                                             "the degree-1 SP micro-steps") + ")")
+    sp, sp_tok, group_rows = fit_sp_overhead(profile, world, groups)
     if sp:
-        import dataclasses
-
         prov["sp_overhead"] = ("sp_overhead_ms (per layer) + sp_token_ms (per token and layer): the extra time of real "
                                "Ulysses micro-steps (all blocks at once) beyond the compute and collective fits")
-        profile = dataclasses.replace(profile, sp_overhead_ms=sp, sp_token_ms=sp_tok, provenance=prov)
+        profile = dataclasses.replace(profile, sp_overhead_ms=sp, sp_token_ms=sp_tok)
+    fixed, factor, pass_rows = fit_pass_overhead(profile, world, steps)
+    if fixed is not None:
+        profile = dataclasses.replace(profile, pass_overhead_ms={world: fixed},
+                                      pass_compute_factor={world: factor} if factor is not None else {})
+        prov["pass_overhead"] = (f"pass_overhead_ms and pass_compute_factor at {world} rank(s): what real ZeRO-3 passes "
+                                 f"(FSDP2, idle ranks in empty passes) take beyond FSDP's all-gathers and "
+                                 f"reduce-scatters (pass_comm_overlap {profile.pass_comm_overlap:g}) and the same work "
+                                 f"as free micro-steps, fitted as a fixed cost plus a share of that work")
+    plain, sharded = fit_optimizer(steps)
+    if plain is not None or sharded is not None:
+        profile = dataclasses.replace(profile, optimizer_ms_per_mparam=plain, sharded_optimizer_ms_per_mparam=sharded)
+        opt = next((c.get("optimizer") for c in steps if c.get("optimizer")), "adamw")
+        prov["optimizer"] = (f"optimizer_ms_per_mparam (ZeRO-0 replicas) and sharded_optimizer_ms_per_mparam (ZeRO-3 "
+                             f"shards): {opt} steps after the real steps, per million parameters the rank updates")
+    profile = dataclasses.replace(profile, provenance=prov)
+    step_rows = step_predictions(profile, world, steps) if steps else []
+    if step_rows:
+        from workbench.profile.fit import ape, error_summary
+
+        whole = [r for r in step_rows if r.get("step")]
+        prov["steps_error"] = error_summary([ape(r["predicted_ms"], r["measured_ms"]) for r in whole])
     return ProfileResult(
         profile=profile, compute=rows, groups=group_rows,
         fits={"forward": comp["forward"].to_dict(), "backward": comp["backward"].to_dict()},
         heldout=comp["heldout"], collectives=coll_pts,
         collective_fits={k: {d: f.to_dict() for d, f in v.items()} for k, v in links.items()},
-        memory=mem, run_id=run_id)
+        memory=mem, run_id=run_id, head=head,
+        steps=step_rows + [{"fit": "micro_step_ms", **r} for r in micro_rows]
+        + [{"fit": "pass_overhead_ms", **r} for r in pass_rows])

@@ -17,7 +17,10 @@ __all__ = ["profile_curves", "profile_points", "compute_figure", "residuals_figu
 
 
 def _curve_ms(c: Mapping[str, float], pack: Sequence[int]) -> float:
-    return sum(c["a"] * s * s + c["b"] * s for s in pack) + c["c"]
+    def a(s: int) -> float:  # a_short for the sequences under short_len, when the curve has one
+        return c["a_short"] if c.get("short_len") and s < c["short_len"] else c["a"]
+
+    return sum(a(s) * s * s + c["b"] * s for s in pack) + c["c"]
 
 
 def profile_curves(profile, lengths: Sequence[int] | None = None) -> dict:

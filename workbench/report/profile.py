@@ -56,7 +56,9 @@ def fit_figure(result, title: str | None = None):
                             customdata=[_pack_label(x["pack"]) for x in pts],
                             hovertemplate="%{customdata}<br>%{y:.3f} ms per layer<extra></extra>")
         c = prof[key]
-        fig.add_scatter(x=xs, y=[c["a"] * s * s + c["b"] * s + c["c"] for s in xs], mode="lines",
+        short = c.get("short_len")
+        fig.add_scatter(x=xs, y=[(c["a_short"] if short and s < short else c["a"]) * s * s + c["b"] * s + c["c"]
+                                 for s in xs], mode="lines",
                         name=f"{label}: fit {c['a']:.2e}·s² + {c['b']:.2e}·s + {c['c']:.2f}",
                         line=dict(color=color))
     fig.update_xaxes(title="tokens in the pack")

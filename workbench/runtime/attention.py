@@ -46,17 +46,18 @@ def torch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         k = k.repeat_interleave(H // kvh, dim=1)  # (T, H, hd)
         v = v.repeat_interleave(H // kvh, dim=1)  # (T, H, hd)
     bounds = cu_seqlens.tolist()
-    outs = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        if hi == lo:
-            continue
-        qi = q[lo:hi].transpose(0, 1).unsqueeze(0)  # (1, H, s, hd)
-        ki = k[lo:hi].transpose(0, 1).unsqueeze(0)  # (1, H, s, hd)
-        vi = v[lo:hi].transpose(0, 1).unsqueeze(0)  # (1, H, s, hd)
-        oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True)  # (1, H, s, hd)
-        outs.append(oi[0].transpose(0, 1))  # (s, H, hd)
     if bounds[-1] != T:
         raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the packed tensor has {T} tokens")
+    sizes = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+    # one split, not a slice per sequence: the backward of a split is one concatenation (O(T)),
+    # while each slice's backward would write a gradient the size of the whole pack (O(sequences x T))
+    outs = []
+    for qi, ki, vi in zip(q.split(sizes), k.split(sizes), v.split(sizes)):
+        if qi.shape[0] == 0:
+            continue
+        oi = F.scaled_dot_product_attention(qi.transpose(0, 1).unsqueeze(0), ki.transpose(0, 1).unsqueeze(0),
+                                            vi.transpose(0, 1).unsqueeze(0), is_causal=True)  # (1, H, s, hd)
+        outs.append(oi[0].transpose(0, 1))  # (s, H, hd)
     return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)  # (T, H, hd)
 
 

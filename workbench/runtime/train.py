@@ -156,8 +156,9 @@ def run_scenario(spec: TrainSpec, world: int, per_node: int, device: torch.devic
     if sc.max_len is None:
         ctx = sc.model_spec().max_context
         sc = sc.replace(max_len=min(ctx, CPU_MAX_LEN) if device.type == "cpu" else sc.resolved_max_len())
-    if device.type == "cpu" and not sc.profile.startswith("cpu"):
-        note = (f"profile {sc.profile} describes GPUs; predicted times will not match this CPU run "
+    prof = sc.profile_spec()
+    if device.type == "cpu" and prof.provenance.get("device") != "cpu" and not str(prof.gpu).startswith("CPU"):
+        note = (f"profile {prof.name} describes GPUs; predicted times will not match this CPU run "
                 f"(measure one with `workbench profile`)")
     return sc, note
 
@@ -329,6 +330,13 @@ class Trainer:
         self.scenario, self.cost_note = run_scenario(spec, self.env.world_size, self.env.local_world_size, device)
         sc = self.scenario
         self.cost = sc.cost()
+        # predictions hold where the profile was measured: say so when it is another machine's
+        from workbench.profile.machine import machine_fingerprint, profile_origin_note
+
+        self.machine = machine_fingerprint(self.env.world_size, device=device.type)
+        self.origin_note = profile_origin_note(self.cost.profile, self.env.world_size, fingerprint=self.machine)
+        if self.origin_note and not self.cost_note:
+            self.cost_note = self.origin_note
         self.max_len = int(sc.max_len)
         self.data = TokenData(sc.source, max_len=self.max_len, policy=sc.policy, seed=sc.seed, samples=sc.samples,
                               column=sc.column, tokenizer=sc.tokenizer, vocab=self.cost.model.vocab)
@@ -553,7 +561,8 @@ class Trainer:
             "params": model_spec.params(), "scenario": sc.to_dict(),
             "checkpoints_skipped": self.resume_skipped, "init": init_note, "zero": zero.describe(),
             "zero_stage": zero.zero_stage, "precision": zero.precision, "recompute": zero.recompute,
-            "execution": zero.execution,
+            "execution": zero.execution, "machine": self.machine,
+            "profile_from_this_machine": self.origin_note is None,
         }
         if self.rank == 0:
             if self.cost_note:
