@@ -2,7 +2,7 @@
 #   make demo   create .venv, install, run the tour and solver notebooks headless plus a short CPU
 #               training run, and write the explained report runs/<id>/report.html
 #   make test   create .venv, install, run the tests in parallel (one pytest worker per core; the
-#               multi-process, notebook and browser tests one at a time: see tests/conftest.py)
+#               multi-process, notebook and browser tests in two lanes: see tests/_xdist_heavy.py)
 # And, once installed:
 #   make lab    JupyterLab on the notebooks (token on, bound to 127.0.0.1; LAB_PORT=8888)
 PY ?= python3
@@ -42,8 +42,8 @@ lab: $(STAMP)
 	WORKBENCH_RUNS=$(CURDIR)/runs $(BIN)/jupyter lab --notebook-dir=notebooks --ServerApp.ip=127.0.0.1 \
 	  --ServerApp.port=$(LAB_PORT) --no-browser $$( [ "$$(id -u)" = 0 ] && echo --allow-root )
 
-# tests/_xdist_heavy.py schedules the heavy (slow) tests on one worker, one at a time, from the start;
-# the fast ones spread over the other workers. The ten slowest are listed at the end.
+# tests/_xdist_heavy.py runs the heavy (slow) tests one at a time in two lanes: the timed ones from the
+# start on one worker, the untimed ones after the fast tests on another. The ten slowest are listed at the end.
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --durations=10 $(PYTEST_ARGS)
 

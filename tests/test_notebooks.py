@@ -20,6 +20,9 @@ from workbench import runs
 from workbench.notebook import (NOTEBOOKS, NotebookFailed, coerce_value, find_notebook, notebook_parameters, run_notebook,
                                 strip_notebook)
 
+# its slow tests check notebooks' outputs and files, not times: make test runs them in the untimed lane (tests/_xdist_heavy.py)
+pytestmark = pytest.mark.untimed
+
 ROOT = Path(__file__).resolve().parents[1]
 NB_DIR = ROOT / "notebooks"
 

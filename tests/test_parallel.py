@@ -1,7 +1,8 @@
 """``make test``'s parallel scheme (``_xdist_heavy.py``), checked on a small suite of its own run by a
-real ``pytest -n 2``: every heavy (``slow`` or ``serial``) test on one worker, never two at once,
-started first;
-the fast tests beside them, each module on one worker (its module fixture built once)."""
+real ``pytest -n 2``: the timed lane (``slow`` and ``serial`` tests) on one worker, one at a time,
+started first, the ``serial`` ones before the rest; the untimed lane (``slow`` and ``untimed``) one
+at a time, after the fast tests of the worker that runs it; never more than one test of each lane
+at once; the fast tests beside them, each module on one worker (its module fixture built once)."""
 
 from __future__ import annotations
 
@@ -41,13 +42,19 @@ MODULE = textwrap.dedent("""
     @pytest.mark.serial
     def test_serial():
         t0 = time.time(); time.sleep(0.1); record(f"{__name__}:heavy_serial", t0, time.time())
+
+    @pytest.mark.slow
+    @pytest.mark.untimed
+    @pytest.mark.parametrize("i", range(2))
+    def test_untimed(i):
+        t0 = time.time(); time.sleep(0.3); record(f"{__name__}:untimed{i}", t0, time.time())
 """)
 
 
 def _suite(root: Path) -> None:
     (root / "tests").mkdir()
     (root / "pyproject.toml").write_text('[tool.pytest.ini_options]\ntestpaths = ["tests"]\n'
-                                         'markers = ["slow: heavy", "serial: cores"]\n')
+                                         'markers = ["slow: heavy", "serial: cores", "untimed: lane"]\n')
     (root / "tests" / "conftest.py").write_text(
         f"import sys\nsys.path.insert(0, {str(TESTS)!r})\n"
         "from _xdist_heavy import (pytest_collection_modifyitems, pytest_configure, pytest_configure_node,  # noqa\n"
@@ -66,21 +73,32 @@ def _run(root: Path, *args: str) -> list[dict]:
     return [json.loads(x) for x in record.read_text().splitlines()]
 
 
-def test_heavy_tests_run_on_one_worker_one_at_a_time_and_first(tmp_path):
+def _one_at_a_time(rows: list[dict]) -> None:
+    rows = sorted(rows, key=lambda r: r["t0"])
+    assert len({r["worker"] for r in rows}) == 1, rows
+    for a, b in zip(rows, rows[1:]):
+        assert b["t0"] >= a["t1"], f"{a['name']} and {b['name']} overlapped"
+
+
+def test_heavy_tests_run_in_two_lanes_one_at_a_time(tmp_path):
     pytest.importorskip("xdist")
     _suite(tmp_path)
     rows = _run(tmp_path, "-n", "2")
     heavy = sorted((r for r in rows if ":heavy" in r["name"]), key=lambda r: r["t0"])
+    untimed = sorted((r for r in rows if ":untimed" in r["name"]), key=lambda r: r["t0"])
     fast = [r for r in rows if ":fast" in r["name"]]
-    assert len(heavy) == 9 and len(fast) == 12  # 2 slow and 1 serial test per module
-    assert len({r["worker"] for r in heavy}) == 1, heavy
-    for a, b in zip(heavy, heavy[1:]):
-        assert b["t0"] >= a["t1"], f"{a['name']} and {b['name']} overlapped"
+    assert len(heavy) == 9 and len(untimed) == 6 and len(fast) == 12  # 2 slow, 1 serial, 2 untimed per module
+    _one_at_a_time(heavy)
+    _one_at_a_time(untimed)
     worker = heavy[0]["worker"]
-    first = min((r for r in rows if r["worker"] == worker and ":fixture" not in r["name"]), key=lambda r: r["t0"])
-    assert ":heavy" in first["name"], "the heavy worker starts with the heavy tests"
-    # the other worker ran fast tests while the heavy ones ran
+    mine = sorted((r for r in rows if r["worker"] == worker and ":fixture" not in r["name"]), key=lambda r: r["t0"])
+    assert ":heavy" in mine[0]["name"], "the timed lane's worker starts with it"
+    assert [r["name"].split(":")[1] for r in heavy[:3]] == ["heavy_serial"] * 3, "the serial tests first"
+    # the other worker ran fast tests while the timed lane ran
     assert any(r["worker"] != worker and r["t0"] < heavy[-1]["t1"] for r in fast)
+    # the untimed lane after the fast tests of its worker, beside the timed lane
+    other = untimed[0]["worker"]
+    assert all(u["t0"] >= f["t1"] for u in untimed for f in fast if f["worker"] == other)
     # a module's fast tests on one worker: its module fixture built once
     fixtures = defaultdict(int)
     for r in rows:
@@ -94,4 +112,5 @@ def test_without_xdist_nothing_changes(tmp_path):
     rows = _run(tmp_path, "-p", "no:xdist")
     names = [r["name"] for r in sorted(rows, key=lambda r: r["t0"]) if ":fixture" not in r["name"]]
     assert names == [f"{m}:{k}" for m in ("test_a", "test_b", "test_c")
-                     for k in ("fast0", "fast1", "fast2", "fast3", "heavy0", "heavy1", "heavy_serial")]
+                     for k in ("fast0", "fast1", "fast2", "fast3", "heavy0", "heavy1", "heavy_serial", "untimed0",
+                               "untimed1")]

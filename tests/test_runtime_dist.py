@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+# its slow tests check exact results, not times: make test runs them in the untimed lane (tests/_xdist_heavy.py)
+pytestmark = pytest.mark.untimed
+
 WORLD = 4
 N_PLANS = 6
 DIST_TIMEOUT_S = 90

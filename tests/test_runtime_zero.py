@@ -37,6 +37,9 @@ from pathlib import Path
 
 import pytest
 
+# its slow tests check exact steps and counted bytes, not times: make test runs them in the untimed lane (tests/_xdist_heavy.py)
+pytestmark = pytest.mark.untimed
+
 WORLD = 4
 DIST_TIMEOUT_S = 60
 RUN_TIMEOUT_S = 900

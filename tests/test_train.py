@@ -24,6 +24,9 @@ from workbench.launch.process import supervisor_command
 from workbench.scenario import Scenario
 from workbench.training import SpecError, TrainSpec, check_resources, prepare_train, read_train_spec
 
+# its slow tests check exact steps, files and refusals, not times: make test runs them in the untimed lane (tests/_xdist_heavy.py)
+pytestmark = pytest.mark.untimed
+
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT = 240  # s: a run that takes longer than this has hung
 
