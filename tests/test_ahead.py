@@ -269,3 +269,37 @@ def test_the_trainers_planner_goes_on_inline_with_the_same_plans(cost, sampler, 
     st = run.status()
     assert st.warnings == [planner.note]  # once
     assert st.resolved["planning"].startswith("inline")
+
+
+def test_the_worker_does_not_import_the_parents_main_module(tmp_path):
+    """A rank's ``__main__`` is ``workbench.runtime.train`` (``python -m``), which imports torch; spawn
+    would import it again in the planning worker (a second of CPU, a few hundred MB). Checked from the
+    worker process's own mapped libraries, with a main module of our own that imports torch."""
+    import subprocess
+    import sys
+    import textwrap
+
+    (tmp_path / "rank_like_main.py").write_text(textwrap.dedent("""
+        import sys
+        import torch  # noqa: F401  (as workbench.runtime.train does)
+        from workbench.cost import CostModel
+        from workbench.solve.ahead import PlanAhead
+        from workbench.specs import ClusterSpec, get_model, load_profile
+
+        if __name__ == "__main__":
+            cost = CostModel(load_profile("a100-40g-flexsp"), get_model("7b"), ClusterSpec(num_gpus=8, gpus_per_node=8))
+            with PlanAhead("greedy", cost, time_limit=0.2) as ahead:
+                ahead.submit(("b0", [4096, 1024, 512]))
+                plan = ahead.get("b0", timeout=60)
+                pid = ahead.worker_pids()[0]
+                maps = open(f"/proc/{pid}/maps").read()
+                print(len(plan.micro_steps) > 0, "libtorch" in maps, "__spec__" in vars(sys.modules["__main__"]))
+    """))
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("needs /proc to read the worker's mapped libraries")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    p = subprocess.run([sys.executable, "-m", "rank_like_main"], cwd=tmp_path, capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    # planned; the worker never loaded torch's library; the parent's main module kept its spec
+    assert p.stdout.split() == ["True", "False", "True"]

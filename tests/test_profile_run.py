@@ -149,24 +149,3 @@ def test_a_profile_run_stops(tmp_path):
     st = runs.Run(run.path).status()
     assert st.state == "stopped"
     assert not [pid for pid, t in runs.status_pids(st) if runs.pid_alive(pid, t)]
-
-
-def test_a_damaged_machine_profile_is_measured_again(tmp_path):
-    """This machine's cached profile whose file was damaged is passed over: a fresh quick profile is
-    measured (a real 2-rank run, with its progress), and the next call reuses that one."""
-    from workbench import runs
-    from workbench.profile.machine import ensure_machine_profile, machine_fingerprint
-    from workbench.specs import load_profile
-
-    fp = machine_fingerprint(2)
-    old = runs.new_run("profile", {"model": "tiny", "nproc": 2, "quick": True, "fingerprint": fp}, root=tmp_path)
-    old.file(runs.PROFILE_FILE).write_text('{"name": "cut sho')  # a half-written file
-    runs.update_status(old.path, state="done")
-    seen = []
-    mp = ensure_machine_profile(2, root=tmp_path, progress=lambda f, m: seen.append(f))
-    assert mp.measured and mp.run != old and mp.run.status().state == "done"
-    prof = load_profile(mp.path)
-    assert prof.provenance["fingerprint"]["key"] == fp["key"] and prof.pass_overhead_ms and prof.head_ms_per_token
-    assert seen and max(seen) == 1.0 and seen == sorted(seen)  # progress while it ran, up to the end
-    again = ensure_machine_profile(2, root=tmp_path)
-    assert not again.measured and again.run == mp.run

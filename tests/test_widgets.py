@@ -479,11 +479,21 @@ TINY = dict(max_len=512, batch_tokens=8192, time_limit=0.3)
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
-    """Two finished 3-step runs (static-max and greedy) made through the Launch panel."""
+    """Two finished 3-step runs (static-max and greedy) made through the Launch panel, in a run store
+    whose only cached profile of this machine was damaged (a half-written file): the first launch
+    passes over it and measures this machine, with its progress on the panel."""
     from widgets import LaunchPanel
+    from workbench import runs
+    from workbench.profile.machine import machine_fingerprint
 
     root = tmp_path_factory.mktemp("runs")
+    damaged = runs.new_run("profile", {"model": "tiny", "nproc": 2, "quick": True, "fingerprint": machine_fingerprint(2)},
+                           root=root)
+    damaged.file(runs.PROFILE_FILE).write_text('{"name": "cut sho')
+    runs.update_status(damaged.path, state="done")
     panel = LaunchPanel(root=root, nproc=2, steps=3, follow=False, reattach=False)
+    panel.damaged, panel.profile_progress = damaged, []
+    panel.progress.observe(lambda ch: panel.progress.max == 100 and panel.profile_progress.append(ch["new"]), names="value")
     done = []
     panel.machines = []
     for planner in ("static-max", "greedy"):
@@ -499,12 +509,20 @@ def two_runs(tmp_path_factory):
 def test_launch_panel_plans_cpu_runs_with_this_machines_profile(two_runs):
     from workbench import runs
 
+    from workbench.specs import load_profile
+
     root, (a, b), panel = two_runs
     first, second = panel.machines
-    # the first launch measured this machine (a quick profile for 2 processes), the second reused it
-    assert first.measured and not second.measured and first.run == second.run
-    assert [r.id for r in runs.list_runs(root, kind="profile")] == [first.run.id]
+    # the first launch passed over the damaged profile and measured this machine (a quick profile
+    # for 2 processes, its progress on the panel up to the end), the second reused it
+    assert first.measured and not second.measured and first.run == second.run and first.run != panel.damaged
+    assert sorted(r.id for r in runs.list_runs(root, kind="profile")) == sorted([panel.damaged.id, first.run.id])
     assert first.run.spec()["fingerprint"]["nproc"] == 2 and first.run.status().state == "done"
+    prof = load_profile(first.path)
+    assert prof.provenance["fingerprint"]["key"] == first.fingerprint["key"] and prof.pass_overhead_ms
+    assert prof.head_ms_per_token and prof.micro_step_ms is not None
+    seen = panel.profile_progress  # up to the end of the measurement (then the bar is set up for the steps)
+    assert 100 in seen and seen[:seen.index(100)] == sorted(seen[:seen.index(100)]) and len(seen[:seen.index(100)]) > 2
     for r in (a, b):
         assert r.spec()["scenario"]["profile"] == str(first.path)
         res = r.status().resolved

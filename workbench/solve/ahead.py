@@ -26,10 +26,12 @@ signature ``(lengths, cost, opts) -> Plan``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing
 import os
 import pickle
+import sys
 from collections import deque
 from concurrent.futures import CancelledError, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -42,6 +44,30 @@ from workbench.solve.plan import Plan
 
 __all__ = ["PlanAhead", "PlanMismatchError", "UnknownBatchError", "WorkerDied", "check_pairing", "plan_ahead",
            "plan_lengths", "resolve_planner"]
+
+
+@contextlib.contextmanager
+def _main_not_reimported():
+    """While it lasts, a process started with ``spawn`` does not import the parent's ``__main__``.
+
+    ``multiprocessing.spawn`` re-imports the parent's main module in the child (by name when it was
+    run with ``-m``, by path otherwise). In a training rank that is ``workbench.runtime.train``,
+    which imports torch: about a second of CPU and a few hundred MB for a worker that only plans.
+    The planning worker needs nothing from ``__main__`` (its functions live in this module), so the
+    main module's ``__spec__`` and ``__file__`` are hidden while the pool starts its process."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
+    main.__spec__ = None
+    main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
+        if "__spec__" not in saved:
+            main.__dict__.pop("__spec__", None)
 
 
 class UnknownBatchError(KeyError):
@@ -277,7 +303,8 @@ class PlanAhead:
 
     def _submit(self, fn, *args):
         try:
-            fut = self._pool.submit(fn, *args)
+            with _main_not_reimported():  # the worker process starts in the pool's first submit
+                fut = self._pool.submit(fn, *args)
         except BrokenProcessPool:  # it died between two tasks
             raise WorkerDied(self._died("before this batch was submitted")) from None
         self._procs.update(getattr(self._pool, "_processes", None) or {})
