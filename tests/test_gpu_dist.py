@@ -18,14 +18,11 @@ assert on its JSON results.
 from __future__ import annotations
 
 import datetime
-import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _torchrun import gather_to_file, run_worker
 
 WORLD = 4
 RUN_TIMEOUT_S = 600
@@ -175,12 +172,7 @@ def _worker(out_path: str) -> int:
     _exercise_runtime(registry, rank)
     undo()
     results = {"audit": records, **_check_flash_ulysses(registry, rank)}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    if rank == 0:
-        Path(out_path).write_text(json.dumps(gathered))
-    dist.barrier()
-    dist.destroy_process_group()
+    gather_to_file(results, out_path)
     return 0
 
 
@@ -192,18 +184,8 @@ def _worker(out_path: str) -> int:
 @pytest.fixture(scope="module")
 def gpu_dist(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpudist") / "results.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", __file__, str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {RUN_TIMEOUT_S} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}"
-    return json.loads(out.read_text())
+    per_rank = run_worker(__file__, str(out), nproc=WORLD, timeout=RUN_TIMEOUT_S, out=out)
+    return [per_rank[str(r)] for r in range(WORLD)]  # in rank order
 
 
 @pytest.mark.slow

@@ -14,12 +14,12 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _torchrun import gather_to_file, run_worker
 
 WORLD = 4
 TOL = 1e-5
@@ -103,12 +103,7 @@ def _worker(data_dir: str, out_path: str) -> int:
             results[kind] = _check_kind(registry, rank, Path(data_dir) / kind, ref)
         except Exception as e:  # noqa: BLE001 - reported per rank; every rank runs the same collectives
             results[kind] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    if rank == 0:
-        Path(out_path).write_text(json.dumps({str(r): res for r, res in enumerate(gathered)}, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    gather_to_file(results, out_path)
     return 0
 
 
@@ -131,18 +126,7 @@ def dist_results(tmp_path_factory):
         torch.save({"sequences": seqs, "logits": [hf_logits(ref, s) for s in seqs], "loss": hf_batch_loss(ref, seqs)},
                    data / f"{kind}.pt")
     out = data / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", __file__,
-           str(data), str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {RUN_TIMEOUT_S} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}"
-    return json.loads(out.read_text())
+    return run_worker(__file__, str(data), str(out), nproc=WORLD, timeout=RUN_TIMEOUT_S, out=out)
 
 
 @pytest.mark.slow

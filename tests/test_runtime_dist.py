@@ -10,14 +10,10 @@ on each result. The other ZeRO stages and lockstep passes: test_runtime_zero.py.
 from __future__ import annotations
 
 import datetime
-import json
-import os
-import signal
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from _torchrun import assert_all_ranks, by_check, gather_to_file, run_worker
 
 # its slow tests check exact results, not times: make test runs them in the untimed lane (tests/_xdist_heavy.py)
 pytestmark = pytest.mark.untimed
@@ -229,16 +225,7 @@ def _worker(out_path: str) -> int:
     results.update(_check_ulysses(registry, rank))
     results.update(_check_gradients(registry, rank))
     results.update(_check_misc(registry, rank))
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    if rank == 0:
-        merged = {}
-        for r, res in enumerate(gathered):
-            for key, val in res.items():
-                merged.setdefault(key, {})[str(r)] = val
-        Path(out_path).write_text(json.dumps(merged, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    gather_to_file(results, out_path)
     return 0
 
 
@@ -251,26 +238,11 @@ def _worker(out_path: str) -> int:
 def dist_results(tmp_path_factory):
     """Launch the worker once under torchrun (its own session, so a timeout ends every rank)."""
     out = tmp_path_factory.mktemp("dist") / "results.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-           __file__, str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {RUN_TIMEOUT_S} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}"
-    return json.loads(out.read_text())
+    return by_check(run_worker(__file__, str(out), nproc=WORLD, timeout=RUN_TIMEOUT_S, out=out))
 
 
 def _assert_all_ranks(results: dict, key: str) -> None:
-    per_rank = results[key]
-    assert len(per_rank) == WORLD
-    bad = {r: v for r, v in per_rank.items() if not v["ok"]}
-    assert not bad, f"{key} failed on ranks {sorted(bad)}: {bad}"
+    assert_all_ranks(results, key, WORLD)
 
 
 @pytest.mark.slow
