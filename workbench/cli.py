@@ -309,12 +309,14 @@ def cmd_simulate(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    from workbench import runs
     from workbench.demo import run_demo
 
     if args.steps < 1:
         raise CliError(f"--steps must be at least 1, got {args.steps}")
     try:
-        run = run_demo(root=Path(args.run_root), train_steps=args.steps, train=not args.no_train, time_limit=args.time_limit,
+        root = Path(args.run_root) if args.run_root else runs.default_root()
+        run = run_demo(root=root, train_steps=args.steps, train=not args.no_train, time_limit=args.time_limit,
                        seed=args.seed, samples=args.samples, log=_say)
     except RuntimeError as e:
         _say(f"workbench demo: error: {e}")
@@ -823,7 +825,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("demo", help="the first look: the tour and solver notebooks headless plus a short CPU training "
                                      "run; writes an explained runs/<id>/report.html")
-    q.add_argument("--run-root", default="runs", metavar="DIR")
+    q.add_argument("--run-root", default=None, metavar="DIR", help="the run store (default runs, or $WORKBENCH_RUNS)")
     q.add_argument("--steps", type=int, default=8, metavar="K", help="steps of the training run (default 8)")
     q.add_argument("--no-train", action="store_true", help="leave out the training run")
     q.add_argument("--time-limit", type=positive_float, default=1.0, metavar="S", help="flexsp time limit per step")
