@@ -19,6 +19,28 @@ from pathlib import Path
 import pytest
 
 
+def run_checks(out_path: str | Path, checks, *, degrees=(1, 2, 4), timeout_s: float) -> int:
+    """Rank side of a worker: the gloo process group (a short ``timeout_s``, so a mismatched or
+    deadlocked collective fails the run instead of hanging it), a GroupRegistry of ``degrees``, then
+    each ``check(registry, rank) -> dict`` in order, merged and gathered to ``out_path``."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    rank = dist.get_rank()
+    from workbench.runtime.groups import GroupRegistry
+
+    registry = GroupRegistry(dist.get_world_size(), list(degrees))
+    results: dict = {}
+    for check in checks:
+        results.update(check(registry, rank))
+    gather_to_file(results, out_path)
+    return 0
+
+
 def gather_to_file(results: dict, out_path: str | Path) -> None:
     """Rank side: every rank's ``results`` written by rank 0 as ``{"0": ..., "1": ...}``, then the
     process group torn down (every rank calls it, in the same place)."""

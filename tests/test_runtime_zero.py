@@ -27,11 +27,10 @@ O(1) error (e.g. a rank's share of the batch is 25-50% of the gradient).
 
 from __future__ import annotations
 
-import datetime
 import sys
 
 import pytest
-from _torchrun import assert_all_ranks, by_check, gather_to_file, run_worker
+from _torchrun import assert_all_ranks, by_check, run_checks, run_worker
 
 # its slow tests check exact steps and counted bytes, not times: make test runs them in the untimed lane (tests/_xdist_heavy.py)
 pytestmark = pytest.mark.untimed
@@ -284,21 +283,7 @@ def _check_memory(registry, rank) -> dict:
 
 
 def _worker(out_path: str) -> int:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    # a short timeout: a mismatched or deadlocked collective fails the run instead of hanging it
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
-    rank = dist.get_rank()
-    from workbench.runtime.groups import GroupRegistry
-
-    registry = GroupRegistry(dist.get_world_size(), [1, 2, 4])
-    results = {}
-    results.update(_check_exact(registry, rank))
-    results.update(_check_memory(registry, rank))
-    gather_to_file(results, out_path)
-    return 0
+    return run_checks(out_path, [_check_exact, _check_memory], timeout_s=DIST_TIMEOUT_S)
 
 
 # ------------------------------------------------------------------------------------------------
