@@ -65,6 +65,7 @@ import torch.nn.functional as F
 from workbench import runs
 from workbench.profile import ProfileSpec, read_profile_spec
 from workbench.profile.fit import trimmed_median
+from workbench.profile.machine import cpu_name
 from workbench.profile.result import MEASUREMENTS_FILE, RESULT_FILE, build_result
 from workbench.specs import ModelSpec, get_model
 from workbench.util import write_json_atomic
@@ -670,16 +671,6 @@ def _loadavg() -> float | None:
         return None
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _memory_gb() -> float:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -720,7 +711,7 @@ def _machine(device: torch.device) -> dict:
         except ImportError:
             versions["flash_attn"] = None
     else:
-        gpu, mem = f"CPU {_cpu_name()} ({os.cpu_count()} cores)", _memory_gb()
+        gpu, mem = f"CPU {cpu_name()} ({os.cpu_count()} cores)", _memory_gb()
     return {"gpu": gpu, "gpu_memory_gb": round(mem, 1), "versions": versions}
 
 
