@@ -71,14 +71,20 @@ def run_worker(script: str | Path, *args: str, nproc: int, timeout: float, out: 
            *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+    stdout, stderr = communicate_or_kill(proc, timeout, "torchrun")
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}"
+    return json.loads(out.read_text())
+
+
+def communicate_or_kill(proc: subprocess.Popen, timeout: float, what: str) -> tuple[str, str]:
+    """``proc.communicate`` within ``timeout`` seconds; past it, every process of ``proc``'s session
+    (started with ``start_new_session=True``) is killed and the test fails with the output's tails."""
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
+        return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {timeout} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}"
-    return json.loads(out.read_text())
+        pytest.fail(f"{what} did not finish in {timeout} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
 
 
 def assert_all_ranks(results: dict, key: str, world: int) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _torchrun import communicate_or_kill
 from workbench import runs
 from workbench.launch import cluster
 from workbench.training import SpecError, prepare_train
@@ -106,12 +107,7 @@ class Nodes:
     def wait(self, timeout: float = TIMEOUT) -> list[tuple[int, str, str]]:
         out = []
         for p in self.procs:
-            try:
-                o, e = p.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                o, e = p.communicate()
-                pytest.fail(f"a node did not finish in {timeout}s:\n{e[-3000:]}")
+            o, e = communicate_or_kill(p, timeout, "a node")
             out.append((p.returncode, o, e))
         return out
 
@@ -468,7 +464,7 @@ def test_two_nodes_give_the_single_process_update(hetero_reference, tmp_path):
                               stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env(), start_new_session=True)
              for k in (0, 1)]
     for k, pr in enumerate(procs):
-        _, err = pr.communicate(timeout=TIMEOUT)
+        _, err = communicate_or_kill(pr, TIMEOUT, f"node {k}")
         assert pr.returncode == 0, f"node {k}: {err[-3000:]}"
     st = run.status()
     assert st.state == "done" and st.step == 2 and st.resumed_from == 1 and st.attempt == 2
@@ -493,7 +489,7 @@ def test_emitted_torchrun_commands_run_two_local_nodes(hetero_reference, tmp_pat
                                       cwd=tmp_path, env=_env(), start_new_session=True))
         time.sleep(0.5)
     for k, pr in enumerate(procs):
-        _, err = pr.communicate(timeout=TIMEOUT)
+        _, err = communicate_or_kill(pr, TIMEOUT, f"node {k}")
         assert pr.returncode == 0, f"node {k}: {err[-3000:]}"
     d = tmp_path / "s" / "emitted"
     plan = _assert_same_update(d, hetero_reference)
