@@ -315,9 +315,8 @@ def cmd_demo(args) -> int:
     if args.steps < 1:
         raise CliError(f"--steps must be at least 1, got {args.steps}")
     try:
-        root = Path(args.run_root) if args.run_root else runs.default_root()
-        run = run_demo(root=root, train_steps=args.steps, train=not args.no_train, time_limit=args.time_limit,
-                       seed=args.seed, samples=args.samples, log=_say)
+        run = run_demo(root=args.run_root or runs.default_root(), train_steps=args.steps, train=not args.no_train,
+                       time_limit=args.time_limit, seed=args.seed, samples=args.samples, log=_say)
     except RuntimeError as e:
         _say(f"workbench demo: error: {e}")
         return 1
