@@ -825,7 +825,7 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("demo", help="the first look: the tour and solver notebooks headless plus a short CPU training "
                                      "run; writes an explained runs/<id>/report.html")
     q.add_argument("--run-root", default=None, metavar="DIR", help="the run store (default runs, or $WORKBENCH_RUNS)")
-    q.add_argument("--steps", type=int, default=8, metavar="K", help="steps of the training run (default 8)")
+    q.add_argument("--steps", type=int, default=16, metavar="K", help="steps of the training run (default 16)")
     q.add_argument("--no-train", action="store_true", help="leave out the training run")
     q.add_argument("--time-limit", type=positive_float, default=1.0, metavar="S", help="flexsp time limit per step")
     q.add_argument("--samples", type=positive_int, default=100_000, help="sequences drawn from the length family")

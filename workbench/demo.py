@@ -67,7 +67,7 @@ def _table(run: runs.Run | None, name: str):
     return json.loads(p.read_text()) if p.is_file() else None
 
 
-def run_demo(*, root: Path | str | None = None, train_steps: int = 8, train: bool = True, samples: int = 100_000,
+def run_demo(*, root: Path | str | None = None, train_steps: int = 16, train: bool = True, samples: int = 100_000,
              seed: int = 0, time_limit: float = 1.0, log: Callable[[str], None] | None = None) -> runs.Run:
     """Run the demo into a new run folder and return the Run (``report.html`` inside). ``log``
     gets progress lines. Raises RuntimeError naming the notebooks that failed (the report is still
