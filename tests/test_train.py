@@ -199,8 +199,27 @@ def test_resource_checks():
         check_resources(64, device="cpu", cores=2, available_gb=20.0)
     assert check_resources(64, device="cpu", cores=2, available_gb=100.0, allow=True)  # warned, not refused
     # memory: 1B model on CPU, a full replica with Adam states per rank (16 bytes per parameter)
-    with pytest.raises(ValueError, match="GB estimated against 20.0 GB available"):
+    with pytest.raises(ValueError, match="GB estimated for .* against 20.0 GB available"):
         check_resources(2, device="cpu", model="1b", cores=8, available_gb=20.0)
+
+
+def test_resource_check_counts_the_model_states_of_the_zero_stage():
+    from workbench.specs import get_model
+
+    P = get_model("1b").params()
+    # ZeRO-0, fp32 AdamW: parameters, gradients and both moments whole on each of 4 ranks, by hand
+    zero0 = 4 * (0.45 + 16 * P / 1e9) + 0.5
+    with pytest.raises(ValueError, match=rf"~{zero0:.1f} GB estimated for 4 process\(es\) of model 1b, ZeRO-0"):
+        check_resources(4, device="cpu", model="1b", cores=4, available_gb=60.0, zero_stage=0, precision="fp32")
+    # ZeRO-3 shards those 16 bytes over the 4 ranks: a quarter each, plus one unit's transient working set,
+    # so the same machine holds it (warned: above half of what is available)
+    warn = check_resources(4, device="cpu", model="1b", cores=4, available_gb=60.0, zero_stage=3, precision="fp32")
+    est = float(warn[0].split("estimated memory ")[1].split(" GB")[0])
+    assert 4 * (0.45 + 4 * P / 1e9) + 0.5 < est < zero0 / 2
+    # SGD without momentum holds no optimizer states: 8 bytes per parameter under ZeRO-0
+    sgd = 4 * (0.45 + 8 * P / 1e9) + 0.5
+    with pytest.raises(ValueError, match=rf"~{sgd:.1f} GB estimated"):
+        check_resources(4, device="cpu", model="1b", cores=4, available_gb=60.0, zero_stage=0, optimizer="sgd")
 
 
 def test_token_data_corpus_documents_and_windows():

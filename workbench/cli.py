@@ -473,7 +473,15 @@ def cmd_train(args) -> int:
     nproc = spec.nproc if spec is not None else int(settings.get("nproc", 1))
     device = spec.device if spec is not None else settings.get("device", "auto")
     model = spec.scenario.model if spec is not None else settings.get("model", training.TRAIN_DEFAULTS["model"])
-    for w in training.check_resources(nproc, device=device, model=model, allow=args.oversubscribe):
+    if spec is not None:
+        sc = spec.scenario
+        states = dict(zero_stage=sc.zero_stage, precision=sc.precision, optimizer=spec.optimizer,
+                      momentum=spec.momentum, nnodes=spec.nnodes)
+    else:
+        states = dict(zero_stage=settings.get("zero_stage"), precision=settings.get("precision"),
+                      optimizer=settings.get("optimizer") or "adamw", momentum=float(settings.get("momentum") or 0.0),
+                      nnodes=int(settings.get("nnodes", 1)))
+    for w in training.check_resources(nproc, device=device, model=model, allow=args.oversubscribe, **states):
         _say(f"workbench train: warning: {w}")
     nnodes = spec.nnodes if spec else int(settings.get("nnodes", 1))
     process.supervisor_command(".", nproc=nproc, nnodes=nnodes, node_rank=args.node_rank,

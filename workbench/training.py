@@ -492,27 +492,36 @@ def _resume(run_dir: str | Path, settings: dict, allow_changes: bool):
 
 
 def check_resources(nproc: int, *, device: str = "auto", model: str = "tiny", allow: bool = False,
-                    cores: int | None = None, available_gb: float | None = None) -> list[str]:
+                    cores: int | None = None, available_gb: float | None = None, zero_stage: int | None = None,
+                    precision: str | None = None, optimizer: str = "adamw", momentum: float = 0.0,
+                    nnodes: int = 1) -> list[str]:
     """Warnings about running ``nproc`` processes here; raises ResourceError above a sane limit
     (more than 4 processes per core, or an estimated memory above 80% of what is available on a
-    CPU run) unless ``allow``. The memory estimate is per rank ~0.45 GB plus the model's weights,
-    gradients and Adam states (16 bytes per parameter, a full replica on every rank), plus the
-    plan-ahead worker."""
+    CPU run) unless ``allow``. The memory estimate is per rank ~0.45 GB plus the model states the
+    run holds at its peak on a CPU (``cost.memory.model_states``: ZeRO-3, the default, shards them
+    over the ``nproc x nnodes`` ranks; 0-2 keep whole parameters and gradients on every rank; AdamW
+    or SGD states), plus the plan-ahead worker."""
+    from workbench.cost.memory import model_states, optimizer_kind
     from workbench.specs import get_model
 
     cores = cores or os.cpu_count() or 1
     if available_gb is None:
         available_gb = _available_gb()
     on_gpu = device == "cuda" or (device == "auto" and cuda_visible())
-    params = get_model(model).params()
-    est = nproc * (RANK_MEMORY_GB + (0 if on_gpu else 16 * params / 1e9)) + 0.5
+    stage = 3 if zero_stage is None else int(zero_stage)
+    states_gb = 0.0
+    if not on_gpu:
+        states = model_states(get_model(model), zero_stage=stage, num_ranks=max(1, nproc * nnodes),
+                              precision=precision or "fp32", optimizer=optimizer_kind(optimizer, momentum))
+        states_gb = states.total / 1e9
+    est = nproc * (RANK_MEMORY_GB + states_gb) + 0.5
     warnings = []
     if not on_gpu and nproc > cores:
         warnings.append(f"{nproc} processes on {cores} CPU core(s): each rank gets 1/{math.ceil(nproc / cores)} of a core, "
                         f"so steps run about {nproc / cores:.1f}x slower than with {cores}")
+    what = f"{nproc} process(es) of model {model}" + ("" if on_gpu else f", ZeRO-{stage}: {states_gb:.2f} GB of model states each")
     if available_gb is not None and est > 0.5 * available_gb:
-        warnings.append(f"estimated memory {est:.1f} GB for {nproc} process(es) of model {model} "
-                        f"({available_gb:.1f} GB available)")
+        warnings.append(f"estimated memory {est:.1f} GB for {what} ({available_gb:.1f} GB available)")
     too_many = not on_gpu and nproc > MAX_PROCS_PER_CORE * cores
     too_big = available_gb is not None and est > 0.8 * available_gb
     if (too_many or too_big) and not allow:
@@ -520,9 +529,10 @@ def check_resources(nproc: int, *, device: str = "auto", model: str = "tiny", al
         if too_many:
             why.append(f"{nproc} processes is more than {MAX_PROCS_PER_CORE} per core on {cores} core(s)")
         if too_big:
-            why.append(f"~{est:.1f} GB estimated against {available_gb:.1f} GB available")
-        raise ResourceError("refusing to start: " + " and ".join(why) + "; lower --nproc, or pass --oversubscribe "
-                            "to run anyway")
+            why.append(f"~{est:.1f} GB estimated for {what} against {available_gb:.1f} GB available")
+        shard = "; --zero-stage 3 shards the model states over the ranks" if too_big and not on_gpu and stage < 3 else ""
+        raise ResourceError("refusing to start: " + " and ".join(why) + f"; lower --nproc{shard}, or pass "
+                            "--oversubscribe to run anyway")
     return warnings
 
 
