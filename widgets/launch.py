@@ -246,10 +246,7 @@ class LaunchPanel(Panel):
         if self.handle is not None and self.state in ("starting", "running"):
             raise ValueError(f"run {self.run.id} is still going; stop it first")
         settings = {**self.settings(), **overrides}
-        warnings = training.check_resources(int(settings["nproc"]), model=settings.get("model", "tiny"),
-                                            zero_stage=settings.get("zero_stage"), precision=settings.get("precision"),
-                                            optimizer=settings.get("optimizer") or "adamw",
-                                            nnodes=int(settings.get("nnodes", 1)))
+        warnings = training.check_resources(**training.resource_args(None, settings))
         self.machine_profile = None
         self.profile_note.value = ""
         on_cpu = settings.get("device", "auto") == "cpu" or (settings.get("device", "auto") == "auto"

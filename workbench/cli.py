@@ -470,20 +470,10 @@ def cmd_train(args) -> int:
         if args.change:
             raise CliError("--change applies only when resuming with --run-dir")
         spec = None
-    nproc = spec.nproc if spec is not None else int(settings.get("nproc", 1))
-    device = spec.device if spec is not None else settings.get("device", "auto")
-    model = spec.scenario.model if spec is not None else settings.get("model", training.TRAIN_DEFAULTS["model"])
-    if spec is not None:
-        sc = spec.scenario
-        states = dict(zero_stage=sc.zero_stage, precision=sc.precision, optimizer=spec.optimizer,
-                      momentum=spec.momentum, nnodes=spec.nnodes)
-    else:
-        states = dict(zero_stage=settings.get("zero_stage"), precision=settings.get("precision"),
-                      optimizer=settings.get("optimizer") or "adamw", momentum=float(settings.get("momentum") or 0.0),
-                      nnodes=int(settings.get("nnodes", 1)))
-    for w in training.check_resources(nproc, device=device, model=model, allow=args.oversubscribe, **states):
+    res = training.resource_args(spec, settings)
+    nproc, nnodes = res["nproc"], res["nnodes"]
+    for w in training.check_resources(**res, allow=args.oversubscribe):
         _say(f"workbench train: warning: {w}")
-    nnodes = spec.nnodes if spec else int(settings.get("nnodes", 1))
     process.supervisor_command(".", nproc=nproc, nnodes=nnodes, node_rank=args.node_rank,
                                rdzv_endpoint=args.rdzv_endpoint, rdzv_timeout=args.rdzv_timeout)  # bad counts fail here
     if spec is None:

@@ -26,7 +26,7 @@ from workbench.scenario import Scenario
 __all__ = ["TrainSpec", "SpecError", "read_train_spec", "prepare_train", "ResumeChange", "check_resources",
            "ResourceError", "cuda_visible", "OPTIMIZERS", "DEVICES", "ATTENTION", "DEFAULT_LR", "CPU_MAX_LEN",
            "DEFAULT_BATCH_TOKENS", "TRAIN_DEFAULTS", "RANK_MEMORY_GB", "check_model_and_data", "check_machine",
-           "flash_installed", "JOIN_WAIT_S"]
+           "flash_installed", "JOIN_WAIT_S", "resource_args"]
 
 OPTIMIZERS = ("sgd", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
@@ -489,6 +489,19 @@ def _resume(run_dir: str | Path, settings: dict, allow_changes: bool):
         upd["steps"] = int(settings["steps"])
     new = spec.replace(**upd) if upd else spec
     return runs.Run(p), new, changes
+
+
+def resource_args(spec: "TrainSpec | None", settings: dict | None = None) -> dict:
+    """:func:`check_resources`' arguments for a run: from its TrainSpec (a resumed run) or, without
+    one, from the settings of a new run (as the CLI and the Launch panel build them)."""
+    if spec is not None:
+        sc = spec.scenario
+        return dict(nproc=spec.nproc, device=spec.device, model=sc.model, zero_stage=sc.zero_stage,
+                    precision=sc.precision, optimizer=spec.optimizer, momentum=spec.momentum, nnodes=spec.nnodes)
+    s = settings or {}
+    return dict(nproc=int(s.get("nproc", 1)), device=s.get("device", "auto"), model=s.get("model", TRAIN_DEFAULTS["model"]),
+                zero_stage=s.get("zero_stage"), precision=s.get("precision"), optimizer=s.get("optimizer") or "adamw",
+                momentum=float(s.get("momentum") or 0.0), nnodes=int(s.get("nnodes", 1)))
 
 
 def check_resources(nproc: int, *, device: str = "auto", model: str = "tiny", allow: bool = False,
