@@ -305,3 +305,25 @@ def test_lower_bound_counts_whole_groups_per_gpu_against_brute_force():
         assert classic * (1 - 1e-12) <= lb <= opt * (1 + 1e-9), (s.tolist(), classic, lb, opt)
         tighter += lb > classic * (1 + 1e-6)
     assert tighter >= 1
+
+
+def test_group_split_round_trips_and_old_plans_read_as_ulysses():
+    from workbench.solve import plan_from_dict
+
+    g = Group(degree=4, cp=2, ranks=(0, 1, 2, 3), sequences=(0,), lengths=(100,), time_ms=1.0, memory_gb=0.1)
+    assert (g.ulysses, g.cp, g.split) == (2, 2, "2x2")
+    plan = Plan(planner="x", status="heuristic", makespan_ms=1.0, lower_bound_ms=1.0, solve_seconds=0.0,
+                micro_steps=(MicroStep(groups=(g,)),), num_gpus=4)
+    d = plan.to_dict()
+    assert d["micro_steps"][0]["groups"][0]["ulysses"] == 2 and d["micro_steps"][0]["groups"][0]["cp"] == 2
+    assert plan_from_dict(d) == plan
+    # a plan file written before splits existed: no ulysses/cp -> Ulysses over the whole group
+    for key in ("ulysses", "cp"):
+        del d["micro_steps"][0]["groups"][0][key]
+    old = plan_from_dict(d).micro_steps[0].groups[0]
+    assert (old.ulysses, old.cp) == (4, 1)
+    d["micro_steps"][0]["groups"][0].update(ulysses=4, cp=2)
+    with pytest.raises(PlanError, match="ulysses x cp must be the degree"):
+        plan_from_dict(d)
+    with pytest.raises(PlanError, match="does not divide its degree 4"):
+        Group(degree=4, cp=3, ranks=(0, 1, 2, 3), sequences=(0,), lengths=(1,), time_ms=1.0, memory_gb=0.1)

@@ -71,10 +71,31 @@ class Group:
     """Predicted time: group overhead + sum of the sequences' times."""
     memory_gb: float
     """Predicted activation memory per GPU."""
+    cp: int = 1
+    """Context-parallel size of the group's split: ``degree = ulysses x cp`` ranks, Ulysses (heads
+    scattered, all-to-all) over ``ulysses`` consecutive ranks inside context parallelism (tokens
+    kept, K/V all-gathered) over ``cp`` ranks. 1: Ulysses over the whole group (plans written
+    before splits existed)."""
+
+    def __post_init__(self) -> None:
+        if self.cp < 1 or self.degree % self.cp:
+            raise PlanError(f"group at ranks {list(self.ranks)[:1]}..: context-parallel size {self.cp} does not divide "
+                            f"its degree {self.degree} (a group of degree d runs as ulysses x cp = d)")
+
+    @property
+    def ulysses(self) -> int:
+        """Ulysses size of the group's split (``degree // cp``)."""
+        return self.degree // self.cp
+
+    @property
+    def split(self) -> str:
+        """The split in words, ``"u x c"`` (``"8x1"``: Ulysses over 8 ranks; ``"1x8"``: context parallelism)."""
+        return f"{self.ulysses}x{self.cp}"
 
     def to_dict(self) -> dict:
-        return {"degree": self.degree, "ranks": list(self.ranks), "sequences": list(self.sequences),
-                "lengths": list(self.lengths), "time_ms": self.time_ms, "memory_gb": self.memory_gb}
+        return {"degree": self.degree, "ulysses": self.ulysses, "cp": self.cp, "ranks": list(self.ranks),
+                "sequences": list(self.sequences), "lengths": list(self.lengths), "time_ms": self.time_ms,
+                "memory_gb": self.memory_gb}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -177,10 +198,7 @@ def plan_from_dict(d: Mapping[str, Any]) -> Plan:
     try:
         micro = tuple(
             MicroStep(groups=tuple(
-                Group(degree=int(g["degree"]), ranks=tuple(int(r) for r in g["ranks"]),
-                      sequences=tuple(int(i) for i in g["sequences"]), lengths=tuple(int(x) for x in g["lengths"]),
-                      time_ms=float(g["time_ms"]), memory_gb=float(g["memory_gb"]))
-                for g in m["groups"]), time_ms=None if m.get("time_ms") is None else float(m["time_ms"]))
+                _group_from_dict(g) for g in m["groups"]), time_ms=None if m.get("time_ms") is None else float(m["time_ms"]))
             for m in d["micro_steps"])
         budget = d.get("memory_budget_gb")
         execution = str(d.get("execution") or "free")
@@ -195,11 +213,25 @@ def plan_from_dict(d: Mapping[str, Any]) -> Plan:
                     shared_overhead_ms=float(d.get("shared_overhead_ms", 0.0)),
                     pass_comm_ms=float(d.get("pass_comm_ms", 0.0)), pass_overhead_ms=float(d.get("pass_overhead_ms", 0.0)),
                     optimizer_ms=float(d.get("optimizer_ms", 0.0)))
+    except PlanError:
+        raise
     except (KeyError, TypeError, ValueError) as e:
         raise PlanError(f"not a plan: {e!r} (expected the shape of `workbench plan --json`)") from None
     if plan.execution not in EXECUTIONS:
         raise PlanError(f"not a plan: execution {plan.execution!r} is not one of {', '.join(EXECUTIONS)}")
     return plan
+
+
+def _group_from_dict(g: Mapping[str, Any]) -> Group:
+    """A Group from its ``to_dict`` form; a group written before splits existed (no ``cp``) is
+    Ulysses over the whole group. Raises PlanError when ``ulysses x cp`` is not the degree."""
+    degree, cp = int(g["degree"]), int(g.get("cp", 1))
+    if "ulysses" in g and int(g["ulysses"]) * cp != degree:
+        raise PlanError(f"not a plan: a group of degree {degree} says ulysses {g['ulysses']} x cp {cp} "
+                        f"(ulysses x cp must be the degree)")
+    return Group(degree=degree, cp=cp, ranks=tuple(int(r) for r in g["ranks"]),
+                 sequences=tuple(int(i) for i in g["sequences"]), lengths=tuple(int(x) for x in g["lengths"]),
+                 time_ms=float(g["time_ms"]), memory_gb=float(g["memory_gb"]))
 
 
 # ----------------------------------------------------------------------------------------------
