@@ -319,6 +319,13 @@ class CostModel:
         return (f"Ulysses degree {d} does not divide the {self.model.heads} attention heads of {self.model.name}; "
                 f"use --strategy ring or degrees up to {max(self.degrees)}")
 
+    @property
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        """The group shapes plans of this cost model may use: ``(degree, cp)`` pairs, a group of
+        ``degree`` ranks running Ulysses over ``degree // cp`` of them inside context parallelism
+        over ``cp`` (the runtime creates process groups for exactly these)."""
+        return tuple((int(d), 1) for d in self.degrees)
+
     # ---- links: within a node or across nodes -------------------------------------------------
     def crosses_nodes(self, degree: int) -> bool:
         """Whether a group of ``degree`` ranks spans nodes. Groups are aligned blocks whose degree
