@@ -81,10 +81,10 @@ def gap_parts(plan, s, cost) -> dict:
     rank's load above the mean rank load (imbalance), GPU-time above every sequence at its cheapest
     degree (wider degrees), group overhead above the activations' minimum number of full groups
     per GPU, and the groups per GPU themselves."""
-    from workbench.solve.flexsp import _Table
+    from workbench.solve.microstep import Table
     from workbench.solve.stack import Stack
 
-    tab = _Table(np.asarray(s, dtype=np.int64), cost)
+    tab = Table(np.asarray(s, dtype=np.int64), cost)
     st = Stack.from_plan(plan, tab)
     n, lb = cost.cluster.num_gpus, plan.lower_bound_ms
     groups = sum(st.d[e] for e, _, _ in st.groups()) / n

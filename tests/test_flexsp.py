@@ -17,7 +17,8 @@ import pytest
 from workbench.cost import CostModel, InfeasibleError
 from workbench.solve import Cancelled, PlanOptions, planner_names, run_planner, validate
 from workbench.solve.baselines import plan_best_static, plan_greedy
-from workbench.solve.flexsp import bucketize, min_micro_steps, plan_flexsp, solve_one_step, _Table
+from workbench.solve.flexsp import plan_flexsp
+from workbench.solve.microstep import Table, bucketize, min_micro_steps, solve_one_step
 from conftest import free_cost
 from workbench.specs import load_profile
 
@@ -188,7 +189,7 @@ def test_micro_step_chunking(small_cost):
     """A batch far bigger than one micro-step: several micro-steps, valid, never behind greedy."""
     rng = np.random.default_rng(1)
     s = rng.integers(200, 6000, size=60)
-    tab = _Table(s, small_cost)
+    tab = Table(s, small_cost)
     assert min_micro_steps(tab) >= 3
     p = plan_flexsp(s, small_cost, PlanOptions(seed=0, time_limit=1.0))
     validate(p, s, small_cost.cluster, small_cost)

@@ -12,7 +12,7 @@ import pytest
 
 from workbench.cost import CostModel
 from workbench.solve import PlanError, build_plan, lower_bound_ms, run_planner, timeline, validate
-from workbench.solve.flexsp import _Table
+from workbench.solve.microstep import Table
 from workbench.solve.lockstep import Passes, plan_lockstep
 from workbench.solve.options import PlanOptions
 from workbench.solve.plan import pass_loads
@@ -162,7 +162,7 @@ def test_passes_bookkeeping_after_local_search():
     for _ in range(4):
         s = np.maximum(64, (rng.pareto(1.2, size=60) * 800).astype(np.int64))
         s = np.minimum(s, int(cost.tokens_per_gpu() * 8 * 0.9))
-        tab = _Table(s, cost)
+        tab = Table(s, cost)
         for multi in (False, True):
             p = plan_lockstep(s, cost, PlanOptions(time_limit=0.4), multi=multi)
             validate(p, s, cost.cluster, cost)

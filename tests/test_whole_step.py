@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from workbench.solve import PlanOptions, build_plan, run_planner, timeline, validate
-from workbench.solve.flexsp import _Table, plan_flexsp
+from workbench.solve.flexsp import plan_flexsp
+from workbench.solve.microstep import Table
 from workbench.solve.stack import Stack, solve_stack
 from workbench.specs import load_profile
 from conftest import free_cost, set_partitions
@@ -29,7 +30,7 @@ def _cost(n, degrees=(), model="7b", mem=40):
 def _random_stack(rng, cost, k):
     """Random groups on aligned blocks (any degree, any block, any sequences; memory ignored)."""
     s = rng.integers(100, 4000, size=k)
-    tab = _Table(s, cost)
+    tab = Table(s, cost)
     n = cost.cluster.num_gpus
     groups = []
     seqs = list(rng.permutation(k))
@@ -101,8 +102,8 @@ def _bench_batches():
 def test_cpsat_reports_the_whole_step_hint_complete_and_feasible_on_benchmark_batches():
     cost, batches = _bench_batches()
     for s in batches:
-        tab = _Table(s, cost)
-        from workbench.solve.plan import lower_bound_ms
+        tab = Table(s, cost)
+        from workbench.solve.bound import lower_bound_ms
 
         hint = Stack.greedy(tab, target=lower_bound_ms(s, cost) - cost.grad_sync_ms(), max_extra_work=0.5)
         hint.improve(float("inf"), max_iter=50)
@@ -119,7 +120,7 @@ def test_an_infeasible_hint_is_reported_as_such():
     """Control for the test above: a hint over the memory budget is not called feasible."""
     cost = _cost(8)
     s = np.array([5000, 5000, 5000, 5000, 300, 300])
-    tab = _Table(s, cost)
+    tab = Table(s, cost)
     assert tab.mem[0, :4].sum() > tab.budget  # four 5000-token sequences do not fit one GPU
     hint = Stack.from_groups(tab, [(0, 0, [0, 1, 2, 3]), (0, 1, [4, 5])])
     _, info = solve_stack(tab, hint, time_limit=0.5, singles=6)
@@ -132,7 +133,7 @@ def test_local_search_keeps_plans_valid_and_never_slower():
     for n, fam in ((8, "wikipedia"), (64, "byted"), (64, "github")):
         cost = _cost(n)
         s = np.minimum(synthetic_lengths(fam, 300, seed=n), 131072 if n == 64 else 16384)
-        tab = _Table(s, cost)
+        tab = Table(s, cost)
         for p in (run_planner("greedy", s, cost), run_planner("best-static", s, cost)):
             st = Stack.from_plan(p, tab)
             before = st.makespan_ms

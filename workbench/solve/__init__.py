@@ -15,7 +15,8 @@ import numpy as np
 from workbench.cost import CostModel, InfeasibleError
 from workbench.solve import baselines
 from workbench.solve.options import Cancelled, PlanOptions
-from workbench.solve.plan import Plan, PlanError, build_plan, lower_bound_ms, plan_from_dict, timeline, validate
+from workbench.solve.bound import lower_bound_ms
+from workbench.solve.plan import Plan, PlanError, build_plan, plan_from_dict, timeline, validate
 
 __all__ = [
     "Plan", "PlanError", "PlanOptions", "Cancelled", "InfeasibleError", "build_plan", "lower_bound_ms",

@@ -151,7 +151,7 @@ def _worker_init(cost_blob: bytes, planner: str, cancel, parent_pid: int | None 
     _W["planner"] = resolve_planner(planner)
     _W["cancel"] = cancel
     if _W["planner"] == "flexsp":
-        from workbench.solve.flexsp import warm_up
+        from workbench.solve.cpsat import warm_up
 
         warm_up()  # the one-time OR-Tools import happens before the first batch arrives
 

@@ -380,7 +380,7 @@ def greedy_rule_plans(lengths, cost: CostModel, opts: PlanOptions, *, deadline: 
     every degree that holds each sequence aiming at the lower bound, minimum degrees only, and every
     degree aiming 5% above the bound. With a ``deadline`` (``time.perf_counter()``) the rules after
     the first are skipped once it has passed. Raises InfeasibleError when a sequence fits no group."""
-    from workbench.solve.plan import lower_bound_ms
+    from workbench.solve.bound import lower_bound_ms
 
     s = np.asarray(lengths, dtype=np.int64)
     cost.check_feasible(s)

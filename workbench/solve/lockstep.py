@@ -22,17 +22,17 @@ How ``plan_lockstep`` plans (within ``opts.time_limit``):
    few more, the batch is split into M passes by three rules: FlexSP's (sorted by length,
    consecutive chunks of equal tokens), work-balanced (longest-processing-time on each sequence's
    least GPU-time, within each pass's memory) and memory-balanced. Every pass is planned as one
-   micro-step by the per-micro-step heuristic of ``flexsp`` (degrees by bottleneck raising, group
+   micro-step by the per-micro-step heuristic of ``microstep`` (degrees by bottleneck raising, group
    counts by a divisible estimate, LPT packing, moves and swaps).
 2. Local search on the whole step (``Passes.improve``): take the most loaded rank of the passes that
    are longer than FSDP's collectives, and move one of its sequences to the group (or a new group
    on idle ranks, or on any ranks with memory to spare when ``multi``) of any pass where the sum of
    passes falls most; when nothing moves, try to empty the lightest pass into the others.
-3. CP-SAT on the one-micro-step model (``flexsp._solve_step``) for the longest passes, warm-started
+3. CP-SAT on the one-micro-step model (``microstep.solve_step``) for the longest passes, warm-started
    from their groups, kept when a pass gets shorter; the local search again.
 4. With ``multi``, the local search once more with stacked groups allowed.
 
-Pure numpy (and OR-Tools through ``flexsp``): no torch.
+Pure numpy (and OR-Tools through ``microstep``): no torch.
 """
 
 from __future__ import annotations
@@ -44,8 +44,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from workbench.cost import CostModel
+from workbench.solve.baselines import plan_best_static, plan_greedy
+from workbench.solve.bound import lower_bound_ms
+from workbench.solve.cpsat import warm_up
+from workbench.solve.microstep import Table, heuristic_step, makespan, min_micro_steps, refine, solve_step
 from workbench.solve.options import PlanOptions
-from workbench.solve.plan import Plan, build_plan, lower_bound_ms
+from workbench.solve.plan import Plan, build_plan
 
 __all__ = ["Passes", "plan_lockstep", "split_passes", "MULTI_GROUP"]
 
@@ -93,7 +97,7 @@ class Passes:
     """Groups of a lockstep step: per group its pass, degree index ``e`` (into ``tab.deg``), block
     ``b`` (ranks ``[b*d, (b+1)*d)``) and sequences; per pass and rank the summed group extras and
     sequence times (``load``, without the packed call's constant), the number of groups (``cnt``)
-    and the activations (``mem``). ``tab`` is a ``flexsp._Table`` of the step's lengths."""
+    and the activations (``mem``). ``tab`` is a ``microstep.Table`` of the step's lengths."""
 
     def __init__(self, tab, cost: CostModel, *, multi: bool) -> None:
         self.tab = tab
@@ -718,12 +722,10 @@ def _plan_pass(tab, idx: np.ndarray, deadline: float):
     """One pass of sequences ``idx`` as single groups ``[(e, members)]``: the better of ``flexsp``'s
     per-micro-step heuristic and (for passes of at most ``LAYOUT_MAX_SEQS`` sequences) the fixed
     layouts of ``_layout_pass``, refined by moves and swaps; None when they do not fit one pass."""
-    from workbench.solve.flexsp import _heuristic_step, _makespan, _refine
-
-    found = [_refine(g, tab, tab.n_gpus, deadline)
-             for g in (_heuristic_step(tab, idx, tab.n_gpus), _layout_pass(tab, idx) if idx.size <= LAYOUT_MAX_SEQS else None)
+    found = [refine(g, tab, tab.n_gpus, deadline)
+             for g in (heuristic_step(tab, idx, tab.n_gpus), _layout_pass(tab, idx) if idx.size <= LAYOUT_MAX_SEQS else None)
              if g is not None]
-    return min(found, key=lambda g: _makespan(g, tab)) if found else None
+    return min(found, key=lambda g: makespan(g, tab)) if found else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -752,9 +754,6 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
     Raises InfeasibleError when a sequence fits no group, Cancelled when cancelled, ValueError when
     the cost model is not lockstep.
     """
-    from workbench.solve.baselines import plan_best_static, plan_greedy
-    from workbench.solve.flexsp import _solve_step, _Table, min_micro_steps, warm_up
-
     if cost.execution != "lockstep":
         raise ValueError(f"plan_lockstep plans ZeRO-3 (lockstep) steps; this cost model is {cost.execution}")
     opts = opts or PlanOptions()
@@ -766,7 +765,7 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
     s = np.asarray(lengths, dtype=np.int64)
     cost.check_feasible(s)
     lb = lower_bound_ms(s, cost)
-    tab = _Table(s, cost)
+    tab = Table(s, cost)
     timing: dict[str, float] = {}
     tick = time.perf_counter()
 
@@ -857,7 +856,7 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
             gs = ps.groups(p)
             idx = np.array(sorted(i for g in gs for i in ps.g_members[g]), dtype=np.int64)
             heur = [(ps.g_e[g], list(ps.g_members[g])) for g in gs]
-            r = _solve_step(tab, idx, bucketing=None, buckets=16, time_limit=left, seed=opts.seed, opts=opts,
+            r = solve_step(tab, idx, bucketing=None, buckets=16, time_limit=left, seed=opts.seed, opts=opts,
                             heuristic=heur)
             call = {"pass": int(p), "status": (r.info.get("cp_sat_status") if r is not None else "none"),
                     "before_ms": ps.pass_len(p), "after_ms": r.makespan_ms if r is not None else None}

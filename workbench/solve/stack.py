@@ -53,7 +53,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Stack", "solve_stack", "StackModelInfo", "run_cpsat", "canonical"]
+from workbench.solve.cpsat import run_cpsat
+from workbench.solve.microstep import bucketize
+
+__all__ = ["Stack", "solve_stack", "StackModelInfo", "canonical"]
 
 _TOL = 1e-9
 
@@ -74,7 +77,7 @@ GLOBAL_MOVE_ITEMS = 512
 
 
 class Stack:
-    """Groups on aligned blocks of a cost table ``tab`` (``flexsp._Table``): per group its degree
+    """Groups on aligned blocks of a cost table ``tab`` (``microstep.Table``): per group its degree
     index ``e``, block ``b`` and sequences. Keeps the per-rank loads up to date."""
 
     def __init__(self, tab):
@@ -711,8 +714,6 @@ class _ItemSet:
 
 
 def _items(tab, idx: np.ndarray, singles: int, buckets: int) -> _ItemSet:
-    from workbench.solve.flexsp import bucketize
-
     order = idx[np.argsort(-tab.s[idx], kind="stable")]
     sg = order[:singles]
     rest = order[singles:]
@@ -1004,66 +1005,3 @@ def _ffd(tab, e: int, mem: list[int]) -> list[list[int]]:
             bins.append([int(mem[j])])
             room.append(budget - x)
     return bins
-
-
-HINT_MESSAGES = (
-    ("The solution hint is complete and is feasible", "complete, feasible"),
-    ("The solution hint is complete, but it is infeasible", "complete, infeasible"),
-    ("The solution hint is complete", "complete"),
-)
-
-
-def run_cpsat(model, *, time_limit: float, seed: int = 0, workers: int = 2, opts=None, presolve: bool = True):
-    """Solve a CP-SAT ``model`` within ``time_limit`` seconds on at most 2 workers (small shared
-    machines, planners on background threads); ``random_seed`` is ``seed``. Returns
-    ``(solver, status, {"status", "wall_s", "hint"})``, where ``hint`` is what CP-SAT's log says
-    of the model's solution hint ("complete, feasible", "complete, infeasible", or "partial or
-    none"). ``presolve=False`` skips CP-SAT's presolve (a complete hint is then the first solution at
-    once, where presolving can take a short limit's whole time). Raises Cancelled when ``opts``'
-    cancel token is set during the search."""
-    from ortools.sat.python import cp_model
-
-    from workbench.solve.options import Cancelled
-
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = max(1, min(2, int(workers)))
-    solver.parameters.random_seed = int(seed) % (2**31)
-    solver.parameters.max_time_in_seconds = max(0.001, float(time_limit))
-    solver.parameters.cp_model_presolve = bool(presolve)
-    # the log is parsed for what CP-SAT says of the hint; it is not printed
-    solver.parameters.log_search_progress = True
-    solver.parameters.log_to_stdout = False
-    hint = ["partial or none"]
-
-    def on_log(line: str) -> None:
-        if hint[0] == "partial or none" and "solution hint" in line:
-            for needle, label in HINT_MESSAGES:
-                if needle in line:
-                    hint[0] = label
-                    break
-
-    solver.log_callback = on_log
-    cb = _Cancel(opts)
-    status = solver.Solve(model, cb)
-    if cb.cancelled:
-        raise Cancelled("planning was cancelled")
-    return solver, status, {"status": solver.StatusName(status), "wall_s": float(solver.WallTime()), "hint": hint[0]}
-
-
-class _Cancel:
-    """CP-SAT solution callback that stops the search when the cancel token is set."""
-
-    def __new__(cls, opts):
-        from ortools.sat.python import cp_model
-
-        class _CB(cp_model.CpSolverSolutionCallback):
-            def __init__(self):
-                super().__init__()
-                self.cancelled = False
-
-            def on_solution_callback(self):
-                if opts is not None and opts.cancel is not None and opts.cancel.is_set():
-                    self.cancelled = True
-                    self.stop_search()
-
-        return _CB()
