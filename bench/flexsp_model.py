@@ -54,35 +54,42 @@ class FlexSPCost(CostModel):
         self.model_states_gb = 0.0
         self.states = None
         self.degrees = tuple(d for d in self.cluster.degrees if d in self.bw)
+        self._shapes = tuple((d, 1) for d in self.degrees)  # FlexSP's groups are Ulysses over the whole group
 
     # the workbench cost interface, in FlexSP's terms
-    def compute_ms(self, lengths, degree: int) -> np.ndarray:
+    def compute_ms(self, lengths, degree: int, cp=None) -> np.ndarray:
         s = np.asarray(lengths, dtype=np.float64)
         return (self.a1 * s * s + self.a2 * s) / degree
 
-    def comm_ms(self, lengths, degree: int) -> np.ndarray:
+    def comm_ms(self, lengths, degree: int, cp=None) -> np.ndarray:
         s = np.asarray(lengths, dtype=np.float64)
         if degree == 1:
             return np.zeros_like(s)
         return (4 * 2 * self.layers * self.hidden * s * 2 / 1024 / 1024 / degree) / self.bw[int(degree)]
 
-    def sp_token_ms(self, lengths, degree: int) -> np.ndarray:
+    def sp_token_ms(self, lengths, degree: int, cp=None) -> np.ndarray:
         return np.zeros_like(np.asarray(lengths, dtype=np.float64))
 
-    def memory(self, lengths, degree: int) -> np.ndarray:
+    def time(self, lengths, degree: int, cp=None) -> np.ndarray:
+        return self.compute_ms(lengths, degree) + self.comm_ms(lengths, degree)
+
+    def memory(self, lengths, degree: int, cp=None) -> np.ndarray:
         return np.asarray(lengths, dtype=np.float64) / degree  # tokens per GPU
 
     def degree_supported(self, d: int) -> bool:
         return int(d) in self.bw
 
-    def collective_latency_ms(self, degree: int) -> float:
+    def collective_latency_ms(self, degree: int, cp=None) -> float:
         return 0.0
 
-    def sp_overhead_ms(self, degree: int) -> float:
+    def sp_overhead_ms(self, degree: int, cp=None) -> float:
         return 0.0
 
-    def group_overhead_ms(self, degree: int) -> float:
+    def group_overhead_ms(self, degree: int, cp=None) -> float:
         return self.b1
+
+    def group_extra_ms(self, degree: int, cp=None) -> float:
+        return 0.0
 
     def call_overhead_ms(self) -> float:
         return self.b1

@@ -78,20 +78,94 @@ def test_kv_replication_and_head_limit():
     m13 = get_model("13b")  # 40 heads: Ulysses degrees must divide 40
     cost13 = CostModel(load_profile("a100-40g-flexsp"), m13, ClusterSpec(num_gpus=64))
     assert cost13.degrees == (1, 2, 4, 8)
-    ring13 = CostModel(load_profile("a100-40g-flexsp"), m13, ClusterSpec(num_gpus=64), strategy="ring")
-    assert ring13.degrees == (1, 2, 4, 8, 16, 32, 64)
+    cp13 = CostModel(load_profile("a100-40g-flexsp"), m13, ClusterSpec(num_gpus=64), strategy="cp")
+    assert cp13.degrees == (1, 2, 4, 8, 16, 32, 64)
 
 
-def test_ring_comm_overlaps_attention_by_hand():
-    p = load_profile("a100-40g-flexsp")
-    cost = CostModel(p, get_model("7b"), ClusterSpec(num_gpus=64), strategy="ring")
-    s, d = 4096, 32
-    per_layer = 2 * (s / d) * 2 * 4096 * (d - 1)  # K and V blocks passed d-1 times
-    comm = 3 * 32 * per_layer / (20.0 * 1e9) * 1e3  # forward once, backward twice (K/V and dK/dV)
-    attn = A * s * s / d
-    assert cost.comm_ms([s], d)[0] == pytest.approx(max(0.0, comm - attn), rel=1e-9)
-    s = 262144  # long: attention hides the ring traffic
-    assert cost.comm_ms([s], 16)[0] == 0.0
+def _llama3(strategy, n=64, **kw):
+    return CostModel(load_profile("h100-80g"), get_model("llama3-8b"),
+                     ClusterSpec(num_gpus=n, gpus_per_node=8, gpu_memory_gb=80), strategy=strategy, **kw)
+
+
+def test_context_parallel_split_by_hand():
+    """Llama-3-8B (32 query, 8 KV heads of 128, bf16) on 64 H100s, a group of 64 as Ulysses 8 x CP 8."""
+    cost = _llama3("auto")
+    s, d, c, u, layers = 1_000_000, 64, 8, 8, 32
+    # Ulysses inside the node: q and o (32 heads) and k, v (8 heads) of s/d tokens, (u-1)/u sent, at
+    # the profile's all-to-all bandwidth for 8 ranks (145 GB/s); forward and backward
+    uly = 2 * layers * 2 * (s / d) * (2 * 32 * 128 + 2 * 8 * 128) * (u - 1) / u / (145.0 * 1e9) * 1e3
+    # CP: each rank all-gathers the K and V of its one KV head (8 heads over u = 8) of the whole
+    # sequence, (c-1)/c of it from the others, in the forward, and reduce-scatters their gradients in
+    # the backward; the 8 CP ranks sit on 8 nodes: the profile's bus bandwidth across nodes (180 GB/s)
+    kv = s * 2 * 2 * 128 * 1 * (c - 1) / c
+    cp = layers * 2 * kv / (180.0 * 1e9) * 1e3
+    assert cost.ulysses_comm_ms([s], d, c)[0] == pytest.approx(uly, rel=1e-12)
+    assert cost.cp_comm_ms([s], d, c)[0] == pytest.approx(cp, rel=1e-12)
+    assert cost.comm_ms([s], d, c)[0] == pytest.approx(uly + cp, rel=1e-12)
+    assert cost.time([s], d, c)[0] == pytest.approx(cost.compute_ms([s], d)[0] + uly + cp, rel=1e-12)
+    # memory: the local share as Ulysses, plus the gathered K/V CP keeps for every layer's backward
+    # beyond its own share (1 - 1/(2c) of the sequence's) and the layer's gathered K/V while it runs
+    local = cost.activation_bytes_per_token * s / d
+    extra = (layers * (1 - 1 / (2 * c)) + 1) * s * 2 * 2 * 128
+    assert cost.memory([s], d, c)[0] == pytest.approx((local + extra) / 1e9, rel=1e-12)
+    # with recomputation one layer's K/V is kept (the block being recomputed), and every forward
+    # (the recomputed one too) all-gathers
+    rc = _llama3("auto", recompute=True)
+    assert rc.cp_memory_gb([s], d, c)[0] == pytest.approx((1 - 1 / (2 * c) + 1) * s * 512 / 1e9, rel=1e-12)
+    assert rc.cp_comm_ms([s], d, c)[0] == pytest.approx(1.5 * cp, rel=1e-12)
+    assert rc.collective_calls(d, c) == 2 * 3 * layers + 3 * layers
+
+
+def test_strategies_and_their_shapes():
+    uly, cp, auto = _llama3("ulysses"), _llama3("cp"), _llama3("auto")
+    # Ulysses is capped by the 32 query heads (past the 8 KV heads K and V are replicated)
+    assert uly.shapes == tuple((d, 1) for d in (1, 2, 4, 8, 16, 32)) and uly.ulysses_limit() == 32
+    assert cp.shapes == tuple((d, d) for d in (1, 2, 4, 8, 16, 32, 64))
+    assert _llama3("ring").shapes == cp.shapes and _llama3("ring").strategy == "cp"
+    assert auto.degrees == (1, 2, 4, 8, 16, 32, 64)
+    assert {d for d, c in auto.shapes if c > 1} == {2, 4, 8, 16, 32, 64}
+    assert all(c > 1 for d, c in auto.shapes if d == 64)  # Ulysses alone cannot run 64
+    # a degree's per-sequence figures without a split are the least over its splits
+    s = np.array([2_000, 60_000, 500_000])
+    for d in (8, 64):
+        both = np.stack([auto.time(s, d, c) for c in auto.splits(d)])
+        assert np.allclose(auto.time(s, d), both.min(axis=0))
+    with pytest.raises(ValueError, match="does not divide degree 8"):
+        auto.time(s, 8, 3)
+    with pytest.raises(ValueError, match="32 query / 8 KV heads"):
+        uly.time(s, 64, 1)
+
+
+def test_auto_keeps_every_split_a_group_would_choose():
+    """Pruning the dominated splits loses nothing: for random groups, the best split over every split
+    the heads allow is as fast as the best over the kept shapes (brute force over all splits)."""
+    auto = _llama3("auto")
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        d = int(rng.choice([2, 4, 8, 16, 32, 64]))
+        seqs = rng.integers(100, 300_000, size=int(rng.integers(1, 6)))
+        every = [c for c in range(1, d + 1) if d % c == 0 and auto.split_supported(d // c)]
+
+        def group(c):
+            return (auto.group_overhead_ms(d, c) + float(auto.time(seqs, d, c).sum()),
+                    float(auto.memory(seqs, d, c).sum()))
+        fits = [group(c)[0] for c in every if group(c)[1] <= auto.memory_budget_gb]
+        kept = [group(c)[0] for c in auto.splits(d) if group(c)[1] <= auto.memory_budget_gb]
+        assert bool(fits) == bool(kept)
+        if fits:
+            assert min(kept) == pytest.approx(min(fits), rel=1e-12)
+            c = auto.best_split(seqs, d)
+            assert group(c)[0] == pytest.approx(min(fits), rel=1e-12)
+
+
+def test_forced_ulysses_past_the_head_limit_is_one_clear_line():
+    cost = CostModel(load_profile("h100-80g"), get_model("llama3-8b"),
+                     ClusterSpec(num_gpus=64, gpus_per_node=8, gpu_memory_gb=80), strategy="ulysses", recompute=True)
+    with pytest.raises(InfeasibleError) as e:
+        cost.check_feasible([8192, 3_000_000])
+    msg = str(e.value)
+    assert "\n" not in msg and "sequence 1 (3,000,000 tokens)" in msg
+    assert "32 query / 8 KV heads" in msg and "--strategy auto" in msg
 
 
 def test_grad_sync_by_hand(a100_7b_64):

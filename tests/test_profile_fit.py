@@ -228,8 +228,14 @@ def test_group_overhead_counts_collective_latency_by_hand():
     assert cost.group_overhead_ms(4) == pytest.approx(C + 8 * 3.0)
     rc = CostModel(_profile(all_to_all_latency_ms={2: 1.0, 4: 3.0}), tiny, cl, recompute=True)
     assert rc.group_overhead_ms(4) - rc._fit.C == pytest.approx(2 * 3 * 2 * 3.0)
-    ring = CostModel(_profile(p2p_latency_ms={4: 0.5}, p2p_gbps={4: 1e9}), tiny, cl, strategy="ring")
-    assert ring.group_overhead_ms(4) - C == pytest.approx(3 * 2 * 3 * 0.5)  # (passes+1) x layers x (d-1)
+    # context parallelism: per layer an all-gather of K/V in the forward and a reduce-scatter of
+    # their gradients in the backward, at the CP sub-group's latency; a 2 x 2 split pays both kinds
+    lat = dict(allgather_latency_ms={2: 0.5, 4: 0.7}, reduce_scatter_latency_ms={2: 0.25, 4: 0.4},
+               allgather_gbps={2: 1.0, 4: 1.0}, reduce_scatter_gbps={2: 1.0, 4: 1.0}, all_to_all_latency_ms={2: 1.0})
+    cp = CostModel(_profile(**lat), tiny, cl, strategy="cp")
+    assert cp.group_overhead_ms(4) - C == pytest.approx(2 * (0.7 + 0.4))  # 2 layers x (all-gather + reduce-scatter)
+    auto = CostModel(_profile(**lat), tiny, cl, strategy="auto")
+    assert auto.group_overhead_ms(4, 2) - C == pytest.approx(2 * 2 * 2 * 1.0 + 2 * (0.5 + 0.25))
     # no latency figures (every shipped reference profile): the overhead is c alone
     assert CostModel(_profile(), tiny, cl).group_overhead_ms(4) == pytest.approx(C)
 

@@ -7,23 +7,46 @@ Time of one sequence of ``s`` tokens on a group of ``d`` GPUs (whole model, ms):
     ulysses(s, d) = passes * layers * bytes(s, d) / all_to_all_bw(d)
         bytes(s, d) = dtype * (s/d) * (2*q_dim + 2*kv_dim_eff) * (d-1)/d    # q, k, v, o; each rank
                                                                             # sends (d-1)/d of its share
-    ring(s, d)    = max(0, passes * layers * p2p_bytes(s, d) / p2p_bw(d) - A*s^2/d)   # overlapped
-                                                                                      # with attention
 
-``passes`` is 2 (forward and backward), 3 with full recomputation. A group larger than a node
+``passes`` is 2 (forward and backward), 3 with full recomputation.
+
+A group of degree ``d`` runs as a *split* ``u x c`` (``d = u * c``): Ulysses over ``u`` consecutive
+ranks (heads scattered: ``u`` must divide the query heads and divide or be a multiple of the KV heads,
+which are replicated past their count) inside context parallelism over ``c`` ranks (each sequence
+cut in ``2c`` chunks, K and V all-gathered in the CP sub-group before attention and their gradients
+reduce-scattered back: Llama 3's all-gather CP, ``workbench.runtime.cp``). Every rank holds ``s/d``
+tokens of a sequence whatever the split, so compute does not depend on it; communication does::
+
+    ulysses(s, d, u) = passes * layers * dtype * (s/d) * (2*q_dim + 2*kv_eff(u)) * (u-1)/u / all_to_all_bw(u)
+    cp(s, d, u, c)   = passes * layers * (c-1)/c * s * kv_bytes(u) / bus_bw(c)   # one all-gather per
+                       forward (2 with recomputation) and one reduce-scatter in the backward, per layer
+        kv_bytes(u)  = 2 * dtype * head_dim * kv_eff(u) / u   # K and V of one token on one rank
+        kv_eff(u)    = max(kv_heads, u)
+
+and CP keeps what it gathered for its attention's backward: ``s * kv_bytes(u) * (1 - 1/(2c))`` bytes
+beyond the local K/V per layer (one layer's worth with recomputation), plus the gathered tensor of
+the layer being computed. The CP sub-group spans the whole group (stride ``u``), so its link is
+inter-node when the group spans nodes; the Ulysses sub-group spans ``u`` consecutive ranks. Ulysses
+moves every activation of the layer (q, k, v and the output), CP only K and V: with GQA and long
+sequences CP is cheaper, for short ones (and within a node) Ulysses is. ``strategy`` says which
+splits plans may use: ``ulysses`` (``c = 1``, capped by the heads), ``cp`` (``u = 1``; ``ring`` is
+the older name and plans the same), ``auto`` (every split the heads allow, less those another split
+of the same degree beats on overhead, time per token and memory per token alike: ``shapes``). The
+per-degree functions (``time(lengths, d)`` without ``cp``) give each sequence its best split of
+the degree (a bound on any group's); planners that choose splits pass ``cp``. A group larger than a node
 (``cluster.gpus_per_node``) spans nodes and gets the profile's inter-node bandwidth (``link_gbps``);
 so do the all-rank collectives of a cluster of several nodes. A group's time in a micro-step
 is the sum of its sequences' times plus ``group_overhead_ms(d)``: the fitted constant ``c`` (one
 packed call per layer) and, when the profile measured it, the fixed latency of the group's
 collective calls, which does not depend on how many tokens the group runs::
 
-    overhead(d)   = C + calls(d) * latency(d) + layers * sp_overhead(d)
-        ulysses: calls = 2 * passes * layers            # q/k/v there and the output back, per pass
-        ring:    calls = (passes + 1) * layers * (d-1)  # ring steps
-        sp_overhead(d): the profile's measured extra per layer of a Ulysses group (layout work, waits)
+    overhead(d, c) = C + calls_u * latency_a2a(u) + calls_c * latency_ag(c) + layers * sp_overhead(u)
+        calls_u = 2 * passes * layers (u > 1)    # q/k/v there and the output back, per pass
+        calls_c = passes * layers (c > 1)        # the all-gathers and the reduce-scatter
+        sp_overhead(u): the profile's measured extra per layer of a Ulysses group (layout work, waits)
 
-and, when the profile measured it, each sequence of a Ulysses group adds ``layers * sp_token(d) * s``
-(the part of that extra that grows with the tokens).
+and, when the profile measured it, each sequence adds ``layers * sp_token(u) * s / c`` (the part of
+that extra that grows with the rank's tokens).
 
 A group fits when the sum of its sequences' ``memory(s, d)`` is at most ``memory_budget_gb``
 (usable GPU memory less the model states the runtime holds under the cluster's ZeRO stage,
@@ -84,7 +107,8 @@ __all__ = ["CostModel", "STRATEGIES", "InfeasibleError", "EXECUTIONS"]
 
 EXECUTIONS = ("free", "lockstep")
 
-STRATEGIES = ("ulysses", "ring")
+STRATEGIES = ("auto", "ulysses", "cp", "ring")
+"""Which splits ``u x c`` a cost model's groups may use (module docstring); ``ring`` is ``cp``."""
 
 
 class InfeasibleError(ValueError):
@@ -218,6 +242,7 @@ class CostModel:
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        strategy = "cp" if strategy == "ring" else strategy
         precision = precision or ("fp32" if model.dtype_bytes >= 4 else "bf16")
         if precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
@@ -247,11 +272,12 @@ class CostModel:
                 f"and optimizer states (ZeRO-{cluster.zero_stage}, {precision}, {optimizer}, over {cluster.num_gpus} "
                 f"GPUs) but only {cluster.usable_memory_gb:.1f} GB are usable; use {hint}"
             )
-        self.degrees = tuple(d for d in cluster.degrees if self.degree_supported(d))
+        self._shapes = self._choose_shapes(cluster.degrees)
+        self.degrees = tuple(sorted({d for d, _ in self._shapes}))
         if not self.degrees:
             raise ValueError(
                 f"no candidate degree in {list(cluster.degrees)} works with {strategy} for model {model.name} "
-                f"({model.heads} heads, {model.kv_heads} KV heads); try --strategy ring"
+                f"({model.heads} heads, {model.kv_heads} KV heads); try --strategy auto"
             )
 
     # ---- fitting the profile to the model ------------------------------------------------
@@ -300,31 +326,101 @@ class CostModel:
             act = mine
         return _Fit(A=A, B=B, C=C, act_bytes=act, A_short=A_short, short_len=short_len)
 
-    # ---- degrees ---------------------------------------------------------------------------
-    def degree_supported(self, d: int) -> bool:
-        """Whether the strategy can run a group of degree ``d`` at all (ignoring memory).
+    # ---- degrees and splits ----------------------------------------------------------------
+    def split_supported(self, ulysses: int) -> bool:
+        """Whether Ulysses can scatter the heads over ``ulysses`` ranks: 1 always; otherwise it must
+        divide the query heads, and the KV heads must split over it or be replicated to it (a
+        multiple of the KV heads)."""
+        u, m = int(ulysses), self.model
+        return u == 1 or (m.heads % u == 0 and (m.kv_heads % u == 0 or u % m.kv_heads == 0))
 
-        Ulysses scatters heads: d must divide the query heads, and the KV heads must split over d
-        or be replicated to d (d a multiple of kv_heads). Ring has no head limit.
-        """
-        if d == 1 or self.strategy == "ring":
+    def degree_supported(self, d: int) -> bool:
+        """Whether the strategy can run a group of degree ``d`` at all (ignoring memory): some split
+        of it is allowed (``ulysses``: Ulysses over all ``d``; ``cp`` and ``auto``: any degree)."""
+        d = int(d)
+        if d == 1 or self.strategy != "ulysses":
             return True
-        m = self.model
-        return m.heads % d == 0 and (m.kv_heads % d == 0 or d % m.kv_heads == 0)
+        return self.split_supported(d)
+
+    def ulysses_limit(self) -> int:
+        """The widest Ulysses group the heads allow (the largest supported ``u`` up to the query heads)."""
+        return max(u for u in range(1, self.model.heads + 1) if self.split_supported(u))
 
     def degree_limit_reason(self, d: int) -> str:
         """Why degree ``d`` is unsupported (empty when it is supported)."""
         if self.degree_supported(d):
             return ""
-        return (f"Ulysses degree {d} does not divide the {self.model.heads} attention heads of {self.model.name}; "
-                f"use --strategy ring or degrees up to {max(self.degrees)}")
+        m = self.model
+        return (f"a Ulysses group of {d} ranks does not fit {m.name}'s {m.heads} query / {m.kv_heads} KV heads "
+                f"(Ulysses groups go up to {self.ulysses_limit()}); use --strategy auto (or cp) for context parallelism")
+
+    def _allowed_splits(self, d: int) -> list[int]:
+        """The CP sizes ``c`` (dividing ``d``) the strategy allows for degree ``d``, before pruning."""
+        d = int(d)
+        if self.strategy == "ulysses":
+            return [1] if self.split_supported(d) else []
+        if self.strategy == "cp":
+            return [d]
+        return [c for c in range(1, d + 1) if d % c == 0 and self.split_supported(d // c)]
+
+    def _choose_shapes(self, degrees) -> tuple[tuple[int, int], ...]:
+        """Every allowed ``(degree, cp)``, less the splits another split of the same degree beats on
+        overhead, time per token and memory per token alike (each is linear in the tokens for a
+        given split, compute aside, which the split does not change), ties to the smaller ``cp``."""
+        out = []
+        one = np.ones(1)
+        for d in degrees:
+            cands = []
+            for c in self._allowed_splits(d):
+                cands.append((c, self.group_overhead_ms(d, c), float(self._split_ms(one, d, c)[0]),
+                              float(self.memory(one, d, c)[0])))
+            for c, o, k, mu in cands:
+                beaten = any((o2 <= o and k2 <= k and m2 <= mu) and ((o2, k2, m2) != (o, k, mu) or c2 < c)
+                             for c2, o2, k2, m2 in cands if c2 != c)
+                if not beaten:
+                    out.append((int(d), int(c)))
+        return tuple(sorted(out))
 
     @property
     def shapes(self) -> tuple[tuple[int, int], ...]:
-        """The group shapes plans of this cost model may use: ``(degree, cp)`` pairs, a group of
-        ``degree`` ranks running Ulysses over ``degree // cp`` of them inside context parallelism
+        """The group shapes plans of this cost model may use: ``(degree, cp)`` pairs, sorted, a group
+        of ``degree`` ranks running Ulysses over ``degree // cp`` of them inside context parallelism
         over ``cp`` (the runtime creates process groups for exactly these)."""
-        return tuple((int(d), 1) for d in self.degrees)
+        return self._shapes
+
+    def splits(self, degree: int) -> tuple[int, ...]:
+        """The CP sizes of degree ``degree``'s shapes (empty for a degree the strategy cannot run)."""
+        return tuple(c for d, c in self._shapes if d == int(degree))
+
+    def _cps(self, degree: int, cp: int | None) -> tuple[int, ...]:
+        """The splits a per-degree call is about: ``(cp,)`` when given (checked), else the degree's shapes."""
+        d = int(degree)
+        if cp is None:
+            cps = self.splits(d)
+            return cps or (1,)
+        c = int(cp)
+        if c < 1 or d % c:
+            raise ValueError(f"context-parallel size {c} does not divide degree {d} (a group of degree d runs as "
+                             f"ulysses x cp = d)")
+        if not self.split_supported(d // c):
+            m = self.model
+            raise ValueError(f"split {d // c}x{c} of degree {d}: Ulysses over {d // c} ranks does not fit {m.name}'s "
+                             f"{m.heads} query / {m.kv_heads} KV heads (Ulysses groups go up to {self.ulysses_limit()})")
+        return (c,)
+
+    def best_split(self, lengths, degree: int) -> int:
+        """The CP size of degree ``degree``'s shape under which a group running all of ``lengths``
+        takes least time (overhead plus sequences) with its activations within the budget; when none
+        holds them, the one needing least memory."""
+        s = np.asarray(lengths, dtype=np.float64)
+        best, best_key = None, None
+        for c in self._cps(degree, None):
+            mem = float(self.memory(s, degree, c).sum())
+            t = self.group_overhead_ms(degree, c) + float(self.time(s, degree, c).sum())
+            key = (mem > self.memory_budget_gb * (1 + 1e-9), t if mem <= self.memory_budget_gb * (1 + 1e-9) else mem)
+            if best_key is None or key < best_key:
+                best, best_key = c, key
+        return int(best)
 
     # ---- links: within a node or across nodes -------------------------------------------------
     def crosses_nodes(self, degree: int) -> bool:
@@ -333,9 +429,12 @@ class CostModel:
         larger than a node do."""
         return int(degree) > self.cluster.gpus_per_node
 
-    def _table_gbps(self, table: dict[int, float], inter: dict[int, float], d: int) -> float:
+    def _table_gbps(self, table: dict[int, float], inter: dict[int, float], d: int, crosses: bool | None = None) -> float:
+        """Bandwidth of a ``d``-rank collective from ``table`` (``inter``: the profile's own inter-node
+        table): its entries within a node, or across nodes when the ranks span nodes (``crosses``;
+        None: when ``d`` is larger than a node)."""
         intra_part, inter_part = _node_split(table, self.profile.gpus_per_node)
-        if self.crosses_nodes(d):
+        if self.crosses_nodes(d) if crosses is None else crosses:
             across = inter or inter_part
             return _interp_bw(across or table, d)
         return _interp_bw(intra_part, d)
@@ -369,91 +468,174 @@ class CostModel:
                 f"costed as if within a node (measure across nodes, or give inter_node_all_to_all_gbps)")
 
     # ---- per-sequence costs -------------------------------------------------------------------
-    def compute_ms(self, lengths, degree: int) -> np.ndarray:
-        """Compute time (ms) of each sequence on a group of ``degree``, without communication."""
+    def compute_ms(self, lengths, degree: int, cp: int | None = None) -> np.ndarray:
+        """Compute time (ms) of each sequence on a group of ``degree``, without communication (the
+        same for every split: each rank holds ``s/d`` of the tokens and ``1/d`` of the attention)."""
         s = np.asarray(lengths, dtype=np.float64)
         f = self._fit
         return (f.quadratic(s) + f.B * s) / degree
 
-    def comm_ms(self, lengths, degree: int) -> np.ndarray:
-        """Exposed communication time (ms) of each sequence inside its SP group."""
+    def _passes(self) -> float:
+        return 3.0 if self.recompute else 2.0
+
+    def kv_bytes_per_token(self, ulysses: int) -> float:
+        """Bytes of K and V one token carries on one rank of a Ulysses group of ``ulysses`` (KV heads
+        replicated to ``ulysses`` when fewer): what CP all-gathers, per token of the sequence."""
+        m, u = self.model, max(1, int(ulysses))
+        return 2.0 * m.dtype_bytes * m.head_dim * max(m.kv_heads, u) / u
+
+    def ulysses_comm_ms(self, lengths, degree: int, cp: int = 1) -> np.ndarray:
+        """The Ulysses all-to-alls of each sequence in a ``degree`` group of split ``(degree/cp) x cp``
+        (ms; 0 for ``u = 1``): q, k, v there and the output back per layer and pass, each rank sending
+        ``(u-1)/u`` of its ``s/d`` tokens' share, over the ``u`` consecutive ranks' link."""
         s = np.asarray(lengths, dtype=np.float64)
-        d = int(degree)
-        if d == 1:
+        d, c = int(degree), int(cp)
+        u = d // c
+        if u <= 1:
             return np.zeros_like(s)
         m = self.model
-        passes = 3.0 if self.recompute else 2.0
-        if self.strategy == "ulysses":
-            kv_eff = max(m.kv_heads, d) * m.head_dim  # KV replicated when d exceeds the KV heads
-            per_layer = m.dtype_bytes * (s / d) * (2 * m.q_dim + 2 * kv_eff) * (d - 1) / d  # q and o, k and v
-            return passes * m.layers * per_layer / (self.link_gbps("all_to_all", d) * 1e9) * 1e3
-        # ring: every rank passes its K/V block d-1 times forward; backward passes K/V and dK/dV
-        ring_passes = (passes - 1) + 2.0
-        per_layer = m.dtype_bytes * (s / d) * 2 * m.kv_dim * (d - 1)
-        comm = ring_passes * m.layers * per_layer / (self.link_gbps("p2p", d) * 1e9) * 1e3
-        attn = self._fit.quadratic(s) / d
-        return np.maximum(0.0, comm - attn)
+        kv_eff = max(m.kv_heads, u) * m.head_dim  # KV replicated when u exceeds the KV heads
+        per_layer = m.dtype_bytes * (s / d) * (2 * m.q_dim + 2 * kv_eff) * (u - 1) / u  # q and o, k and v
+        return self._passes() * m.layers * per_layer / (self.link_gbps("all_to_all", u) * 1e9) * 1e3
 
-    def sp_token_ms(self, lengths, degree: int) -> np.ndarray:
-        """The profile's measured extra time of each sequence in a Ulysses group of ``degree`` that
-        grows with its tokens (``layers * sp_token_ms[d] * s``; 0 for degree 1, ring, or a profile
-        without it)."""
-        s = np.asarray(lengths, dtype=np.float64)
-        d = int(degree)
-        if d <= 1 or self.strategy != "ulysses" or not self.profile.sp_token_ms:
-            return np.zeros_like(s)
-        return self.model.layers * _interp_latency(self.profile.sp_token_ms, d) * s
-
-    def time(self, lengths, degree: int) -> np.ndarray:
-        """Time (ms) of each sequence on a group of ``degree``: compute plus exposed communication
-        (plus the measured SP layout cost per token, when the profile has it). The group's fixed cost
-        per micro-step is ``group_overhead_ms(degree)``, not included."""
-        return self.compute_ms(lengths, degree) + self.comm_ms(lengths, degree) + self.sp_token_ms(lengths, degree)
-
-    def memory(self, lengths, degree: int) -> np.ndarray:
-        """Activation memory (GB per GPU) of each sequence on a group of ``degree``."""
-        s = np.asarray(lengths, dtype=np.float64)
-        return self._fit.act_bytes * s / degree / 1e9
-
-    def work(self, lengths, degree: int) -> np.ndarray:
-        """GPU-time (ms x GPUs) of each sequence on ``degree``: ``degree * time``."""
-        return degree * self.time(lengths, degree)
-
-    def collective_calls(self, degree: int) -> int:
-        """Collective calls one group of ``degree`` makes per micro-step (0 for degree 1): Ulysses
-        sends q/k/v and brings the output back once per layer and pass (forward, backward, and the
-        recomputed forward); ring passes K/V ``d - 1`` times per layer and pass (backward twice)."""
-        d = int(degree)
-        if d <= 1:
-            return 0
-        passes = 3 if self.recompute else 2
-        if self.strategy == "ulysses":
-            return 2 * passes * self.model.layers
-        return (passes + 1) * self.model.layers * (d - 1)
-
-    def collective_latency_ms(self, degree: int) -> float:
-        """The part of ``group_overhead_ms`` spent in the fixed latency of collective calls (0 when
-        the profile has no latency figures)."""
-        d = int(degree)
-        if d <= 1:
-            return 0.0
+    def cp_link_gbps(self, kind: str, degree: int, cp: int) -> float:
+        """Bus bandwidth (GB/s) of a CP sub-group's ``kind`` (``allgather`` or ``reduce_scatter``):
+        ``cp`` ranks, strided across the whole group, so across nodes when the group spans nodes.
+        The profile's own table for the kind, else its all-reduce figures; 0 when it has none."""
         p = self.profile
-        table = p.all_to_all_latency_ms if self.strategy == "ulysses" else (p.p2p_latency_ms or p.all_to_all_latency_ms)
-        return self.collective_calls(d) * _interp_latency(table, d)
-
-    def sp_overhead_ms(self, degree: int) -> float:
-        """The profile's measured extra fixed time of a Ulysses group of ``degree`` per micro-step
-        (its per-layer figure times the model's layers; 0 for degree 1, ring, or a profile without it)."""
-        d = int(degree)
-        if d <= 1 or self.strategy != "ulysses" or not self.profile.sp_overhead_ms:
+        table = {"allgather": p.allgather_gbps, "reduce_scatter": p.reduce_scatter_gbps}[kind] or p.allreduce_gbps
+        if not table:
             return 0.0
-        return self.model.layers * _interp_latency(self.profile.sp_overhead_ms, d)
+        return self._table_gbps(table, p.inter_node_allreduce_gbps, int(cp), crosses=self.crosses_nodes(degree))
 
-    def group_overhead_ms(self, degree: int) -> float:
+    def cp_comm_ms(self, lengths, degree: int, cp: int = 1) -> np.ndarray:
+        """The context-parallel collectives of each sequence in a ``degree`` group of split
+        ``(degree/cp) x cp`` (ms; 0 for ``cp = 1``): per layer its K and V all-gathered over the CP
+        sub-group in every forward (twice with recomputation) and their gradients reduce-scattered in
+        the backward, each moving ``(c-1)/c`` of the sequence's ``s * kv_bytes(u)``."""
+        s = np.asarray(lengths, dtype=np.float64)
+        d, c = int(degree), int(cp)
+        if c <= 1:
+            return np.zeros_like(s)
+        u = d // c
+        nbytes = s * self.kv_bytes_per_token(u) * (c - 1) / c
+        ag, rs = self.cp_link_gbps("allgather", d, c), self.cp_link_gbps("reduce_scatter", d, c)
+        if not ag or not rs:
+            return np.zeros_like(s)
+        per_layer = (self._passes() - 1) * nbytes / (ag * 1e9) + nbytes / (rs * 1e9)
+        return self.model.layers * per_layer * 1e3
+
+    def comm_ms(self, lengths, degree: int, cp: int | None = None) -> np.ndarray:
+        """Communication time (ms) of each sequence inside its group: the Ulysses all-to-alls and the
+        CP collectives of the split (``cp``; None: each sequence's best split of the degree)."""
+        return self._least(lambda c: self.ulysses_comm_ms(lengths, degree, c) + self.cp_comm_ms(lengths, degree, c),
+                           degree, cp)
+
+    def sp_token_ms(self, lengths, degree: int, cp: int | None = None) -> np.ndarray:
+        """The profile's measured extra time of each sequence in a Ulysses group that grows with the
+        rank's tokens (``layers * sp_token_ms[u] * s / c``; 0 for ``u = 1`` or a profile without it)."""
+        def one(c: int) -> np.ndarray:
+            s = np.asarray(lengths, dtype=np.float64)
+            u = int(degree) // c
+            if u <= 1 or not self.profile.sp_token_ms:
+                return np.zeros_like(s)
+            return self.model.layers * _interp_latency(self.profile.sp_token_ms, u) * s / c
+        return self._least(one, degree, cp)
+
+    def _split_ms(self, lengths, degree: int, cp: int) -> np.ndarray:
+        """What a split adds to each sequence's compute: its collectives and measured SP extra (ms)."""
+        c = int(cp)
+        s = np.asarray(lengths, dtype=np.float64)
+        extra = np.zeros_like(s)
+        u = int(degree) // c
+        if u > 1 and self.profile.sp_token_ms:
+            extra = self.model.layers * _interp_latency(self.profile.sp_token_ms, u) * s / c
+        return self.ulysses_comm_ms(s, degree, c) + self.cp_comm_ms(s, degree, c) + extra
+
+    def _least(self, fn, degree: int, cp: int | None) -> np.ndarray:
+        """``fn(c)`` for split ``cp``, or elementwise the least over the degree's splits (cp None)."""
+        out = None
+        for c in self._cps(degree, cp):
+            v = fn(c)
+            out = v if out is None else np.minimum(out, v)
+        return out
+
+    def time(self, lengths, degree: int, cp: int | None = None) -> np.ndarray:
+        """Time (ms) of each sequence on a group of ``degree`` and split ``(degree/cp) x cp``: compute
+        plus communication (plus the measured SP layout cost per token, when the profile has it).
+        ``cp`` None: each sequence on its fastest split of the degree (no group is faster). The
+        group's fixed cost per micro-step is ``group_overhead_ms``, not included."""
+        return self.compute_ms(lengths, degree) + self._least(lambda c: self._split_ms(lengths, degree, c), degree, cp)
+
+    def cp_memory_gb(self, lengths, degree: int, cp: int) -> np.ndarray:
+        """What CP keeps per GPU beyond the local activations (GB per sequence; 0 for ``cp = 1``): the
+        K and V its attention gathered and keeps for the backward, ``s * kv_bytes(u) * (1 - 1/(2c))``
+        beyond the local share per layer (every layer; one with recomputation), plus the layer's
+        gathered K/V while it is computed."""
+        s = np.asarray(lengths, dtype=np.float64)
+        d, c = int(degree), int(cp)
+        if c <= 1:
+            return np.zeros_like(s)
+        per_layer = s * self.kv_bytes_per_token(d // c)
+        kept = 1 if self.recompute else self.model.layers
+        return (kept * per_layer * (1 - 1 / (2 * c)) + per_layer) / 1e9
+
+    def memory(self, lengths, degree: int, cp: int | None = None) -> np.ndarray:
+        """Activation memory (GB per GPU) of each sequence on a group of ``degree`` and split ``cp``
+        (None: its least over the degree's splits)."""
+        s = np.asarray(lengths, dtype=np.float64)
+        local = self._fit.act_bytes * s / degree / 1e9
+        return local + self._least(lambda c: self.cp_memory_gb(s, degree, c), degree, cp)
+
+    def work(self, lengths, degree: int, cp: int | None = None) -> np.ndarray:
+        """GPU-time (ms x GPUs) of each sequence on ``degree``: ``degree * time``."""
+        return degree * self.time(lengths, degree, cp)
+
+    def collective_calls(self, degree: int, cp: int | None = None) -> int:
+        """Collective calls one group of ``degree`` and split ``cp`` makes per micro-step (0 for
+        degree 1): Ulysses sends q/k/v and brings the output back once per layer and pass (forward,
+        backward, and the recomputed forward); CP all-gathers K/V in every forward and
+        reduce-scatters their gradients in the backward, once per layer. ``cp`` None: the degree's
+        first split."""
+        d = int(degree)
+        c = self._cps(d, cp)[0]
+        passes = int(self._passes())
+        u = d // c
+        return (2 * passes * self.model.layers if u > 1 else 0) + (passes * self.model.layers if c > 1 else 0)
+
+    def collective_latency_ms(self, degree: int, cp: int | None = None) -> float:
+        """The part of ``group_overhead_ms`` spent in the fixed latency of collective calls (0 when
+        the profile has no latency figures). ``cp`` None: the least over the degree's splits."""
+        def one(c: int) -> float:
+            d, p, L = int(degree), self.profile, self.model.layers
+            u, passes = d // c, int(self._passes())
+            out = 0.0
+            if u > 1:
+                out += 2 * passes * L * _interp_latency(p.all_to_all_latency_ms, u)
+            if c > 1:
+                ag = _interp_latency(p.allgather_latency_ms or p.allreduce_latency_ms, c)
+                rs = _interp_latency(p.reduce_scatter_latency_ms or p.allreduce_latency_ms, c)
+                out += L * ((passes - 1) * ag + rs)
+            return out
+        return min(one(c) for c in self._cps(degree, cp))
+
+    def sp_overhead_ms(self, degree: int, cp: int | None = None) -> float:
+        """The profile's measured extra fixed time of the Ulysses part of a group per micro-step (its
+        per-layer figure at ``u`` times the model's layers; 0 for ``u = 1`` or a profile without it)."""
+        def one(c: int) -> float:
+            u = int(degree) // c
+            if u <= 1 or not self.profile.sp_overhead_ms:
+                return 0.0
+            return self.model.layers * _interp_latency(self.profile.sp_overhead_ms, u)
+        return min(one(c) for c in self._cps(degree, cp))
+
+    def group_overhead_ms(self, degree: int, cp: int | None = None) -> float:
         """Fixed time a group pays once per micro-step: the fitted constant c of every layer and the
         profile's measured fixed cost of a micro-step, plus the latency of the group's collective
-        calls and the measured extra of its SP layout when the profile has them."""
-        return self._fit.C + self.collective_latency_ms(degree) + self.sp_overhead_ms(degree)
+        calls and the measured extra of its SP layout when the profile has them. ``cp`` None: the
+        least over the degree's splits."""
+        return self._fit.C + min(self.collective_latency_ms(degree, c) + self.sp_overhead_ms(degree, c)
+                                 for c in self._cps(degree, cp))
 
     @property
     def activation_bytes_per_token(self) -> float:
@@ -533,10 +715,10 @@ class CostModel:
         serves; in free execution every group is a forward and backward of its own."""
         return self._fit.C
 
-    def group_extra_ms(self, degree: int) -> float:
+    def group_extra_ms(self, degree: int, cp: int | None = None) -> float:
         """The part of ``group_overhead_ms`` every group pays on its own: its collectives' latency
         and its measured SP layout cost (``group_overhead_ms - call_overhead_ms``)."""
-        return self.collective_latency_ms(degree) + self.sp_overhead_ms(degree)
+        return self.group_overhead_ms(degree, cp) - self._fit.C
 
     def _unit_comm(self) -> list[tuple[float, float]]:
         """Per FSDP unit, in forward order: (all-gather ms, reduce-scatter ms) over all ranks."""
@@ -627,24 +809,66 @@ class CostModel:
         return msg + ". Lower --max-len, add GPUs, or use --recompute"
 
     # ---- reporting ----------------------------------------------------------------------------------
-    def table(self, lengths, degrees=None) -> dict:
-        """The cost model as plain data (the ``workbench cost --json`` shape)."""
+    def table(self, lengths, degrees=None, cps=None) -> dict:
+        """The cost model as plain data (the ``workbench cost --json`` shape).
+
+        ``rows``: per length and degree, the sequence alone on its best split of the degree
+        (``ulysses``, ``cp`` say which; ``time_ms`` and ``memory_gb`` are that split's).
+        ``split_rows``: the same per length and shape ``(degree, ulysses, cp)`` (the degree's shapes,
+        or every split in ``cps`` that divides it), with the split's ``comm_ms`` (``ulysses_ms``,
+        ``cp_ms``) and ``group_overhead_ms``. ``group_overhead_ms`` per degree is its least over the
+        splits; ``shapes`` lists the strategy's shapes with their overheads and collectives.
+        Raises ValueError when a CP size in ``cps`` divides none of ``degrees``."""
         degrees = list(degrees) if degrees else list(self.cluster.degrees)
-        rows = []
+        if cps is not None:
+            cps = [int(c) for c in cps]
+            bad = [c for c in cps if not any(int(d) % c == 0 for d in degrees)]
+            if bad:
+                raise ValueError(f"CP size(s) {bad} divide none of the degrees {degrees}: a group of degree d runs as "
+                                 f"ulysses x cp = d, so cp must divide d")
+        rows, split_rows = [], []
         for s in lengths:
             for d in degrees:
                 supported = self.degree_supported(d) and d <= self.cluster.num_gpus
-                mem = float(self.memory([s], d)[0])
-                rows.append({
-                    "length": int(s),
-                    "degree": int(d),
-                    "time_ms": float(self.time([s], d)[0]) if supported else None,
-                    "memory_gb": mem,
-                    "feasible": bool(supported and mem <= self.memory_budget_gb),
-                })
+                row = {"length": int(s), "degree": int(d), "time_ms": None, "memory_gb": float(self.memory([s], d)[0]),
+                       "feasible": False, "ulysses": None, "cp": None}
+                if supported:
+                    c = self.best_split([s], d)
+                    mem = float(self.memory([s], d, c)[0])
+                    row.update(time_ms=float(self.time([s], d, c)[0]), memory_gb=mem, ulysses=int(d) // c, cp=c,
+                               feasible=bool(mem <= self.memory_budget_gb))
+                rows.append(row)
+                show = self.splits(d) if cps is None else [c for c in cps if int(d) % c == 0]
+                for c in show:
+                    ok = d <= self.cluster.num_gpus and self.split_supported(int(d) // c)
+                    mem = float(self._fit.act_bytes * s / d / 1e9 + self.cp_memory_gb([s], d, c)[0])
+                    split_rows.append({
+                        "length": int(s), "degree": int(d), "ulysses": int(d) // c, "cp": int(c),
+                        "time_ms": float(self.time([s], d, c)[0]) if ok else None,
+                        "ulysses_ms": float(self.ulysses_comm_ms([s], d, c)[0]) if ok else None,
+                        "cp_ms": float(self.cp_comm_ms([s], d, c)[0]) if ok else None,
+                        "memory_gb": mem, "group_overhead_ms": self.group_overhead_ms(d, c) if ok else None,
+                        "feasible": bool(ok and mem <= self.memory_budget_gb),
+                        "in_strategy": bool((int(d), int(c)) in self._shapes),
+                    })
+        shapes = []
+        for d, c in self._shapes:
+            if d not in degrees:
+                continue
+            u = d // c
+            shapes.append({
+                "degree": d, "ulysses": u, "cp": c, "group_overhead_ms": self.group_overhead_ms(d, c),
+                "collective_calls": self.collective_calls(d, c),
+                "all_to_all_gbps": self.link_gbps("all_to_all", u) if u > 1 else None,
+                "cp_allgather_gbps": self.cp_link_gbps("allgather", d, c) if c > 1 else None,
+                "cp_reduce_scatter_gbps": self.cp_link_gbps("reduce_scatter", d, c) if c > 1 else None,
+                "kv_bytes_per_token": self.kv_bytes_per_token(u) if c > 1 else None,
+            })
         return {
             "rows": rows,
-            "group_overhead_ms": {str(d): self.group_overhead_ms(d) for d in degrees},
+            "split_rows": split_rows,
+            "shapes": shapes,
+            "group_overhead_ms": {str(d): self.group_overhead_ms(d) for d in degrees if self.degree_supported(d)},
             "memory_budget_gb": self.memory_budget_gb,
             "grad_sync_ms": self.grad_sync_ms(),
             "optimizer_ms": self.optimizer_ms(),
@@ -660,14 +884,14 @@ class CostModel:
             "fsdp_comm_ms": self.fsdp_comm_ms(),
             "pass_comm_overlap": self.comm_overlap(),
             "strategy": self.strategy,
+            "ulysses_limit": self.ulysses_limit(),
             "recompute": self.recompute,
             "model": self.model.name,
             "profile": self.profile.name,
             "profile_kind": self.profile.provenance.get("kind"),
             "gpus_per_node": self.cluster.gpus_per_node,
             "inter_node_degrees": [int(d) for d in degrees if self.crosses_nodes(d)],
-            "link_gbps": {str(d): self.link_gbps("all_to_all" if self.strategy == "ulysses" else "p2p", d)
-                          for d in degrees if d > 1},
+            "link_gbps": {str(d): self.link_gbps("all_to_all", d) for d in degrees if d > 1},
             "inter_node_source": self.inter_node_source(),
         }
 

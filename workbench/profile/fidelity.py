@@ -73,7 +73,7 @@ def retime_plan(plan, cost):
     for ms in plan.micro_steps:
         groups = []
         for g in ms.groups:
-            t = group_time(cost, np.asarray(g.lengths, dtype=np.int64), g.degree, list(range(len(g.lengths))))
+            t = group_time(cost, np.asarray(g.lengths, dtype=np.int64), g.degree, list(range(len(g.lengths))), g.cp)
             groups.append(dataclasses.replace(g, time_ms=t))
         new_ms.append(dataclasses.replace(ms, groups=tuple(groups), time_ms=None))
     out = dataclasses.replace(plan, micro_steps=tuple(new_ms), grad_sync_ms=cost.grad_sync_ms(),

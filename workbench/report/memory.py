@@ -128,7 +128,8 @@ def rank_activations(plan: Mapping[str, Any], cost) -> list[float]:
     for ms in plan.get("micro_steps") or []:
         held = [0.0] * n
         for g in ms.get("groups") or []:
-            mem = float(cost.memory(list(g["lengths"]), int(g["degree"])).sum()) if g["lengths"] else 0.0
+            mem = (float(cost.memory(list(g["lengths"]), int(g["degree"]), int(g.get("cp", 1))).sum())
+                   if g["lengths"] else 0.0)
             for r in g["ranks"]:
                 if r < n:
                     held[r] = held[r] + mem if plan.get("execution") == "lockstep" else max(held[r], mem)

@@ -193,10 +193,10 @@ def work_breakdown(plan: Mapping[str, Any], cost) -> dict:
     comp = comm = ovh = busy = 0.0
     for ms in plan["micro_steps"]:
         for g in ms["groups"]:
-            d, L = int(g["degree"]), np.asarray(g["lengths"], dtype=np.int64)
+            d, c, L = int(g["degree"]), int(g.get("cp", 1)), np.asarray(g["lengths"], dtype=np.int64)
             comp += d * float(cost.compute_ms(L, d).sum())
-            comm += d * float(cost.comm_ms(L, d).sum())
-            ovh += d * float(cost.group_overhead_ms(d))
+            comm += d * float(cost.comm_ms(L, d, c).sum())
+            ovh += d * float(cost.group_overhead_ms(d, c))
             busy += d * float(g["time_ms"])
     tl = timeline_data(plan)
     n = tl["num_gpus"]

@@ -83,19 +83,19 @@ def lower_bound_ms(lengths, cost: CostModel) -> float:
     if cost.execution == "lockstep":
         return lockstep_lower_bound_ms(s, cost)
     n = cost.cluster.num_gpus
-    degs = list(cost.degrees)
-    single = np.full((len(degs), s.size), np.inf)  # time(s, d) + overhead(d), inf where d cannot hold s
-    work = np.full((len(degs), s.size), np.inf)  # d * time(s, d)
-    gpu_mem = np.full((len(degs), s.size), np.inf)  # d * memory(s, d): activations over the group's GPUs
-    for k, d in enumerate(degs):
-        m = cost.memory(s, d)
+    shapes = list(cost.shapes)  # every (degree, cp) a group may take
+    single = np.full((len(shapes), s.size), np.inf)  # time(s, d) + overhead(d), inf where d cannot hold s
+    work = np.full((len(shapes), s.size), np.inf)  # d * time(s, d)
+    gpu_mem = np.full((len(shapes), s.size), np.inf)  # d * memory(s, d): activations over the group's GPUs
+    for k, (d, cp) in enumerate(shapes):
+        m = cost.memory(s, d, cp)
         ok = m <= cost.memory_budget_gb
-        t = cost.time(s, d)
-        single[k] = np.where(ok, t + cost.group_overhead_ms(d), np.inf)
+        t = cost.time(s, d, cp)
+        single[k] = np.where(ok, t + cost.group_overhead_ms(d, cp), np.inf)
         work[k] = np.where(ok, d * t, np.inf)
         gpu_mem[k] = np.where(ok, d * m, np.inf)
     slots = max(1.0, float(cost.memory(s, 1).sum()) / cost.memory_budget_gb)
-    c = min(cost.group_overhead_ms(d) for d in degs)
+    c = min(cost.group_overhead_ms(d, cp) for d, cp in shapes)
 
     def need(x: float) -> float:
         """The compute time the GPU-time argument forces when no group may take longer than x."""
@@ -149,13 +149,13 @@ def lockstep_lower_bound_ms(lengths, cost: CostModel) -> float:
     cost.check_feasible(s)
     n = cost.cluster.num_gpus
     end = float(cost.step_end_ms())
-    degs = list(cost.degrees)
-    single = np.full((len(degs), s.size), np.inf)
-    work = np.full((len(degs), s.size), np.inf)
-    for k, d in enumerate(degs):
-        ok = cost.memory(s, d) <= cost.memory_budget_gb
-        t = cost.time(s, d)
-        single[k] = np.where(ok, t + cost.group_overhead_ms(d), np.inf)
+    shapes = list(cost.shapes)
+    single = np.full((len(shapes), s.size), np.inf)
+    work = np.full((len(shapes), s.size), np.inf)
+    for k, (d, cp) in enumerate(shapes):
+        ok = cost.memory(s, d, cp) <= cost.memory_budget_gb
+        t = cost.time(s, d, cp)
+        single[k] = np.where(ok, t + cost.group_overhead_ms(d, cp), np.inf)
         work[k] = np.where(ok, d * t, np.inf)
     act = float(cost.memory(s, 1).sum())  # GB over GPUs, whatever the degrees
     B = float(cost.memory_budget_gb)
@@ -212,7 +212,7 @@ def _slot_bound(t0: float, single: np.ndarray, work: np.ndarray, gpu_mem: np.nda
     """
     n = cost.cluster.num_gpus
     B = float(cost.memory_budget_gb)
-    c = min(float(cost.group_overhead_ms(d)) for d in cost.degrees)
+    c = min(float(cost.group_overhead_ms(d, cp)) for d, cp in cost.shapes)
     if c + B <= 0:
         return t0
     M = float(gpu_mem.min(axis=0).sum())
@@ -282,12 +282,13 @@ def packing_bound_ms(lengths, cost, upper_ms: float | None = None) -> float:
         return grad
     cost.check_feasible(s)
     n = int(cost.cluster.num_gpus)
-    degs = [int(d) for d in cost.degrees if d <= n]
+    shapes = [(int(d), int(cp)) for d, cp in cost.shapes if d <= n]
+    degs = [d for d, _ in shapes]
     B = float(cost.memory_budget_gb)
     u, cnt = np.unique(s, return_counts=True)
-    t = np.stack([cost.time(u, d) for d in degs])
-    mem = np.stack([cost.memory(u, d) for d in degs])
-    over = np.array([float(cost.group_overhead_ms(d)) for d in degs])
+    t = np.stack([cost.time(u, d, cp) for d, cp in shapes])
+    mem = np.stack([cost.memory(u, d, cp) for d, cp in shapes])
+    over = np.array([float(cost.group_overhead_ms(d, cp)) for d, cp in shapes])
     allowed = mem <= B
     if upper_ms is not None:
         # a plan no slower than upper_ms runs no group longer than that (small slack for rounding)
@@ -324,14 +325,15 @@ def lockstep_packing_bound_ms(lengths, cost, upper_ms: float | None = None, *, m
         return end
     cost.check_feasible(s)
     n = int(cost.cluster.num_gpus)
-    degs = [int(d) for d in cost.degrees if d <= n]
+    shapes = [(int(d), int(cp)) for d, cp in cost.shapes if d <= n]
+    degs = [d for d, _ in shapes]
     B = float(cost.memory_budget_gb)
     C, comm, ovh = float(cost.call_overhead_ms()), float(cost.pass_comm_ms()), float(cost.pass_overhead_ms())
     P = max(C, comm)
     u, cnt = np.unique(s, return_counts=True)
-    t = np.stack([cost.time(u, d) for d in degs])
-    mem = np.stack([cost.memory(u, d) for d in degs])
-    extra = np.array([float(cost.group_extra_ms(d)) for d in degs])
+    t = np.stack([cost.time(u, d, cp) for d, cp in shapes])
+    mem = np.stack([cost.memory(u, d, cp) for d, cp in shapes])
+    extra = np.array([float(cost.group_extra_ms(d, cp)) for d, cp in shapes])
     single = t + (C + extra)[:, None]
     allowed = mem <= B
     if upper_ms is not None:

@@ -225,8 +225,7 @@ def plan_free(lengths, cost: CostModel, opts: PlanOptions | None = None, *, buck
             if r is not None:
                 call = {"model": "micro-step", **_step_call_info(r)}
                 cp_calls.append(call)
-                e_of = {int(d): e for e, d in enumerate(tab.deg)}
-                st = Stack.from_groups(tab, place_groups(tab, [(e_of[d], g) for d, g in r.groups]))
+                st = Stack.from_groups(tab, place_groups(tab, r.rows))
                 cands.append(_Cand(st, "cp-sat" if call["used"] else "heuristic", "micro-step"))
             tick = lap("micro_step_model", tick)
         # 3. local search from the best starts, each until it stops improving or its share

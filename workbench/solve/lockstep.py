@@ -214,11 +214,11 @@ class Passes:
 
     def assignment(self):
         """``(micro_steps, blocks)`` for ``build_plan``: per non-empty pass its groups as ``(degree,
-        members)`` and their block indices."""
+        members, cp)`` and their block indices."""
         micro, blocks = [], []
         for p in self.passes():
             gs = sorted(self.groups(p), key=lambda g: (-self.d[self.g_e[g]], self.g_b[g]))
-            micro.append([(self.d[self.g_e[g]], sorted(self.g_members[g])) for g in gs])
+            micro.append([(self.d[self.g_e[g]], sorted(self.g_members[g]), int(self.tab.cp[self.g_e[g]])) for g in gs])
             blocks.append([self.g_b[g] for g in gs])
         return micro, blocks
 
@@ -778,10 +778,9 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
     opts.report(0.02, "flexsp (lockstep): baselines")
     baselines = [plan_greedy(s, cost, opts), plan_best_static(s, cost, opts)]
     baseline = min(baselines, key=lambda p: p.makespan_ms)
-    e_of = {d: e for e, d in enumerate(tab.deg.tolist())}
     cands: list[_Cand] = []
     for p in baselines:
-        groups = [[(e_of[g.degree], g.ranks[0] // g.degree, list(g.sequences)) for g in ms.groups]
+        groups = [[(tab.row(g.degree, g.cp), g.ranks[0] // g.degree, list(g.sequences)) for g in ms.groups]
                   for ms in p.micro_steps]
         cands.append(_Cand(Passes.from_passes(tab, cost, groups, multi=False), p.planner))
     lap("baselines")
@@ -863,7 +862,7 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
             cp_calls.append(call)
             if r is not None and r.makespan_ms < ps.pass_len(p) * (1 - 1e-9):
                 rebuilt = [[(ps.g_e[g], ps.g_b[g], list(ps.g_members[g])) for g in ps.groups(q)] if q != p
-                           else [(e_of[d], list(m)) for d, m in r.groups] for q in ps.passes()]
+                           else [(e, list(m)) for e, m in r.rows] for q in ps.passes()]
                 ps = Passes.from_passes(tab, cost, rebuilt, multi=False)
                 improved = True
                 order = sorted(ps.passes(), key=lambda q: -ps.pass_len(q))

@@ -59,25 +59,43 @@ PART_GPUS = 64
 
 
 class Table:
-    """Per sequence and candidate degree: time, memory, whether it fits; per degree: overhead."""
+    """Per candidate group shape (row ``e``) and sequence: time, memory per GPU, whether it fits; per
+    shape: the group's overhead. The rows are the cost model's shapes that fit the cluster, sorted by
+    degree then CP size (``deg[e]`` ranks, split ``(deg[e] / cp[e]) x cp[e]``): with one split per
+    degree (``--strategy ulysses`` or ``cp``) a row is a degree."""
 
     def __init__(self, s: np.ndarray, cost: CostModel):
         n_gpus = cost.cluster.num_gpus
         self.s = s
         self.n_gpus = n_gpus
-        self.deg = np.array([d for d in cost.degrees if d <= n_gpus], dtype=np.int64)
-        self.t = np.stack([cost.time(s, int(d)) for d in self.deg])  # (D, n) ms
-        self.mem = np.stack([cost.memory(s, int(d)) for d in self.deg])  # (D, n) GB per GPU
+        shapes = [(int(d), int(c)) for d, c in cost.shapes if d <= n_gpus]
+        self.deg = np.array([d for d, _ in shapes], dtype=np.int64)
+        self.cp = np.array([c for _, c in shapes], dtype=np.int64)
+        self.t = np.stack([cost.time(s, d, c) for d, c in shapes])  # (E, n) ms
+        self.mem = np.stack([cost.memory(s, d, c) for d, c in shapes])  # (E, n) GB per GPU
         self.budget = float(cost.memory_budget_gb)
         self.ok = self.mem <= self.budget
-        self.over = np.array([cost.group_overhead_ms(int(d)) for d in self.deg], dtype=np.float64)
+        self.over = np.array([cost.group_overhead_ms(d, c) for d, c in shapes], dtype=np.float64)
         work = np.where(self.ok, self.t * self.deg[:, None], np.inf)
         self.best_work = work.min(axis=0)
         single = np.where(self.ok, self.t + self.over[:, None], np.inf)
         self.best_single = single.min(axis=0)
-        self.dmin = np.argmax(self.ok, axis=0)  # first degree index that holds each sequence
+        self.dmin = np.argmax(self.ok, axis=0)  # first row (the smallest degree) that holds each sequence
         share = np.where(self.ok, self.mem * self.deg[:, None], np.inf)
         self.share = share.min(axis=0)  # GB-GPUs of memory a sequence needs at least
+        self._row = {shape: e for e, shape in enumerate(shapes)}
+
+    def row(self, degree: int, cp: int = 1) -> int:
+        """The row of shape ``(degree, cp)``. Raises KeyError naming the shapes when it is not one."""
+        try:
+            return self._row[int(degree), int(cp)]
+        except KeyError:
+            raise KeyError(f"shape {int(degree) // int(cp)}x{int(cp)} (degree {degree}) is not among the cost model's "
+                           f"shapes {[f'{d // c}x{c}' for d, c in self._row]}") from None
+
+    def shape(self, e: int) -> tuple[int, int]:
+        """``(degree, cp)`` of row ``e``."""
+        return int(self.deg[e]), int(self.cp[e])
 
     def step_lower_bound(self, idx: np.ndarray) -> float:
         """A bound no one-micro-step plan of ``idx`` beats: every used GPU pays a group overhead,
@@ -630,13 +648,16 @@ def _counts_to_groups(counts, items: _Items, tab: Table):
 
 @dataclass
 class StepResult:
-    """One micro-step's groups ``[(degree, [sequence index, ...])]`` and how they were found."""
+    """One micro-step's groups ``[(degree, [sequence index, ...])]`` and how they were found;
+    ``rows``: the same groups as ``[(table row, [sequence index, ...])]`` (their shapes)."""
 
     groups: list
     makespan_ms: float
     lower_bound_ms: float
     proved: bool
     info: dict = field(default_factory=dict)
+    rows: list = field(default_factory=list)
+
 
 def _split_parts(tab: Table, idx: np.ndarray, parts: int) -> list[np.ndarray]:
     """Spread a micro-step's sequences over ``parts`` equal sub-clusters: heaviest first to the
@@ -722,6 +743,7 @@ def solve_step(tab: Table, idx: np.ndarray, *, bucketing, buckets: int, time_lim
         return None
     info["solve_s"] = time.perf_counter() - t0
     return StepResult(groups=[(int(tab.deg[e]), sorted(int(i) for i in m)) for e, m in groups],
+                      rows=[(int(e), sorted(int(i) for i in m)) for e, m in groups],
                       makespan_ms=best, lower_bound_ms=lb, proved=proved, info=info)
 
 def solve_one_step(lengths, cost: CostModel, *, bucketing: bool | None = False, buckets: int = 16,

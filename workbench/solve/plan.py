@@ -238,21 +238,35 @@ def _group_from_dict(g: Mapping[str, Any]) -> Group:
 # building plans from an assignment
 # ----------------------------------------------------------------------------------------------
 
-GroupSpec = tuple[int, Sequence[int]]  # (degree, sequence indices)
+GroupSpec = tuple  # (degree, sequence indices) or (degree, sequence indices, cp)
 
 
-def group_time(cost: CostModel, lengths: np.ndarray, degree: int, seqs: Sequence[int]) -> float:
-    """Predicted time of one group: its fixed overhead plus its sequences' times."""
+def group_time(cost: CostModel, lengths: np.ndarray, degree: int, seqs: Sequence[int], cp: int = 1) -> float:
+    """Predicted time of one group of split ``(degree/cp) x cp``: its fixed overhead plus its sequences' times."""
     if len(seqs) == 0:
         return 0.0
-    return cost.group_overhead_ms(degree) + float(cost.time(lengths[list(seqs)], degree).sum())
+    return cost.group_overhead_ms(degree, cp) + float(cost.time(lengths[list(seqs)], degree, cp).sum())
 
 
-def group_memory(cost: CostModel, lengths: np.ndarray, degree: int, seqs: Sequence[int]) -> float:
-    """Predicted activation memory per GPU of one group."""
+def group_memory(cost: CostModel, lengths: np.ndarray, degree: int, seqs: Sequence[int], cp: int = 1) -> float:
+    """Predicted activation memory per GPU of one group of split ``(degree/cp) x cp``."""
     if len(seqs) == 0:
         return 0.0
-    return float(cost.memory(lengths[list(seqs)], degree).sum())
+    return float(cost.memory(lengths[list(seqs)], degree, cp).sum())
+
+
+def _with_splits(micro_steps, lengths: np.ndarray, cost: CostModel) -> list[list[tuple[int, list[int], int]]]:
+    """Every group spec as ``(degree, members, cp)``: a spec without ``cp`` gets the split of its
+    degree under which the group is fastest within the memory budget (``CostModel.best_split``)."""
+    out = []
+    for groups in micro_steps:
+        row = []
+        for g in groups:
+            d, seqs = int(g[0]), [int(i) for i in g[1]]
+            c = int(g[2]) if len(g) > 2 else (cost.best_split(lengths[seqs], d) if seqs else 1)
+            row.append((d, seqs, c))
+        out.append(row)
+    return out
 
 
 def build_plan(
@@ -269,7 +283,9 @@ def build_plan(
     lower_bound: float | None = None,
 ) -> Plan:
     """Turn an assignment ``[[(degree, [seq, ...]), ...] per micro-step]`` into a Plan of the cost
-    model's execution (``cost.execution``).
+    model's execution (``cost.execution``). A group may say its split, ``(degree, [seq, ...], cp)``;
+    without it the group takes the split of its degree under which it is fastest within the memory
+    budget (``CostModel.best_split``: under a one-split strategy, the degree's only one).
 
     Free: ranks are placed per micro-step, larger degrees first; each group takes the free aligned
     block whose ranks are ready earliest (so heavy work lands on ranks that finished early), unless
@@ -285,37 +301,37 @@ def build_plan(
     ready = np.zeros(n)
     out: list[MicroStep] = []
     fixed = [list(b) for b in blocks] if blocks is not None else None
-    # each degree's per-sequence times and memories once (the same figures as group_time's)
-    t_of: dict[int, np.ndarray] = {}
-    m_of: dict[int, np.ndarray] = {}
+    # each shape's per-sequence times and memories once (the same figures as group_time's)
+    t_of: dict[tuple[int, int], np.ndarray] = {}
+    m_of: dict[tuple[int, int], np.ndarray] = {}
 
-    def _group_time(d: int, seqs) -> float:
-        if d not in t_of:
-            t_of[d] = cost.time(lengths, d)
-        return cost.group_overhead_ms(d) + float(t_of[d][list(seqs)].sum())
+    def _group_time(d: int, seqs, c: int) -> float:
+        if (d, c) not in t_of:
+            t_of[d, c] = cost.time(lengths, d, c)
+        return cost.group_overhead_ms(d, c) + float(t_of[d, c][list(seqs)].sum())
 
-    def _group_memory(d: int, seqs) -> float:
-        if d not in m_of:
-            m_of[d] = cost.memory(lengths, d)
-        return float(m_of[d][list(seqs)].sum())
+    def _group_memory(d: int, seqs, c: int) -> float:
+        if (d, c) not in m_of:
+            m_of[d, c] = cost.memory(lengths, d, c)
+        return float(m_of[d, c][list(seqs)].sum())
 
     shared = cost.call_overhead_ms() if lockstep else 0.0
+    micro_steps = _with_splits(micro_steps, lengths, cost)
     if lockstep and fixed is None:
         micro_steps = _arranged(micro_steps, lengths, cost, n, _group_time)
     total = 0.0
     for m, groups in enumerate(micro_steps):
-        groups = [(int(d), list(s)) for d, s in groups]
         fixed_m = fixed[m] if fixed is not None else None
         if fixed_m is not None and len(fixed_m) != len(groups):
             raise PlanError(f"micro-step {m}: {len(groups)} groups but {len(fixed_m)} fixed blocks")
-        need = sum(d for d, s in groups if s)
+        need = sum(d for d, s, _ in groups if s)
         if need > n and fixed_m is None:
             raise PlanError(f"micro-step {m}: groups need {need} ranks but the cluster has {n}")
-        timed = [(d, s, _group_time(d, s), k) for k, (d, s) in enumerate(groups) if s]
+        timed = [(d, s, _group_time(d, s, c), k, c) for k, (d, s, c) in enumerate(groups) if s]
         timed.sort(key=lambda x: (-x[0], -x[2]))
         used = np.zeros(n, dtype=bool)
         placed: list[Group] = []
-        for d, s, t, k in timed:
+        for d, s, t, k, c in timed:
             if fixed_m is not None:
                 b = fixed_m[k]
                 if not 0 <= b < n // d:
@@ -339,9 +355,9 @@ def build_plan(
             if not lockstep:
                 start = ready[lo:hi].max()
                 ready[lo:hi] = start + t
-            placed.append(Group(degree=d, ranks=tuple(range(lo, hi)), sequences=tuple(int(i) for i in s),
+            placed.append(Group(degree=d, cp=c, ranks=tuple(range(lo, hi)), sequences=tuple(int(i) for i in s),
                                 lengths=tuple(int(lengths[i]) for i in s), time_ms=t,
-                                memory_gb=_group_memory(d, s)))
+                                memory_gb=_group_memory(d, s, c)))
         placed.sort(key=lambda g: (g.ranks[0], -g.degree))
         if not placed:
             continue
@@ -368,12 +384,12 @@ def _arranged(micro_steps, lengths, cost: CostModel, n: int, group_time) -> list
     longest first into passes (``arrange_passes``), whichever sums to less. Planners whose
     micro-step index means "the k-th group of a replica" (barrier-free thinking) thus get the
     passes a lockstep run would pick for the same groups."""
-    given = [[(int(d), list(s)) for d, s in groups if len(s)] for groups in micro_steps]
+    given = [[(int(d), list(s), int(c)) for d, s, c in groups if len(s)] for groups in micro_steps]
     given = [g for g in given if g]
     flat = [g for groups in given for g in groups]
     if not flat:
         return given
-    times = [group_time(d, s) for d, s in flat]
+    times = [group_time(d, s, c) for d, s, c in flat]
 
     def total(passes) -> float:
         return sum(cost.pass_ms(max(times[k] for k in ks)) for ks in passes)
@@ -389,7 +405,7 @@ def _arranged(micro_steps, lengths, cost: CostModel, n: int, group_time) -> list
 
 
 def arrange_passes(groups, times, n: int) -> list[list[int]]:
-    """Indices of ``groups`` (``(degree, members)``) per lockstep pass: longest first, each into the
+    """Indices of ``groups`` (``(degree, members, ...)``) per lockstep pass: longest first, each into the
     first pass with ranks to spare (the degrees of a pass sum to at most ``n``; powers of two that
     each divide the next then always pack into aligned blocks). Longest first makes every pass as
     long as its first group, which keeps the passes' sum small."""
@@ -460,7 +476,8 @@ def timeline(plan: Plan) -> dict:
                 start = float(cursor[r].max())
                 cursor[r] = start + dur
                 first[r] = False
-                rows.append({"micro_step": m, "degree": g.degree, "ranks": [r[0], r[-1]], "start_ms": start,
+                rows.append({"micro_step": m, "degree": g.degree, "ulysses": g.ulysses, "cp": g.cp, "ranks": [r[0], r[-1]],
+                             "start_ms": start,
                              "end_ms": start + dur, "sequences": len(g.sequences)})
             load = _rank_loads(ms.groups, n, plan.shared_overhead_ms)
             busy += load
@@ -483,7 +500,8 @@ def timeline(plan: Plan) -> dict:
             start = float(ready[r].max())
             ready[r] = start + g.time_ms
             busy[r] += g.time_ms
-            rows.append({"micro_step": m, "degree": g.degree, "ranks": [r[0], r[-1]], "start_ms": start,
+            rows.append({"micro_step": m, "degree": g.degree, "ulysses": g.ulysses, "cp": g.cp, "ranks": [r[0], r[-1]],
+                             "start_ms": start,
                          "end_ms": start + g.time_ms, "sequences": len(g.sequences)})
     end = float(ready.max()) if rows else 0.0
     return {"execution": "free", "groups": rows, "rank_busy_ms": busy.tolist(), "rank_finish_ms": ready.tolist(),
@@ -540,7 +558,11 @@ def validate(plan: Plan, lengths, cluster, cost: CostModel | None = None, *, rto
                 if int(s[i]) != int(ln):
                     raise PlanError(f"{where}: sequence {i} has length {s[i]} in the batch but {ln} in the plan")
                 seen[i] += 1
-            mem = g.memory_gb if cost is None else float(cost.memory(s[list(g.sequences)], g.degree).sum())
+            if cost is not None and (g.degree, g.cp) not in cost.shapes:
+                raise PlanError(f"{where}: split {g.split} (ulysses x cp) is not one of the cost model's shapes "
+                                f"{[f'{d // c}x{c}' for d, c in cost.shapes if d == g.degree]} for degree {g.degree} "
+                                f"(strategy {cost.strategy})")
+            mem = g.memory_gb if cost is None else float(cost.memory(s[list(g.sequences)], g.degree, g.cp).sum())
             if mem > budget * (1 + rtol):
                 raise PlanError(f"{where}: needs {mem:.2f} GB per GPU of activations but the budget is {budget:.2f} GB")
             rank_mem[list(g.ranks)] += mem

@@ -109,11 +109,10 @@ class Stack:
     @classmethod
     def from_plan(cls, plan, tab) -> "Stack":
         """The plan's groups on their blocks (its order dropped: larger degrees first is never slower)."""
-        e_of = {d: e for e, d in enumerate(tab.deg.tolist())}
         groups = []
         for ms in plan.micro_steps:
             for g in ms.groups:
-                groups.append((e_of[g.degree], g.ranks[0] // g.degree, list(g.sequences)))
+                groups.append((tab.row(g.degree, g.cp), g.ranks[0] // g.degree, list(g.sequences)))
         return cls.from_groups(tab, groups)
 
     def copy(self) -> "Stack":
@@ -197,7 +196,7 @@ class Stack:
             while len(micro) <= lv:
                 micro.append([])
                 blocks.append([])
-            micro[lv].append((self.d[e], sorted(self.g_members[g])))
+            micro[lv].append((self.d[e], sorted(self.g_members[g]), int(self.tab.cp[e])))
             blocks[lv].append(b)
         return micro, blocks
 
