@@ -139,8 +139,8 @@ class Scenario:
     """Solver time limit per step (s)."""
 
     def __post_init__(self) -> None:
+        from workbench.models import get_model
         from workbench.solve import get_planner
-        from workbench.specs import get_model
 
         for name in ("model", "profile", "source", "planner", "strategy", "policy"):
             v = getattr(self, name)
@@ -230,7 +230,7 @@ class Scenario:
     # ---- what it describes ---------------------------------------------------------------------
     def model_spec(self):
         """The ModelSpec of ``model``."""
-        from workbench.specs import get_model
+        from workbench.models import get_model
 
         return get_model(self.model)
 

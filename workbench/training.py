@@ -515,7 +515,7 @@ def check_resources(nproc: int, *, device: str = "auto", model: str = "tiny", al
     over the ``nproc x nnodes`` ranks; 0-2 keep whole parameters and gradients on every rank; AdamW
     or SGD states), plus the plan-ahead worker."""
     from workbench.cost.memory import model_states, optimizer_kind
-    from workbench.specs import get_model
+    from workbench.models import get_model
 
     cores = cores or os.cpu_count() or 1
     if available_gb is None:
