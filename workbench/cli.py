@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from workbench.scenario import DEFAULT_PLANNERS, Scenario, is_length_list
+from workbench.scenario import DEFAULT_PLANNERS, Scenario
 from workbench.simulate import summary_table
 from workbench.util import dumps, positive_float, positive_int
 
@@ -109,6 +109,8 @@ def _add_batch_args(p: argparse.ArgumentParser) -> None:
 
 def scenario_from_args(args, **extra) -> Scenario:
     """The Scenario the parsed options describe (planning commands). Raises CliError in flags."""
+    from workbench.data import is_length_list
+
     if getattr(args, "gpus", 1) < 1:
         raise CliError(f"--gpus must be at least 1, got {args.gpus}")
     fields = dict(model=args.model, profile=args.profile, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node,
