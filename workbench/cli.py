@@ -516,13 +516,13 @@ def _emit(args, settings: dict) -> int:
     """``workbench train ... --emit slurm|torchrun``: print what runs this run on several nodes
     (nothing is started or written, except the run root's folder for Slurm's output file)."""
     from workbench import runs
-    from workbench.launch import cluster
+    from workbench.training import emit_cluster
 
     if args.run_dir is not None:
         raise CliError("--emit writes the commands of a new run; leave --run-dir out (give --name to choose its id)")
     if args.sbatch and args.emit != "slurm":
         raise CliError("--sbatch goes with --emit slurm")
-    text, spec, name = cluster.emit(args.emit, settings, run_root=args.run_root or runs.default_root(), name=args.name,
+    text, spec, name = emit_cluster(args.emit, settings, run_root=args.run_root or runs.default_root(), name=args.name,
                                     endpoint=args.rdzv_endpoint, rdzv_timeout=args.rdzv_timeout, sbatch=args.sbatch)
     sys.stdout.write(text)
     sys.stdout.flush()
