@@ -711,7 +711,7 @@ def cmd_runs(args) -> int:
             return 0
         st = process.stop(run)
         left = [p for p, t in runs.status_pids(st) if runs.pid_alive(p, t)]
-        left += [p for _, nst in process._records_here(run.path) for p, t in runs.status_pids(nst) if runs.pid_alive(p, t)]
+        left += [p for _, nst in process.records_here(run.path) for p, t in runs.status_pids(nst) if runs.pid_alive(p, t)]
         nodes = run.nodes()
         elsewhere = [f"node {k} ({r.host}): {r.state}" for k, r in nodes.items() if r.host != socket.gethostname()]
         print(f"{run.id}: {st.state}" + (f"; still alive here: {sorted(set(left))}" if left else "; no process left here")

@@ -27,7 +27,8 @@ from workbench.scenario import Scenario
 __all__ = ["TrainSpec", "SpecError", "read_train_spec", "prepare_train", "ResumeChange", "check_resources",
            "ResourceError", "cuda_visible", "OPTIMIZERS", "DEVICES", "ATTENTION", "DEFAULT_LR", "CPU_MAX_LEN",
            "DEFAULT_BATCH_TOKENS", "TRAIN_DEFAULTS", "RANK_MEMORY_GB", "check_model_and_data", "check_machine",
-           "flash_installed", "JOIN_WAIT_S", "resource_args", "emit_cluster"]
+           "flash_installed", "JOIN_WAIT_S", "resource_args", "emit_cluster", "TRAIN_FIELDS",
+           "SCENARIO_FIELDS"]
 
 OPTIMIZERS = ("sgd", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
@@ -223,8 +224,10 @@ def cuda_visible() -> bool:
         return False
 
 
-_TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainSpec)} - {"scenario"}
-_SCENARIO_FIELDS = {f.name for f in dataclasses.fields(Scenario)}
+TRAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainSpec)) - {"scenario"}
+"""The run's own settings ``prepare_train`` takes (TrainSpec's fields but its scenario)."""
+SCENARIO_FIELDS = frozenset(f.name for f in dataclasses.fields(Scenario))
+"""The Scenario's settings ``prepare_train`` takes (the Launch panel passes on any it has no control for)."""
 
 
 @dataclass(frozen=True)
@@ -272,7 +275,7 @@ def prepare_train(settings: Mapping[str, Any] | None = None, *, scenario: Scenar
     for ``--attention flash`` where flash-attn cannot run (``check_machine``).
     """
     settings = {k: v for k, v in dict(settings or {}).items() if v is not None}
-    unknown = sorted(set(settings) - _TRAIN_FIELDS - _SCENARIO_FIELDS)
+    unknown = sorted(set(settings) - TRAIN_FIELDS - SCENARIO_FIELDS)
     if unknown:
         raise SpecError(f"unknown training setting(s) {unknown}")
     settings = _absolute_paths(settings)
@@ -280,8 +283,8 @@ def prepare_train(settings: Mapping[str, Any] | None = None, *, scenario: Scenar
         return _resume(run_dir, settings, allow_changes)
     if "steps" not in settings:
         raise SpecError("steps is required for a new run (--steps K)")
-    train = {k: v for k, v in settings.items() if k in _TRAIN_FIELDS}
-    scen = {k: v for k, v in settings.items() if k in _SCENARIO_FIELDS}
+    train = {k: v for k, v in settings.items() if k in TRAIN_FIELDS}
+    scen = {k: v for k, v in settings.items() if k in SCENARIO_FIELDS}
     nproc, nnodes = int(train.get("nproc", 1)), int(train.get("nnodes", 1))
     device = train.get("device", "auto")
     here = on_gpu is None
@@ -515,7 +518,7 @@ def _resume(run_dir: str | Path, settings: dict, allow_changes: bool):
     for k, v in settings.items():
         if k == "steps":
             continue
-        old = getattr(spec, k) if k in _TRAIN_FIELDS else getattr(spec.scenario, k)
+        old = getattr(spec, k) if k in TRAIN_FIELDS else getattr(spec.scenario, k)
         if k == "degrees":
             v = tuple(v)
         if old != v:
