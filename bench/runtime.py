@@ -143,9 +143,9 @@ def _run_stage(args, stage: int, rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
 
+    from workbench.models import get_model
     from workbench.runtime import GroupRegistry, StepExecutor, Transformer, parallelize, select_attention
     from workbench.solve import plan_from_dict
-    from workbench.specs import get_model
 
     obj = [_setup(args, stage) if rank == 0 else None]
     dist.broadcast_object_list(obj, src=0)

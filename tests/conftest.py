@@ -30,7 +30,8 @@ def free_cost(model="7b", n=8, *, mem=40.0, per_node=None, degrees=(), profile="
     can have."""
     from workbench.cost import CostModel
     from workbench.cost.memory import model_states
-    from workbench.specs import ClusterSpec, get_model, load_profile
+    from workbench.models import get_model
+    from workbench.specs import ClusterSpec, load_profile
 
     m = get_model(model)
     per = per_node if per_node is not None else min(8, n)
@@ -55,7 +56,8 @@ def free_cost(model="7b", n=8, *, mem=40.0, per_node=None, degrees=(), profile="
 def a100_7b_64():
     """The FlexSP reference setting: 7B on 64 A100-40G (ZeRO-3: lockstep passes)."""
     from workbench.cost import CostModel
-    from workbench.specs import ClusterSpec, get_model, load_profile
+    from workbench.models import get_model
+    from workbench.specs import ClusterSpec, load_profile
 
     return CostModel(load_profile("a100-40g-flexsp"), get_model("7b"), ClusterSpec(num_gpus=64))
 
@@ -77,7 +79,8 @@ def small_cost():
 def small_lockstep():
     """7B on 8 A100-40G under ZeRO-3 (lockstep passes)."""
     from workbench.cost import CostModel
-    from workbench.specs import ClusterSpec, get_model, load_profile
+    from workbench.models import get_model
+    from workbench.specs import ClusterSpec, load_profile
 
     return CostModel(load_profile("a100-40g-flexsp"), get_model("7b"), ClusterSpec(num_gpus=8, gpus_per_node=8))
 

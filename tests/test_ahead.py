@@ -26,7 +26,8 @@ def _same(a, b):
 @pytest.fixture(scope="module")
 def cost():
     from workbench.cost import CostModel
-    from workbench.specs import ClusterSpec, get_model, load_profile
+    from workbench.models import get_model
+    from workbench.specs import ClusterSpec, load_profile
 
     return CostModel(load_profile("a100-40g-flexsp"), get_model("7b"), ClusterSpec(num_gpus=8, gpus_per_node=8))
 
@@ -283,8 +284,9 @@ def test_the_worker_does_not_import_the_parents_main_module(tmp_path):
         import sys
         import torch  # noqa: F401  (as workbench.runtime.train does)
         from workbench.cost import CostModel
+        from workbench.models import get_model
         from workbench.solve.ahead import PlanAhead
-        from workbench.specs import ClusterSpec, get_model, load_profile
+        from workbench.specs import ClusterSpec, load_profile
 
         if __name__ == "__main__":
             cost = CostModel(load_profile("a100-40g-flexsp"), get_model("7b"), ClusterSpec(num_gpus=8, gpus_per_node=8))

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from workbench.cost import CostModel, InfeasibleError
-from workbench.specs import ClusterSpec, get_model, load_profile
+from workbench.models import get_model
+from workbench.specs import ClusterSpec, load_profile
 
 # FlexSP GPT-7B on A100-40G (REFERENCE.md): whole model, forward + backward
 A, B, C = 5.128e-6, 0.1840, 629.4

@@ -119,7 +119,7 @@ def test_doctor_on_this_machine(tmp_path):
         # memory model computed here
         from workbench.cost import activation_bytes_per_token
         from workbench.cost.memory import model_states
-        from workbench.specs import get_model
+        from workbench.models import get_model
 
         m = get_model("tiny")
         want = model_states(m, zero_stage=0, num_ranks=1, precision="fp32", optimizer="adamw").total + \

@@ -137,8 +137,8 @@ def _exercise_runtime(registry, rank: int) -> None:
     import torch.distributed as dist
 
     from test_runtime_zero import LENGTHS, _fixed_plan, _run_stage
+    from workbench.models import get_model
     from workbench.runtime.train import DistEnv, Trainer
-    from workbench.specs import get_model
 
     spec = get_model("tiny")
     gen = torch.Generator().manual_seed(11)

@@ -175,9 +175,9 @@ def test_model_forward_and_backward_through_flash_under_bf16_autocast(fake_fa2):
     """The whole model in the precision a bf16 run declares (autocast over fp32 weights, as ZeRO 0-2
     runs it): every layer's attention call reaches the stand-in in bf16 and the loss and gradients
     agree with the PyTorch path's in the same precision."""
+    from workbench.models import get_model
     from workbench.runtime.model import Transformer
     from workbench.runtime.step import batch_loss
-    from workbench.specs import get_model
 
     spec = get_model("tiny")
     seqs = [torch.randint(0, spec.vocab, (n,), generator=torch.Generator().manual_seed(n)) for n in (40, 9, 77)]

@@ -33,7 +33,8 @@ from workbench.hf import (  # noqa: E402
     model_from_config_dict,
     to_hf_name,
 )
-from workbench.specs import MODEL_PRESETS, ModelSpec, get_model  # noqa: E402
+from workbench.models import get_model  # noqa: E402
+from workbench.specs import MODEL_PRESETS, ModelSpec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5

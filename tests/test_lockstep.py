@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 from workbench.cost import CostModel
+from workbench.models import get_model
 from workbench.solve import PlanError, build_plan, lower_bound_ms, run_planner, timeline, validate
 from workbench.solve.microstep import Table
 from workbench.solve.lockstep import Passes, plan_lockstep
 from workbench.solve.options import PlanOptions
 from workbench.solve.plan import pass_loads
-from workbench.specs import ClusterSpec, get_model, load_profile
+from workbench.specs import ClusterSpec, load_profile
 from conftest import set_partitions
 
 PROFILE = load_profile("a100-40g-flexsp")

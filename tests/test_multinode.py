@@ -138,7 +138,8 @@ def _ulysses_ms(cost, s: float, d: int, gbps: float) -> float:
 
 def test_groups_larger_than_a_node_pay_inter_node_bandwidth():
     from workbench.cost import CostModel
-    from workbench.specs import ClusterSpec, get_model, load_profile
+    from workbench.models import get_model
+    from workbench.specs import ClusterSpec, load_profile
 
     prof = load_profile("a100-40g-flexsp")  # FlexSP's table: NVLink up to 8, InfiniBand from 16 (8 x 8 A100)
     assert prof.gpus_per_node == 8
@@ -164,7 +165,8 @@ def test_an_explicit_inter_node_table_is_used_for_spanning_groups_and_the_gradie
     import dataclasses
 
     from workbench.cost import CostModel
-    from workbench.specs import ClusterSpec, HardwareProfile, get_model, load_profile
+    from workbench.models import get_model
+    from workbench.specs import ClusterSpec, HardwareProfile, load_profile
 
     base = load_profile("cpu-gloo-tiny")  # one machine: no node size, no inter-node figures
     m = get_model("tiny")
@@ -419,8 +421,8 @@ EXACT = ["--steps", "1", "--seed", "7", "--optimizer", "sgd", "--lr", "0.5", "--
 def _assert_same_update(run_dir: Path, reference: Path) -> dict:
     from test_train import params_of
 
+    from workbench.models import get_model
     from workbench.runtime.model import Transformer
-    from workbench.specs import get_model
 
     plan = json.loads((run_dir / "plans.jsonl").read_text().splitlines()[0])["plan"]
     groups = [g for m in plan["micro_steps"] for g in m["groups"]]

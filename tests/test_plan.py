@@ -292,7 +292,8 @@ def test_lower_bound_counts_whole_groups_per_gpu_against_brute_force():
     # is a whole number; the bound may not exceed the optimum over every multi-group plan, and it
     # must be tighter than the classic one somewhere
     from workbench.cost import CostModel
-    from workbench.specs import ClusterSpec, get_model, load_profile
+    from workbench.models import get_model
+    from workbench.specs import ClusterSpec, load_profile
 
     cost = CostModel(load_profile("a100-40g-flexsp"), get_model("1b"),
                      ClusterSpec(num_gpus=2, gpus_per_node=2, gpu_memory_gb=24, degrees=(1, 2)))

@@ -13,11 +13,12 @@ import pytest
 
 from conftest import run_cli
 from workbench.cost import CostModel
+from workbench.models import get_model
 from workbench.profile import ProfileSpec, check_fidelity, prepare_profile
 from workbench.profile.fit import (ape, error_summary, fit_collectives, fit_link, fit_pack_curve, heldout_errors,
                                    nnls, trimmed_median, wire_bytes)
 from workbench.profile.result import ProfileResult, build_result
-from workbench.specs import ClusterSpec, ComputeCurve, HardwareProfile, get_model, load_profile
+from workbench.specs import ClusterSpec, ComputeCurve, HardwareProfile, load_profile
 
 PACKS = [[64], [256], [1024], [2048], [4096], [64] * 16, [256] * 8, [1024, 512, 256, 128, 64, 64]]
 

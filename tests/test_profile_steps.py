@@ -18,10 +18,11 @@ from conftest import run_cli
 from workbench import runs
 from workbench.cost import CostModel
 from workbench.cost.memory import parameter_shapes
+from workbench.models import get_model
 from workbench.profile import check_fidelity
 from workbench.profile.fit import fit_line, wire_bytes
 from workbench.profile.result import build_result, fit_head
-from workbench.specs import ClusterSpec, HardwareProfile, get_model, load_profile
+from workbench.specs import ClusterSpec, HardwareProfile, load_profile
 
 TINY = get_model("tiny")  # 2 layers, hidden 64, 4 heads (2 KV) of 16, ffn 172, vocab 256, fp32
 L = TINY.layers

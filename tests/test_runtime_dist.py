@@ -112,10 +112,11 @@ def _check_gradients(registry, rank: int) -> dict:
     import torch
 
     from workbench.cost import CostModel
+    from workbench.models import get_model
     from workbench.runtime.attention import torch_varlen_attention
     from workbench.runtime.model import Transformer
     from workbench.runtime.step import StepExecutor, batch_loss
-    from workbench.specs import ClusterSpec, get_model, load_profile
+    from workbench.specs import ClusterSpec, load_profile
 
     spec = get_model("tiny")
     cost = CostModel(load_profile("cpu-gloo-tiny"), spec,
@@ -178,13 +179,14 @@ def _check_misc(registry, rank: int) -> dict:
     import torch
 
     from workbench.cost import CostModel
+    from workbench.models import get_model
     from workbench.runtime.attention import torch_varlen_attention
     from workbench.runtime.model import Transformer
     from workbench.profile.fit import fit_collectives
     from workbench.profile.measure import measure_collectives
     from workbench.runtime.step import StepExecutor
     from workbench.solve.plan import PlanError, build_plan
-    from workbench.specs import ClusterSpec, get_model, load_profile
+    from workbench.specs import ClusterSpec, load_profile
 
     spec = get_model("tiny")
     results = {}

@@ -12,13 +12,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from workbench.cost import CostModel  # noqa: E402
+from workbench.models import get_model  # noqa: E402
 from workbench.runtime.attention import AttentionUnavailable, select_attention, torch_varlen_attention  # noqa: E402
 from workbench.runtime.groups import GroupRegistry, aligned_blocks  # noqa: E402
 from workbench.runtime.model import Transformer  # noqa: E402
 from workbench.runtime.step import IGNORE, StepExecutor, batch_loss, check_plan, make_shard  # noqa: E402
 from workbench.runtime.ulysses import kv_repeats, shard_layout  # noqa: E402
 from workbench.solve.plan import PlanError, build_plan  # noqa: E402
-from workbench.specs import ClusterSpec, get_model, load_profile  # noqa: E402
+from workbench.specs import ClusterSpec, load_profile  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -54,7 +54,8 @@ LR = 0.5
 def _cost(stage: int, precision: str, recompute: bool = False):
     from workbench.cost import CostModel
     from workbench.cost.memory import optimizer_kind
-    from workbench.specs import ClusterSpec, get_model, load_profile
+    from workbench.models import get_model
+    from workbench.specs import ClusterSpec, load_profile
 
     return CostModel(load_profile("cpu-gloo-tiny"), get_model("tiny"),
                      ClusterSpec(num_gpus=WORLD, gpus_per_node=WORLD, gpu_memory_gb=4.0, zero_stage=stage),
@@ -189,8 +190,8 @@ def _check_exact(registry, rank) -> dict:
 
     import torch
 
+    from workbench.models import get_model
     from workbench.runtime.model import Transformer
-    from workbench.specs import get_model
 
     spec = get_model("tiny")
     gen = torch.Generator().manual_seed(11)
@@ -256,8 +257,8 @@ def _check_memory(registry, rank) -> dict:
     import torch
 
     from workbench.cost.memory import model_states
+    from workbench.models import get_model
     from workbench.runtime.zero import storage_bytes
-    from workbench.specs import get_model
 
     spec = get_model("tiny")
     gen = torch.Generator().manual_seed(5)

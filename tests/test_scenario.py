@@ -9,7 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from workbench.scenario import Scenario, aligned_degrees, is_length_list
+from workbench.data import is_length_list
+from workbench.scenario import Scenario, aligned_degrees
 
 A, B, C = 5.128e-6, 0.1840, 629.4  # FlexSP GPT-7B on A100-40G: ms per token^2, per token, per group
 ACT = 4.48e6  # bytes of activations per token (FlexSP, 7B)

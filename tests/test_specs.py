@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from workbench.specs import ClusterSpec, HardwareProfile, ModelSpec, get_model, list_profiles, load_profile
+from workbench.models import get_model
+from workbench.specs import ClusterSpec, HardwareProfile, ModelSpec, list_profiles, load_profile
 
 
 def test_presets_round_trip_json():

@@ -204,7 +204,7 @@ def test_resource_checks():
 
 
 def test_resource_check_counts_the_model_states_of_the_zero_stage():
-    from workbench.specs import get_model
+    from workbench.models import get_model
 
     P = get_model("1b").params()
     # ZeRO-0, fp32 AdamW: parameters, gradients and both moments whole on each of 4 ranks, by hand
@@ -323,8 +323,8 @@ def test_one_sgd_step_same_params_on_4_ranks(sgd_reference, tmp_path, planner, s
     for name, t in ref.items():
         np.testing.assert_allclose(got[name].numpy(), t.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
     # and the step did change the parameters (the comparison is not of two untouched inits)
+    from workbench.models import get_model
     from workbench.runtime.model import Transformer
-    from workbench.specs import get_model
 
     init = Transformer(get_model("tiny"), seed=7).state_dict()
     moved = max(float((ref[k] - init[k]).abs().max()) for k in ref)
@@ -437,7 +437,7 @@ def test_checkpoints_resume_on_another_world_and_stage(tmp_path):
 @pytest.mark.slow
 def test_model_states_in_metrics_match_the_memory_model(tmp_path):
     from workbench.cost.memory import model_states
-    from workbench.specs import get_model
+    from workbench.models import get_model
 
     d = tmp_path / "run"
     _ok(_train(d, "--nproc", "2", "--zero-stage", "2", "--optimizer", "adamw", "--steps", "1", "--checkpoint-every",

@@ -167,14 +167,14 @@ class ClusterSection:
         """The text for the current settings on ``nnodes`` nodes (the controls' values unless given);
         shown in the text area. Raises ValueError for settings that cannot run."""
         from workbench import runs
-        from workbench.launch import cluster
+        from workbench.training import emit_cluster
 
         kind = kind or self.w_kind.value
         nnodes = int(nnodes or self.w_nnodes.value)
         root = run_root or self.w_root.value.strip() or str(runs.default_root())
         ep = endpoint if endpoint is not None else (self.w_endpoint.value.strip() or None)
         settings = {**self._settings(), "nnodes": nnodes}
-        self.text, spec, self.name = cluster.emit(kind, settings, run_root=root, name=name, endpoint=ep, sbatch=sbatch)
+        self.text, spec, self.name = emit_cluster(kind, settings, run_root=root, name=name, endpoint=ep, sbatch=sbatch)
         self.w_kind.value, self.w_nnodes.value = kind, nnodes
         self.area.value = self.text
         self.status.value = note_html(f"run {self.name}: {spec.nnodes} node(s) x {spec.nproc} "

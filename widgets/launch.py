@@ -176,7 +176,7 @@ class LaunchPanel(Panel):
         ``source``, ``model`` (a preset or a config.json path), ``tokenizer``, ``column``, ``init``,
         ``max_len``, ``batch_tokens``, ``optimizer``, ``seed``; any other training or Scenario field
         is kept and passed on at launch). Returns :meth:`settings`."""
-        from workbench.training import _SCENARIO_FIELDS, _TRAIN_FIELDS
+        from workbench.training import SCENARIO_FIELDS, TRAIN_FIELDS
 
         widgets = {"steps": self.w_steps, "nproc": self.w_nproc, "planner": self.w_planner, "source": self.w_source,
                    "model": self.w_model, "max_len": self.w_max_len, "batch_tokens": self.w_batch,
@@ -191,7 +191,7 @@ class LaunchPanel(Panel):
                 if isinstance(w, W.Dropdown) and v not in [o[1] if isinstance(o, tuple) else o for o in w.options]:
                     w.options = [*w.options, v]
                 w.value = v
-            elif k in _TRAIN_FIELDS or k in _SCENARIO_FIELDS:
+            elif k in TRAIN_FIELDS or k in SCENARIO_FIELDS:
                 extra[k] = v
             else:
                 raise ValueError(f"unknown training setting {k!r}")

@@ -97,7 +97,7 @@ class SolverPanel(ScenarioSource, Panel):
     # ------------------------------------------------------------------------------------------
     @staticmethod
     def _is_list(sc: Scenario) -> bool:
-        from workbench.scenario import is_length_list
+        from workbench.data import is_length_list
 
         return is_length_list(sc.source)
 

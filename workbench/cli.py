@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from workbench.scenario import DEFAULT_PLANNERS, Scenario, is_length_list
+from workbench.scenario import DEFAULT_PLANNERS, Scenario
 from workbench.simulate import summary_table
 from workbench.util import dumps, positive_float, positive_int
 
@@ -109,6 +109,8 @@ def _add_batch_args(p: argparse.ArgumentParser) -> None:
 
 def scenario_from_args(args, **extra) -> Scenario:
     """The Scenario the parsed options describe (planning commands). Raises CliError in flags."""
+    from workbench.data import is_length_list
+
     if getattr(args, "gpus", 1) < 1:
         raise CliError(f"--gpus must be at least 1, got {args.gpus}")
     fields = dict(model=args.model, profile=args.profile, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node,
@@ -514,13 +516,13 @@ def _emit(args, settings: dict) -> int:
     """``workbench train ... --emit slurm|torchrun``: print what runs this run on several nodes
     (nothing is started or written, except the run root's folder for Slurm's output file)."""
     from workbench import runs
-    from workbench.launch import cluster
+    from workbench.training import emit_cluster
 
     if args.run_dir is not None:
         raise CliError("--emit writes the commands of a new run; leave --run-dir out (give --name to choose its id)")
     if args.sbatch and args.emit != "slurm":
         raise CliError("--sbatch goes with --emit slurm")
-    text, spec, name = cluster.emit(args.emit, settings, run_root=args.run_root or runs.default_root(), name=args.name,
+    text, spec, name = emit_cluster(args.emit, settings, run_root=args.run_root or runs.default_root(), name=args.name,
                                     endpoint=args.rdzv_endpoint, rdzv_timeout=args.rdzv_timeout, sbatch=args.sbatch)
     sys.stdout.write(text)
     sys.stdout.flush()
@@ -709,7 +711,7 @@ def cmd_runs(args) -> int:
             return 0
         st = process.stop(run)
         left = [p for p, t in runs.status_pids(st) if runs.pid_alive(p, t)]
-        left += [p for _, nst in process._records_here(run.path) for p, t in runs.status_pids(nst) if runs.pid_alive(p, t)]
+        left += [p for _, nst in process.records_here(run.path) for p, t in runs.status_pids(nst) if runs.pid_alive(p, t)]
         nodes = run.nodes()
         elsewhere = [f"node {k} ({r.host}): {r.state}" for k, r in nodes.items() if r.host != socket.gethostname()]
         print(f"{run.id}: {st.state}" + (f"; still alive here: {sorted(set(left))}" if left else "; no process left here")

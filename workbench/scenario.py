@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["Scenario", "DEFAULT_PLANNERS", "STRATEGIES", "POLICIES", "default_max_len", "is_length_list"]
+__all__ = ["Scenario", "DEFAULT_PLANNERS", "STRATEGIES", "POLICIES", "default_max_len"]
 
 DEFAULT_PLANNERS = ("static-max", "best-static", "min-degree", "greedy", "two-stage", "flexsp")
 """The planners a comparison runs when none are named."""
@@ -55,15 +55,6 @@ def _check_num(field: str, v: Any, lo: float, hi: float | None = None, optional:
     if not ok:
         rng = f"{'>' if strict else '>='} {lo:g}" + (f" and <= {hi:g}" if hi is not None else "")
         _fail(field, v, f"must be a finite number {rng}" + (" or None" if optional else ""))
-
-
-def is_length_list(source: str) -> bool:
-    """Whether ``source`` is an explicit comma-separated batch (``"1024,65536,300"``), which is
-    planned as given: one batch, in order, never clipped by a default max context."""
-    from workbench.data.source import _LIST_SHAPE
-
-    key = source.strip()
-    return bool(key) and bool(_LIST_SHAPE.match(key)) and any(c.isdigit() for c in key)
 
 
 def default_max_len(cost) -> int:
@@ -139,8 +130,8 @@ class Scenario:
     """Solver time limit per step (s)."""
 
     def __post_init__(self) -> None:
+        from workbench.models import get_model
         from workbench.solve import get_planner
-        from workbench.specs import get_model
 
         for name in ("model", "profile", "source", "planner", "strategy", "policy"):
             v = getattr(self, name)
@@ -230,7 +221,7 @@ class Scenario:
     # ---- what it describes ---------------------------------------------------------------------
     def model_spec(self):
         """The ModelSpec of ``model``."""
-        from workbench.specs import get_model
+        from workbench.models import get_model
 
         return get_model(self.model)
 
@@ -269,6 +260,8 @@ class Scenario:
         largest power of two the cluster holds on one group (at most the model's)."""
         if self.max_len is not None:
             return int(self.max_len)
+        from workbench.data import is_length_list
+
         if is_length_list(self.source):
             return None
         return default_max_len(self.cost())
@@ -385,6 +378,8 @@ def aligned_degrees(num_gpus: int, gpus_per_node: int) -> tuple[int, ...]:
 
 def _mtime(source: str) -> float | None:
     """A file source's modification time (part of the cache key); None for names and lists."""
+    from workbench.data import is_length_list
+
     if is_length_list(source):
         return None
     try:

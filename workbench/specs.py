@@ -23,7 +23,6 @@ __all__ = [
     "ComputeCurve",
     "HardwareProfile",
     "MODEL_PRESETS",
-    "get_model",
     "load_profile",
     "list_profiles",
     "spec_from_dict",
@@ -295,23 +294,6 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     "mistral-7b": _llama("mistral-7b", 32, 4096, 32, 8, 14336, 32768, 32768, rope_theta=1000000.0,
                          norm_eps=1e-5, family="mistral"),
 }
-
-
-def get_model(name: str) -> ModelSpec:
-    """Return the preset ``name``, or the model of a Hugging Face ``config.json`` (a path to the file
-    or to a folder holding it; see :mod:`workbench.hf`).
-
-    Raises ValueError listing the presets when ``name`` is neither, or naming the field of a config
-    that is not supported (MoE, sliding window, unknown ``model_type``, a missing field...)."""
-    key = str(name).strip().lower()
-    if key in MODEL_PRESETS:
-        return MODEL_PRESETS[key]
-    from workbench.hf import looks_like_config_path, model_from_config
-
-    if looks_like_config_path(str(name)):
-        return model_from_config(str(name))
-    raise ValueError(f"unknown model {name!r}; presets are {', '.join(MODEL_PRESETS)}, or give the path of a "
-                     f"Hugging Face config.json (or its folder)")
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,8 +4,9 @@
 the :class:`~workbench.scenario.Scenario` (model, profile, cluster, data, batch, planner) and the
 run's own settings (steps, optimizer, processes, checkpoints). :func:`prepare_train` makes a new
 run or checks a resume against the run's spec; :func:`check_resources` says whether the machine
-can hold it. The trainer (``workbench.runtime.train``, torch) reads the spec with
-:func:`read_train_spec`. Pure Python: no torch.
+can hold it; :func:`emit_cluster` writes the commands that run a new run on several nodes (the
+scripts of :mod:`workbench.launch.cluster`). The trainer (``workbench.runtime.train``, torch)
+reads the spec with :func:`read_train_spec`. Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from workbench import runs
 from workbench.scenario import Scenario
@@ -26,7 +27,8 @@ from workbench.scenario import Scenario
 __all__ = ["TrainSpec", "SpecError", "read_train_spec", "prepare_train", "ResumeChange", "check_resources",
            "ResourceError", "cuda_visible", "OPTIMIZERS", "DEVICES", "ATTENTION", "DEFAULT_LR", "CPU_MAX_LEN",
            "DEFAULT_BATCH_TOKENS", "TRAIN_DEFAULTS", "RANK_MEMORY_GB", "check_model_and_data", "check_machine",
-           "flash_installed", "JOIN_WAIT_S", "resource_args"]
+           "flash_installed", "JOIN_WAIT_S", "resource_args", "emit_cluster", "TRAIN_FIELDS",
+           "SCENARIO_FIELDS"]
 
 OPTIMIZERS = ("sgd", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
@@ -222,8 +224,10 @@ def cuda_visible() -> bool:
         return False
 
 
-_TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainSpec)} - {"scenario"}
-_SCENARIO_FIELDS = {f.name for f in dataclasses.fields(Scenario)}
+TRAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainSpec)) - {"scenario"}
+"""The run's own settings ``prepare_train`` takes (TrainSpec's fields but its scenario)."""
+SCENARIO_FIELDS = frozenset(f.name for f in dataclasses.fields(Scenario))
+"""The Scenario's settings ``prepare_train`` takes (the Launch panel passes on any it has no control for)."""
 
 
 @dataclass(frozen=True)
@@ -271,7 +275,7 @@ def prepare_train(settings: Mapping[str, Any] | None = None, *, scenario: Scenar
     for ``--attention flash`` where flash-attn cannot run (``check_machine``).
     """
     settings = {k: v for k, v in dict(settings or {}).items() if v is not None}
-    unknown = sorted(set(settings) - _TRAIN_FIELDS - _SCENARIO_FIELDS)
+    unknown = sorted(set(settings) - TRAIN_FIELDS - SCENARIO_FIELDS)
     if unknown:
         raise SpecError(f"unknown training setting(s) {unknown}")
     settings = _absolute_paths(settings)
@@ -279,8 +283,8 @@ def prepare_train(settings: Mapping[str, Any] | None = None, *, scenario: Scenar
         return _resume(run_dir, settings, allow_changes)
     if "steps" not in settings:
         raise SpecError("steps is required for a new run (--steps K)")
-    train = {k: v for k, v in settings.items() if k in _TRAIN_FIELDS}
-    scen = {k: v for k, v in settings.items() if k in _SCENARIO_FIELDS}
+    train = {k: v for k, v in settings.items() if k in TRAIN_FIELDS}
+    scen = {k: v for k, v in settings.items() if k in SCENARIO_FIELDS}
     nproc, nnodes = int(train.get("nproc", 1)), int(train.get("nnodes", 1))
     device = train.get("device", "auto")
     here = on_gpu is None
@@ -347,6 +351,51 @@ def _join(spec: TrainSpec, body: dict, root, name: str | None) -> runs.Run:
         raise SpecError(f"run {name} in {root} was prepared (by another node) with other settings ({'; '.join(diff)}); "
                         f"give every node the same settings, or another --name for another run")
     return runs.Run(path)
+
+
+def emit_cluster(kind: str, settings: Mapping[str, Any], *, run_root: str | Path, name: str | None = None,
+                 endpoint: str | None = None, rdzv_timeout: float | None = None,
+                 sbatch: Sequence[str] = ()) -> tuple[str, TrainSpec, str]:
+    """The ``kind`` (``slurm`` or ``torchrun``) text that runs a new training run of ``settings``
+    (``prepare_train`` fields, ``nnodes`` among them) on several nodes: ``(text, spec, name)``.
+    Nothing is started or written, except ``run_root`` for Slurm's output file. ``device`` auto
+    is taken as ``cuda`` (a cluster script is for the GPU nodes, wherever it is written). For Slurm
+    only the port of ``endpoint`` is used (the host is the job's first node). Raises ValueError with
+    one line for bad settings, a name taken, a bad endpoint or option."""
+    import re
+    import time
+
+    from workbench.launch.cluster import DEFAULT_RDZV_PORT, KINDS, slurm_script, torchrun_commands
+
+    if kind not in KINDS:
+        raise ValueError(f"unknown cluster script {kind!r}; choose slurm or torchrun")
+    settings = dict(settings)
+    nnodes = int(settings.get("nnodes", 1))
+    if kind == "torchrun" and nnodes < 2:
+        raise ValueError("--emit torchrun prints one command per node; give --nnodes N (N >= 2)")
+    for opt in sbatch:
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*(=\S.*)?", opt.strip().lstrip("-")):
+            raise ValueError(f"--sbatch {opt!r} is not an sbatch option; write e.g. --sbatch partition=gpu")
+    if settings.get("device", "auto") == "auto":
+        settings["device"] = "cuda"
+    _, spec, _ = prepare_train(settings, dry_run=True, on_gpu=settings["device"] == "cuda")
+    root = Path(run_root).expanduser().resolve()
+    name = name or f"{time.strftime('%Y%m%d-%H%M%S')}-train-{os.urandom(2).hex()}"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise ValueError(f"--name {name!r} may hold only letters, digits, '.', '_' and '-'")
+    if (root / name).exists():
+        raise ValueError(f"{root / name} already exists; pick another --name")
+    if kind == "slurm":
+        port = DEFAULT_RDZV_PORT
+        if endpoint:
+            try:
+                port = int(endpoint.rsplit(":", 1)[1])
+            except (IndexError, ValueError):
+                raise ValueError(f"--rdzv-endpoint {endpoint!r} has no port; with --emit slurm give :PORT (the host "
+                                 f"is the job's first node)") from None
+        root.mkdir(parents=True, exist_ok=True)  # Slurm writes the job's output file there
+        return slurm_script(spec, run_root=root, name=name, port=port, rdzv_timeout=rdzv_timeout, sbatch=sbatch), spec, name
+    return torchrun_commands(spec, run_root=root, name=name, endpoint=endpoint, rdzv_timeout=rdzv_timeout), spec, name
 
 
 def flash_installed() -> str | None:
@@ -469,7 +518,7 @@ def _resume(run_dir: str | Path, settings: dict, allow_changes: bool):
     for k, v in settings.items():
         if k == "steps":
             continue
-        old = getattr(spec, k) if k in _TRAIN_FIELDS else getattr(spec.scenario, k)
+        old = getattr(spec, k) if k in TRAIN_FIELDS else getattr(spec.scenario, k)
         if k == "degrees":
             v = tuple(v)
         if old != v:
@@ -515,7 +564,7 @@ def check_resources(nproc: int, *, device: str = "auto", model: str = "tiny", al
     over the ``nproc x nnodes`` ranks; 0-2 keep whole parameters and gradients on every rank; AdamW
     or SGD states), plus the plan-ahead worker."""
     from workbench.cost.memory import model_states, optimizer_kind
-    from workbench.specs import get_model
+    from workbench.models import get_model
 
     cores = cores or os.cpu_count() or 1
     if available_gb is None:

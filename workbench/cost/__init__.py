@@ -897,7 +897,7 @@ class CostModel:
 
 
 def _reference_model(name: str) -> ModelSpec:
-    from workbench.specs import get_model
+    from workbench.models import get_model
 
     try:
         return get_model(name)

@@ -25,6 +25,7 @@ from .source import (
     LengthSet,
     MaxContextReport,
     apply_max_context,
+    is_length_list,
     load_lengths,
     parse_length_list,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "detect_format",
     "document_tokens",
     "get_family",
+    "is_length_list",
     "length_histogram",
     "load_lengths",
     "parse_length_list",

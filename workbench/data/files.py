@@ -43,8 +43,10 @@ __all__ = [
     "FORMATS",
     "FileLengths",
     "LENGTH_COLUMNS",
+    "choose_column",
     "detect_format",
     "read_lengths_file",
+    "require_module",
 ]
 
 LENGTH_COLUMNS = ("length", "num_tokens", "n_tokens", "len", "tokens")
@@ -101,8 +103,9 @@ class FileLengths:
 # --- helpers ---------------------------------------------------------------------------------
 
 
-def _require(module: str, package: str, what: str) -> Any:
-    """Import ``module`` or raise ImportError naming the package to install."""
+def require_module(module: str, package: str, what: str) -> Any:
+    """Return the imported ``module``; raises ImportError naming the ``package`` to install and
+    ``what`` it is needed for (the readers here and the token cache share it)."""
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -186,11 +189,14 @@ def _read_text(path: Path) -> str:
         ) from None
 
 
-def _choose_column(
+def choose_column(
     path: Path, columns: Sequence[str], column: str | None, text_columns: Iterable[str] = ()
 ) -> tuple[str, bool]:
     """Pick the column to read; returns (name, is_text). ``text_columns`` are columns known to
-    hold strings (typed formats), which are tokenised rather than read as lengths."""
+    hold strings (typed formats), which are tokenised rather than read as lengths. Raises
+    ValueError naming ``path`` and the columns present when ``column`` is not among them, or when
+    none is given and no length or text column is found (the readers here and the token cache
+    share it)."""
     columns = list(columns)
     text_columns = set(text_columns)
     present = ", ".join(repr(c) for c in columns) or "(none)"
@@ -235,7 +241,7 @@ class _Counter:
                 f"{tokenizer}: no tokenizer file found (expected a tokenizer.json or a directory "
                 "holding one, on local disk; nothing is downloaded)"
             )
-        tokenizers = _require("tokenizers", "tokenizers", "a Hugging Face tokenizer")
+        tokenizers = require_module("tokenizers", "tokenizers", "a Hugging Face tokenizer")
         try:
             self._tok = tokenizers.Tokenizer.from_file(str(tpath))
         except Exception as exc:  # the Rust side raises its own exception type
@@ -325,7 +331,7 @@ def _read_csv(path: Path, column: str | None, counter_factory, delimiter: str) -
             if header is None:
                 raise _empty(path, "the file is empty")
             header = [h.strip() for h in header]
-            name, is_text = _choose_column(path, header, column)
+            name, is_text = choose_column(path, header, column)
             idx = header.index(name)
             cells: list[str] = []
             linenos: list[int] = []
@@ -409,7 +415,7 @@ def _read_jsonl(path: Path, column: str | None, counter_factory) -> FileLengths:
             )
         if field is None:
             # the first record decides the field; every later record must carry the same one
-            field, is_text = _choose_column(path, list(obj), None)
+            field, is_text = choose_column(path, list(obj), None)
         if field not in obj:
             raise ValueError(
                 f"{path}, line {lineno}: no field {field!r} (keys present: {', '.join(map(repr, obj)) or 'none'}); "
@@ -514,7 +520,7 @@ def _read_text_dir(path: Path, counter_factory) -> FileLengths:
 
 def _arrow_lengths(path: Path, col: Any, name: str, unit: str, counter_factory) -> tuple[np.ndarray, dict]:
     """Lengths from a pyarrow (Chunked)Array: integers read, strings tokenised; (array, provenance)."""
-    pa = _require("pyarrow", "pyarrow", "Parquet files and Hugging Face datasets")
+    pa = require_module("pyarrow", "pyarrow", "Parquet files and Hugging Face datasets")
     typ = col.type
     if pa.types.is_string(typ) or pa.types.is_large_string(typ):
         texts = col.to_pylist()
@@ -548,16 +554,16 @@ def _arrow_lengths(path: Path, col: Any, name: str, unit: str, counter_factory) 
 
 
 def _read_parquet(path: Path, column: str | None, counter_factory) -> FileLengths:
-    _require("pyarrow", "pyarrow", "Parquet files")
+    require_module("pyarrow", "pyarrow", "Parquet files")
     import pyarrow.parquet as pq  # noqa: PLC0415 (lazy: pyarrow is optional)
 
     try:
         schema = pq.read_schema(path)
     except Exception as exc:  # pyarrow raises ArrowInvalid and friends
         raise ValueError(f"{path}: not a readable Parquet file ({exc})") from None
-    pa = _require("pyarrow", "pyarrow", "Parquet files")
+    pa = require_module("pyarrow", "pyarrow", "Parquet files")
     text_cols = [f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
-    name, _ = _choose_column(path, schema.names, column, text_cols)
+    name, _ = choose_column(path, schema.names, column, text_cols)
     col = pq.read_table(path, columns=[name]).column(name)
     if len(col) == 0:
         raise _empty(path, "the table has no rows")
@@ -567,7 +573,7 @@ def _read_parquet(path: Path, column: str | None, counter_factory) -> FileLength
 
 
 def _read_hf_dataset(path: Path, column: str | None, counter_factory) -> FileLengths:
-    datasets = _require("datasets", "datasets", "a saved Hugging Face dataset")
+    datasets = require_module("datasets", "datasets", "a saved Hugging Face dataset")
     try:
         ds = datasets.load_from_disk(str(path))
     except Exception as exc:  # datasets raises FileNotFoundError, ValueError, its own errors
@@ -585,7 +591,7 @@ def _read_hf_dataset(path: Path, column: str | None, counter_factory) -> FileLen
     text_cols = [
         c for c, feat in ds.features.items() if getattr(feat, "dtype", None) in ("string", "large_string")
     ]
-    name, _ = _choose_column(path, ds.column_names, column, text_cols)
+    name, _ = choose_column(path, ds.column_names, column, text_cols)
     if len(ds) == 0:
         raise _empty(path, "the dataset has no rows")
     col = ds.with_format("arrow")[name]

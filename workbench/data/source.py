@@ -34,6 +34,7 @@ __all__ = [
     "MaxContextReport",
     "apply_max_context",
     "draw_indices",
+    "is_length_list",
     "load_lengths",
     "parse_length_list",
 ]
@@ -241,6 +242,13 @@ def parse_length_list(text: str) -> np.ndarray:
             raise ValueError(f"length list {text!r}: item {k} {s!r} is not a positive length; lengths must be >= 1")
         out.append(v)
     return np.array(out, dtype=np.int64)
+
+
+def is_length_list(source: str) -> bool:
+    """Whether ``source`` is an explicit comma-separated batch (``"1024,65536,300"``), which is
+    planned as given: one batch, in order, never clipped by a default max context."""
+    key = source.strip()
+    return bool(key) and bool(_LIST_SHAPE.match(key)) and any(c.isdigit() for c in key)
 
 
 def _looks_like_list(key: str) -> bool:

@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .files import DOCUMENT_SUFFIXES, _choose_column, _require, detect_format
+from .files import DOCUMENT_SUFFIXES, choose_column, detect_format, require_module
 
 __all__ = [
     "CACHE_VERSION",
@@ -108,7 +108,7 @@ class Tokenizer:
         if not p.is_file():
             raise ValueError(f"{path}: no tokenizer.json there; give a local tokenizer.json or a folder holding one "
                              f"(nothing is downloaded)")
-        tokenizers = _require("tokenizers", "tokenizers", "a Hugging Face tokenizer")
+        tokenizers = require_module("tokenizers", "tokenizers", "a Hugging Face tokenizer")
         try:
             raw = p.read_bytes()
             self._tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
@@ -220,7 +220,7 @@ def text_source(source: str, *, column: str | None = None, tokenizer: Any = None
         obj = _first_record(p)
         if obj is None:
             return None  # the lengths reader reports what is wrong with it
-        name, is_text = _choose_column(p, list(obj), column)
+        name, is_text = choose_column(p, list(obj), column)
         if is_text or isinstance(obj.get(name), str):
             return TextSource("jsonl", str(p.resolve()), name)
         return None
@@ -232,10 +232,10 @@ def text_source(source: str, *, column: str | None = None, tokenizer: Any = None
             raise ValueError(f"{p}: cannot read the header ({e})") from None
         if not header:
             return None
-        name, is_text = _choose_column(p, [h.strip() for h in header], column)
+        name, is_text = choose_column(p, [h.strip() for h in header], column)
         return TextSource(fmt, str(p.resolve()), name) if is_text else None
     if fmt == "parquet":
-        pa = _require("pyarrow", "pyarrow", "Parquet files")
+        pa = require_module("pyarrow", "pyarrow", "Parquet files")
         import pyarrow.parquet as pq
 
         try:
@@ -243,19 +243,19 @@ def text_source(source: str, *, column: str | None = None, tokenizer: Any = None
         except Exception as e:  # noqa: BLE001 - pyarrow's own errors
             raise ValueError(f"{p}: not a readable Parquet file ({e})") from None
         text_cols = [f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
-        name, _ = _choose_column(p, schema.names, column, text_cols)
+        name, _ = choose_column(p, schema.names, column, text_cols)
         return TextSource("parquet", str(p.resolve()), name) if name in text_cols else None
     if fmt == "hf-dataset":
         ds, split = _open_dataset(p)
         text_cols = [c for c, feat in ds.features.items()
                      if getattr(feat, "dtype", None) in ("string", "large_string")]
-        name, _ = _choose_column(p, ds.column_names, column, text_cols)
+        name, _ = choose_column(p, ds.column_names, column, text_cols)
         return TextSource("hf-dataset", str(p.resolve()), name, split) if name in text_cols else None
     return None
 
 
 def _open_dataset(p: Path):
-    datasets = _require("datasets", "datasets", "a saved Hugging Face dataset")
+    datasets = require_module("datasets", "datasets", "a saved Hugging Face dataset")
     try:
         ds = datasets.load_from_disk(str(p))
     except Exception as e:  # noqa: BLE001 - datasets raises several kinds

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 __all__ = ["train_argv", "torchrun_commands", "slurm_script", "node_problem", "spec_differences", "rank_ranges",
-           "workbench_executable", "DEFAULT_RDZV_PORT", "emit", "KINDS"]
+           "workbench_executable", "DEFAULT_RDZV_PORT", "KINDS"]
 
 KINDS = ("slurm", "torchrun")
 
@@ -263,48 +263,3 @@ def _shell_word(w: str) -> str:
     if "$" in w:
         return '"' + w.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return shlex.quote(w)
-
-
-def emit(kind: str, settings: Mapping[str, Any], *, run_root: str | Path, name: str | None = None,
-         endpoint: str | None = None, rdzv_timeout: float | None = None, sbatch: Sequence[str] = ()) -> tuple[str, Any, str]:
-    """The ``kind`` (``slurm`` or ``torchrun``) text that runs a new training run of ``settings``
-    (``prepare_train`` fields, ``nnodes`` among them) on several nodes: ``(text, spec, name)``.
-    Nothing is started or written, except ``run_root`` for Slurm's output file. ``device`` auto
-    is taken as ``cuda`` (a cluster script is for the GPU nodes, wherever it is written). For Slurm
-    only the port of ``endpoint`` is used (the host is the job's first node). Raises ValueError with
-    one line for bad settings, a name taken, a bad endpoint or option."""
-    import os
-    import re
-    import time
-
-    from workbench.training import prepare_train
-
-    if kind not in KINDS:
-        raise ValueError(f"unknown cluster script {kind!r}; choose slurm or torchrun")
-    settings = dict(settings)
-    nnodes = int(settings.get("nnodes", 1))
-    if kind == "torchrun" and nnodes < 2:
-        raise ValueError("--emit torchrun prints one command per node; give --nnodes N (N >= 2)")
-    for opt in sbatch:
-        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*(=\S.*)?", opt.strip().lstrip("-")):
-            raise ValueError(f"--sbatch {opt!r} is not an sbatch option; write e.g. --sbatch partition=gpu")
-    if settings.get("device", "auto") == "auto":
-        settings["device"] = "cuda"
-    _, spec, _ = prepare_train(settings, dry_run=True, on_gpu=settings["device"] == "cuda")
-    root = Path(run_root).expanduser().resolve()
-    name = name or f"{time.strftime('%Y%m%d-%H%M%S')}-train-{os.urandom(2).hex()}"
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
-        raise ValueError(f"--name {name!r} may hold only letters, digits, '.', '_' and '-'")
-    if (root / name).exists():
-        raise ValueError(f"{root / name} already exists; pick another --name")
-    if kind == "slurm":
-        port = DEFAULT_RDZV_PORT
-        if endpoint:
-            try:
-                port = int(endpoint.rsplit(":", 1)[1])
-            except (IndexError, ValueError):
-                raise ValueError(f"--rdzv-endpoint {endpoint!r} has no port; with --emit slurm give :PORT (the host "
-                                 f"is the job's first node)") from None
-        root.mkdir(parents=True, exist_ok=True)  # Slurm writes the job's output file there
-        return slurm_script(spec, run_root=root, name=name, port=port, rdzv_timeout=rdzv_timeout, sbatch=sbatch), spec, name
-    return torchrun_commands(spec, run_root=root, name=name, endpoint=endpoint, rdzv_timeout=rdzv_timeout), spec, name

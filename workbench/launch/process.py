@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 from workbench import runs
 
 __all__ = ["RunHandle", "start", "attach", "poll", "wait", "stop", "run_alive", "supervisor_command", "new_steps",
-           "SUPERVISOR_MODULE", "TRAINER_MODULE", "RunBusy", "sweep", "describe_exit"]
+           "SUPERVISOR_MODULE", "TRAINER_MODULE", "RunBusy", "sweep", "describe_exit", "records_here"]
 
 SUPERVISOR_MODULE = "workbench.launch.supervisor"
 TRAINER_MODULE = "workbench.runtime.train"
@@ -87,8 +87,9 @@ def supervisor_command(run_dir: str | Path, *, nproc: int, module: str = TRAINER
     return cmd + ["--", *module_args]
 
 
-def _records_here(run_dir: Path) -> list[tuple[int | None, runs.RunStatus]]:
-    """The run's status and every node record written on this host: ``[(node or None, status)]``."""
+def records_here(run_dir: Path) -> list[tuple[int | None, runs.RunStatus]]:
+    """The run's status and every node record written on this host: ``[(node or None, status)]``
+    (what a stop here can reach; ``workbench runs stop`` lists the processes left in them)."""
     here = socket.gethostname()
     out: list[tuple[int | None, runs.RunStatus]] = [(None, runs.read_status(run_dir))]
     out += [(k, r) for k, r in runs.Run(run_dir).nodes().items() if r.host in ("", here)]
@@ -100,7 +101,7 @@ def run_alive(target: runs.Run | runs.RunStatus | str | Path) -> bool:
     if isinstance(target, runs.RunStatus):
         return any(runs.pid_alive(p, t) for p, t in runs.status_pids(target))
     path = target.path if isinstance(target, runs.Run) else Path(target)
-    return any(runs.pid_alive(p, t) for _, st in _records_here(path) for p, t in runs.status_pids(st))
+    return any(runs.pid_alive(p, t) for _, st in records_here(path) for p, t in runs.status_pids(st))
 
 
 def start(run: runs.Run | str | Path, *, nproc: int, module: str = TRAINER_MODULE, module_args: Sequence[str] = (),
@@ -167,7 +168,7 @@ def attach(run: runs.Run | str | Path) -> RunHandle | None:
     another shell; for a run over several nodes, the first node running here), or None when nothing
     of it runs here any more."""
     run = runs.load_run(run) if not isinstance(run, runs.Run) else run
-    for node, st in _records_here(run.path):
+    for node, st in records_here(run.path):
         pid = (st.pids or {}).get("supervisor")
         if not isinstance(pid, int):
             continue
@@ -317,7 +318,7 @@ def stop(target: RunHandle | runs.Run | str | Path, grace: float = 4.0, *, wait_
     else:
         # every node at once: a node stopped before the others would see them as failed peers
         runs.request_stop(run.path, reason=f"workbench runs stop from {socket.gethostname()}")
-        here = [k for k, _ in _records_here(run.path) if k is not None]
+        here = [k for k, _ in records_here(run.path) if k is not None]
         for k in here:
             sup = (runs.read_status(run.path, k).pids or {}).get("supervisor")
             if isinstance(sup, int) and runs.pid_alive(sup):

@@ -146,7 +146,7 @@ def fsdp_unit_bytes(model_name: str, dtype_bytes: int) -> list[int]:
     in ``dtype_bytes``) and gradients (reduce-scattered in fp32), distinct, at most four (the
     smallest and largest of each)."""
     from workbench.cost.memory import fsdp_units
-    from workbench.specs import get_model
+    from workbench.models import get_model
 
     m = get_model(model_name)
     numels = sorted({sum(math.prod(shape) for _, shape in u) for u in fsdp_units(m)})
@@ -255,7 +255,7 @@ class ProfileSpec:
     """The command line (or call) that made the run, for the profile's provenance."""
 
     def __post_init__(self) -> None:
-        from workbench.specs import get_model
+        from workbench.models import get_model
 
         def bad(field: str, what: str, v: Any) -> None:
             raise ValueError(f"profile {field} {what}, got {v!r}")
@@ -335,7 +335,7 @@ class ProfileSpec:
     def resolved(self, device: str | None = None) -> dict:
         """Every default filled in for ``device`` (default :meth:`resolved_device`): max_len,
         fit/held-out packs, repetitions, group sizes, message sizes."""
-        from workbench.specs import get_model
+        from workbench.models import get_model
 
         dev = device or self.resolved_device()
         m = get_model(self.model)

@@ -110,8 +110,9 @@ def check_fidelity(profile_or_path, train_run, *, skip: int = 1, root: str | Pat
     from workbench import runs
     from workbench.cost import CostModel
     from workbench.cost.memory import optimizer_kind
+    from workbench.models import get_model
     from workbench.solve.plan import pass_loads, plan_from_dict
-    from workbench.specs import ClusterSpec, get_model
+    from workbench.specs import ClusterSpec
 
     prof = _profile(profile_or_path)
     run = runs.load_run(train_run, root=root)

@@ -63,11 +63,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from workbench import runs
+from workbench.models import get_model
 from workbench.profile import ProfileSpec, read_profile_spec
 from workbench.profile.fit import trimmed_median
 from workbench.profile.machine import cpu_name
 from workbench.profile.result import MEASUREMENTS_FILE, RESULT_FILE, build_result
-from workbench.specs import ModelSpec, get_model
+from workbench.specs import ModelSpec
 from workbench.util import write_json_atomic
 
 __all__ = ["Clock", "measure_compute", "measure_collectives", "measure_groups", "measure_compute_and_groups",

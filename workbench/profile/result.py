@@ -147,8 +147,9 @@ def fit_sp_overhead(profile: HardwareProfile, world: int, groups: list[dict]) ->
     import numpy as np
 
     from workbench.cost import CostModel
+    from workbench.models import get_model
     from workbench.profile.fit import nnls
-    from workbench.specs import ClusterSpec, get_model
+    from workbench.specs import ClusterSpec
 
     if not groups:
         return {}, {}, []
@@ -182,7 +183,7 @@ def fit_sp_overhead(profile: HardwareProfile, world: int, groups: list[dict]) ->
 
 
 def _model(name: str):
-    from workbench.specs import get_model
+    from workbench.models import get_model
 
     return get_model(name)
 

@@ -77,7 +77,7 @@ def compute_figure(profile, title: str | None = None):
     pd = profile.to_dict() if hasattr(profile, "to_dict") else dict(profile)
     pts = [p for p in profile_points(pd) if len(p["pack"]) == 1]
     try:  # up to the longest context of the model the curves were measured on (at most 128K)
-        from workbench.specs import get_model
+        from workbench.models import get_model
 
         top = min(1 << 17, get_model(pd["model"]).max_context)
     except ValueError:

@@ -165,6 +165,7 @@ def _attention_checks(device: torch.device) -> list[dict]:
 def _train_step_check(device: torch.device, precision: str, steps: int = 4) -> dict:
     """``steps`` steps of the tiny model on one process (ZeRO-0), timed and measured; returns the check."""
     from workbench.cost import CostModel, activation_bytes_per_token
+    from workbench.models import get_model
     from workbench.runtime.attention import select_attention
     from workbench.runtime.groups import GroupRegistry
     from workbench.runtime.model import Transformer
@@ -172,7 +173,7 @@ def _train_step_check(device: torch.device, precision: str, steps: int = 4) -> d
     from workbench.runtime.timing import Clock, PeakMemory, StepStats
     from workbench.runtime.zero import parallelize
     from workbench.solve.plan import build_plan
-    from workbench.specs import ClusterSpec, get_model, load_profile
+    from workbench.specs import ClusterSpec, load_profile
 
     spec = get_model("tiny")
     lengths = [4096, 2048, 1024, 1024] if device.type == "cuda" else [400, 300, 200, 100]
@@ -327,13 +328,14 @@ def _sharded_check(device: torch.device, precision: str, backend: str) -> dict:
     import torch.distributed as dist
 
     from workbench.cost import CostModel
+    from workbench.models import get_model
     from workbench.runtime.attention import select_attention
     from workbench.runtime.groups import GroupRegistry
     from workbench.runtime.model import Transformer
     from workbench.runtime.step import StepExecutor
     from workbench.runtime.zero import parallelize
     from workbench.solve.plan import build_plan
-    from workbench.specs import ClusterSpec, get_model, load_profile
+    from workbench.specs import ClusterSpec, load_profile
 
     spec = get_model("tiny")
     lengths = [97, 64, 33, 20, 9]
