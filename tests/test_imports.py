@@ -25,13 +25,6 @@ PACKAGES = ("workbench", "widgets")
 # break fails the test, and each entry here is a strict expected failure of
 # test_known_break_is_gone: when it is fixed that test fails until the entry is deleted.
 KNOWN = {
-    # being removed in the solve restructure
-    "circle: workbench.solve.flexsp <-> workbench.solve.lockstep <-> workbench.solve.stack",
-    "workbench.solve.lockstep imports workbench.solve.flexsp._Table",
-    "workbench.solve.lockstep imports workbench.solve.flexsp._heuristic_step",
-    "workbench.solve.lockstep imports workbench.solve.flexsp._makespan",
-    "workbench.solve.lockstep imports workbench.solve.flexsp._refine",
-    "workbench.solve.lockstep imports workbench.solve.flexsp._solve_step",
     # being removed in the doctor rename
     "workbench.runtime.doctor imports workbench.runtime.attention._flash_attention_fn",
     "2 doctor modules: workbench.doctor, workbench.runtime.doctor",
