@@ -164,10 +164,6 @@ def _circle_line(comp) -> str:
     return "circle: " + " <-> ".join(sorted(comp))
 
 
-def _circle_set(line: str) -> frozenset[str] | None:
-    return frozenset(line.removeprefix("circle: ").split(" <-> ")) if line.startswith("circle: ") else None
-
-
 @pytest.fixture(scope="module")
 def graph() -> _Graph:
     return _Graph(_modules())
@@ -183,12 +179,8 @@ def _problems(graph: _Graph) -> set[str]:
 
 
 def _known(line: str) -> bool:
-    """Whether ``line`` is a known break: listed, or a circle among the modules of a listed one (a
-    loop the restructure has shrunk but not yet removed)."""
-    if line in KNOWN:
-        return True
-    mods = _circle_set(line)
-    return mods is not None and any(mods <= (k or frozenset()) for k in map(_circle_set, KNOWN))
+    """Whether ``line`` is a known break (listed in ``KNOWN``)."""
+    return line in KNOWN
 
 
 def test_the_check_reads_the_packages(graph):
@@ -218,11 +210,7 @@ def test_one_module_named_doctor(graph):
 @pytest.mark.parametrize("line", sorted(KNOWN))
 @pytest.mark.xfail(strict=True, reason="a known break that other work is removing; delete it from KNOWN when fixed")
 def test_known_break_is_gone(graph, line):
-    mods = _circle_set(line)
-    if mods is not None:  # gone when no loop is left among its modules
-        assert not any(set(c) <= mods for c in graph.circles()), f"still there: {line}"
-    else:
-        assert line not in _problems(graph), f"still there: {line}"
+    assert line not in _problems(graph), f"still there: {line}"
 
 
 def test_the_rules_catch_a_circle_and_a_private_import(tmp_path):
@@ -249,7 +237,3 @@ def test_the_rules_catch_a_circle_and_a_private_import(tmp_path):
     assert "workbench.sub.x" not in g.edges["workbench.sub"]  # a package's own children: re-exports
 
 
-def test_a_known_circle_may_shrink_but_not_grow():
-    assert _known("circle: workbench.solve.flexsp <-> workbench.solve.lockstep")
-    assert not _known("circle: workbench.solve.flexsp <-> workbench.solve.lockstep <-> workbench.solve.plan")
-    assert not _known("circle: workbench.hf <-> workbench.specs")
