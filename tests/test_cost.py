@@ -147,7 +147,7 @@ def test_auto_keeps_every_split_a_group_would_choose():
         seqs = rng.integers(100, 300_000, size=int(rng.integers(1, 6)))
         every = [c for c in range(1, d + 1) if d % c == 0 and auto.split_supported(d // c)]
 
-        def group(c):
+        def group(c, d=d, seqs=seqs):
             return (auto.group_overhead_ms(d, c) + float(auto.time(seqs, d, c).sum()),
                     float(auto.memory(seqs, d, c).sum()))
         fits = [group(c)[0] for c in every if group(c)[1] <= auto.memory_budget_gb]

@@ -21,7 +21,7 @@ import ipywidgets as W
 
 from widgets._base import (LatestWorker, Panel, ScenarioSource, figure_box, figure_widget, html_table, model_control, note_html,
                            one_line, path_control, set_figure)
-from workbench.scenario import DEFAULT_PLANNERS, Scenario
+from workbench.scenario import DEFAULT_PLANNERS, DEFAULT_STRATEGY, STRATEGIES, Scenario
 
 __all__ = ["SolverPanel", "SolveResult"]
 
@@ -131,7 +131,8 @@ class SolverPanel(ScenarioSource, Panel):
         self.w_batch_index = W.BoundedIntText(min=0, max=10**6, description="batch #", style=st,
                                               layout=W.Layout(width="140px"))
         self.w_recompute = W.Checkbox(description="recompute activations", indent=False, layout=W.Layout(width="190px"))
-        self.w_strategy = W.Dropdown(options=["ulysses", "ring"], description="SP attention", style=st, layout=lay)
+        self.w_strategy = W.Dropdown(options=[s for s in STRATEGIES if s != "ring"], value=DEFAULT_STRATEGY,
+                                     description="SP split", style=st, layout=lay)
         names = [n for n in planner_names() if n != "static:D"]
         self.w_planner = W.Dropdown(options=names, description="planner", style=st, layout=lay)
         self.w_time_limit = W.FloatSlider(min=0.1, max=10.0, step=0.1, description="time limit (s)", style=st,
@@ -264,7 +265,7 @@ class SolverPanel(ScenarioSource, Panel):
             self.w_batch.value = int(sc.batch_tokens or 0) if sc.batch_tokens else self.w_batch.value or 1_000_000
             self.w_batch.disabled = sc.batch_tokens is None
             self.w_recompute.value = bool(sc.recompute)
-            self.w_strategy.value = sc.strategy
+            self.w_strategy.value = "cp" if sc.strategy == "ring" else sc.strategy  # ring is cp's older name
             if sc.planner not in self.w_planner.options:
                 self.w_planner.options = [*self.w_planner.options, sc.planner]
             self.w_planner.value = sc.planner

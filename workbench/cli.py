@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from workbench.scenario import DEFAULT_PLANNERS, Scenario
+from workbench.scenario import DEFAULT_PLANNERS, DEFAULT_STRATEGY, STRATEGIES, Scenario
 from workbench.simulate import summary_table
 from workbench.util import dumps, positive_float, positive_int
 
@@ -95,8 +95,10 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help=f"model preset (default {DEFAULT_MODEL}) or a Hugging Face config.json (or its folder)")
     p.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME|PATH",
                    help=f"hardware profile: shipped name or JSON file (default {DEFAULT_PROFILE})")
-    p.add_argument("--strategy", default="ulysses", choices=["ulysses", "ring"],
-                   help="sequence-parallel attention (default ulysses)")
+    p.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=list(STRATEGIES),
+                   help="how a group splits its attention: ulysses (heads scattered, capped by the heads), cp "
+                        "(context parallelism, K/V all-gathered; ring is its older name), auto (each group the "
+                        f"fastest split u x cp that fits; default {DEFAULT_STRATEGY})")
     p.add_argument("--recompute", action="store_true", help="full activation recomputation (less memory, more time)")
 
 
@@ -217,21 +219,33 @@ def cmd_lengths(args) -> int:
 def cmd_cost(args) -> int:
     lengths = _positive_list(args.lengths, "--lengths")
     degrees = _positive_list(args.degrees, "--degrees")
+    cps = _positive_list(args.cp, "--cp") if args.cp else None
     sc = scenario_from_args(args)
     cost = sc.cost()
     bad = [d for d in degrees if d > cost.cluster.num_gpus]
     if bad:
         raise CliError(f"--degrees {bad} exceed --gpus {cost.cluster.num_gpus}")
-    table = cost.table(lengths, degrees)
+    try:
+        table = cost.table(lengths, degrees, cps)
+    except ValueError as e:
+        raise CliError(f"--cp: {e}") from None
     if args.json:
         print(dumps(table))
         return 0
-    print(f"{cost.model.name} on {cost.profile.name} ({cost.strategy}), budget {table['memory_budget_gb']:.2f} GB/GPU "
+    print(f"{cost.model.name} on {cost.profile.name} ({cost.strategy}: Ulysses up to {table['ulysses_limit']} by "
+          f"{cost.model.heads} query / {cost.model.kv_heads} KV heads), budget {table['memory_budget_gb']:.2f} GB/GPU "
           f"for activations, group overhead {cost.group_overhead_ms(1):.1f} ms")
-    print(f"{'length':>9} {'degree':>6} {'time_ms':>11} {'memory_gb':>10} feasible")
-    for r in table["rows"]:
-        t = f"{r['time_ms']:11.1f}" if r["time_ms"] is not None else f"{'-':>11}"
-        print(f"{r['length']:>9,} {r['degree']:>6} {t} {r['memory_gb']:10.2f} {'yes' if r['feasible'] else 'no'}")
+    print(f"{'length':>9} {'degree':>6} {'u x cp':>7} {'time_ms':>11} {'ulysses_ms':>10} {'cp_ms':>9} {'memory_gb':>10} fits")
+    def num(r, k, w):
+        return f"{r[k]:{w}.1f}" if r[k] is not None else f"{'-':>{w}}"
+
+    for r in table["split_rows"]:
+        mark = "" if r["in_strategy"] else "  (not in --strategy " + cost.strategy + ")"
+        print(f"{r['length']:>9,} {r['degree']:>6} {str(r['ulysses']) + 'x' + str(r['cp']):>7} {num(r, 'time_ms', 11)} "
+              f"{num(r, 'ulysses_ms', 10)} {num(r, 'cp_ms', 9)} {r['memory_gb']:10.2f} {'yes' if r['feasible'] else 'no'}{mark}")
+    unsupported = [r for r in table["rows"] if r["time_ms"] is None]
+    for r in unsupported[:1]:
+        print(f"  degree {r['degree']}: {cost.degree_limit_reason(r['degree']) or 'more than --gpus'}")
     return 0
 
 
@@ -267,11 +281,11 @@ def cmd_plan(args) -> int:
     if plan.reason:
         print(f"  {plan.reason}")
     for m, ms in enumerate(plan.micro_steps):
-        by_deg: dict[int, list] = {}
+        by_shape: dict[tuple[int, int], list] = {}
         for g in ms.groups:
-            by_deg.setdefault(g.degree, []).append(g)
-        desc = ", ".join(f"{len(v)}x degree {d} ({sum(len(g.sequences) for g in v)} seqs, "
-                         f"max {max(g.time_ms for g in v):,.0f} ms)" for d, v in sorted(by_deg.items(), reverse=True))
+            by_shape.setdefault((g.degree, g.cp), []).append(g)
+        desc = ", ".join(f"{len(v)}x degree {d}{f' ({d // c}x{c})' if c > 1 else ''} ({sum(len(g.sequences) for g in v)} "
+                         f"seqs, max {max(g.time_ms for g in v):,.0f} ms)" for (d, c), v in sorted(by_shape.items(), reverse=True))
         if ms.time_ms is not None:
             print(f"  pass {m} ({ms.time_ms:,.0f} ms): {desc}")
         else:
@@ -799,6 +813,8 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("cost", help="print the cost model the planners use")
     q.add_argument("--lengths", required=True, metavar="L1,L2,...")
     q.add_argument("--degrees", default="1,2,4,8,16,32,64", metavar="D1,D2,...")
+    q.add_argument("--cp", default=None, metavar="C1,C2,...",
+                   help="context-parallel sizes to show for each degree they divide (default: the strategy's splits)")
     _add_cluster_args(q)
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_cost)

@@ -27,11 +27,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["Scenario", "DEFAULT_PLANNERS", "STRATEGIES", "POLICIES", "default_max_len"]
+from workbench.cost import DEFAULT_STRATEGY, STRATEGIES
+
+__all__ = ["Scenario", "DEFAULT_PLANNERS", "STRATEGIES", "DEFAULT_STRATEGY", "POLICIES", "default_max_len"]
 
 DEFAULT_PLANNERS = ("static-max", "best-static", "min-degree", "greedy", "two-stage", "flexsp")
 """The planners a comparison runs when none are named."""
-STRATEGIES = ("ulysses", "ring")
 POLICIES = ("clip", "split", "drop", "error")
 
 
@@ -95,8 +96,10 @@ class Scenario:
     degrees: tuple[int, ...] = ()
     """Candidate sequence-parallel degrees; empty: every power of two whose aligned groups fit the
     nodes."""
-    strategy: str = "ulysses"
-    """Sequence-parallel attention: ``ulysses`` (all-to-all) or ``ring`` (point-to-point)."""
+    strategy: str = DEFAULT_STRATEGY
+    """How a group splits its attention (``workbench.cost``): ``ulysses`` (heads scattered by an
+    all-to-all, capped by the heads), ``cp`` (context parallelism: K/V all-gathered; ``ring`` is its
+    older name) or ``auto`` (each group the fastest split ``u x cp`` that fits)."""
     recompute: bool = False
     """Full activation recomputation (less memory, more time)."""
 

@@ -103,12 +103,15 @@ import numpy as np
 from workbench.cost.memory import PRECISIONS, fsdp_units, model_states
 from workbench.specs import ClusterSpec, ComputeCurve, HardwareProfile, ModelSpec
 
-__all__ = ["CostModel", "STRATEGIES", "InfeasibleError", "EXECUTIONS"]
+__all__ = ["CostModel", "STRATEGIES", "DEFAULT_STRATEGY", "InfeasibleError", "EXECUTIONS"]
 
 EXECUTIONS = ("free", "lockstep")
 
 STRATEGIES = ("auto", "ulysses", "cp", "ring")
 """Which splits ``u x c`` a cost model's groups may use (module docstring); ``ring`` is ``cp``."""
+
+DEFAULT_STRATEGY = "ulysses"
+"""The strategy scenarios, the command line and the panels plan with unless told."""
 
 
 class InfeasibleError(ValueError):
