@@ -35,7 +35,7 @@ SETTINGS = {
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--time-limit", type=float, default=1.0)
+    ap.add_argument("--effort", "--time-limit", dest="time_limit", type=float, default=1.0)
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--planners", default=",".join(PLANNERS))
     ap.add_argument("--samples", type=int, default=200_000)
@@ -57,7 +57,7 @@ def main() -> int:
             t0 = time.perf_counter()
             sc = Scenario(model="7b", profile="a100-40g-flexsp", num_gpus=64, source=fam, samples=args.samples,
                           seed=args.seed, max_len=cfg["max_len"], policy="clip", batch_tokens=cfg["batch_tokens"],
-                          batch_size=cfg["batch_size"], recompute=cfg["recompute"], time_limit=args.time_limit)
+                          batch_size=cfg["batch_size"], recompute=cfg["recompute"], effort=args.time_limit)
             res = sc.simulate(planners, steps=args.steps)
             rows = res.planners
             for name, r in rows.items():

@@ -72,7 +72,8 @@ def _args(argv=None):
     ap.add_argument("--run-root", default=None, help="the run store holding machine profiles (default runs/)")
     ap.add_argument("--gpu-memory-gb", type=float, default=None,
                     help="per-rank memory for the cost model (default: a max-len sequence needs degree nproc)")
-    ap.add_argument("--time-limit", type=float, default=2.0, help="solver time limit (flexsp)")
+    ap.add_argument("--effort", "--time-limit", dest="time_limit", type=float, default=2.0,
+                    help="flexsp effort per step (reference seconds)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1200, help="seconds before the torchrun job is killed")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -91,7 +92,7 @@ def _scenario(args, gpu_memory_gb: float, stage: int):
     n = args.nproc
     return Scenario(model="tiny", profile=args.profile, num_gpus=n, gpus_per_node=n, gpu_memory_gb=gpu_memory_gb,
                     source=args.lengths, samples=args.samples, max_len=args.max_len, policy="clip",
-                    batch_tokens=args.batch_tokens, seed=args.seed, time_limit=args.time_limit, zero_stage=stage,
+                    batch_tokens=args.batch_tokens, seed=args.seed, effort=args.time_limit, zero_stage=stage,
                     precision="fp32", optimizer="adamw")
 
 

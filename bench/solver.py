@@ -125,11 +125,11 @@ def run_cell(gpus: int, seqs: int, families, steps: int, time_limit, seed: int, 
         groups_per_gpu = []
         gaps: dict[str, list[dict]] = {"flexsp": [], "greedy": []}
         for k, s in enumerate(batches(fam, gpus, seqs, steps, seed, max_len, batch_tokens)):
-            p = run_planner("flexsp", s, cost, seed=seed, time_limit=tl, max_len=max_len)
+            p = run_planner("flexsp", s, cost, seed=seed, effort=tl, max_len=max_len)
             validate(p, s, cost.cluster, cost)
             json.dumps(p.to_dict(), allow_nan=False)  # strict JSON
             # the ablation: the same planner without CP-SAT (heuristics and local search only)
-            q = plan_flexsp(s, cost, PlanOptions(seed=seed, time_limit=tl, max_len=max_len), cpsat=False)
+            q = plan_flexsp(s, cost, PlanOptions(seed=seed, effort=tl, max_len=max_len), cpsat=False)
             validate(q, s, cost.cluster, cost)
             solve.append(p.solve_seconds)
             solve_off.append(q.solve_seconds)
@@ -151,7 +151,7 @@ def run_cell(gpus: int, seqs: int, families, steps: int, time_limit, seed: int, 
                 gaps["flexsp"].append(gap_parts(p, s, cost))
             step_plans = [p, q]
             for o in others:
-                r = run_planner(o, s, cost, seed=seed, time_limit=tl, max_len=max_len)
+                r = run_planner(o, s, cost, seed=seed, effort=tl, max_len=max_len)
                 step_plans.append(r)
                 mk[o].append(r.makespan_ms)
                 if o == "greedy" and r.execution == "free":
@@ -258,8 +258,8 @@ def small_ablation(count: int, time_limit: float, seed: int) -> None:
         hi = max(cost.degrees) * tpg
         f = np.exp(rng.uniform(np.log(0.01), np.log(min(3.0, hi / tpg)), size=int(rng.integers(1, 11))))
         s = np.minimum(np.maximum(1, (f * tpg).astype(np.int64)), int(hi))
-        p = plan_flexsp(s, cost, PlanOptions(seed=k, time_limit=time_limit))
-        q = plan_flexsp(s, cost, PlanOptions(seed=k, time_limit=time_limit), cpsat=False)
+        p = plan_flexsp(s, cost, PlanOptions(seed=k, effort=time_limit))
+        q = plan_flexsp(s, cost, PlanOptions(seed=k, effort=time_limit), cpsat=False)
         g = q.makespan_ms / p.makespan_ms - 1.0
         gains.append(g)
         better += g > 1e-9
@@ -290,7 +290,7 @@ def peer_table(path: str, time_limit: float, seed: int) -> dict:
                "peer_ms": peer, "peer_check_ms": peer_check, "peer_passes": len(b["micro_batches"]),
                "peer_solve_s": b.get("solve_wall_s_if_unbounded_cores_est", b.get("solve_wall_s"))}
         for multi in (False, True):
-            p = plan_lockstep(s, cost, PlanOptions(seed=seed, time_limit=time_limit), multi=multi)
+            p = plan_lockstep(s, cost, PlanOptions(seed=seed, effort=time_limit), multi=multi)
             validate(p, s, cost.cluster, cost)
             key = "stacked" if multi else "ours"
             if not multi:
@@ -328,7 +328,7 @@ def stage_table(families, steps: int, time_limit: float, seed: int, batch_tokens
     for model, prof in cases:
         for fam in families:
             base = Scenario(model=model, profile=prof, num_gpus=64, source=fam, samples=200_000, seed=seed,
-                            batch_tokens=batch_tokens, time_limit=time_limit)
+                            batch_tokens=batch_tokens, effort=time_limit)
             row = {"model": model, "profile": prof, "family": fam}
             for zero in (3, 2):
                 sc = base.replace(zero_stage=zero)
@@ -347,12 +347,12 @@ def stage_table(families, steps: int, time_limit: float, seed: int, batch_tokens
                     continue
                 for b in batches:
                     s = np.asarray(b.lengths, dtype=np.int64)
-                    p = run_planner("flexsp", s, cost, seed=seed, time_limit=time_limit)
+                    p = run_planner("flexsp", s, cost, seed=seed, effort=time_limit)
                     validate(p, s, cost.cluster, cost)
                     ms.append(p.makespan_ms)
                     passes.append(len(p.micro_steps))
                     if zero == 3:
-                        q = plan_lockstep(s, cost, PlanOptions(seed=seed, time_limit=time_limit), multi=False)
+                        q = plan_lockstep(s, cost, PlanOptions(seed=seed, effort=time_limit), multi=False)
                         ms_single.append(q.makespan_ms)
                 row[f"z{zero}"] = {"fits": True, "mean_ms": float(np.mean(ms)), "budget_gb": cost.memory_budget_gb,
                                    "states_gb": cost.model_states_gb, "parts": float(np.mean(passes)),
@@ -388,7 +388,9 @@ def main() -> int:
                     help="draw batches of this many tokens from each family instead of --seqs sequences")
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--time-limit", default="auto")
+    ap.add_argument("--effort", "--time-limit", dest="time_limit", default="auto",
+                    help="flexsp effort per step in reference seconds, or auto (1 up to 64 GPUs x 512 sequences, "
+                         "growing with the problem to 8)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="8 and 64 GPUs x 128 and 512 sequences, 2 steps")
     ap.add_argument("--json", default=None)

@@ -246,7 +246,7 @@ def test_the_trainers_planner_goes_on_inline_with_the_same_plans(cost, sampler, 
     from workbench.runtime.train import RankZeroPlanner
 
     run = runs.new_run("train", {}, root=tmp_path, run_id="r")
-    planner = RankZeroPlanner("_slow_planner:plan_slow", cost, seed=3, time_limit=1.0, max_len=16384, ahead=True,
+    planner = RankZeroPlanner("_slow_planner:plan_slow", cost, seed=3, effort=1.0, time_limit=None, max_len=16384, ahead=True,
                               run_dir=run.path)
     try:
         assert planner.mode == "ahead"
@@ -260,7 +260,7 @@ def test_the_trainers_planner_goes_on_inline_with_the_same_plans(cost, sampler, 
     for b, msg in zip(batches, got):
         assert "error" not in msg, msg
         # "_slow_planner:plan_slow" plans as greedy does, after a pause
-        want = run_planner("greedy", b.lengths, cost, seed=3, time_limit=1.0, max_len=16384, batch_id=b.batch_id)
+        want = run_planner("greedy", b.lengths, cost, seed=3, effort=1.0, max_len=16384, batch_id=b.batch_id)
         got_plan, want_plan = msg["plan"], want.to_dict()
         for d in (got_plan, want_plan):
             d.pop("solve_seconds")
@@ -290,7 +290,7 @@ def test_the_worker_does_not_import_the_parents_main_module(tmp_path):
 
         if __name__ == "__main__":
             cost = CostModel(load_profile("a100-40g-flexsp"), get_model("7b"), ClusterSpec(num_gpus=8, gpus_per_node=8))
-            with PlanAhead("greedy", cost, time_limit=0.2) as ahead:
+            with PlanAhead("greedy", cost, effort=0.2) as ahead:
                 ahead.submit(("b0", [4096, 1024, 512]))
                 plan = ahead.get("b0", timeout=60)
                 pid = ahead.worker_pids()[0]

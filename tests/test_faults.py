@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 180
-SETTINGS = dict(model="tiny", max_len=256, batch_tokens=1024, time_limit=0.5, device="cpu")
+SETTINGS = dict(model="tiny", max_len=256, batch_tokens=1024, effort=0.5, device="cpu")
 
 
 def _workbench(*args: str) -> list[str]:
@@ -161,7 +161,7 @@ def test_a_killed_plan_ahead_worker_costs_time_not_the_run(tmp_path):
     assert [r["step"] for r in rows] == list(range(steps))
     for r in rows:
         plan = plan_from_dict(r["plan"])
-        want = run_planner(sc.planner, plan_lengths(plan), sc.cost(), seed=sc.seed, time_limit=sc.time_limit,
+        want = run_planner(sc.planner, plan_lengths(plan), sc.cost(), seed=sc.seed, effort=sc.effort, time_limit=sc.time_limit,
                            max_len=sc.max_len, batch_id=r["batch_id"]).to_dict()
         got = dict(r["plan"])
         for d in (got, want):

@@ -122,7 +122,7 @@ def test_exact_model_matches_brute_force_on_200_instances():
     fits = 0
     for k, (s, cost) in enumerate(CASES):
         opt = brute_force_one_step(s, cost)
-        r = solve_one_step(s, cost, bucketing=False, time_limit=20.0, seed=k)
+        r = solve_one_step(s, cost, bucketing=False, effort=20.0, seed=k)
         if not math.isfinite(opt):
             assert r is None, f"case {k}: the solver found a one-micro-step plan the exhaustive search did not"
             continue
@@ -144,7 +144,7 @@ def test_bucketed_model_close_to_brute_force():
         opt = brute_force_one_step(s, cost)
         if not math.isfinite(opt):
             continue
-        r = solve_one_step(s, cost, bucketing=True, buckets=3, time_limit=5.0, seed=k)
+        r = solve_one_step(s, cost, bucketing=True, buckets=3, effort=5.0, seed=k)
         assert r is not None
         assert r.makespan_ms <= opt * 1.01 + 1e-9, (k, s.tolist())
         assert r.makespan_ms >= opt * (1 - 1e-9)
@@ -153,7 +153,7 @@ def test_bucketed_model_close_to_brute_force():
 def test_plan_flexsp_never_behind_the_one_step_optimum():
     for k, (s, cost) in enumerate(CASES[:60]):
         opt = brute_force_one_step(s, cost)
-        p = plan_flexsp(s, cost, PlanOptions(seed=k, time_limit=2.0), bucketing=False)
+        p = plan_flexsp(s, cost, PlanOptions(seed=k, effort=2.0), bucketing=False)
         validate(p, s, cost.cluster, cost)
         if math.isfinite(opt):
             assert p.makespan_ms <= opt + cost.grad_sync_ms() + 1e-6 * opt
@@ -171,7 +171,7 @@ def test_families_64_gpus(free_7b_64, family):
 
     cost = free_7b_64
     s = np.minimum(synthetic_lengths(family, 512, seed=3), 131072)
-    opts = PlanOptions(seed=0, time_limit=0.5)
+    opts = PlanOptions(seed=0, effort=0.5)
     p = plan_flexsp(s, cost, opts)
     validate(p, s, cost.cluster, cost)
     g = plan_greedy(s, cost, opts)
@@ -191,7 +191,7 @@ def test_micro_step_chunking(small_cost):
     s = rng.integers(200, 6000, size=60)
     tab = Table(s, small_cost)
     assert min_micro_steps(tab) >= 3
-    p = plan_flexsp(s, small_cost, PlanOptions(seed=0, time_limit=1.0))
+    p = plan_flexsp(s, small_cost, PlanOptions(seed=0, effort=1.0))
     validate(p, s, small_cost.cluster, small_cost)
     assert len(p.micro_steps) >= min_micro_steps(tab)
     assert p.makespan_ms <= plan_greedy(s, small_cost, PlanOptions()).makespan_ms * (1 + 1e-9)
@@ -200,7 +200,7 @@ def test_micro_step_chunking(small_cost):
 
 def test_one_micro_step_model_proves_its_optimum_and_status_is_honest(small_cost):
     s = np.array([300, 900, 1500, 2500, 4000, 700])
-    p = plan_flexsp(s, small_cost, PlanOptions(seed=0, time_limit=5.0), bucketing=False)
+    p = plan_flexsp(s, small_cost, PlanOptions(seed=0, effort=5.0), bucketing=False)
     validate(p, s, small_cost.cluster, small_cost)
     grad = small_cost.grad_sync_ms()
     opt = brute_force_one_step(s, small_cost)
@@ -212,7 +212,7 @@ def test_one_micro_step_model_proves_its_optimum_and_status_is_honest(small_cost
     assert calls[0]["hint"] == "complete, feasible"
     # that is no proof for the step (stacked groups may beat one micro-step): optimal only at the bound
     assert (p.status == "optimal") == (p.makespan_ms <= p.lower_bound_ms * (1 + 1e-9))
-    for key in ("micro_steps", "min_micro_steps", "cp_sat", "cp_sat_status", "cp_sat_wall_s", "wall_s",
+    for key in ("micro_steps", "min_micro_steps", "cp_sat", "cp_sat_status", "cp_sat_dtime", "wall", "effort_phases",
                 "best_bound_ms", "source", "start", "gap", "greedy_ms", "best_static_ms", "groups_per_gpu"):
         assert key in p.stats
     json.dumps(p.to_dict(), allow_nan=False)
@@ -221,7 +221,7 @@ def test_one_micro_step_model_proves_its_optimum_and_status_is_honest(small_cost
 def test_registered_and_run_planner(small_cost):
     assert "flexsp" in planner_names()
     s = np.array([512, 1024, 8000, 3000])
-    p = run_planner("flexsp", s, small_cost, seed=1, time_limit=0.5, batch_id="b0")
+    p = run_planner("flexsp", s, small_cost, seed=1, effort=0.5, batch_id="b0")
     assert p.batch_id == "b0" and p.planner == "flexsp"
     validate(p, s, small_cost.cluster, small_cost)
 
@@ -240,7 +240,7 @@ def test_cancellation(a100_7b_64):
     ev = threading.Event()
     ev.set()
     with pytest.raises(Cancelled):
-        plan_flexsp(s, a100_7b_64, PlanOptions(time_limit=5.0, cancel=ev))
+        plan_flexsp(s, a100_7b_64, PlanOptions(effort=5.0, cancel=ev))
     # cancelled while running: a progress message after the baselines and the first starts sets it
     ev2 = threading.Event()
     seen = []
@@ -251,14 +251,14 @@ def test_cancellation(a100_7b_64):
             ev2.set()
 
     with pytest.raises(Cancelled):
-        plan_flexsp(s, a100_7b_64, PlanOptions(time_limit=5.0, cancel=ev2, progress=progress))
+        plan_flexsp(s, a100_7b_64, PlanOptions(effort=5.0, cancel=ev2, progress=progress))
     assert seen
 
 
 def test_progress_is_reported(small_cost):
     seen = []
     s = np.array([512, 1024, 8000, 3000, 5000])
-    run_planner("flexsp", s, small_cost, time_limit=0.3, progress=lambda f, m: seen.append((f, m)))
+    run_planner("flexsp", s, small_cost, effort=0.3, progress=lambda f, m: seen.append((f, m)))
     assert seen and all(0.0 <= f <= 1.0 for f, _ in seen)
 
 

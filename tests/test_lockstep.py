@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from workbench.solve.lockstep import Passes, plan_lockstep
 from workbench.solve.options import PlanOptions
 from workbench.solve.plan import pass_loads
 from workbench.specs import ClusterSpec, load_profile
+from workbench.solve.effort import Effort
 from conftest import set_partitions
 
 PROFILE = load_profile("a100-40g-flexsp")
@@ -146,7 +146,7 @@ def test_lower_bound_and_planner_against_every_lockstep_plan():
         lb = lower_bound_ms(s, cost)
         assert lb <= multi * (1 + 1e-9), (s.tolist(), lb, multi)
         for use_multi, opt in ((False, single), (True, multi)):
-            p = plan_lockstep(s, cost, PlanOptions(time_limit=0.5), multi=use_multi)
+            p = plan_lockstep(s, cost, PlanOptions(effort=0.5), multi=use_multi)
             validate(p, s, cost.cluster, cost)
             assert p.makespan_ms >= opt * (1 - 1e-9), "a plan faster than every plan"
             assert p.makespan_ms <= opt * 1.10, (s.tolist(), use_multi, p.makespan_ms, opt)
@@ -165,7 +165,7 @@ def test_passes_bookkeeping_after_local_search():
         s = np.minimum(s, int(cost.tokens_per_gpu() * 8 * 0.9))
         tab = Table(s, cost)
         for multi in (False, True):
-            p = plan_lockstep(s, cost, PlanOptions(time_limit=0.4), multi=multi)
+            p = plan_lockstep(s, cost, PlanOptions(effort=0.4), multi=multi)
             validate(p, s, cost.cluster, cost)
             e_of = {int(d): e for e, d in enumerate(tab.deg)}
             ps = Passes.from_passes(tab, cost, [[(e_of[g.degree], g.ranks[0] // g.degree, list(g.sequences))
@@ -173,7 +173,7 @@ def test_passes_bookkeeping_after_local_search():
             ps.check()
             assert ps.step_ms() + p.grad_sync_ms == pytest.approx(p.makespan_ms)
             before = ps.step_ms()
-            ps.improve(time.perf_counter() + 0.3)
+            ps.improve(0.3, Effort(10))
             ps.check()
             assert ps.step_ms() <= before * (1 + 1e-12)
 
@@ -187,7 +187,7 @@ def test_flexsp_lockstep_beats_the_lockstep_baselines(family):
     assert cost.execution == "lockstep"
     for b in sc.batches(2):
         s = np.asarray(b.lengths)
-        p = run_planner("flexsp", s, cost, time_limit=1.0)
+        p = run_planner("flexsp", s, cost, effort=1.0)
         validate(p, s, cost.cluster, cost)
         assert p.execution == "lockstep" and p.zero_stage == 3 and p.grad_sync_ms == 0.0
         for other in ("static-max", "best-static", "min-degree", "greedy"):
@@ -209,7 +209,7 @@ def test_packing_bound_holds_for_every_lockstep_plan():
         assert pb_multi <= multi * (1 + 1e-9), (s.tolist(), pb_multi, multi)
         assert pb_single <= single * (1 + 1e-9), (s.tolist(), pb_single, single)
         # restricted by a plan's step it stays a bound
-        p = plan_lockstep(s, cost, PlanOptions(time_limit=0.3))
+        p = plan_lockstep(s, cost, PlanOptions(effort=0.3))
         assert lockstep_packing_bound_ms(s, cost, p.makespan_ms, multi=True) <= multi * (1 + 1e-9)
         sb = step_bound_ms(s, cost, [p])
         assert lower_bound_ms(s, cost) <= sb * (1 + 1e-12) and sb <= multi * (1 + 1e-9)

@@ -325,7 +325,7 @@ def test_node_records_in_the_run_store(tmp_path):
 # fast: joining a run, the emitted commands, this machine's refusals
 # ------------------------------------------------------------------------------------------------
 
-SET = dict(model="tiny", max_len=256, batch_tokens=1024, time_limit=0.5, device="cpu", steps=2, nproc=2, nnodes=2)
+SET = dict(model="tiny", max_len=256, batch_tokens=1024, effort=0.5, device="cpu", steps=2, nproc=2, nnodes=2)
 
 
 def test_nodes_join_one_run_by_name_and_refuse_another_runs_spec(tmp_path):

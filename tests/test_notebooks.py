@@ -75,7 +75,7 @@ def test_every_notebook_is_committed_without_outputs_or_widget_state():
 def test_parameters_are_parsed_typed_and_checked(tmp_path):
     p = notebook_parameters(find_notebook("03_solver"))
     assert p["num_gpus"]["default"] == 64 and p["num_gpus"]["type"] == "int"
-    assert p["recompute"]["default"] is False and p["time_limit"]["type"] == "float"
+    assert p["recompute"]["default"] is False and p["effort"]["type"] == "float"
     assert find_notebook("solver") == find_notebook("03") == NB_DIR / "03_solver.ipynb"
     assert coerce_value("num_gpus", "16", 64) == 16
     assert coerce_value("recompute", "true", False) is True and coerce_value("recompute", "0", False) is False
@@ -99,12 +99,12 @@ def test_parameters_are_parsed_typed_and_checked(tmp_path):
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    """``workbench demo`` once, short (2 training steps, 20,000 sampled lengths, a 0.3 s planner
+    """``workbench demo`` once, short (2 training steps, 20,000 sampled lengths, a 0.3 effort planner
     limit): ``(store, report, demo run, the store's (kind, id) right after it, {notebook: its run})``.
     Its ``00_tour`` and ``04_train`` runs are what the tour and train tests check, so each notebook
     runs once in this file."""
     root = tmp_path_factory.mktemp("demo")
-    r = workbench("demo", "--run-root", str(root), "--steps", "2", "--samples", "20000", "--time-limit", "0.3",
+    r = workbench("demo", "--run-root", str(root), "--steps", "2", "--samples", "20000", "--effort", "0.3",
                   timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     report = Path(r.stdout.strip().splitlines()[-1])
@@ -119,7 +119,7 @@ def test_tour_runs_headless(demo):
     run = demo[4]["00_tour"]
     st = run.status()
     assert st.state == "done" and run.kind == "notebook"
-    assert run.spec()["parameters"] == {"samples": 20000, "seed": 0, "time_limit": 0.3}
+    assert run.spec()["parameters"] == {"samples": 20000, "seed": 0, "effort": 0.3}
     nb = executed(run, "00_tour")
     assert errors_in(nb) == []
     tour = json.loads((run.path / "tables" / "tour.json").read_text())
@@ -171,12 +171,12 @@ def test_solver_notebook_through_the_cli(tmp_path):
     from workbench.solve import plan_from_dict, validate
 
     r = workbench("notebook", "run", "03_solver", "-p", "num_gpus", "16", "-p", "batch_tokens", "262144",
-                  "-p", "time_limit", "0.3", "-p", "planner", "greedy", "--run-root", str(tmp_path))
+                  "-p", "effort", "0.3", "-p", "planner", "greedy", "--run-root", str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
     run = runs.load_run(r.stdout.strip().splitlines()[-1])
     assert run.status().state == "done" and run.kind == "notebook"
     # the command line's strings arrive typed as the parameters cell declares them
-    assert run.spec()["parameters"] == {"num_gpus": 16, "batch_tokens": 262144, "time_limit": 0.3, "planner": "greedy"}
+    assert run.spec()["parameters"] == {"num_gpus": 16, "batch_tokens": 262144, "effort": 0.3, "planner": "greedy"}
     assert errors_in(executed(run, "03_solver")) == []
     rows = json.loads((run.path / "tables" / "planners.json").read_text())
     assert [r["planner"] for r in rows][0] == "greedy" and len(rows) == 6

@@ -109,7 +109,7 @@ def test_step_bound_is_the_tighter_bound_below_the_optimum():
         if (cost.min_degree(s) == 0).any():
             continue
         opt = _least_max_load(s, cost)
-        plans = [run_planner(name, s, cost, seed=0, time_limit=2) for name in ("greedy", "flexsp")]
+        plans = [run_planner(name, s, cost, seed=0, effort=2) for name in ("greedy", "flexsp")]
         b = step_bound_ms(s, cost, plans)
         assert lower_bound_ms(s, cost) * (1 - 1e-9) <= b <= opt * (1 + 1e-9), (s.tolist(), b, opt)
         assert b <= min(p.makespan_ms for p in plans) * (1 + 1e-9)
@@ -123,7 +123,7 @@ def test_step_bound_is_the_tighter_bound_below_the_optimum():
     x = int(0.6 * one.tokens_per_gpu())
     s = np.array([x, x, x])
     hand = 3 * one.group_overhead_ms(1) + 3 * float(one.time(s[:1], 1)[0]) + one.grad_sync_ms()
-    plan = run_planner("flexsp", s, one, seed=0, time_limit=2)
+    plan = run_planner("flexsp", s, one, seed=0, effort=2)
     assert plan.makespan_ms == pytest.approx(hand, rel=1e-9)
     assert step_bound_ms(s, one, [plan]) == pytest.approx(hand, rel=1e-6)
     assert lower_bound_ms(s, one) < hand * (1 - 1e-3)

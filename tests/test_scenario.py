@@ -33,6 +33,7 @@ def test_round_trip_and_hash():
     ({"max_len": 10**7}, "exceeds model 7b's max context 393,216"),
     ({"policy": "truncate"}, "Scenario.policy must be one of clip, split, drop, error"),
     ({"time_limit": -1}, "Scenario.time_limit must be a finite number > 0"),
+    ({"effort": 0}, "Scenario.effort must be a finite number > 0"),
     ({"memory_fraction": 1.5}, "Scenario.memory_fraction"),
     ({"degrees": [0, 2]}, "Scenario.degrees"),
     ({"source": ""}, "Scenario.source must be a non-empty string"),

@@ -178,7 +178,7 @@ def test_plan_micro_batches_are_minimal_per_replica(small_cost, seed):
     # tiny batches where memory binds: every replica's micro-batch count is the brute-force minimum
     rng = np.random.default_rng(100 + seed)
     s = rng.integers(800, 9000, size=int(rng.integers(5, 10)))
-    p = run_planner("two-stage", s, small_cost, seed=seed, time_limit=5.0)
+    p = run_planner("two-stage", s, small_cost, seed=seed, effort=5.0)
     validate(p, s, small_cost.cluster, small_cost)
     assert p.stats["packing_proven"]
     for ranks, mbs in _replicas(p).items():
@@ -201,7 +201,7 @@ def test_plan_packs_below_best_fit(one_replica_cost):
     cap = one_replica_cost.tokens_per_gpu() * 8
     s = np.array([int(cap * f) - 8 for f in (0.4, 0.4, 0.3, 0.3, 0.3, 0.3)])
     static = run_planner("static:8", s, one_replica_cost)
-    p = run_planner("two-stage", s, one_replica_cost, time_limit=5.0)
+    p = run_planner("two-stage", s, one_replica_cost, effort=5.0)
     validate(p, s, one_replica_cost.cluster, one_replica_cost)
     assert len(static.micro_steps) == 3 and len(p.micro_steps) == 2
     assert p.stats["exact_packings"] == 1 and p.stats["packing_proven"]
@@ -213,7 +213,7 @@ def test_one_replica_micro_batches_equal_brute_force(one_replica_cost, seed):
     rng = np.random.default_rng(200 + seed)
     cap = one_replica_cost.tokens_per_gpu() * 8
     s = (cap * rng.uniform(0.15, 0.7, size=int(rng.integers(3, 9)))).astype(np.int64)
-    p = run_planner("two-stage", s, one_replica_cost, seed=seed, time_limit=5.0)
+    p = run_planner("two-stage", s, one_replica_cost, seed=seed, effort=5.0)
     validate(p, s, one_replica_cost.cluster, one_replica_cost)
     sizes = list(one_replica_cost.memory(s, 8))
     assert len(p.micro_steps) == _brute_min_bins(sizes, one_replica_cost.memory_budget_gb)
@@ -225,7 +225,7 @@ def test_one_replica_micro_batches_equal_brute_force(one_replica_cost, seed):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_plans_validate_on_every_family(free_7b_64, family):
     s = _family(family)
-    p = run_planner("two-stage", s, free_7b_64, seed=0, time_limit=10.0, batch_id="b1")
+    p = run_planner("two-stage", s, free_7b_64, seed=0, effort=10.0, batch_id="b1")
     validate(p, s, free_7b_64.cluster, free_7b_64)
     assert p.planner == "two-stage" and p.batch_id == "b1" and p.status == "heuristic"
     assert p.lower_bound_ms == pytest.approx(lower_bound_ms(s, free_7b_64))
@@ -245,16 +245,16 @@ def test_plans_validate_on_every_family(free_7b_64, family):
 
 def test_deterministic_for_a_seed(free_7b_64):
     s = _family("github", 300, seed=5)
-    a = run_planner("two-stage", s, free_7b_64, seed=3, time_limit=10.0)
-    b = run_planner("two-stage", s, free_7b_64, seed=3, time_limit=10.0)
+    a = run_planner("two-stage", s, free_7b_64, seed=3, effort=10.0)
+    b = run_planner("two-stage", s, free_7b_64, seed=3, effort=10.0)
     assert _same(a, b)
-    c = run_planner("two-stage", s, free_7b_64, seed=4, time_limit=10.0)
+    c = run_planner("two-stage", s, free_7b_64, seed=4, effort=10.0)
     validate(c, s, free_7b_64.cluster, free_7b_64)
 
 
-def test_time_limit_zero_still_plans(free_7b_64):
+def test_a_negligible_effort_still_plans(free_7b_64):
     s = _family("commoncrawl", 512, seed=1)
-    p = run_planner("two-stage", s, free_7b_64, time_limit=0.0)
+    p = run_planner("two-stage", s, free_7b_64, effort=1e-9)
     validate(p, s, free_7b_64.cluster, free_7b_64)
     assert p.stats["truncated"] and p.stats["layouts"] == 1
 

@@ -25,7 +25,7 @@ from workbench.scenario import DEFAULT_PLANNERS, Scenario
 ROOT = Path(__file__).resolve().parents[1]
 
 # a small planning scenario: 8 A100-40G, 7B, 256K-token batches (memory binds at ~5.9K tokens per GPU)
-SMALL = dict(num_gpus=8, gpus_per_node=8, samples=20_000, batch_tokens=262_144, time_limit=0.3, source="wikipedia")
+SMALL = dict(num_gpus=8, gpus_per_node=8, samples=20_000, batch_tokens=262_144, effort=0.3, source="wikipedia")
 ACT_BYTES_7B = 4.48e6  # published activation bytes per token of GPT-7B (a100-40g-flexsp), typed in
 
 
@@ -282,7 +282,7 @@ def test_solver_a_newer_request_cancels_a_running_solve():
     from widgets import SolverPanel
 
     # flexsp with an 8 s limit on a 4M-token batch: runs ~5 s unless cancelled
-    slow = Scenario(batch_tokens=4_000_000, samples=100_000, time_limit=8.0)
+    slow = Scenario(batch_tokens=4_000_000, samples=100_000, effort=8.0)
     panel = SolverPanel(slow, auto=False, debounce=0.0)
     panel.set(compare=False)
     panel.request_solve()
@@ -474,7 +474,7 @@ def test_panels_save_figures_and_tables(tmp_path, solved):
 # Launch and Runs panels: real torchrun runs (slow)
 # ------------------------------------------------------------------------------------------------
 
-TINY = dict(max_len=512, batch_tokens=8192, time_limit=0.3)
+TINY = dict(max_len=512, batch_tokens=8192, effort=0.3)
 
 
 @pytest.fixture(scope="module")

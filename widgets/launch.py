@@ -200,13 +200,13 @@ class LaunchPanel(Panel):
 
     def use_scenario(self, sc: Scenario) -> dict:
         """Take the planning settings of ``sc`` (from the Lengths and Solver panels): data source,
-        samples, seed, max-context policy, planner and its time limit. On a machine with CUDA also
+        samples, seed, max-context policy, planner and its effort. On a machine with CUDA also
         the model, max context and batch; on CPU those stay small (a 7B model or a 128K context does
         not train on a CPU) and the note says so. Returns ``{"taken": {...}, "kept": {...}}``."""
         from workbench.training import CPU_MAX_LEN, cuda_visible
 
         taken = {"source": sc.source, "seed": sc.seed, "policy": sc.policy, "planner": sc.planner,
-                 "time_limit": sc.time_limit, "tokenizer": sc.tokenizer, "column": sc.column}
+                 "effort": sc.effort, "time_limit": sc.time_limit, "tokenizer": sc.tokenizer, "column": sc.column}
         if sc.samples is not None:
             taken["samples"] = sc.samples
         kept = {}

@@ -135,8 +135,11 @@ class SolverPanel(ScenarioSource, Panel):
                                      description="SP split", style=st, layout=lay)
         names = [n for n in planner_names() if n != "static:D"]
         self.w_planner = W.Dropdown(options=names, description="planner", style=st, layout=lay)
-        self.w_time_limit = W.FloatSlider(min=0.1, max=10.0, step=0.1, description="time limit (s)", style=st,
-                                          readout_format=".1f", continuous_update=False, layout=W.Layout(width="260px"))
+        # the planner's search, in reference seconds: counted in work done, so the plan is the same on
+        # any machine (a busy one takes longer to find it)
+        self.w_effort = W.FloatSlider(min=0.1, max=10.0, step=0.1, description="effort", style=st,
+                                      readout_format=".1f", continuous_update=False, layout=W.Layout(width="260px"),
+                                      tooltip="planner search per step, in reference seconds (about a second each on 2 cores)")
         self.w_compare = W.Checkbox(value=True, description="every planner side by side", indent=False,
                                     layout=W.Layout(width="210px"))
         self.w_degrees_auto = W.ToggleButton(value=True, description="auto", tooltip="every aligned power of two",
@@ -176,7 +179,7 @@ class SolverPanel(ScenarioSource, Panel):
         for w in (self.w_model, self.w_source, self.w_tokenizer, self.w_column, self.w_gpus, self.w_per_node,
                   self.w_memory, self.w_fraction, self.w_zero,
                   self.w_max_len, self.w_batch, self.w_batch_index, self.w_recompute, self.w_strategy, self.w_planner,
-                  self.w_time_limit, self.w_compare, self.w_degrees_auto):
+                  self.w_effort, self.w_compare, self.w_degrees_auto):
             w.observe(self._on_control, names="value")
         self.w_show.observe(self._on_show, names="value")
         self.w_group.observe(self._on_group, names="value")
@@ -200,7 +203,7 @@ class SolverPanel(ScenarioSource, Panel):
                    layout=W.Layout(flex_flow="row wrap")),
             W.HBox([W.Label("candidate degrees", layout=W.Layout(width="130px")), self.w_degrees_auto, self.w_degrees,
                     self.n_degrees], layout=W.Layout(align_items="center", flex_flow="row wrap")),
-            W.HBox([self.w_planner, self.w_time_limit, self.w_compare, self.n_planner], layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([self.w_planner, self.w_effort, self.w_compare, self.n_planner], layout=W.Layout(flex_flow="row wrap")),
         ])
         actions = W.HBox([self.b_solve, self.b_cancel, self.progress, self.b_train],
                          layout=W.Layout(align_items="center", flex_flow="row wrap"))
@@ -269,7 +272,7 @@ class SolverPanel(ScenarioSource, Panel):
             if sc.planner not in self.w_planner.options:
                 self.w_planner.options = [*self.w_planner.options, sc.planner]
             self.w_planner.value = sc.planner
-            self.w_time_limit.value = float(min(10.0, max(0.1, sc.time_limit)))
+            self.w_effort.value = float(min(10.0, max(0.1, sc.effort)))
             self._set_degree_buttons(sc.num_gpus, sc.gpus_per_node, sc.degrees)
         finally:
             self._quiet -= 1
@@ -318,7 +321,7 @@ class SolverPanel(ScenarioSource, Panel):
             num_gpus=int(self.w_gpus.value), gpus_per_node=int(self.w_per_node.value),
             gpu_memory_gb=None if abs(mem - prof_mem) < 1e-9 else mem, memory_fraction=float(self.w_fraction.value),
             zero_stage=int(self.w_zero.value), max_len=self.w_max_len.value or None, recompute=bool(self.w_recompute.value),
-            strategy=self.w_strategy.value, planner=self.w_planner.value, time_limit=float(self.w_time_limit.value))
+            strategy=self.w_strategy.value, planner=self.w_planner.value, effort=float(self.w_effort.value))
         if base.batch_tokens is not None or (base.batch_size is None and not self._is_list(base)):
             fields["batch_tokens"] = int(self.w_batch.value)
         if self.w_degrees_auto.value:
@@ -403,7 +406,7 @@ class SolverPanel(ScenarioSource, Panel):
                     ("model states", "memory"), ("GB per GPU of parameters", "memory"), ("max_len", "data"),
                     ("max context", "data"), ("batch", "data"), ("tokens)", "data"), ("tokenizer", "data"),
                     ("column", "data"), ("config.json", "cluster"), ("unknown model", "cluster"), ("degree", "degrees"),
-                    ("planner", "planner"), ("time_limit", "planner"))
+                    ("planner", "planner"), ("effort", "planner"), ("time_limit", "planner"))
 
     def _mark(self, msg: str | None) -> None:
         notes = {"cluster": self.n_cluster, "memory": self.n_memory, "data": self.n_data, "degrees": self.n_degrees,

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from workbench.scenario import DEFAULT_PLANNERS, DEFAULT_STRATEGY, STRATEGIES, Scenario
+from workbench.solve.effort import DEFAULT_EFFORT
 from workbench.simulate import summary_table
 from workbench.util import dumps, positive_float, positive_int
 
@@ -27,7 +28,7 @@ DEFAULT_GPUS = 64
 _FLAGS = {"num_gpus": "--gpus", "gpus_per_node": "--gpus-per-node", "gpu_memory_gb": "--gpu-memory",
           "memory_fraction": "--memory-fraction", "zero_stage": "--zero-stage", "source": "--lengths",
           "max_len": "--max-len", "batch_tokens": "--batch-tokens", "batch_size": "--batch-size",
-          "time_limit": "--time-limit", "samples": "--samples", "seed": "--seed", "policy": "--policy",
+          "time_limit": "--time-limit", "effort": "--effort", "samples": "--samples", "seed": "--seed", "policy": "--policy",
           "model": "--model", "profile": "--profile", "planner": "--planner", "degrees": "--degrees",
           "precision": "--precision", "optimizer": "--optimizer", "tokenizer": "--tokenizer", "column": "--column",
           "init": "--init"}
@@ -106,7 +107,11 @@ def _add_batch_args(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--batch-tokens", type=positive_int, default=None, metavar="T", help="global batch by token budget")
     g.add_argument("--batch-size", type=positive_int, default=None, metavar="B", help="global batch by sequence count")
-    p.add_argument("--time-limit", type=positive_float, default=1.0, metavar="S", help="solver time limit per step (s)")
+    p.add_argument("--effort", type=positive_float, default=DEFAULT_EFFORT, metavar="E",
+                   help=f"how much the planner searches per step, in reference seconds (default {DEFAULT_EFFORT:g}: "
+                        f"about a second on 2 cores); plans depend only on the inputs, --seed and --effort")
+    p.add_argument("--time-limit", type=positive_float, default=None, metavar="S",
+                   help="wall-clock safety cap per step (s; default: ten times the effort and more)")
 
 
 def scenario_from_args(args, **extra) -> Scenario:
@@ -122,7 +127,8 @@ def scenario_from_args(args, **extra) -> Scenario:
         fields.update(source=getattr(args, "source", None) or args.lengths, samples=args.samples, seed=args.seed,
                       column=args.column, tokenizer=args.tokenizer, max_len=args.max_len, policy=args.policy)
     if hasattr(args, "batch_tokens"):
-        fields.update(batch_tokens=args.batch_tokens, batch_size=args.batch_size, time_limit=args.time_limit)
+        fields.update(batch_tokens=args.batch_tokens, batch_size=args.batch_size, effort=args.effort,
+                      time_limit=args.time_limit)
         if args.batch_tokens is None and args.batch_size is None and not is_length_list(fields["source"]):
             raise CliError(f"give --batch-tokens T or --batch-size B to draw global batches from {fields['source']!r} "
                            f"(or pass the batch itself as --lengths L1,L2,...)")
@@ -332,7 +338,7 @@ def cmd_demo(args) -> int:
         raise CliError(f"--steps must be at least 1, got {args.steps}")
     try:
         run = run_demo(root=args.run_root or runs.default_root(), train_steps=args.steps, train=not args.no_train,
-                       time_limit=args.time_limit, seed=args.seed, samples=args.samples, log=_say)
+                       effort=args.effort, seed=args.seed, samples=args.samples, log=_say)
     except RuntimeError as e:
         _say(f"workbench demo: error: {e}")
         return 1
@@ -346,7 +352,7 @@ def cmd_demo(args) -> int:
 
 _TRAIN_SETTINGS = ("model", "source", "samples", "column", "tokenizer", "init", "max_len", "policy", "batch_tokens",
                    "batch_size", "planner",
-                   "time_limit", "profile", "gpu_memory_gb", "attention", "steps", "seed", "optimizer", "lr",
+                   "effort", "time_limit", "profile", "gpu_memory_gb", "attention", "steps", "seed", "optimizer", "lr",
                    "weight_decay", "momentum", "grad_clip", "checkpoint_every", "plan_ahead", "timeout_s", "device",
                    "nproc", "nnodes", "zero_stage", "precision", "recompute", "memory_fraction", "degrees")
 
@@ -393,7 +399,10 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="global batch token budget (default 16384)")
     b.add_argument("--batch-size", type=positive_int, default=None, metavar="B", help="global batch in sequences")
     g.add_argument("--planner", default=None, help="planner (default greedy)")
-    g.add_argument("--time-limit", type=positive_float, default=None, metavar="S", help="planner time limit per step")
+    g.add_argument("--effort", type=positive_float, default=None, metavar="E",
+                   help=f"planner search per step in reference seconds (default {DEFAULT_EFFORT:g})")
+    g.add_argument("--time-limit", type=positive_float, default=None, metavar="S",
+                   help="planner wall-clock safety cap per step (s)")
     g.add_argument("--profile", default=None, metavar="NAME|PATH",
                    help="profile for the cost model (default on CPU: this machine's quick profile for the "
                         "processes, when the run store holds one, else cpu-gloo-tiny; a100-40g-flexsp on CUDA)")
@@ -843,7 +852,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--run-root", default=None, metavar="DIR", help="the run store (default runs, or $WORKBENCH_RUNS)")
     q.add_argument("--steps", type=int, default=16, metavar="K", help="steps of the training run (default 16)")
     q.add_argument("--no-train", action="store_true", help="leave out the training run")
-    q.add_argument("--time-limit", type=positive_float, default=1.0, metavar="S", help="flexsp time limit per step")
+    q.add_argument("--effort", type=positive_float, default=DEFAULT_EFFORT, metavar="E",
+                   help=f"flexsp's search per step in reference seconds (default {DEFAULT_EFFORT:g})")
     q.add_argument("--samples", type=positive_int, default=100_000, help="sequences drawn from the length family")
     q.add_argument("--seed", type=int, default=0)
     q.set_defaults(func=cmd_demo)

@@ -68,7 +68,7 @@ def _table(run: runs.Run | None, name: str):
 
 
 def run_demo(*, root: Path | str | None = None, train_steps: int = 16, train: bool = True, samples: int = 100_000,
-             seed: int = 0, time_limit: float = 1.0, log: Callable[[str], None] | None = None) -> runs.Run:
+             seed: int = 0, effort: float = 1.0, log: Callable[[str], None] | None = None) -> runs.Run:
     """Run the demo into a new run folder and return the Run (``report.html`` inside). ``log``
     gets progress lines. Raises RuntimeError naming the notebooks that failed (the report is still
     written, with what worked and a note on what did not)."""
@@ -77,12 +77,12 @@ def run_demo(*, root: Path | str | None = None, train_steps: int = 16, train: bo
     say = log or (lambda msg: None)
     t0 = time.perf_counter()
     store = runs_root(root)
-    demo = runs.new_run("demo", {"samples": samples, "seed": seed, "time_limit": time_limit, "train_steps": train_steps,
+    demo = runs.new_run("demo", {"samples": samples, "seed": seed, "effort": effort, "train_steps": train_steps,
                                  "train": train}, root=store)
     runs.update_status(demo.path, state="running", started=runs.now(), message="running the notebooks")
     say(f"demo: writing {demo.path}")
-    jobs = [("00_tour", {"samples": samples, "seed": seed, "time_limit": time_limit}),
-            ("03_solver", {"samples": samples, "seed": seed, "time_limit": time_limit})]
+    jobs = [("00_tour", {"samples": samples, "seed": seed, "effort": effort}),
+            ("03_solver", {"samples": samples, "seed": seed, "effort": effort})]
     done: dict[str, runs.Run] = {}
     failed: dict[str, str] = {}
     machine, machine_error = None, None

@@ -115,7 +115,7 @@ _TRAIN_FLAGS = {"steps": "--steps", "optimizer": "--optimizer", "lr": "--lr", "w
 _SCENARIO_FLAGS = {"model": "--model", "source": "--lengths", "samples": "--samples", "column": "--column",
                    "tokenizer": "--tokenizer", "max_len": "--max-len", "policy": "--policy",
                    "batch_tokens": "--batch-tokens", "batch_size": "--batch-size", "planner": "--planner",
-                   "time_limit": "--time-limit", "profile": "--profile", "gpu_memory_gb": "--gpu-memory",
+                   "effort": "--effort", "time_limit": "--time-limit", "profile": "--profile", "gpu_memory_gb": "--gpu-memory",
                    "zero_stage": "--zero-stage", "precision": "--precision", "seed": "--seed",
                    "memory_fraction": "--memory-fraction"}
 _DEBUG_FLAGS = {"plan_num_gpus": "--debug-plan-gpus", "step_sleep_s": "--debug-step-sleep",

@@ -176,14 +176,15 @@ class RankZeroPlanner:
     A plan-ahead worker that dies (killed, out of memory, a crash in the solver) costs time, not the
     run: the planner says so once (``note``: stderr, hence the run's log, and with ``run_dir`` the
     run's ``status.json``: ``warnings`` and ``resolved.planning``) and plans this batch and every
-    later one inline, with the same planner, seed, time limit and max context, so the plans are the
+    later one inline, with the same planner, seed, effort and max context, so the plans are the
     ones the worker would have made. It does not start a new worker: what killed one (the
     out-of-memory killer, a planner crashing on these batches) would likely kill the next, and a
     new process would have to be added to the pids a stop must reach while the run is live."""
 
-    def __init__(self, name: str, cost, *, seed: int, time_limit: float, max_len: int, ahead: bool,
-                 run_dir: Path | None = None) -> None:
-        self.name, self.cost, self.seed, self.time_limit, self.max_len = name, cost, seed, time_limit, max_len
+    def __init__(self, name: str, cost, *, seed: int, effort: float, time_limit: float | None, max_len: int,
+                 ahead: bool, run_dir: Path | None = None) -> None:
+        self.name, self.cost, self.seed, self.max_len = name, cost, seed, max_len
+        self.effort, self.time_limit = effort, time_limit
         self.run_dir = run_dir
         self.note: str | None = None
         """Why planning went inline mid-run (None while it has not)."""
@@ -195,7 +196,7 @@ class RankZeroPlanner:
             except ImportError:
                 PlanAhead = None
             if PlanAhead is not None:
-                self._ahead = PlanAhead(name, cost, seed=seed, time_limit=time_limit, max_len=max_len)
+                self._ahead = PlanAhead(name, cost, seed=seed, effort=effort, time_limit=time_limit, max_len=max_len)
                 self.mode = "ahead"
                 try:
                     self._ahead.warm_up()  # starts the worker now (its pid is recorded for stops)
@@ -206,7 +207,7 @@ class RankZeroPlanner:
         from workbench.solve import run_planner
 
         return run_planner(self.name, np.asarray(batch.lengths, dtype=np.int64), self.cost, seed=self.seed,
-                           time_limit=self.time_limit, max_len=self.max_len, batch_id=batch.batch_id)
+                           effort=self.effort, time_limit=self.time_limit, max_len=self.max_len, batch_id=batch.batch_id)
 
     def _go_inline(self, why: Exception, when: str) -> None:
         """The worker died: close what is left of it, say so once, plan inline from now on."""
@@ -217,7 +218,7 @@ class RankZeroPlanner:
         except Exception:  # noqa: BLE001 - it is dead already
             pass
         self.note = (f"{why} {when}; planning the remaining steps inline (planner {self.name}, seed {self.seed}, "
-                     f"time limit {self.time_limit:g}s: the same plans, each step now waits for its own)")
+                     f"effort {self.effort:g}: the same plans, each step now waits for its own)")
         _say(f"workbench train: warning: {self.note}")
         if self.run_dir is not None:
             try:
@@ -541,8 +542,9 @@ class Trainer:
         executor = StepExecutor(model, registry, self.attn, device=device, zero=zero)
         planner = None
         if self.rank == 0:
-            planner = RankZeroPlanner(sc.planner, self.plan_cost, seed=sc.seed, time_limit=sc.time_limit,
-                                      max_len=self.max_len, ahead=spec.plan_ahead, run_dir=self.run_dir)
+            planner = RankZeroPlanner(sc.planner, self.plan_cost, seed=sc.seed, effort=sc.effort,
+                                      time_limit=sc.time_limit, max_len=self.max_len, ahead=spec.plan_ahead,
+                                      run_dir=self.run_dir)
             if planner.worker_pids():  # the plan-ahead worker and its helpers: a stop must reach them too
                 runs.update_status(self.run_dir, node=self.node, pids={"workers": planner.worker_pids(),
                                                        **{k: v for p in planner.worker_pids()

@@ -16,6 +16,7 @@ import numpy as np
 
 from workbench.cost import CostModel
 from workbench.solve import Plan, run_planner, timeline, validate
+from workbench.solve.effort import DEFAULT_EFFORT
 from workbench.solve.options import Cancelled
 
 __all__ = ["simulate", "step_record", "SimulationResult", "summarize_steps", "summary_table"]
@@ -96,7 +97,8 @@ def simulate(
     planners: Sequence[str],
     *,
     seed: int = 0,
-    time_limit: float = 1.0,
+    effort: float = DEFAULT_EFFORT,
+    time_limit: float | None = None,
     max_len: int | None = None,
     keep_plans: bool = False,
     check: bool = True,
@@ -114,7 +116,7 @@ def simulate(
     res = SimulationResult()
     res.config = {"planners": list(planners), "steps": len(items), "num_gpus": cost.cluster.num_gpus,
                   "model": cost.model.name, "profile": cost.profile.name, "strategy": cost.strategy,
-                  "memory_budget_gb": cost.memory_budget_gb, "seed": seed, "time_limit": time_limit}
+                  "memory_budget_gb": cost.memory_budget_gb, "seed": seed, "effort": effort, "time_limit": time_limit}
     res.batches = [{"batch_id": bid, "sequences": int(len(s)), "tokens": int(np.sum(s)), "max": int(np.max(s))}
                    for bid, s in items]
     total = max(1, len(items) * len(planners))
@@ -127,7 +129,7 @@ def simulate(
             if cancel is not None and cancel.is_set():
                 raise Cancelled("simulation was cancelled")
             try:
-                plan = run_planner(name, s, cost, seed=seed + k, time_limit=time_limit, max_len=max_len,
+                plan = run_planner(name, s, cost, seed=seed + k, effort=effort, time_limit=time_limit, max_len=max_len,
                                    cancel=cancel, batch_id=bid)
             except Cancelled:
                 raise

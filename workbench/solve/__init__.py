@@ -7,13 +7,14 @@ the trainer and the panels use. Pure numpy (and OR-Tools for the MILP): no torch
 
 from __future__ import annotations
 
-import time
+import dataclasses
 from typing import Callable
 
 import numpy as np
 
 from workbench.cost import CostModel, InfeasibleError
 from workbench.solve import baselines
+from workbench.solve.effort import DEFAULT_EFFORT
 from workbench.solve.options import Cancelled, PlanOptions
 from workbench.solve.bound import lower_bound_ms
 from workbench.solve.plan import Plan, PlanError, build_plan, plan_from_dict, timeline, validate
@@ -75,17 +76,23 @@ def run_planner(
     cost: CostModel,
     *,
     seed: int = 0,
-    time_limit: float = 1.0,
+    effort: float = DEFAULT_EFFORT,
+    time_limit: float | None = None,
     max_len: int | None = None,
     progress=None,
     cancel=None,
     batch_id: str | None = None,
 ) -> Plan:
-    """Plan one step's batch with planner ``name``.
+    """Plan one step's batch with planner ``name``, searching ``effort`` reference seconds
+    (``workbench.solve.effort``): the plan is a function of the lengths, the cost model, ``seed``
+    and ``effort`` alone. ``time_limit`` is a wall-clock safety cap (None: ten times the effort and
+    more); when it ends the search the plan's ``stats["effort"]["capped"]`` is true and its
+    ``reason`` says the plan depends on the machine.
 
-    Returns the Plan (tagged with ``batch_id``). Raises ValueError for an unknown planner or bad
-    lengths, InfeasibleError when a sequence fits no group (naming it, the memory it needs and the
-    degree that would hold it), Cancelled when ``cancel`` is set. Safe to call from a background
+    Returns the Plan (tagged with ``batch_id``; ``solve_seconds`` is the wall time it took, the one
+    figure of it that is measured rather than planned). Raises ValueError for an unknown planner or
+    bad lengths, InfeasibleError when a sequence fits no group (naming it, the memory it needs and
+    the degree that would hold it), Cancelled when ``cancel`` is set. Safe to call from a background
     thread: progress goes to ``progress(fraction, message)``.
     """
     fn = get_planner(name)
@@ -97,13 +104,18 @@ def run_planner(
         raise ValueError(f"sequence lengths must be positive integers; sequence {bad} is {s[bad]!r}")
     s = s.astype(np.int64)
     cost.check_feasible(s)
-    opts = PlanOptions(seed=seed, time_limit=time_limit, max_len=max_len, progress=progress, cancel=cancel)
+    opts, clock = PlanOptions(seed=seed, effort=effort, time_limit=time_limit, max_len=max_len, progress=progress,
+                              cancel=cancel).start()
     opts.report(0.0, f"{name}: planning {s.size} sequences on {cost.cluster.num_gpus} GPUs")
-    t0 = time.perf_counter()
     plan = fn(s, cost, opts)
-    if plan.solve_seconds == 0.0:
-        import dataclasses
-
-        plan = dataclasses.replace(plan, solve_seconds=time.perf_counter() - t0)
+    stats = dict(plan.stats)
+    stats["effort"] = clock.report()
+    reason = plan.reason
+    if clock.capped:
+        note = (f"the wall-clock cap ({clock.cap_s:g} s) ended the search after {clock.capped_at:.2f} of {clock.budget:g} "
+                f"reference seconds of effort: this plan depends on the machine's speed (raise --time-limit, or "
+                f"lower --effort)")
+        reason = f"{reason}; {note}" if reason else note
+    plan = dataclasses.replace(plan, stats=stats, reason=reason, solve_seconds=clock.wall_s())
     opts.report(1.0, f"{name}: makespan {plan.makespan_ms:,.0f} ms ({plan.gap:+.1%} over the lower bound)")
     return plan.with_batch(batch_id)

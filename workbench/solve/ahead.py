@@ -4,7 +4,7 @@ FlexSP overlaps the planning of the next step with the current one, and notes th
 with batches was a source of bugs. Here every plan is keyed by the id of the batch it was made
 for and checked against that batch when it is handed out, so it can never be applied to another::
 
-    with PlanAhead("flexsp", cost, seed=0, time_limit=5.0) as ahead:
+    with PlanAhead("flexsp", cost, seed=0, effort=5.0) as ahead:
         ahead.submit(sampler.batch(0))
         for step in range(steps):
             batch = sampler.batch(step)
@@ -40,6 +40,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from workbench.cost import CostModel
+from workbench.solve.effort import DEFAULT_EFFORT
 from workbench.solve.plan import Plan
 
 __all__ = ["PlanAhead", "PlanMismatchError", "UnknownBatchError", "WorkerDied", "check_pairing", "plan_ahead",
@@ -156,12 +157,13 @@ def _worker_init(cost_blob: bytes, planner: str, cancel, parent_pid: int | None 
         warm_up()  # the one-time OR-Tools import happens before the first batch arrives
 
 
-def _worker_plan(batch_id, lengths: np.ndarray, seed: int, time_limit: float, max_len: int | None) -> Plan:
+def _worker_plan(batch_id, lengths: np.ndarray, seed: int, effort: float, time_limit: float | None,
+                 max_len: int | None) -> Plan:
     from workbench.solve import run_planner
 
     try:
-        return run_planner(_W["planner"], lengths, _W["cost"], seed=seed, time_limit=time_limit, max_len=max_len,
-                           cancel=_W["cancel"], batch_id=batch_id)
+        return run_planner(_W["planner"], lengths, _W["cost"], seed=seed, effort=effort, time_limit=time_limit,
+                           max_len=max_len, cancel=_W["cancel"], batch_id=batch_id)
     except Exception as e:
         try:  # the exception travels back by pickle: make sure it can
             pickle.loads(pickle.dumps(e))
@@ -230,7 +232,7 @@ class PlanAhead:
     """Plans batches in a background worker process and hands out each plan only for its batch.
 
     ``planner``: a registered planner name or ``"module:function"``; ``cost``: the CostModel (sent
-    to the worker once); ``seed``, ``time_limit``, ``max_len``: as ``run_planner``; ``depth``: how
+    to the worker once); ``seed``, ``effort``, ``time_limit``, ``max_len``: as ``run_planner``; ``depth``: how
     many batches ``iterate`` plans ahead of the one it hands out (``submit`` itself queues any
     number). Raises ValueError at once for an unknown planner.
 
@@ -243,8 +245,9 @@ class PlanAhead:
     ``timeout`` passes (the plan stays queued).
     """
 
-    def __init__(self, planner: str, cost: CostModel, *, seed: int = 0, time_limit: float = 1.0,
-                 max_len: int | None = None, depth: int = 1, close_timeout: float = 5.0) -> None:
+    def __init__(self, planner: str, cost: CostModel, *, seed: int = 0, effort: float = DEFAULT_EFFORT,
+                 time_limit: float | None = None, max_len: int | None = None, depth: int = 1,
+                 close_timeout: float = 5.0) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth must be a positive integer, got {depth!r}")
         if not isinstance(cost, CostModel):
@@ -252,7 +255,8 @@ class PlanAhead:
         self.planner = resolve_planner(planner)
         self.cost = cost
         self.seed = int(seed)
-        self.time_limit = float(time_limit)
+        self.effort = float(effort)
+        self.time_limit = None if time_limit is None else float(time_limit)
         self.max_len = None if max_len is None else int(max_len)
         self.depth = depth
         self.close_timeout = float(close_timeout)
@@ -297,7 +301,7 @@ class PlanAhead:
                 return bid
             raise PlanMismatchError(f"batch {bid!r} was already submitted with other lengths; batch ids must be "
                                     f"unique")
-        fut = self._submit(_worker_plan, bid, lens, self.seed, self.time_limit, self.max_len)
+        fut = self._submit(_worker_plan, bid, lens, self.seed, self.effort, self.time_limit, self.max_len)
         self._pending[bid] = (lens, fut)
         return bid
 
@@ -470,7 +474,8 @@ class PlanAhead:
 
 
 def plan_ahead(batches: Iterable, planner: str, cost: CostModel, *, steps: int | None = None, seed: int = 0,
-               time_limit: float = 1.0, max_len: int | None = None, depth: int = 1) -> Iterator[tuple[Any, Plan]]:
+               effort: float = DEFAULT_EFFORT, time_limit: float | None = None, max_len: int | None = None,
+               depth: int = 1) -> Iterator[tuple[Any, Plan]]:
     """Yield ``(batch, plan)`` pairs over ``batches`` (a GlobalBatchSampler, a list of batches or
     ``(batch_id, lengths)`` pairs), planning the next ``depth`` batches in a worker process while
     the caller works on the current one. ``steps`` stops after that many batches (needed for an
@@ -480,5 +485,5 @@ def plan_ahead(batches: Iterable, planner: str, cost: CostModel, *, steps: int |
         import itertools
 
         batches = itertools.islice(batches, int(steps))
-    with PlanAhead(planner, cost, seed=seed, time_limit=time_limit, max_len=max_len, depth=depth) as ahead:
+    with PlanAhead(planner, cost, seed=seed, effort=effort, time_limit=time_limit, max_len=max_len, depth=depth) as ahead:
         yield from ahead.iterate(batches)

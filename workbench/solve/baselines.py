@@ -297,9 +297,12 @@ def list_schedule(s: np.ndarray, cost: CostModel, allowed, *, target: float | No
                         heapq.heappush(heaps[d2], (finish, y))
 
     ng = 0
+    clock = opts.clock if opts is not None else None
     for step, i in enumerate(np.argsort(-work, kind="stable").tolist()):
         if opts is not None and step % 256 == 0:
             opts.check_cancel()
+        if clock is not None:
+            clock.tick(steps=0.3 * len(degrees))
         best = None  # (finish, added work, kind, degree, group or block, start)
         for d in allowed(i):
             t_i, m_i = times[d][i], mems[d][i]
@@ -378,10 +381,12 @@ def _better(opt, best, target):
 def greedy_rule_plans(lengths, cost: CostModel, opts: PlanOptions, *, deadline: float | None = None) -> list[Plan]:
     """The plans of greedy's three list-scheduling rules (planner ``greedy`` returns the fastest):
     every degree that holds each sequence aiming at the lower bound, minimum degrees only, and every
-    degree aiming 5% above the bound. With a ``deadline`` (``time.perf_counter()``) the rules after
-    the first are skipped once it has passed. Raises InfeasibleError when a sequence fits no group."""
+    degree aiming 5% above the bound. With a ``deadline`` (a point on the plan's effort clock,
+    ``opts.clock``) the rules after the first are skipped once it has passed. Raises InfeasibleError
+    when a sequence fits no group."""
     from workbench.solve.bound import lower_bound_ms
 
+    opts, clock = opts.start()
     s = np.asarray(lengths, dtype=np.int64)
     cost.check_feasible(s)
     lb = lower_bound_ms(s, cost) - cost.step_end_ms()
@@ -391,7 +396,7 @@ def greedy_rule_plans(lengths, cost: CostModel, opts: PlanOptions, *, deadline: 
     out: list[Plan] = []
     for rule, allowed, target in (("target", every, lb), ("min-degree", smallest, None),
                                   ("target+5%", every, lb * 1.05)):
-        if out and deadline is not None and time.perf_counter() > deadline:
+        if out and deadline is not None and clock.past(deadline):
             break
         micro, blocks = list_schedule(s, cost, allowed, target=target, opts=opts)
         out.append(build_plan("greedy", micro, s, cost, blocks=blocks, stats={"rule": rule}))

@@ -1,10 +1,12 @@
 """How the planners run OR-Tools' CP-SAT: workers, limits, cancellation, and what its log says.
 
 Every CP-SAT model of the solver (one micro-step, ``microstep.cpsat_step``; the whole step,
-``stack.solve_stack``) is solved through ``run_cpsat``: at most 2 workers (the
-planning machines are small and shared, and notebook panels call planners from background threads),
-``random_seed`` from the plan's seed, a cancel token checked at every solution, and the solution
-hint's fate read from CP-SAT's own log.
+``stack.solve_stack``; two-stage's packing) is solved through ``run_cpsat``: on a deterministic-time
+budget taken from the plan's effort (``workbench.solve.effort``), at most 2 workers (the planning
+machines are small and shared, and notebook panels call planners from background threads) with
+their search interleaved so that the answer does not depend on the threads' timing, ``random_seed``
+from the plan's seed, a cancel token checked at every solution, and the solution hint's fate read
+from CP-SAT's own log.
 
 Pure Python + OR-Tools; no torch.
 """
@@ -22,22 +24,32 @@ HINT_MESSAGES = (
     ("The solution hint is complete", "complete"),
 )
 
-def run_cpsat(model, *, time_limit: float, seed: int = 0, workers: int = 2, opts=None, presolve: bool = True):
-    """Solve a CP-SAT ``model`` within ``time_limit`` seconds on at most 2 workers (small shared
-    machines, planners on background threads); ``random_seed`` is ``seed``. Returns
-    ``(solver, status, {"status", "wall_s", "hint"})``, where ``hint`` is what CP-SAT's log says
-    of the model's solution hint ("complete, feasible", "complete, infeasible", or "partial or
-    none"). ``presolve=False`` skips CP-SAT's presolve (a complete hint is then the first solution at
-    once, where presolving can take a short limit's whole time). Raises Cancelled when ``opts``'
-    cancel token is set during the search."""
+def run_cpsat(model, *, effort: float, clock, seed: int = 0, workers: int = CPSAT_WORKERS, opts=None,
+              presolve: bool = True):
+    """Solve a CP-SAT ``model`` on ``effort`` reference seconds of the plan's ``clock``
+    (``workbench.solve.effort.Effort``), deterministically: a deterministic-time limit, at most 2
+    workers whose search is interleaved (CP-SAT's ``interleave_search``: the same answer whatever the
+    threads' timing), ``random_seed`` from ``seed``; the clock is charged the deterministic time used.
+    The wall clock bounds the call only through the clock's safety cap. ``presolve=False`` skips
+    CP-SAT's presolve (a complete hint is then the first solution at once, where presolving can take a
+    small budget's whole effort).
+
+    Returns ``(solver, status, {"status", "dtime", "wall_s", "hint"})``: ``dtime`` the deterministic
+    time used, ``wall_s`` the measured seconds (for the plan's ``stats["wall"]`` only), ``hint`` what
+    CP-SAT's log says of the model's solution hint ("complete, feasible", "complete, infeasible", or
+    "partial or none"). Raises Cancelled when ``opts``' cancel token is set during the search."""
     from ortools.sat.python import cp_model
 
     from workbench.solve.options import Cancelled
 
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = max(1, min(2, int(workers)))
+    solver.parameters.interleave_search = True
     solver.parameters.random_seed = int(seed) % (2**31)
-    solver.parameters.max_time_in_seconds = max(0.001, float(time_limit))
+    solver.parameters.max_deterministic_time = max(1e-4, clock.cpsat_dtime(effort))
+    wall = clock.wall_left_s()
+    if wall != float("inf"):
+        solver.parameters.max_time_in_seconds = max(0.001, wall)
     solver.parameters.cp_model_presolve = bool(presolve)
     # the log is parsed for what CP-SAT says of the hint; it is not printed
     solver.parameters.log_search_progress = True
@@ -56,7 +68,11 @@ def run_cpsat(model, *, time_limit: float, seed: int = 0, workers: int = 2, opts
     status = solver.Solve(model, cb)
     if cb.cancelled:
         raise Cancelled("planning was cancelled")
-    return solver, status, {"status": solver.StatusName(status), "wall_s": float(solver.WallTime()), "hint": hint[0]}
+    dtime = float(solver.response_proto.deterministic_time)
+    clock.charge_cpsat(dtime)
+    return solver, status, {"status": solver.StatusName(status), "dtime": round(dtime, 9),
+                            "wall_s": float(solver.WallTime()), "hint": hint[0]}
+
 
 class CancelCallback:
     """CP-SAT solution callback that stops the search when ``opts``' cancel token is set (its

@@ -29,7 +29,6 @@ Pure numpy + OR-Tools; no torch.
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +37,7 @@ from workbench.cost import CostModel
 from workbench.solve.baselines import greedy_rule_plans, plan_best_static
 from workbench.solve.bound import lower_bound_ms
 from workbench.solve.cpsat import warm_up
+from workbench.solve.effort import Phases
 from workbench.solve.microstep import AUTO_BUCKET_ABOVE, StepResult, Table, min_micro_steps, place_groups, solve_step
 from workbench.solve.options import PlanOptions
 from workbench.solve.plan import Plan, build_plan
@@ -131,7 +131,7 @@ def plan_free(lengths, cost: CostModel, opts: PlanOptions | None = None, *, buck
     or the short two-stage run's for the same batch. ``status``: ``optimal`` when the plan meets the
     lower bound (nothing else proves a whole step optimal: the per-micro-step model's OPTIMAL is
     optimal among one-micro-step plans only); ``feasible`` otherwise; ``fallback`` when the
-    baselines took the whole time limit and the best of them is returned (``reason`` says why).
+    baselines took the whole effort and the best of them is returned (``reason`` says why).
     ``stats`` (plain JSON): ``source`` (``cp-sat`` when the plan is CP-SAT's answer as mapped
     back, ``cp-sat+local-search`` when the local search then improved it; CP-SAT's answer counts
     only when CP-SAT improved on its own hint; ``local-search`` when the local search improved a
@@ -140,36 +140,31 @@ def plan_free(lengths, cost: CostModel, opts: PlanOptions | None = None, *, buck
     ``micro-step``), ``cp_sat`` (one entry per CP-SAT call: ``model`` (``whole-step`` or
     ``micro-step``), ``status`` (CP-SAT's own, or why it was skipped), ``objective_ms`` and
     ``bound_ms`` (compute time, model units converted to ms; None without a solution),
-    ``wall_s``, ``build_s``, ``variables``, ``hint`` (what CP-SAT reported of the warm start),
+    ``dtime`` (CP-SAT's deterministic time), ``variables``, ``hint`` (what CP-SAT reported of the warm start),
     ``used`` (its answer is the plan returned), and for the whole-step model ``part``,
     ``hint_objective_ms``, ``improved_hint``, ``mapped_ms``, ``polished_ms``, ``singles``,
-    ``buckets``, ``presolve``), ``cp_sat_status`` ({status: calls}), ``cp_sat_wall_s``,
+    ``buckets``, ``presolve``), ``cp_sat_status`` ({status: calls}), ``cp_sat_dtime``,
     ``best_bound_ms``, ``groups``, ``groups_per_gpu``, ``micro_steps``, ``min_micro_steps``,
-    ``greedy_ms``, ``best_static_ms``, ``two_stage_ms``, ``local_search_moves``, ``wall_s``, ``gap``,
-    ``timing`` (seconds per stage). Raises InfeasibleError when a sequence fits no group,
+    ``greedy_ms``, ``best_static_ms``, ``two_stage_ms``, ``local_search_moves``, ``gap``,
+    ``effort_phases`` (reference seconds of effort per stage), and ``wall`` (measured: seconds per stage
+    and in CP-SAT; the only figures the machine's speed changes). Raises InfeasibleError when a sequence fits no group,
     Cancelled when cancelled.
     """
-    opts = opts or PlanOptions()
     if cost.execution != "free":
         raise ValueError(f"plan_free plans free (ZeRO 0-2) steps; this cost model is {cost.execution}")
+    opts, clock = (opts or PlanOptions()).start()
     warm_up()
-    t0 = time.perf_counter()
-    limit = max(0.05, float(opts.time_limit))
-    # 15% of the limit stays for building and checking the final plan
+    t0 = clock.now()
+    limit = max(0.05, float(opts.effort))
+    # 15% of the effort stays for building and checking the final plan
     deadline = t0 + 0.85 * limit
     s = np.asarray(lengths, dtype=np.int64)
     cost.check_feasible(s)
     lb = lower_bound_ms(s, cost)
     grad = cost.step_end_ms()  # the gradient sync and the optimizer step
     tab = Table(s, cost)
-    timing: dict[str, float] = {}
-
-    def lap(name: str, since: float) -> float:
-        now = time.perf_counter()
-        timing[name] = timing.get(name, 0.0) + now - since
-        return now
-
-    tick = time.perf_counter()
+    phases = Phases(clock)
+    cp_wall = 0.0
     opts.report(0.02, "flexsp: baselines (greedy, best static, two-stage)")
     rule_plans = greedy_rule_plans(s, cost, opts, deadline=t0 + BASELINE_SHARE * limit)
     greedy = min(rule_plans, key=lambda p: p.makespan_ms)
@@ -177,20 +172,20 @@ def plan_free(lengths, cost: CostModel, opts: PlanOptions | None = None, *, buck
     static = plan_best_static(s, cost, opts)
     opts.check_cancel()
     baselines = [greedy, static]
-    if time.perf_counter() < t0 + TWO_STAGE_SHARE * limit and s.size <= TWO_STAGE_MAX_SEQS:
+    if clock.now() < t0 + TWO_STAGE_SHARE * limit and s.size <= TWO_STAGE_MAX_SEQS:
         # two-stage's replica layouts are stacks too; a short run of it is one more start
         from workbench.solve.two_stage import plan_two_stage
 
-        two = plan_two_stage(s, cost, dataclasses.replace(opts, time_limit=0.5 * TWO_STAGE_SHARE * limit, progress=None))
+        two = plan_two_stage(s, cost, dataclasses.replace(opts, effort=0.5 * TWO_STAGE_SHARE * limit, progress=None))
         baselines.append(two)
     opts.check_cancel()
     baseline = min(baselines, key=lambda p: p.makespan_ms)
-    tick = lap("baselines", tick)
+    phases.lap("baselines")
     M0 = min_micro_steps(tab)
     cp_calls: list[dict] = []
     cands: list[_Cand] = []
     moves = 0
-    if time.perf_counter() < deadline:
+    if not clock.past(deadline):
         seen = set()
         for p in sorted([*rule_plans, *baselines[1:]], key=lambda p: p.makespan_ms):
             key = round(p.makespan_ms, 6)
@@ -203,35 +198,36 @@ def plan_free(lengths, cost: CostModel, opts: PlanOptions | None = None, *, buck
         opts.report(0.15, "flexsp: whole-step list scheduling")
         lbc = lb - grad
         for k, (tgt, extra, lowest) in enumerate(STACK_GREEDY_RULES):
-            if k and time.perf_counter() > t0 + STARTS_SHARE * limit:
+            if k and clock.past(t0 + STARTS_SHARE * limit):
                 break
             opts.check_cancel()
             # the first run may take until the deadline (there is no stack without it); the others
             # give up a little after the starts' share
             cut = deadline if k == 0 else min(deadline, t0 + (STARTS_SHARE + 0.1) * limit)
-            st = Stack.greedy(tab, target=lbc * tgt, max_extra_work=extra, deadline=cut, lowest=lowest,
+            st = Stack.greedy(tab, target=lbc * tgt, clock=clock, max_extra_work=extra, deadline=cut, lowest=lowest,
                               cancel=opts.check_cancel)
             if st is None:
                 break
             name = f"stack-greedy:{tgt:g},{'-' if extra is None else f'{extra:g}'},{'lowest' if lowest else 'first'}"
             cands.append(_Cand(st, "stack-greedy", name))
-        tick = lap("stack_greedy", tick)
+        phases.lap("stack_greedy")
         # 2. the exact per-micro-step model where the batch is small and fits one micro-step
-        if cpsat and M0 == 1 and s.size <= AUTO_BUCKET_ABOVE and time.perf_counter() < deadline:
+        if cpsat and M0 == 1 and s.size <= AUTO_BUCKET_ABOVE and not clock.past(deadline):
             opts.report(0.2, "flexsp: CP-SAT on the one-micro-step model")
-            left = deadline - time.perf_counter()
+            left = clock.left(deadline)
             r = solve_step(tab, np.arange(s.size), bucketing=bucketing, buckets=buckets,
-                            time_limit=MICRO_SHARE * left, seed=opts.seed, opts=opts)
+                           effort=MICRO_SHARE * left, clock=clock, seed=opts.seed, opts=opts)
             if r is not None:
                 call = {"model": "micro-step", **_step_call_info(r)}
                 cp_calls.append(call)
+                cp_wall += float(r.info.get("wall_s", 0.0))
                 st = Stack.from_groups(tab, place_groups(tab, r.rows))
                 cands.append(_Cand(st, "cp-sat" if call["used"] else "heuristic", "micro-step"))
-            tick = lap("micro_step_model", tick)
+            phases.lap("micro_step_model")
         # 3. local search from the best starts, each until it stops improving or its share
         cands.sort(key=lambda c: c.ms)
         opts.report(0.3, "flexsp: local search on the whole step")
-        ls_end = time.perf_counter() + LS_SHARE * max(0.0, deadline - time.perf_counter())
+        ls_end = clock.now() + LS_SHARE * clock.left(deadline)
         # the best start of each kind first (a baseline's plan improves most; the stack greedy's
         # start lower), then the next best
         firsts = [next((c for c in cands if c.start.split(":")[0] == k), None) for k in ("stack-greedy", *BASELINE_KINDS)]
@@ -241,38 +237,38 @@ def plan_free(lengths, cost: CostModel, opts: PlanOptions | None = None, *, buck
         starts = starts[:LS_STARTS]
         for k, c in enumerate(starts):
             opts.check_cancel()
-            left = ls_end - time.perf_counter()
+            left = clock.left(ls_end)
             if left <= 0:
                 break
             st = c.stack.copy()
             before = st.makespan_ms
-            moves += st.improve(time.perf_counter() + left * (0.5 if k + 1 < len(starts) else 1.0),
+            moves += st.improve(clock.now() + left * (0.5 if k + 1 < len(starts) else 1.0), clock,
                                 cancel=opts.check_cancel)
             if st.makespan_ms < before * (1 - 1e-12):
                 cands.append(_Cand(st, _plus(c.source, "local-search"), c.start))
         cands.sort(key=lambda c: c.ms)
-        tick = lap("local_search", tick)
+        phases.lap("local_search")
         # 4. the whole-step CP-SAT model, warm-started from the best stack
-        if cpsat and time.perf_counter() < deadline - 0.02:
+        if cpsat and not clock.past(deadline - 0.02):
             best = cands[0]
             opts.report(0.55, "flexsp: CP-SAT on the whole-step model")
-            left = deadline - time.perf_counter()
-            cp_deadline = time.perf_counter() + CPSAT_SHARE * left
+            left = clock.left(deadline)
+            cp_deadline = clock.now() + CPSAT_SHARE * left
             split = _split(best.stack)
             # the parts whose ranks end latest first
             parts = [None] if split is None else sorted((p for p in split if split[p].num_groups()),
                                                         key=lambda p: -split[p].makespan_ms)
             sizes = {p: sum(len(m) for _, _, m in (best.stack if p is None else split[p]).groups()) for p in parts}
             for k, part in enumerate(parts):
-                left = (cp_deadline - time.perf_counter()) / (len(parts) - k)
+                left = clock.left(cp_deadline) / (len(parts) - k)
                 if left < MIN_CPSAT_S:
-                    cp_calls.append({"model": "whole-step", "status": f"skipped ({left:.2f}s left)", "objective_ms": None,
-                                     "bound_ms": None, "wall_s": 0.0, "build_s": 0.0, "variables": 0, "hint": "none",
+                    cp_calls.append({"model": "whole-step", "status": f"skipped ({left:.2f} effort left)",
+                                     "objective_ms": None, "bound_ms": None, "dtime": 0.0, "variables": 0, "hint": "none",
                                      "used": False})
                     break
                 if sizes[part] > CPSAT_MAX_SEQS:
                     cp_calls.append({"model": "whole-step", "status": f"skipped ({sizes[part]} sequences)",
-                                     "objective_ms": None, "bound_ms": None, "wall_s": 0.0, "build_s": 0.0,
+                                     "objective_ms": None, "bound_ms": None, "dtime": 0.0,
                                      "variables": 0, "hint": "none", "used": False})
                     continue
                 if part is None:
@@ -283,7 +279,8 @@ def plan_free(lengths, cost: CostModel, opts: PlanOptions | None = None, *, buck
                         break
                     hint = split[part]
                 # part of the share stays for mapping the answer back and polishing it
-                out, info = solve_stack(hint.tab, hint, time_limit=0.7 * left, seed=opts.seed, opts=opts)
+                out, info = solve_stack(hint.tab, hint, effort=0.7 * left, clock=clock, seed=opts.seed, opts=opts)
+                cp_wall += info.wall_s
                 call = {"model": "whole-step", **info.to_dict(), "used": False}
                 if part is not None:
                     call["part"] = part
@@ -294,7 +291,7 @@ def plan_free(lengths, cost: CostModel, opts: PlanOptions | None = None, *, buck
                 merged = _merge_part(best.stack, part, out)
                 raw = merged.makespan_ms
                 polished = merged.copy()
-                moves += polished.improve(time.perf_counter() + max(0.01, POLISH_SHARE * (deadline - time.perf_counter())),
+                moves += polished.improve(clock.now() + max(0.01, POLISH_SHARE * clock.left(deadline)), clock,
                                           cancel=opts.check_cancel)
                 call["mapped_ms"] = raw
                 call["polished_ms"] = polished.makespan_ms
@@ -308,17 +305,16 @@ def plan_free(lengths, cost: CostModel, opts: PlanOptions | None = None, *, buck
                     call["used"] = True
                     cands.append(best)
             cands.sort(key=lambda c: c.ms)
-            tick = lap("cp_sat", tick)
-        # 5. what time is left: more local search on the best
-        left = deadline - time.perf_counter()
-        if cands and left > 0.01:
+            phases.lap("cp_sat")
+        # 5. what effort is left: more local search on the best
+        if cands and clock.left(deadline) > 0.01:
             c = cands[0]
             st = c.stack.copy()
-            n = st.improve(deadline, cancel=opts.check_cancel)
+            n = st.improve(deadline, clock, cancel=opts.check_cancel)
             moves += n
             if st.makespan_ms < c.ms * (1 - 1e-12):
                 cands.insert(0, _Cand(st, _plus(c.source, "local-search"), c.start))
-            tick = lap("local_search", tick)
+            phases.lap("local_search")
     opts.check_cancel()
 
     stats: dict = {
@@ -329,7 +325,7 @@ def plan_free(lengths, cost: CostModel, opts: PlanOptions | None = None, *, buck
         "local_search_moves": moves,
         "cp_sat": cp_calls,
         "cp_sat_status": _count(str(c.get("status")) for c in cp_calls),
-        "cp_sat_wall_s": float(sum(c.get("wall_s") or 0.0 for c in cp_calls)),
+        "cp_sat_dtime": round(float(sum(c.get("dtime") or 0.0 for c in cp_calls)), 9),
     }
     best = min(cands, key=lambda c: c.ms) if cands else None
     if best is not None and best.ms + grad < baseline.makespan_ms * (1 - 1e-12):
@@ -342,9 +338,9 @@ def plan_free(lengths, cost: CostModel, opts: PlanOptions | None = None, *, buck
         stats["start"] = best.start
     else:
         if best is None:
-            status, reason = "fallback", (f"the baselines (greedy, best static) took the whole {opts.time_limit:g}s "
-                                          f"time limit; returning {baseline.planner}'s plan (raise the time limit "
-                                          f"to let the solver improve on it)")
+            status, reason = "fallback", (f"the baselines (greedy, best static) took the whole effort ({opts.effort:g}); "
+                                          f"returning {baseline.planner}'s plan (raise --effort to let the solver "
+                                          f"improve on it)")
         else:
             status, reason = "feasible", f"no candidate beat {baseline.planner}'s plan; returning it"
         plan = _replace(baseline, planner="flexsp", status=status, reason=reason)
@@ -358,10 +354,10 @@ def plan_free(lengths, cost: CostModel, opts: PlanOptions | None = None, *, buck
     stats["micro_steps"] = len(plan.micro_steps)
     stats["best_bound_ms"] = lb
     stats["gap"] = plan.makespan_ms / lb - 1.0 if lb > 0 else 0.0
-    stats["timing"] = timing
-    stats["wall_s"] = time.perf_counter() - t0
+    stats["effort_phases"] = phases.effort
+    stats["wall"] = {"phases_s": phases.wall, "cp_sat_s": cp_wall}
     opts.report(0.99, f"flexsp: {plan.makespan_ms:,.0f} ms ({stats['source']})")
-    return _replace(plan, solve_seconds=time.perf_counter() - t0, lower_bound_ms=lb, stats=stats)
+    return _replace(plan, lower_bound_ms=lb, stats=stats)
 
 def _plus(source: str, step: str) -> str:
     """``source`` with ``step`` appended once (``greedy`` + ``local-search`` is ``local-search``)."""
@@ -380,7 +376,7 @@ def _step_call_info(r: StepResult) -> dict:
     i = r.info
     used = "cp_sat_ms" in i and i.get("heuristic_ms") is not None and i["cp_sat_ms"] < i["heuristic_ms"] * (1 - 1e-12)
     return {"status": str(i.get("cp_sat_status", "not run")), "objective_ms": i.get("objective_ms"),
-            "bound_ms": i.get("bound_ms"), "wall_s": float(i.get("wall_s", 0.0)), "build_s": float(i.get("build_s", 0.0)),
+            "bound_ms": i.get("bound_ms"), "dtime": float(i.get("dtime", 0.0)),
             "variables": int(i.get("variables", 0)), "hint": str(i.get("hint", "none")), "used": bool(used)}
 
 def _split(stack: Stack) -> dict | None:

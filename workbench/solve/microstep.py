@@ -30,13 +30,13 @@ Pure numpy + OR-Tools; no torch.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from workbench.cost import CostModel
 from workbench.solve.cpsat import CPSAT_WORKERS, run_cpsat
+from workbench.solve.effort import Effort
 from workbench.solve.options import PlanOptions
 
 __all__ = ["Table", "group_loads", "makespan", "heuristic_step", "refine", "bucketize", "StepResult", "solve_step",
@@ -80,10 +80,36 @@ class Table:
         self.best_work = work.min(axis=0)
         single = np.where(self.ok, self.t + self.over[:, None], np.inf)
         self.best_single = single.min(axis=0)
-        self.dmin = np.argmax(self.ok, axis=0)  # first row (the smallest degree) that holds each sequence
+        degrees = np.unique(self.deg)
+        self.level = np.searchsorted(degrees, self.deg)  # (E,) index of each row's degree among the degrees
+        # per row and sequence, the fastest row holding it among those of the next larger degree (-1: none)
+        E, n = self.t.shape
+        t_ok = np.where(self.ok, self.t, np.inf)
+        best_at = np.full((degrees.size, n), -1, dtype=np.int64)
+        for lv in range(degrees.size):
+            rows = np.flatnonzero(self.level == lv)
+            k = rows[np.argmin(t_ok[rows], axis=0)]
+            best_at[lv] = np.where(np.isfinite(t_ok[rows].min(axis=0)), k, -1)
+        nxt = np.minimum(self.level + 1, degrees.size - 1)
+        self.up = np.where((self.level + 1 < degrees.size)[:, None], best_at[nxt], -1)  # (E, n)
+        # each sequence's first row: the fastest split of the smallest degree that holds it
+        first = np.argmax(self.ok, axis=0)
+        self.dmin = best_at[self.level[first], np.arange(n)] if n else first
+        self.dmin = np.where(self.dmin >= 0, self.dmin, first)
         share = np.where(self.ok, self.mem * self.deg[:, None], np.inf)
         self.share = share.min(axis=0)  # GB-GPUs of memory a sequence needs at least
         self._row = {shape: e for e, shape in enumerate(shapes)}
+
+    def lift(self, rows: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """Rows ``rows`` for sequences ``idx``, each replaced where it does not hold its sequence by
+        the fastest row of the same or a larger degree that does (unchanged where none does)."""
+        rows = np.asarray(rows, dtype=np.int64).copy()
+        for k in np.flatnonzero(~self.ok[rows, idx]):
+            i = int(idx[k])
+            cand = np.flatnonzero(self.ok[:, i] & (self.deg >= self.deg[rows[k]]))
+            if cand.size:
+                rows[k] = int(cand[np.argmin(self.t[cand, i])])
+        return rows
 
     def row(self, degree: int, cp: int = 1) -> int:
         """The row of shape ``(degree, cp)``. Raises KeyError naming the shapes when it is not one."""
@@ -247,19 +273,20 @@ def _pack(tab: Table, idx: np.ndarray, di: np.ndarray, k: np.ndarray, n_gpus: in
         return g
     return _pack_tight(tab, idx, di, k, n_gpus)
 
-def heuristic_step(tab: Table, idx: np.ndarray, n_gpus: int):
+def heuristic_step(tab: Table, idx: np.ndarray, n_gpus: int, clock: Effort):
     """Degrees by bottleneck raising, group counts by the divisible estimate, LPT packing. When
     memory fragments so that this packs nothing, the sequences above each degree level are raised
     to it (fewer, larger groups share their spare memory) and the best packing wins. None if none
     packs."""
-    g = _heuristic_step_at(tab, idx, n_gpus, tab.dmin[idx].copy())
+    g = _heuristic_step_at(tab, idx, n_gpus, tab.dmin[idx].copy(), clock)
     if g is not None:
         return g
     best, best_ms = None, math.inf
     big = tab.dmin[idx] > 0
     for e in range(1, tab.deg.size):
         for di in (np.where(big, np.maximum(tab.dmin[idx], e), tab.dmin[idx]), np.maximum(tab.dmin[idx], e)):
-            g = _heuristic_step_at(tab, idx, n_gpus, di)
+            di = tab.lift(di, idx)  # a split of the same degree may need more memory
+            g = _heuristic_step_at(tab, idx, n_gpus, di, clock)
             if g is not None:
                 ms = makespan(g, tab)
                 if ms < best_ms:
@@ -268,8 +295,7 @@ def heuristic_step(tab: Table, idx: np.ndarray, n_gpus: int):
             break
     return best
 
-def _heuristic_step_at(tab: Table, idx: np.ndarray, n_gpus: int, di: np.ndarray):
-    D = tab.deg.size
+def _heuristic_step_at(tab: Table, idx: np.ndarray, n_gpus: int, di: np.ndarray, clock: Effort):
     T, k = _balance(tab, idx, di, n_gpus)
     if k is None:
         return None
@@ -277,16 +303,17 @@ def _heuristic_step_at(tab: Table, idx: np.ndarray, n_gpus: int, di: np.ndarray)
         return _pack_tight(tab, idx, di, k, n_gpus)
     history = [(di, k)]
     for _ in range(4 * idx.size + 8):
+        clock.tick(elements=27 * idx.size * tab.deg.size, steps=27)  # up to 9 divisible estimates
         single = tab.t[di, idx] + tab.over[di]
         top = np.argsort(-single, kind="stable")[:8]
         improved = False
         tries = [np.flatnonzero(single >= T * (1 - 1e-9))] + [np.array([j]) for j in top]
         for js in tries:
-            js = js[di[js] + 1 < D]
+            js = js[tab.up[di[js], idx[js]] >= 0]
             if js.size == 0:
                 continue
             di2 = di.copy()
-            di2[js] += 1
+            di2[js] = tab.up[di[js], idx[js]]  # the fastest split of the next larger degree
             T2, k2 = _balance(tab, idx, di2, n_gpus)
             if T2 < T * (1 - 1e-9):
                 di, T, k, improved = di2, T2, k2, True
@@ -322,8 +349,10 @@ def _best_swap(tab: Table, e0: int, mi: np.ndarray, keep: np.ndarray, mload_gs: 
     i, j = np.unravel_index(int(np.argmin(v)), v.shape)
     return float(v[i, j]), int(i), int(j)
 
-def refine(groups, tab: Table, n_gpus: int, deadline: float, max_iter: int = 10_000, swap_groups: int = 48):
-    """Moves and swaps that lower the slowest group, until none does (or the deadline)."""
+def refine(groups, tab: Table, n_gpus: int, deadline: float, clock: Effort, max_iter: int = 10_000,
+           swap_groups: int = 48):
+    """Moves and swaps that lower the slowest group, until none does (or the ``clock`` passes
+    ``deadline``); each round is charged to the clock."""
     if not groups:
         return groups
     gd = [int(e) for e, _ in groups]
@@ -333,8 +362,9 @@ def refine(groups, tab: Table, n_gpus: int, deadline: float, max_iter: int = 10_
     budget = tab.budget * (1 + 1e-12)
     D = tab.deg.size
     for it in range(max_iter):
-        if it % 16 == 0 and time.perf_counter() > deadline:
+        if it % 16 == 0 and clock.past(deadline):
             break
+        clock.tick(elements=len(gd) * len(members[int(np.argmax(load))]) * 8, steps=2)
         L_arr = np.asarray(load)
         gs = int(np.argmax(L_arr))
         L = float(L_arr[gs])
@@ -367,6 +397,7 @@ def refine(groups, tab: Table, n_gpus: int, deadline: float, max_iter: int = 10_
             # swaps with the least-loaded groups
             best_val, best = math.inf, None
             order = np.argsort(L_arr, kind="stable")[: swap_groups + 1]
+            clock.tick(elements=mi.size * sum(len(members[int(h)]) for h in order) * 16, steps=2 * order.size)
             for h in order:
                 h = int(h)
                 if h == gs:
@@ -501,10 +532,11 @@ def _make_items(tab: Table, idx: np.ndarray, bucketed: bool, buckets: int) -> _I
     cnt = np.array([q.size for q in seqs], dtype=np.int64)
     return _Items(seqs=seqs, t=t, mem=mem, ok=ok, cnt=cnt, exact=not bucketed)
 
-def cpsat_step(tab: Table, items: _Items, n_gpus: int, hint_groups, *, time_limit: float, seed: int,
-           opts: PlanOptions | None, group_caps=None, workers: int = CPSAT_WORKERS):
-    """Solve the one-micro-step model over ``items``; returns (groups as (degree index, counts per
-    item), info). groups is None when no solution was found."""
+def cpsat_step(tab: Table, items: _Items, n_gpus: int, hint_groups, *, effort: float, clock: Effort, seed: int,
+               opts: PlanOptions | None, group_caps=None, workers: int = CPSAT_WORKERS):
+    """Solve the one-micro-step model over ``items`` on ``effort`` of the ``clock`` (building the
+    model is charged too); returns (groups as (row, counts per item), info). groups is None when no
+    solution was found."""
     from ortools.sat.python import cp_model
 
     D, n_items = items.t.shape
@@ -520,7 +552,7 @@ def cpsat_step(tab: Table, items: _Items, n_gpus: int, hint_groups, *, time_limi
     MEMCAP = 1_000_000_000
     # rounded down: a group that fits in GB fits in units (so a feasible hint stays feasible)
     mint = np.floor(items.mem / tab.budget * MEMCAP).astype(np.int64)
-    t_build = time.perf_counter()
+    start = clock.now()
     m = cp_model.CpModel()
     # candidate groups per degree
     slots = []  # (e, a, {item: var}, load expr)
@@ -579,15 +611,16 @@ def cpsat_step(tab: Table, items: _Items, n_gpus: int, hint_groups, *, time_limi
         for v, val in hint_vals:
             m.AddHint(v, val)
     m.Minimize(T)
-    build_s = time.perf_counter() - t_build
-    if float(time_limit) - build_s < 0.01:
-        return None, {"cp_sat_status": "skipped (no time left after building the model)", "variables": n_vars,
-                      "wall_s": 0.0, "build_s": build_s, "items": n_items}
+    clock.tick(steps=n_vars + len(slots))  # building: a few Python calls per variable
+    left = float(effort) - (clock.now() - start)
+    if left < 0.01:
+        return None, {"cp_sat_status": "skipped (no effort left after building the model)", "variables": n_vars,
+                      "dtime": 0.0, "items": n_items}
     if hint_groups:
         # every variable is hinted: the group counts, the assignment, and T (the hint's makespan)
         m.AddHint(T, int(max(int(cint[e]) + int((tint[e] * c).sum()) for e, c in hint_groups)))
-    solver, status, run = run_cpsat(m, time_limit=float(time_limit) - build_s, seed=seed, workers=workers, opts=opts)
-    info = {"cp_sat_status": run["status"], "variables": n_vars, "wall_s": run["wall_s"], "build_s": build_s,
+    solver, status, run = run_cpsat(m, effort=left, clock=clock, seed=seed, workers=workers, opts=opts)
+    info = {"cp_sat_status": run["status"], "variables": n_vars, "dtime": run["dtime"], "wall_s": run["wall_s"],
             "items": n_items, "hint": run["hint"] if hint_groups else "none"}
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, info
@@ -675,11 +708,14 @@ def _split_parts(tab: Table, idx: np.ndarray, parts: int) -> list[np.ndarray]:
         memw[p] += tab.share[i]
     return [np.array(o, dtype=np.int64) for o in out if o]
 
-def solve_step(tab: Table, idx: np.ndarray, *, bucketing, buckets: int, time_limit: float, seed: int,
-                opts: PlanOptions | None, use_cpsat: bool = True, heuristic=None) -> StepResult | None:
-    """Plan one micro-step of sequences ``idx`` on all the cluster's GPUs."""
-    t0 = time.perf_counter()
-    deadline = t0 + max(0.0, time_limit)
+def solve_step(tab: Table, idx: np.ndarray, *, bucketing, buckets: int, effort: float, clock: Effort, seed: int,
+               opts: PlanOptions | None, use_cpsat: bool = True, heuristic=None) -> StepResult | None:
+    """Plan one micro-step of sequences ``idx`` on all the cluster's GPUs, on ``effort`` of the
+    ``clock``: the heuristic and its moves, then (unless ``use_cpsat`` is False) the exact CP-SAT
+    model warm-started from them. ``heuristic``: start from these groups ``[(row, members)]``
+    instead. Returns a StepResult, or None when nothing holds the sequences in one micro-step."""
+    t0 = clock.now()
+    deadline = t0 + max(0.0, effort)
     n = tab.n_gpus
     lb = tab.step_lower_bound(idx)
     info: dict = {"sequences": int(idx.size)}
@@ -691,18 +727,18 @@ def solve_step(tab: Table, idx: np.ndarray, *, bucketing, buckets: int, time_lim
             sub.n_gpus = PART_GPUS
             groups = []
             for q in parts:
-                g = heuristic_step(sub, q, PART_GPUS)
+                g = heuristic_step(sub, q, PART_GPUS, clock)
                 if g is None:
                     groups = None
                     break
-                groups.extend(refine(g, sub, PART_GPUS, deadline))
+                groups.extend(refine(g, sub, PART_GPUS, deadline, clock))
             if groups is None:
-                groups = heuristic_step(tab, idx, n)
+                groups = heuristic_step(tab, idx, n, clock)
             info["parts"] = len(parts)
         else:
-            groups = heuristic_step(tab, idx, n)
+            groups = heuristic_step(tab, idx, n, clock)
         if groups is not None:
-            groups = refine(groups, tab, n, deadline)
+            groups = refine(groups, tab, n, deadline, clock)
     else:
         groups = heuristic
     if groups is None and not use_cpsat:
@@ -711,8 +747,8 @@ def solve_step(tab: Table, idx: np.ndarray, *, bucketing, buckets: int, time_lim
     info["heuristic_ms"] = best if groups is not None else None
     proved = best <= lb * (1 + 1e-9)
     info["cp_sat_status"] = "skipped (heuristic meets the bound)" if proved else "not run"
-    remaining = deadline - time.perf_counter()
-    if use_cpsat and not proved and (remaining > 0.02 or groups is None):
+    remaining = deadline - clock.now()
+    if use_cpsat and not proved and (remaining > 0.02 or groups is None) and not clock.capped:
         bucketed = (idx.size > AUTO_BUCKET_ABOVE) if bucketing is None else bool(bucketing)
         items = _make_items(tab, idx, bucketed, buckets)
         hint = _groups_to_counts(groups, items, tab) if groups is not None else None
@@ -722,13 +758,13 @@ def solve_step(tab: Table, idx: np.ndarray, *, bucketing, buckets: int, time_lim
             # the heuristic's group counts per degree, with room to spare, bound the model's size
             have = np.bincount([e for e, _ in groups], minlength=tab.deg.size)
             caps = np.maximum(2 * have + 2, 4)
-        counts, ci = cpsat_step(tab, items, n, hint, time_limit=remaining, seed=seed, opts=opts, group_caps=caps)
+        counts, ci = cpsat_step(tab, items, n, hint, effort=remaining, clock=clock, seed=seed, opts=opts, group_caps=caps)
         info.update(ci)
         info["buckets"] = int(len(items.seqs) - min(SINGLE_ITEMS, idx.size)) if bucketed else 0
         if counts is not None:
             g2 = _counts_to_groups(counts, items, tab)
             if bucketed:
-                g2 = refine(g2, tab, n, time.perf_counter() + max(0.05, 0.2 * time_limit))
+                g2 = refine(g2, tab, n, clock.now() + max(0.05, 0.2 * effort), clock)
             ms2 = makespan(g2, tab)
             info["cp_sat_ms"] = ms2
             if ms2 < best * (1 - 1e-12):
@@ -738,25 +774,26 @@ def solve_step(tab: Table, idx: np.ndarray, *, bucketing, buckets: int, time_lim
                 lb = max(lb, min(best, ci.get("bound_ms", 0.0)))
         elif items.exact and ci["cp_sat_status"] == "INFEASIBLE":
             info["infeasible"] = True
+    info["effort"] = clock.now() - t0
     if groups is None:
-        info["solve_s"] = time.perf_counter() - t0
         return None
-    info["solve_s"] = time.perf_counter() - t0
     return StepResult(groups=[(int(tab.deg[e]), sorted(int(i) for i in m)) for e, m in groups],
                       rows=[(int(e), sorted(int(i) for i in m)) for e, m in groups],
                       makespan_ms=best, lower_bound_ms=lb, proved=proved, info=info)
 
 def solve_one_step(lengths, cost: CostModel, *, bucketing: bool | None = False, buckets: int = 16,
-                   time_limit: float = 10.0, seed: int = 0, opts: PlanOptions | None = None) -> StepResult | None:
-    """Plan all of ``lengths`` as one micro-step on the whole cluster: heuristic, then CP-SAT
-    (items are single sequences unless ``bucketing``). Returns a StepResult (``groups`` as
-    ``[(degree, [sequence index, ...])]``, the slowest group's time without gradient sync,
-    ``proved`` when CP-SAT proved it optimal), or None when one micro-step cannot hold the batch."""
+                   effort: float = 10.0, seed: int = 0, opts: PlanOptions | None = None) -> StepResult | None:
+    """Plan all of ``lengths`` as one micro-step on the whole cluster with ``effort`` reference
+    seconds: heuristic, then CP-SAT (items are single sequences unless ``bucketing``). Returns a
+    StepResult (``groups`` as ``[(degree, [sequence index, ...])]``, the slowest group's time
+    without gradient sync, ``proved`` when CP-SAT proved it optimal), or None when one micro-step
+    cannot hold the batch."""
     s = np.asarray(lengths, dtype=np.int64)
     cost.check_feasible(s)
     tab = Table(s, cost)
-    return solve_step(tab, np.arange(s.size), bucketing=bucketing, buckets=buckets, time_limit=time_limit,
-                       seed=seed, opts=opts)
+    opts, clock = (opts or PlanOptions(effort=effort)).start()
+    return solve_step(tab, np.arange(s.size), bucketing=bucketing, buckets=buckets, effort=effort, clock=clock,
+                      seed=seed, opts=opts)
 
 def min_micro_steps(tab: Table) -> int:
     """The fewest micro-steps whose memory (N x budget each) holds every sequence's least share."""

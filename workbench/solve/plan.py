@@ -167,8 +167,13 @@ class Plan:
         """The same plan tagged with the id of the batch it was made for."""
         return dataclasses.replace(self, batch_id=batch_id)
 
-    def to_dict(self) -> dict:
-        return {
+    def to_dict(self, measured: bool = True) -> dict:
+        """The plan as plain JSON (the ``workbench plan --json`` shape). Everything in it is a function
+        of the batch, the scenario, the seed and the effort (DESIGN.md), except what the machine
+        measured while planning: ``solve_seconds`` and ``stats["wall"]``; ``measured=False`` leaves
+        those out, so that the same inputs give byte-identical JSON on any machine."""
+        stats = self.stats if measured else {k: v for k, v in self.stats.items() if k != "wall"}
+        out = {
             "planner": self.planner,
             "status": self.status,
             "makespan_ms": self.makespan_ms,
@@ -180,7 +185,7 @@ class Plan:
             "memory_budget_gb": self.memory_budget_gb if math.isfinite(self.memory_budget_gb) else None,
             "batch_id": self.batch_id,
             "reason": self.reason,
-            "stats": self.stats,
+            "stats": stats,
             "execution": self.execution,
             "zero_stage": self.zero_stage,
             "precision": self.precision,
@@ -191,6 +196,9 @@ class Plan:
             "optimizer_ms": self.optimizer_ms,
             "micro_steps": [m.to_dict() for m in self.micro_steps],
         }
+        if not measured:
+            del out["solve_seconds"]
+        return out
 
 
 def plan_from_dict(d: Mapping[str, Any]) -> Plan:
@@ -204,7 +212,7 @@ def plan_from_dict(d: Mapping[str, Any]) -> Plan:
         execution = str(d.get("execution") or "free")
         zero = d.get("zero_stage")
         plan = Plan(planner=str(d["planner"]), status=str(d["status"]), makespan_ms=float(d["makespan_ms"]),
-                    lower_bound_ms=float(d["lower_bound_ms"]), solve_seconds=float(d["solve_seconds"]),
+                    lower_bound_ms=float(d["lower_bound_ms"]), solve_seconds=float(d.get("solve_seconds", 0.0)),
                     micro_steps=micro, num_gpus=int(d["num_gpus"]), grad_sync_ms=float(d.get("grad_sync_ms", 0.0)),
                     memory_budget_gb=math.inf if budget is None else float(budget), batch_id=d.get("batch_id"),
                     reason=str(d.get("reason", "")), stats=dict(d.get("stats", {})), execution=execution,

@@ -48,12 +48,12 @@ Pure numpy + OR-Tools; no torch.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from workbench.solve.cpsat import run_cpsat
+from workbench.solve.effort import Effort
 from workbench.solve.microstep import bucketize
 
 __all__ = ["Stack", "solve_stack", "StackModelInfo", "canonical"]
@@ -61,7 +61,8 @@ __all__ = ["Stack", "solve_stack", "StackModelInfo", "canonical"]
 _TOL = 1e-9
 
 PRESOLVE_ABOVE_S = 5.0
-"""The whole-step model runs CP-SAT's presolve only with at least this many seconds to search."""
+"""The whole-step model runs CP-SAT's presolve only with at least this much effort (reference
+seconds) to search."""
 
 SWAP_PAIRS = 200_000
 """``Stack.improve`` weighs at most this many swap pairs per degree in a round (those with the most
@@ -240,7 +241,7 @@ class Stack:
         return True
 
     @classmethod
-    def greedy(cls, tab, *, target: float | None, seqs=None, max_extra_work: float | None = None,
+    def greedy(cls, tab, *, target: float | None, clock: Effort, seqs=None, max_extra_work: float | None = None,
                deadline: float | None = None, lowest: bool = True, cancel=None) -> "Stack | None":
         """List scheduling under stack semantics: sequences by least GPU-time (longest first), each
         either into any group with room on any block (every rank of the block gains its time: no
@@ -251,7 +252,7 @@ class Stack:
         sequence's least by more than this share are not tried (None: all that hold it). Ties
         among the options adding the least GPU-time go to the block ending lowest (``lowest``) or to
         each degree's first block (then the lowest of those): two structures to start from.
-        Returns None when ``deadline`` (``time.perf_counter()``) passes first; ``cancel()`` is
+        Returns None when the ``clock`` passes ``deadline`` first (each sequence is charged to it); ``cancel()`` is
         called every 64 sequences (it may raise)."""
         st = cls(tab)
         idx = np.arange(tab.s.size) if seqs is None else np.asarray(seqs, dtype=np.int64)
@@ -272,8 +273,9 @@ class Stack:
             if step % 64 == 0:
                 if cancel is not None:
                     cancel()
-                if deadline is not None and time.perf_counter() > deadline:
+                if deadline is not None and clock.past(deadline):
                     return None
+            clock.tick(elements=6 * off[-1] + 2 * st.D, steps=1.5)
             use = tab.ok[:, i].copy()
             if max_extra_work is not None:
                 use &= (dd * tab.t[:, i] <= tab.best_work[i] * (1 + max_extra_work)) | (np.arange(st.D) == tab.dmin[i])
@@ -321,8 +323,9 @@ class Stack:
         """Repack every block (see ``repack``); returns how many changed."""
         return sum(self.repack(e, b) for (e, b) in list(self.by_block))
 
-    def improve(self, deadline: float, max_iter: int = 100_000, cancel=None) -> int:
-        """Local search on the exact loads until no move helps or ``deadline`` (perf_counter).
+    def improve(self, deadline: float, clock: Effort, max_iter: int = 100_000, cancel=None) -> int:
+        """Local search on the exact loads until no move helps or the ``clock`` passes ``deadline``
+        (every round is charged to it).
 
         Each round takes a most-loaded rank r and, among the sequences of the groups on r's blocks,
         the move (to a group with room on any other block, or into a new group on any block) or the
@@ -333,11 +336,11 @@ class Stack:
         self.repack_all()
         moves = 0
         for it in range(max_iter):
-            if time.perf_counter() > deadline:
+            if clock.past(deadline):
                 break
             if cancel is not None and it % 4 == 0:
                 cancel()
-            if not (self._step() or self._global_move() or self._eject(deadline)):
+            if not (self._step(clock) or self._global_move(clock) or self._eject(deadline, clock)):
                 break
             moves += 1
         return moves
@@ -354,7 +357,7 @@ class Stack:
         gb = np.asarray(self.g_b, dtype=np.int64)
         return np.asarray(Q, dtype=np.int64), G, ge[G], gb[G]
 
-    def _global_move(self) -> bool:
+    def _global_move(self, clock: Effort) -> bool:
         """When no move helps a most-loaded rank: the move of any sequence to another block (not
         overlapping its own) that saves the most GPU-time (its time x degree, plus the overhead x
         degree of a group it empties or opens) while every rank it raises stays below the maximum.
@@ -375,6 +378,7 @@ class Stack:
             Q, G, EI, BI, dI, w_out = Q[keep], G[keep], EI[keep], BI[keep], dI[keep], w_out[keep]
         best_val, best = -T * _TOL * self.n, None
         minmem_all = self._min_mem_all()
+        clock.tick(elements=8 * Q.size * sum(self.nb), steps=4 * self.D)
         for e2 in range(self.D):
             fits = tab.ok[e2, Q]
             if not fits.any():
@@ -401,7 +405,7 @@ class Stack:
         self._apply(best)
         return True
 
-    def _eject(self, deadline: float, tries: int = 8) -> bool:
+    def _eject(self, deadline: float, clock: Effort, tries: int = 8) -> bool:
         """Empty one group of a most-loaded rank (the least full first) into the spare memory of
         other groups (on any block, its own and overlapping ones included), each sequence (longest
         first) where the ranks it raises stay lowest, all of them below the maximum once the group's
@@ -413,8 +417,9 @@ class Stack:
                 for g in self.by_block.get((e, r // self.d[e]), [])]
         path.sort(key=lambda g: self.g_mem[g])
         for g in path[:tries]:
-            if time.perf_counter() > deadline:
+            if clock.past(deadline):
                 return False
+            clock.tick(elements=len(self.g_members[g]) * (self.num_groups() + self.n) * 30, steps=len(self.g_members[g]) * 25)
             plan = self._eject_plan(g, limit)
             if plan is not None:
                 for i, h in plan:
@@ -512,7 +517,7 @@ class Stack:
                 out = np.where(hold, val, out)
         return np.where(same, np.inf, out)
 
-    def _step(self) -> bool:
+    def _step(self, clock: Effort) -> bool:
         tab = self.tab
         T = float(self.load.max())
         tol = T * _TOL
@@ -526,6 +531,7 @@ class Stack:
         best_val, best = limit, None
         bmax = [self._block_max(e) for e in range(self.D)]
         minmem_all = self._min_mem_all()
+        clock.tick(elements=10 * Q.size * sum(self.nb) + self.num_groups() * 2, steps=5 * self.D)
         for e2 in range(self.D):
             fits = tab.ok[e2, Q]
             if not fits.any():
@@ -545,13 +551,13 @@ class Stack:
             if v < best_val:
                 best_val, best = v, ("move", int(Q[a]), e2, c, bool(join[a, c]))
         if best is None:
-            best = self._best_swap(Q, G, EI, BI, bmax, limit)
+            best = self._best_swap(Q, G, EI, BI, bmax, limit, clock)
             if best is None:
                 return False
         self._apply(best)
         return True
 
-    def _best_swap(self, Q, G, EI, BI, bmax, limit):
+    def _best_swap(self, Q, G, EI, BI, bmax, limit, clock: Effort):
         """The swap of a sequence of rank r's blocks (rows) with one of a group on a block whose
         ranks all end below ``limit`` that leaves every changed rank lowest, or None."""
         tab = self.tab
@@ -571,6 +577,7 @@ class Stack:
             if J.size > cap:  # the sequences on the blocks with the most slack (keeps a round cheap)
                 keep = np.argsort(bmax[e2][BJ], kind="stable")[:cap]
                 J, H, BJ = J[keep], H[keep], BJ[keep]
+            clock.tick(elements=14 * Q.size * J.size, steps=4)
             memx = gmem_I[:, None] - tab.mem[EI, Q][:, None] + tab.mem[EI[:, None], J[None, :]]
             memy = gmem[H][None, :] - tab.mem[e2, J][None, :] + tab.mem[e2, Q][:, None]
             dX = tab.t[EI[:, None], J[None, :]] - tab.t[EI, Q][:, None]
@@ -628,8 +635,10 @@ class StackModelInfo:
     status: str = "not run"
     objective_ms: float | None = None
     bound_ms: float | None = None
+    dtime: float = 0.0
+    """CP-SAT's deterministic time used (what the plan's effort was charged)."""
     wall_s: float = 0.0
-    build_s: float = 0.0
+    """Measured seconds (reported with the plan's wall-clock figures, not in ``to_dict``)."""
     variables: int = 0
     singles: int = 0
     buckets: int = 0
@@ -637,8 +646,10 @@ class StackModelInfo:
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
+        """The call's figures as plain data, wall-clock seconds left out (a plan's stats hold only
+        what its inputs decide; ``wall_s`` goes to its ``stats["wall"]``)."""
         out = {"status": self.status, "objective_ms": _finite(self.objective_ms), "bound_ms": _finite(self.bound_ms),
-               "wall_s": self.wall_s, "build_s": self.build_s, "variables": self.variables,
+               "dtime": self.dtime, "variables": self.variables,
                "singles": self.singles, "buckets": self.buckets, "hint": self.hint}
         out.update(self.extra)
         return out
@@ -723,16 +734,17 @@ def _items(tab, idx: np.ndarray, singles: int, buckets: int) -> _ItemSet:
     return _ItemSet(singles=sg, buckets=bks, tokens=np.array([int(tab.s[q].sum()) for q in bks], dtype=np.int64))
 
 
-def solve_stack(tab, hint: Stack, *, time_limit: float, seed: int = 0, opts=None, singles: int | None = None,
-                single_vars: int = 2000, buckets: int = 12, work_slack: float = 0.25, span: int = 3,
-                workers: int = 2):
-    """Run the whole-step CP-SAT model (module docstring) for ``time_limit`` seconds, hinted with
-    ``hint``; returns ``(Stack or None, StackModelInfo)``. The stack is CP-SAT's solution mapped back
-    to sequences and packed into groups per block (not yet polished); None when CP-SAT found none
-    (``info.status`` says why). Raises Cancelled when ``opts``' cancel token is set."""
+def solve_stack(tab, hint: Stack, *, effort: float, clock: Effort, seed: int = 0, opts=None,
+                singles: int | None = None, single_vars: int = 2000, buckets: int = 12, work_slack: float = 0.25,
+                span: int = 3, workers: int = 2):
+    """Run the whole-step CP-SAT model (module docstring) on ``effort`` of the ``clock`` (building
+    it included), hinted with ``hint``; returns ``(Stack or None, StackModelInfo)``. The stack is
+    CP-SAT's solution mapped back to sequences and packed into groups per block (not yet polished);
+    None when CP-SAT found none (``info.status`` says why). An item may use the shapes of degrees
+    within ``span`` of its smallest. Raises Cancelled when ``opts``' cancel token is set."""
     from ortools.sat.python import cp_model
 
-    t_build = time.perf_counter()
+    start = clock.now()
     info = StackModelInfo()
     D, N = hint.D, hint.n
     deg = hint.d
@@ -747,7 +759,7 @@ def solve_stack(tab, hint: Stack, *, time_limit: float, seed: int = 0, opts=None
         dcol0 = np.asarray(deg, dtype=np.float64)[:, None]
         w = np.where(tab.ok[:, order], tab.t[:, order] * dcol0, np.inf)
         okl = (tab.ok[:, order] & (w <= w.min(axis=0) * (1 + work_slack))
-               & (np.arange(D)[:, None] <= tab.dmin[order][None, :] + span))
+               & (tab.level[:, None] <= tab.level[tab.dmin[order]][None, :] + span))
         cost_v = (okl * np.asarray(hint.nb)[:, None]).sum(axis=0)
         singles = int(np.searchsorted(np.cumsum(cost_v), single_vars, side="right"))
     items = _items(tab, idx, singles, buckets)
@@ -770,7 +782,7 @@ def solve_stack(tab, hint: Stack, *, time_limit: float, seed: int = 0, opts=None
         if lv.size == 0:
             return set()
         best = float(work_col[lv].min())
-        return {int(e) for e in lv if e <= lv[0] + span and work_col[e] <= best * (1 + work_slack)}
+        return {int(e) for e in lv if tab.level[e] <= tab.level[lv[0]] + span and work_col[e] <= best * (1 + work_slack)}
 
     dcol = np.asarray(deg, dtype=np.float64)[:, None]
     lev_s = [allowed(tab.ok[:, i], (tab.t[:, i:i + 1] * dcol)[:, 0]) for i in items.singles]
@@ -899,17 +911,17 @@ def solve_stack(tab, hint: Stack, *, time_limit: float, seed: int = 0, opts=None
     m.AddHint(T, int(rank.max()))
     info.extra["hint_objective_ms"] = float(rank.max()) / scale
 
-    info.build_s = time.perf_counter() - t_build
+    clock.tick(elements=2 * n_vars, steps=n_vars + N)  # building: a few Python calls per variable
     info.variables = n_vars
-    left = float(time_limit) - info.build_s
+    left = float(effort) - (clock.now() - start)
     if left < 0.01:
-        info.status = "skipped (no time left after building the model)"
+        info.status = "skipped (no effort left after building the model)"
         return None, info
-    # under PRESOLVE_ABOVE_S, presolving would take the time the search needs (measured: at 64 GPUs x
+    # under PRESOLVE_ABOVE_S, presolving would take the effort the search needs (measured: at 64 GPUs x
     # 512 sequences CP-SAT still had no solution after 1 s with it, and had the hint at once without)
-    solver, status, run = run_cpsat(m, time_limit=left, seed=seed, workers=workers, opts=opts,
+    solver, status, run = run_cpsat(m, effort=left, clock=clock, seed=seed, workers=workers, opts=opts,
                                     presolve=left >= PRESOLVE_ABOVE_S)
-    info.status, info.wall_s, info.hint = run["status"], run["wall_s"], run["hint"]
+    info.status, info.dtime, info.wall_s, info.hint = run["status"], run["dtime"], run["wall_s"], run["hint"]
     info.extra["presolve"] = left >= PRESOLVE_ABOVE_S
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, info
@@ -928,6 +940,7 @@ def solve_stack(tab, hint: Stack, *, time_limit: float, seed: int = 0, opts=None
         vals = {(e, b): int(solver.Value(yv[j, e, b])) for e in lev_b[j] for b in range(hint.nb[e])}
         targets.append({eb: y for eb, y in vals.items() if y > 0})
     block_ms = {eb: solver.Value(v) / scale for eb, v in Lv.items()}
+    clock.tick(elements=idx.size * len(kval), steps=3 * idx.size)  # mapping back: a few steps per sequence
     out = Stack.from_groups(tab, _map_back(tab, kval, singles_on, items, targets, block_ms))
     return out, info
 

@@ -25,22 +25,23 @@ follow the work of the sequences that need that degree):
    replica to the replica where the pair ends lowest, while that lowers the slowest replica.
 
 The layout and restart with the smallest makespan win. The homogeneous layouts' deterministic
-pass is the static planner's assignment, so (unless the time limit cuts the layouts short)
-two-stage is never behind ``best-static``. Deterministic for a given seed: CP-SAT runs one worker
-with a deterministic time limit; the wall-clock ``time_limit`` only cuts layouts, restarts and the
-local search short when a batch is very large or the machine slow (``stats["truncated"]``).
+pass is the static planner's assignment, so (unless the effort budget cuts the layouts short)
+two-stage is never behind ``best-static``. Deterministic for a given seed and effort: layouts,
+restarts and the local search stop on the plan's effort clock (``workbench.solve.effort``;
+``stats["truncated"]`` says when it cut them short) and CP-SAT runs one worker on deterministic time.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from workbench.cost import CostModel, InfeasibleError
 from workbench.solve.baselines import pack_best_fit
+from workbench.solve.cpsat import run_cpsat
+from workbench.solve.effort import DTIME_PER_S, Effort
 from workbench.solve.options import PlanOptions
 from workbench.solve.plan import Plan, build_plan
 
@@ -246,9 +247,9 @@ def _int_sizes(x: np.ndarray, capacity: float, scale: int = 10**9) -> tuple[list
 
 
 def _cpsat_pack(x: np.ndarray, capacity: float, bins: int, *, seed: int, det_time: float,
-                wall: float) -> tuple[str, list[list[int]] | None]:
+                clock: Effort) -> tuple[str, list[list[int]] | None]:
     """Whether the items fit ``bins`` bins: ("feasible", packing) / ("infeasible", None) /
-    ("unknown", None)."""
+    ("unknown", None); CP-SAT on ``det_time`` of deterministic time, one worker, charged to ``clock``."""
     from ortools.sat.python import cp_model
 
     sizes, cap = _int_sizes(x, capacity)
@@ -265,12 +266,7 @@ def _cpsat_pack(x: np.ndarray, capacity: float, bins: int, *, seed: int, det_tim
         terms = [(a[i, b], sizes[i]) for i in range(k) if (i, b) in a]
         if terms:
             m.Add(sum(v * w for v, w in terms) <= cap)
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 1
-    solver.parameters.random_seed = int(seed) % (2**31)
-    solver.parameters.max_deterministic_time = float(det_time)
-    solver.parameters.max_time_in_seconds = float(max(wall, 0.05))
-    st = solver.Solve(m)
+    solver, st, _ = run_cpsat(m, effort=float(det_time) / DTIME_PER_S, clock=clock, seed=seed, workers=1)
     if st in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         out: list[list[int]] = [[] for _ in range(bins)]
         for (i, b), v in a.items():
@@ -283,15 +279,16 @@ def _cpsat_pack(x: np.ndarray, capacity: float, bins: int, *, seed: int, det_tim
 
 
 def pack_min_microbatches(sizes, capacity: float, *, exact_items: int = EXACT_MAX_ITEMS, seed: int = 0,
-                          det_time: float = EXACT_DET_TIME, wall: float = 2.0) -> tuple[list[list[int]], bool]:
+                          det_time: float = EXACT_DET_TIME, clock: Effort | None = None) -> tuple[list[list[int]], bool]:
     """Stage 2: split items (activation memory per GPU of a replica's sequences) into the fewest
     micro-batches whose memory is at most ``capacity``.
 
     Returns ``(bins, proven)``: bins as lists of item indices (largest first), and whether their
     count is proven minimal (it meets the lower bound, or CP-SAT showed one fewer is infeasible).
     Best-fit decreasing first; when it uses more bins than the lower bound and there are at most
-    ``exact_items`` items, CP-SAT tries each count from the bound up. Items larger than the capacity
-    get a bin of their own (callers check feasibility first).
+    ``exact_items`` items, CP-SAT tries each count from the bound up (``det_time`` of deterministic
+    time each, charged to the plan's ``clock`` when given). Items larger than the capacity get a bin
+    of their own (callers check feasibility first).
     """
     x = np.asarray(sizes, dtype=np.float64)
     if x.size == 0:
@@ -306,10 +303,11 @@ def pack_min_microbatches(sizes, capacity: float, *, exact_items: int = EXACT_MA
         from ortools.sat.python import cp_model  # noqa: F401
     except ImportError:  # pragma: no cover - OR-Tools is a dependency; best fit without it
         return best, False
-    t_end = time.perf_counter() + wall
+    clock = clock if clock is not None else Effort(budget=1e9)
     for m in range(lb, len(best)):
-        status, packing = _cpsat_pack(x, capacity, m, seed=seed, det_time=det_time,
-                                      wall=t_end - time.perf_counter())
+        if clock.capped:
+            return best, False
+        status, packing = _cpsat_pack(x, capacity, m, seed=seed, det_time=det_time, clock=clock)
         if status == "feasible":
             return packing, True
         if status == "unknown":
@@ -338,12 +336,12 @@ class _Candidate:
 
 
 def _pack_share(s: np.ndarray, cost: CostModel, d: int, idx: list[int], *, exact: bool, seed: int,
-                wall: float) -> tuple[list[list[int]], bool]:
+                clock: Effort | None = None) -> tuple[list[list[int]], bool]:
     if not idx:
         return [], True
     sizes = cost.memory(s[idx], d)
     if exact:
-        bins, proven = pack_min_microbatches(sizes, cost.memory_budget_gb, seed=seed, wall=wall)
+        bins, proven = pack_min_microbatches(sizes, cost.memory_budget_gb, seed=seed, clock=clock)
     else:
         bins = pack_best_fit(sizes, cost.memory_budget_gb)
         proven = len(bins) <= microbatch_lower_bound(sizes, cost.memory_budget_gb)
@@ -358,9 +356,10 @@ def _totals(s: np.ndarray, cost: CostModel, layout, share, bins) -> np.ndarray:
     return out
 
 
-def _evaluate(s, cost, name, layout, restart, rng) -> _Candidate:
+def _evaluate(s, cost, name, layout, restart, rng, clock: Effort) -> _Candidate:
+    clock.tick(elements=4 * s.size * len(layout), steps=s.size)  # the dispatch and best-fit packing
     share = dispatch(s, cost, layout, rng=rng)
-    packed = [_pack_share(s, cost, d, share[r], exact=False, seed=0, wall=0.0) for r, d in enumerate(layout)]
+    packed = [_pack_share(s, cost, d, share[r], exact=False, seed=0) for r, d in enumerate(layout)]
     bins = [b for b, _ in packed]
     return _Candidate(name=name, layout=tuple(layout), restart=restart, share=share, bins=bins,
                       totals=_totals(s, cost, layout, share, bins), proven=[p for _, p in packed])
@@ -380,7 +379,7 @@ def _matrices(s: np.ndarray, cost: CostModel, layout) -> tuple[np.ndarray, np.nd
     return T, M, over
 
 
-def _improve(s: np.ndarray, cost: CostModel, c: _Candidate, deadline: float, opts: PlanOptions,
+def _improve(s: np.ndarray, cost: CostModel, c: _Candidate, deadline: float, opts: PlanOptions, clock: Effort,
              max_moves: int = 100) -> tuple[_Candidate, int, bool]:
     """Local search after packing: move one sequence off the slowest replica to the replica where
     the pair ends lowest, while that lowers the slowest replica. Packings change incrementally
@@ -399,10 +398,11 @@ def _improve(s: np.ndarray, cost: CostModel, c: _Candidate, deadline: float, opt
     totals = c.totals.copy()
     moves, cut = 0, False
     while moves < max_moves:
-        if time.perf_counter() > deadline:
+        if clock.past(deadline):
             cut = True
             break
         opts.check_cancel()
+        clock.tick(elements=3 * sum(len(b) for b in bins[int(np.argmax(totals))]) * R, steps=8)
         r = int(np.argmax(totals))
         top = totals[r]
         best = None  # (pair max, new_q, i, q)
@@ -457,16 +457,17 @@ def plan_two_stage(lengths, cost: CostModel, opts: PlanOptions) -> Plan:
     run in all), ``best_restart`` (0: the deterministic pass), ``micro_batches`` (per replica),
     ``packing_proven`` (every replica's micro-batch count proven minimal), ``exact_packings``
     (replicas CP-SAT improved), ``moves`` (local-search moves off the slowest replica), ``truncated``
-    (the time limit cut the search short), ``candidates`` (the best makespan per layout tried, ms,
+    (the effort budget cut the search short), ``candidates`` (the best makespan per layout tried, ms,
     without the gradient sync)."""
     try:  # import before the clock starts: the first import of OR-Tools takes about a second
         from ortools.sat.python import cp_model  # noqa: F401
     except ImportError:  # pragma: no cover - best fit only
         pass
-    t0 = time.perf_counter()
+    opts, clock = opts.start()
+    t0 = clock.now()
     s = np.asarray(lengths, dtype=np.int64)
     cost.check_feasible(s)
-    limit = max(0.0, float(opts.time_limit))
+    limit = max(0.0, float(opts.effort))
     deadline = t0 + limit
     layouts = candidate_layouts(s, cost)
     truncated = False
@@ -474,10 +475,10 @@ def plan_two_stage(lengths, cost: CostModel, opts: PlanOptions) -> Plan:
     first: list[_Candidate] = []
     for li, (name, layout) in enumerate(layouts):
         opts.check_cancel()
-        if li > 0 and time.perf_counter() > t0 + 0.6 * limit:
+        if li > 0 and clock.past(t0 + 0.6 * limit):
             truncated = True
             break
-        first.append(_evaluate(s, cost, name, layout, 0, None))
+        first.append(_evaluate(s, cost, name, layout, 0, None, clock))
         runs += 1
         opts.report(0.6 * (li + 1) / len(layouts), f"two-stage: layout {name}: {first[-1].makespan:,.0f} ms")
     by_layout = {c.layout: c for c in first}
@@ -488,11 +489,11 @@ def plan_two_stage(lengths, cost: CostModel, opts: PlanOptions) -> Plan:
         li = next(i for i, (_, lay) in enumerate(layouts) if lay == c0.layout)
         for r in range(1, RESTARTS):
             opts.check_cancel()
-            if time.perf_counter() > t0 + 0.85 * limit:
+            if clock.past(t0 + 0.85 * limit):
                 truncated = True
                 break
             rng = np.random.default_rng([int(opts.seed), li, r])
-            c = _evaluate(s, cost, c0.name, c0.layout, r, rng)
+            c = _evaluate(s, cost, c0.name, c0.layout, r, rng, clock)
             runs += 1
             if _key(c) < _key(by_layout[c.layout]):
                 by_layout[c.layout] = c
@@ -503,18 +504,17 @@ def plan_two_stage(lengths, cost: CostModel, opts: PlanOptions) -> Plan:
     moved = 0
     for c in sorted((by_layout[c.layout] for c in short), key=_key):
         opts.check_cancel()
-        c, m, cut = _improve(s, cost, c, t0 + 0.95 * limit, opts)
+        c, m, cut = _improve(s, cost, c, t0 + 0.95 * limit, opts, clock)
         moved += m
         truncated |= cut
         bins, proven, totals = list(c.bins), list(c.proven), c.totals.copy()
         tried: set[int] = set()
         while True:  # only the slowest replica matters: pack it exactly while that helps
             r = int(np.argmax(totals))
-            if proven[r] or r in tried or len(c.share[r]) > EXACT_MAX_ITEMS:
+            if proven[r] or r in tried or len(c.share[r]) > EXACT_MAX_ITEMS or clock.past(deadline):
                 break
             tried.add(r)
-            wall = max(0.5, deadline - time.perf_counter())  # a safety net: det_time binds first
-            b, p = _pack_share(s, cost, c.layout[r], c.share[r], exact=True, seed=opts.seed, wall=wall)
+            b, p = _pack_share(s, cost, c.layout[r], c.share[r], exact=True, seed=opts.seed, clock=clock)
             if len(b) < len(bins[r]):
                 exact_done += 1
                 bins[r], proven[r] = b, p
@@ -551,8 +551,7 @@ def plan_two_stage(lengths, cost: CostModel, opts: PlanOptions) -> Plan:
         "truncated": truncated,
         "candidates": {c.name: round(c.makespan, 3) for c in sorted(by_layout.values(), key=_key)},
     }
-    return build_plan("two-stage", micro, s, cost, blocks=blocks, solve_seconds=time.perf_counter() - t0,
-                      stats=stats)
+    return build_plan("two-stage", micro, s, cost, blocks=blocks, stats=stats)
 
 
 def _register() -> None:
