@@ -147,6 +147,8 @@ def plan_static(lengths, cost: CostModel, opts: PlanOptions, degree: int, name: 
     s = np.asarray(lengths, dtype=np.int64)
     name = name or f"static:{degree}"
     _check_degree_holds(s, cost, degree, name)
+    if opts.clock is not None:
+        opts.clock.tick(elements=8 * s.size, steps=s.size / 8)  # the replicas' assignment and packing
     found = _static_lockstep_assignment(s, cost, degree) if cost.execution == "lockstep" else None
     micro, blocks = found if found is not None else _static_assignment(s, cost, degree)
     return build_plan(name, micro, s, cost, blocks=blocks, solve_seconds=time.perf_counter() - t0,

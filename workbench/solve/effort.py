@@ -72,15 +72,31 @@ class Effort:
         self.spent = 0.0
         self.capped_at: float | None = None
         self._t0 = time.perf_counter()
+        self._parent: Effort | None = None
+
+    def child(self, budget: float) -> "Effort":
+        """A clock for a planner run inside this one (its rivals: ``workbench.solve.rivals``): its own
+        ``budget``, counted from 0 as a fresh clock would be, so that the planner decides exactly as
+        it would alone; everything it is charged is charged here too, and this clock's wall-clock cap
+        ends it as well."""
+        out = Effort(budget)
+        out.cap_s, out._t0, out._parent = self.cap_s, self._t0, self
+        return out
 
     # ---- the clock ------------------------------------------------------------------------------
     def tick(self, elements: float = 0.0, steps: float = 1.0) -> None:
         """Charge ``steps`` search steps that touched ``elements`` array elements in all."""
-        self.spent += steps * STEP_S + float(elements) * ELEMENT_S
+        units = steps * STEP_S + float(elements) * ELEMENT_S
+        self.spent += units
+        if self._parent is not None:
+            self._parent.charge(units)
 
     def charge(self, units: float) -> None:
         """Charge ``units`` reference seconds of work measured some other way."""
-        self.spent += max(0.0, float(units))
+        units = max(0.0, float(units))
+        self.spent += units
+        if self._parent is not None:
+            self._parent.charge(units)
 
     def now(self) -> float:
         """The effort spent so far; infinite once the wall-clock cap has passed."""

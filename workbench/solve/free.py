@@ -9,8 +9,10 @@ sequence runs once, each group's activations fit the memory budget, and the larg
 
 How a step is planned (``plan_free``):
 
-1. Baselines: greedy's three list-scheduling rules, ``best-static`` and a short ``two-stage`` run
-   (the answer is never slower than any of them); their plans are stacks already.
+1. The other planners' plans (``rivals``: greedy's three list-scheduling rules, ``best-static``,
+   ``two-stage``), each exactly as that planner alone would make it with the same seed and effort,
+   so the answer is never slower than any of them; their plans are stacks already. The search
+   below gets what they left of the effort (at least ``MIN_SEARCH_SHARE`` of it).
 2. ``Stack.greedy``: list scheduling under stack semantics (a sequence may join any group with
    room, not only the last one on its ranks), aiming at the lower bound and a little above it,
    with and without a cap on the extra GPU-time of wider degrees: each target gives another
@@ -34,19 +36,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from workbench.cost import CostModel
-from workbench.solve.baselines import greedy_rule_plans, plan_best_static
 from workbench.solve.bound import lower_bound_ms
 from workbench.solve.cpsat import warm_up
 from workbench.solve.effort import Phases
 from workbench.solve.microstep import AUTO_BUCKET_ABOVE, StepResult, Table, min_micro_steps, place_groups, solve_step
 from workbench.solve.options import PlanOptions
 from workbench.solve.plan import Plan, build_plan
+from workbench.solve.rivals import MIN_SEARCH_SHARE, rival_plans
 from workbench.solve.stack import Stack, solve_stack
 
 __all__ = ["plan_free"]
 
-BASELINE_SHARE = 0.3
-"""Share of the time limit the baselines may take (greedy stops trying further rules after it)."""
 
 STACK_GREEDY_RULES = ((1.03, 0.5, True), (1.0, None, False), (1.02, 0.2, True), (1.02, None, True),
                       (1.03, 0.1, False), (1.03, 0.05, True), (1.02, None, False), (1.0, 0.1, True))
@@ -62,13 +62,6 @@ LS_STARTS = 3
 """How many starts the local search improves (the best of the stack greedy and of the baselines first)."""
 
 BASELINE_KINDS = ("greedy", "best-static", "two-stage", "micro-step")
-
-TWO_STAGE_SHARE = 0.15
-"""A short two-stage run (this share of flexsp's limit) is one more baseline when greedy and
-best-static took less than this share."""
-
-TWO_STAGE_MAX_SEQS = 4096
-"""No two-stage run above this many sequences (its first pass alone overruns a short limit)."""
 
 MICRO_SHARE = 0.3
 """Share of the time left that the exact per-micro-step model gets (small batches only)."""
@@ -154,10 +147,8 @@ def plan_free(lengths, cost: CostModel, opts: PlanOptions | None = None, *, buck
         raise ValueError(f"plan_free plans free (ZeRO 0-2) steps; this cost model is {cost.execution}")
     opts, clock = (opts or PlanOptions()).start()
     warm_up()
-    t0 = clock.now()
-    limit = max(0.05, float(opts.effort))
-    # 15% of the effort stays for building and checking the final plan
-    deadline = t0 + 0.85 * limit
+    start = clock.now()
+    budget = max(0.05, float(opts.effort))
     s = np.asarray(lengths, dtype=np.int64)
     cost.check_feasible(s)
     lb = lower_bound_ms(s, cost)
@@ -165,22 +156,17 @@ def plan_free(lengths, cost: CostModel, opts: PlanOptions | None = None, *, buck
     tab = Table(s, cost)
     phases = Phases(clock)
     cp_wall = 0.0
-    opts.report(0.02, "flexsp: baselines (greedy, best static, two-stage)")
-    rule_plans = greedy_rule_plans(s, cost, opts, deadline=t0 + BASELINE_SHARE * limit)
-    greedy = min(rule_plans, key=lambda p: p.makespan_ms)
-    opts.check_cancel()
-    static = plan_best_static(s, cost, opts)
-    opts.check_cancel()
-    baselines = [greedy, static]
-    if clock.now() < t0 + TWO_STAGE_SHARE * limit and s.size <= TWO_STAGE_MAX_SEQS:
-        # two-stage's replica layouts are stacks too; a short run of it is one more start
-        from workbench.solve.two_stage import plan_two_stage
-
-        two = plan_two_stage(s, cost, dataclasses.replace(opts, effort=0.5 * TWO_STAGE_SHARE * limit, progress=None))
-        baselines.append(two)
-    opts.check_cancel()
-    baseline = min(baselines, key=lambda p: p.makespan_ms)
+    opts.report(0.02, "flexsp: the other planners' plans (greedy, best static, two-stage)")
+    rivals = rival_plans(s, cost, opts)
+    rule_plans, greedy, static = rivals.greedy, rivals.greedy[0], rivals.best_static
+    baselines = [greedy, static, *([rivals.two_stage] if rivals.two_stage is not None else [])]
+    baseline = rivals.best()
     phases.lap("baselines")
+    # the search's own effort: what the rivals left of the budget, and at least MIN_SEARCH_SHARE of it;
+    # 15% of that stays for building and checking the final plan
+    t0 = clock.now()
+    limit = max(budget - (t0 - start), MIN_SEARCH_SHARE * budget)
+    deadline = t0 + 0.85 * limit
     M0 = min_micro_steps(tab)
     cp_calls: list[dict] = []
     cands: list[_Cand] = []

@@ -43,13 +43,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from workbench.cost import CostModel
-from workbench.solve.baselines import plan_best_static, plan_greedy
 from workbench.solve.bound import lower_bound_ms
 from workbench.solve.cpsat import warm_up
 from workbench.solve.effort import Effort, Phases
 from workbench.solve.microstep import Table, heuristic_step, makespan, min_micro_steps, refine, solve_step
 from workbench.solve.options import PlanOptions
 from workbench.solve.plan import Plan, build_plan
+from workbench.solve.rivals import MIN_SEARCH_SHARE, rival_plans
 
 __all__ = ["Passes", "plan_lockstep", "split_passes", "MULTI_GROUP"]
 
@@ -774,9 +774,8 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
     opts, clock = (opts or PlanOptions()).start()
     multi = MULTI_GROUP if multi is None else bool(multi)
     warm_up()
-    t0 = clock.now()
-    limit = max(0.05, float(opts.effort))
-    deadline = t0 + 0.85 * limit
+    start = clock.now()
+    budget = max(0.05, float(opts.effort))
     s = np.asarray(lengths, dtype=np.int64)
     cost.check_feasible(s)
     lb = lower_bound_ms(s, cost)
@@ -785,9 +784,14 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
     lap = phases.lap
     cp_wall = 0.0
 
-    opts.report(0.02, "flexsp (lockstep): baselines")
-    baselines = [plan_greedy(s, cost, opts), plan_best_static(s, cost, opts)]
-    baseline = min(baselines, key=lambda p: p.makespan_ms)
+    opts.report(0.02, "flexsp (lockstep): the other planners' plans")
+    rivals = rival_plans(s, cost, opts)
+    baselines = [rivals.greedy[0], rivals.best_static, *([rivals.two_stage] if rivals.two_stage is not None else [])]
+    baseline = rivals.best()
+    # the search's own effort: what the rivals left of the budget, and at least MIN_SEARCH_SHARE of it
+    t0 = clock.now()
+    limit = max(budget - (t0 - start), MIN_SEARCH_SHARE * budget)
+    deadline = t0 + 0.85 * limit
     cands: list[_Cand] = []
     for p in baselines:
         groups = [[(tab.row(g.degree, g.cp), g.ranks[0] // g.degree, list(g.sequences)) for g in ms.groups]
@@ -895,6 +899,7 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
     stats = {"passes": len(best.passes.passes()), "min_passes": M0, "tried": tried, "local_search_moves": moves,
              "pairs_resplit": resplit,
              "cp_sat": cp_calls, "greedy_ms": baselines[0].makespan_ms, "best_static_ms": baselines[1].makespan_ms,
+             "two_stage_ms": rivals.two_stage.makespan_ms if rivals.two_stage is not None else None,
              "multi_group": multi, "stacked_groups": int(sum(int((best.passes.cnt[p] > 1).sum())
                                                             for p in best.passes.passes())),
              "effort_phases": phases.effort, "wall": {"phases_s": phases.wall, "cp_sat_s": cp_wall}}
