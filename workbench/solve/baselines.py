@@ -148,7 +148,7 @@ def plan_static(lengths, cost: CostModel, opts: PlanOptions, degree: int, name: 
     name = name or f"static:{degree}"
     _check_degree_holds(s, cost, degree, name)
     if opts.clock is not None:
-        opts.clock.tick(elements=8 * s.size, steps=s.size / 8)  # the replicas' assignment and packing
+        opts.clock.tick(elements=120 * s.size, steps=2 * s.size)  # the replicas' assignment, packing and plan
     found = _static_lockstep_assignment(s, cost, degree) if cost.execution == "lockstep" else None
     micro, blocks = found if found is not None else _static_assignment(s, cost, degree)
     return build_plan(name, micro, s, cost, blocks=blocks, solve_seconds=time.perf_counter() - t0,

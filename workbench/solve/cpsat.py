@@ -45,6 +45,7 @@ def run_cpsat(model, *, effort: float, clock, seed: int = 0, workers: int = CPSA
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = max(1, min(2, int(workers)))
     solver.parameters.interleave_search = True
+    solver.parameters.interleave_batch_size = 2  # larger batches overrun the deterministic-time limit
     solver.parameters.random_seed = int(seed) % (2**31)
     solver.parameters.max_deterministic_time = max(1e-4, clock.cpsat_dtime(effort))
     wall = clock.wall_left_s()

@@ -31,15 +31,18 @@ __all__ = ["Effort", "Phases", "STEP_S", "ELEMENT_S", "DTIME_PER_S", "DEFAULT_EF
 DEFAULT_EFFORT = 1.0
 """The effort a plan gets unless told (reference seconds)."""
 
-STEP_S = 25e-6
+STEP_S = 15e-6
 """Reference seconds one search step costs beyond its arrays (the Python and numpy call overheads)."""
 
-ELEMENT_S = 3e-9
+ELEMENT_S = 1.8e-9
 """Reference seconds per array element a search step touches."""
 
-DTIME_PER_S = 0.5
-"""CP-SAT deterministic time per reference second of effort (CP-SAT's unit is meant to be close to a
-second of one worker; two workers interleaved do about twice the work per second)."""
+DTIME_PER_S = 1.0
+"""CP-SAT deterministic time per reference second of effort (measured: two workers interleaved in
+batches of two use about one unit of deterministic time per second on the reference machine)."""
+
+CPSAT_CALL_S = 0.05
+"""Reference seconds every CP-SAT call costs beyond its deterministic time (loading the model)."""
 
 CAP_FACTOR = 10.0
 """With no explicit cap, the wall clock stops a plan after this many times its effort ..."""
@@ -133,8 +136,8 @@ class Effort:
         return max(0.0, float(units)) * DTIME_PER_S
 
     def charge_cpsat(self, deterministic_time: float) -> None:
-        """Charge the deterministic time a CP-SAT call used."""
-        self.charge(float(deterministic_time) / DTIME_PER_S)
+        """Charge a CP-SAT call: the deterministic time it used, and loading its model."""
+        self.charge(CPSAT_CALL_S + float(deterministic_time) / DTIME_PER_S)
 
     # ---- reporting ----------------------------------------------------------------------------
     def report(self) -> dict:

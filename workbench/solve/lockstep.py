@@ -283,7 +283,7 @@ class Passes:
         Returns ``(kind, group or (e, b), new_len)`` triples: existing groups, then new groups."""
         tab = self.tab
         if self.clock is not None:
-            self.clock.tick(elements=2 * self.n * self.D, steps=0.5 + self.D / 2)
+            self.clock.tick(elements=3 * self.n * self.D, steps=0.7 + 0.7 * self.D)
         out = []
         L = float(rl_q.max()) if rl_q.size else 0.0
         cnt, mem = self.cnt[q], self.mem[q]

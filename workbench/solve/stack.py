@@ -378,7 +378,7 @@ class Stack:
             Q, G, EI, BI, dI, w_out = Q[keep], G[keep], EI[keep], BI[keep], dI[keep], w_out[keep]
         best_val, best = -T * _TOL * self.n, None
         minmem_all = self._min_mem_all()
-        clock.tick(elements=8 * Q.size * sum(self.nb), steps=4 * self.D)
+        clock.tick(elements=4 * Q.size * sum(self.nb), steps=2 * self.D)
         for e2 in range(self.D):
             fits = tab.ok[e2, Q]
             if not fits.any():
@@ -419,7 +419,7 @@ class Stack:
         for g in path[:tries]:
             if clock.past(deadline):
                 return False
-            clock.tick(elements=len(self.g_members[g]) * (self.num_groups() + self.n) * 30, steps=len(self.g_members[g]) * 25)
+            clock.tick(elements=len(self.g_members[g]) * (self.num_groups() + self.n) * 90, steps=len(self.g_members[g]) * 70)
             plan = self._eject_plan(g, limit)
             if plan is not None:
                 for i, h in plan:
@@ -911,7 +911,7 @@ def solve_stack(tab, hint: Stack, *, effort: float, clock: Effort, seed: int = 0
     m.AddHint(T, int(rank.max()))
     info.extra["hint_objective_ms"] = float(rank.max()) / scale
 
-    clock.tick(elements=2 * n_vars, steps=n_vars + N)  # building: a few Python calls per variable
+    clock.tick(elements=n_vars, steps=0.3 * (n_vars + N))  # building: a few Python calls per variable
     info.variables = n_vars
     left = float(effort) - (clock.now() - start)
     if left < 0.01:
@@ -940,7 +940,7 @@ def solve_stack(tab, hint: Stack, *, effort: float, clock: Effort, seed: int = 0
         vals = {(e, b): int(solver.Value(yv[j, e, b])) for e in lev_b[j] for b in range(hint.nb[e])}
         targets.append({eb: y for eb, y in vals.items() if y > 0})
     block_ms = {eb: solver.Value(v) / scale for eb, v in Lv.items()}
-    clock.tick(elements=idx.size * len(kval), steps=3 * idx.size)  # mapping back: a few steps per sequence
+    clock.tick(elements=idx.size * len(kval) / 2, steps=idx.size)  # mapping back: a few steps per sequence
     out = Stack.from_groups(tab, _map_back(tab, kval, singles_on, items, targets, block_ms))
     return out, info
 

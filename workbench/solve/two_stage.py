@@ -357,7 +357,7 @@ def _totals(s: np.ndarray, cost: CostModel, layout, share, bins) -> np.ndarray:
 
 
 def _evaluate(s, cost, name, layout, restart, rng, clock: Effort) -> _Candidate:
-    clock.tick(elements=4 * s.size * len(layout), steps=s.size)  # the dispatch and best-fit packing
+    clock.tick(elements=2.5 * s.size * len(layout), steps=0.6 * s.size)  # the dispatch and best-fit packing
     share = dispatch(s, cost, layout, rng=rng)
     packed = [_pack_share(s, cost, d, share[r], exact=False, seed=0) for r, d in enumerate(layout)]
     bins = [b for b, _ in packed]
@@ -402,7 +402,7 @@ def _improve(s: np.ndarray, cost: CostModel, c: _Candidate, deadline: float, opt
             cut = True
             break
         opts.check_cancel()
-        clock.tick(elements=3 * sum(len(b) for b in bins[int(np.argmax(totals))]) * R, steps=8)
+        clock.tick(elements=50 * sum(len(b) for b in bins[int(np.argmax(totals))]) * R, steps=130)
         r = int(np.argmax(totals))
         top = totals[r]
         best = None  # (pair max, new_q, i, q)
