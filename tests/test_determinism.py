@@ -13,7 +13,7 @@ import pytest
 from workbench.data import synthetic_lengths
 from workbench.scenario import Scenario
 from workbench.solve import run_planner, validate
-from workbench.solve.effort import Effort
+from workbench.solve.effort import STEP_S, Effort
 
 OTHERS = ("static-max", "best-static", "min-degree", "greedy", "two-stage")
 
@@ -67,7 +67,7 @@ def test_a_child_clock_counts_from_zero_and_charges_its_parent():
     child.charge(0.25)
     spent = child.now()
     assert spent > 0.25
-    assert parent.now() == pytest.approx(1000 * 25e-6 + spent)
+    assert parent.now() == pytest.approx(1000 * STEP_S + spent)
     with pytest.raises(ValueError, match="effort must be positive"):
         Effort(0.0)
 
