@@ -78,6 +78,12 @@ def no_flash(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
 
 
+@pytest.fixture
+def no_varlen(monkeypatch):
+    """torch without its varlen kernel (as a CPU build, or torch < 2.10), whatever this machine has."""
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: False)
+
+
 def _qkv(T=23, H=4, KV=2, hd=16, dtype=torch.bfloat16, seed=0):
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(T, h, hd, generator=g).to(dtype) for h in (H, KV, KV))
@@ -105,10 +111,12 @@ def test_the_stand_in_refuses_what_the_kernel_refuses(fake_fa2):
         with pytest.raises((RuntimeError, TypeError), match=words):
             f(*args, causal=True)
     # the workbench's own pre-check names the same problems before the kernel would
-    assert "fp16/bf16" in flash_call_problem(q.float(), k.float(), v.float(), cu, 13)
-    assert "int32" in flash_call_problem(q, k, v, cu.long(), 13)
-    assert "Python int" in flash_call_problem(q, k, v, cu, torch.tensor(13))
-    assert flash_call_problem(q, k, v, cu, 13) is None
+    assert "fp16/bf16" in flash_call_problem(q.float(), k.float(), v.float(), cu, cu, 13, 13)
+    assert "int32" in flash_call_problem(q, k, v, cu.long(), cu, 13, 13)
+    assert "int32" in flash_call_problem(q, k, v, cu, cu.long(), 13, 13)
+    assert "Python int" in flash_call_problem(q, k, v, cu, cu, torch.tensor(13), 13)
+    assert "one length" in flash_call_problem(q, k, v, cu, _cu([23]), 13, 23)
+    assert flash_call_problem(q, k, v, cu, cu, 13, 13) is None
 
 
 @pytest.mark.parametrize("lengths, H, KV", [([23], 4, 4), ([5, 1, 17], 4, 2), ([8, 8, 8], 4, 1)])
@@ -119,8 +127,9 @@ def test_flash_callable_matches_the_pytorch_path(fake_fa2, lengths, H, KV):
     fn = _flash_attention_fn("bf16")
     # the callable receives what the model hands it: int64 boundaries are converted, the max length
     # may be a numpy or tensor scalar
-    out = fn(q, k, v, cu.long(), torch.tensor(max(lengths)))
-    ref = torch_varlen_attention(q.float(), k.float(), v.float(), cu, max(lengths))
+    mx = torch.tensor(max(lengths))
+    out = fn(q, k, v, cu.long(), cu.long(), mx, mx)
+    ref = torch_varlen_attention(q.float(), k.float(), v.float(), cu, cu, max(lengths), max(lengths))
     assert out.dtype == torch.bfloat16 and out.shape == (T, H, 16)
     assert float((out.float() - ref).abs().max()) < 2e-2  # bf16 inputs: a few units of 2^-8
     call = fake_fa2.CALLS[-1]
@@ -132,7 +141,7 @@ def test_an_fp32_run_never_gets_flash_silently(fake_fa2):
     q, k, v = _qkv(dtype=torch.float32)
     cu = _cu([23])
     with pytest.raises(ValueError, match="fp16/bf16 only"):
-        _flash_attention_fn("bf16")(q, k, v, cu, 23)
+        _flash_attention_fn("bf16")(q, k, v, cu, cu, 23, 23)
     assert fake_fa2.CALLS == []  # refused before the kernel
     # the backend choice: auto on CUDA with fp32 takes the PyTorch path, flash is refused in one line
     fn, name = select_attention("auto", "cuda", "fp32")
@@ -140,11 +149,11 @@ def test_an_fp32_run_never_gets_flash_silently(fake_fa2):
     with pytest.raises(AttentionUnavailable, match="precision is fp32; use --precision bf16"):
         select_attention("flash", "cuda", "fp32")
     # without a declared precision (the profiler measuring an fp32 model) fp32 runs in bf16 and comes back fp32
-    out = _flash_attention_fn(None)(q, k, v, cu, 23)
+    out = _flash_attention_fn(None)(q, k, v, cu, cu, 23, 23)
     assert out.dtype == torch.float32 and fake_fa2.CALLS[-1]["dtype"] == torch.bfloat16
 
 
-def test_backend_choice_with_and_without_flash(fake_fa2, monkeypatch):
+def test_backend_choice_with_and_without_flash(fake_fa2, no_varlen, monkeypatch):
     fn, name = select_attention("auto", "cuda", "bf16")
     assert name == "flash" and fn is not torch_varlen_attention
     assert flash_version() == "flash_attn 2.8.3+fake"
@@ -154,11 +163,11 @@ def test_backend_choice_with_and_without_flash(fake_fa2, monkeypatch):
         select_attention("flash", "cpu", "bf16")
 
 
-def test_without_flash_auto_falls_back_and_flash_is_refused(no_flash):
+def test_without_flash_auto_falls_back_and_flash_is_refused(no_flash, no_varlen):
     assert flash_version() is None
     fn, name = select_attention("auto", "cuda", "bf16")
     assert name == "torch"
-    with pytest.raises(AttentionUnavailable, match="needs flash-attn.*use --attention torch"):
+    with pytest.raises(AttentionUnavailable, match="needs flash-attn.*use --attention varlen or torch"):
         select_attention("flash", "cuda", "bf16")
 
 
@@ -166,8 +175,8 @@ def test_flash_3_interface_is_used_when_2_is_absent(fake_fa3):
     q, k, v = _qkv(T=12, H=4, KV=2)
     cu = _cu([7, 5])
     assert flash_version() == "flash_attn_interface 3.0.0b1+fake"
-    out = _flash_attention_fn("bf16")(q, k, v, cu, 7)  # 3.x: no dropout_p, returns (out, lse)
-    ref = torch_varlen_attention(q.float(), k.float(), v.float(), cu, 7)
+    out = _flash_attention_fn("bf16")(q, k, v, cu, cu, 7, 7)  # 3.x: no dropout_p, returns (out, lse)
+    ref = torch_varlen_attention(q.float(), k.float(), v.float(), cu, cu, 7, 7)
     assert isinstance(out, torch.Tensor) and float((out.float() - ref).abs().max()) < 2e-2
 
 
@@ -203,8 +212,8 @@ def test_pass_attention_hands_each_group_its_own_boundaries(fake_fa2):
     fn = _flash_attention_fn("bf16")
     q, k, v = _qkv(T=30, H=4, KV=2)
     segs = [(0, 12, fn, _cu([5, 7]), 7), (12, 30, fn, _cu([18]), 18)]
-    out = PassAttention(segs)(q, k, v, _cu([30]), 30)
-    ref = torch.cat([torch_varlen_attention(q[a:b].float(), k[a:b].float(), v[a:b].float(), cu, m)
+    out = PassAttention(segs)(q, k, v, _cu([30]), _cu([30]), 30, 30)
+    ref = torch.cat([torch_varlen_attention(q[a:b].float(), k[a:b].float(), v[a:b].float(), cu, cu, m, m)
                      for a, b, _, cu, m in segs])
     assert float((out.float() - ref).abs().max()) < 2e-2
     assert [c["cu"] for c in fake_fa2.CALLS] == [[0, 5, 12], [0, 18]]
