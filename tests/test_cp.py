@@ -202,16 +202,19 @@ def _cost(num_gpus: int = 4):
                      ClusterSpec(num_gpus=num_gpus, gpus_per_node=num_gpus, gpu_memory_gb=4.0, zero_stage=0))
 
 
-def with_cp(plan, splits):
-    """``plan`` with group ``(m, g)``'s cp set to ``splits[m][g]`` (build_plan makes Ulysses-only groups)."""
-    micro = tuple(dataclasses.replace(ms, groups=tuple(dataclasses.replace(g, cp=c) for g, c in zip(ms.groups, cps)))
-                  for ms, cps in zip(plan.micro_steps, splits))
-    return dataclasses.replace(plan, micro_steps=micro)
+def cp_plan(micro, lengths, cost=None):
+    """``build_plan`` of ``micro = [[(degree, cp, [seq, ...]), ...] per micro-step]``: build_plan's
+    (Ulysses-only) groups with each one's cp set, found by its sequences."""
+    plan = build_plan("hand", [[(d, s) for d, _, s in ms] for ms in micro], lengths, cost or _cost())
+    cp_of = {tuple(s): c for ms in micro for _, c, s in ms}
+    steps = tuple(dataclasses.replace(ms, groups=tuple(dataclasses.replace(g, cp=cp_of[tuple(g.sequences)])
+                                                       for g in ms.groups)) for ms in plan.micro_steps)
+    return dataclasses.replace(plan, micro_steps=steps)
 
 
 def test_check_plan_refuses_splits_the_run_cannot_execute():
     lengths = [30, 7, 12]
-    plan = with_cp(build_plan("hand", [[(4, [0, 1, 2])]], lengths, _cost()), [[2]])
+    plan = cp_plan([[(4, 2, [0, 1, 2])]], lengths)
     shapes = [(1, 1), (2, 1), (4, 1), (4, 2)]
     check_plan(plan, lengths, 4, [1, 2, 4], shapes=shapes, heads=4, kv_heads=2)  # 2x2 fits
     with pytest.raises(PlanError, match=r"split 2x2 \(Ulysses x CP\), which has no process groups: this run's "
@@ -221,13 +224,13 @@ def test_check_plan_refuses_splits_the_run_cannot_execute():
                                         r"Ulysses-only splits"):
         check_plan(plan, lengths, 4, [1, 2, 4])
     # the Ulysses size, not the degree, must fit the heads: 4x1 does not fit 2 query heads, 2x2 and 1x4 do
-    plan4 = build_plan("hand", [[(4, [0, 1, 2])]], lengths, _cost())
+    plan4 = cp_plan([[(4, 1, [0, 1, 2])]], lengths)
     with pytest.raises(PlanError, match=r"micro-step 0: group at ranks \[0, 1, 2, 3\] \(split 4x1\) runs Ulysses over "
                                         r"4 ranks, which does not fit the model's 2 query / 1 KV heads .* plan with "
                                         r"--strategy auto"):
         check_plan(plan4, lengths, 4, heads=2, kv_heads=1)
     check_plan(plan, lengths, 4, heads=2, kv_heads=1)
-    check_plan(with_cp(plan4, [[4]]), lengths, 4, heads=2, kv_heads=1)
+    check_plan(cp_plan([[(4, 4, [0, 1, 2])]], lengths), lengths, 4, heads=2, kv_heads=1)
     with pytest.raises(PlanError, match=r"\(split 2x2\) runs Ulysses over 2 ranks, which does not fit the model's "
                                         r"3 query / 3 KV heads"):
         check_plan(plan, lengths, 4, heads=3, kv_heads=3)
@@ -239,7 +242,7 @@ def test_check_plan_refuses_splits_the_run_cannot_execute():
 def test_a_plan_with_splits_round_trips_through_json():
     from workbench.solve import plan_from_dict
 
-    plan = with_cp(build_plan("hand", [[(2, [0]), (2, [1])], [(4, [2])]], [30, 7, 12], _cost()), [[2, 1], [4]])
+    plan = cp_plan([[(2, 2, [0]), (2, 1, [1])], [(4, 4, [2])]], [30, 7, 12])
     back = plan_from_dict(plan.to_dict())
-    assert [[(g.degree, g.cp, g.split) for g in ms.groups] for ms in back.micro_steps] == \
-        [[(2, 2, "1x2"), (2, 1, "2x1")], [(4, 4, "1x4")]]
+    assert sorted((g.sequences, g.degree, g.cp, g.split) for ms in back.micro_steps for g in ms.groups) == \
+        [((0,), 2, 2, "1x2"), ((1,), 2, 1, "2x1"), ((2,), 4, 4, "1x4")]

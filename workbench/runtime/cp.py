@@ -31,32 +31,40 @@ layout is ``workbench.runtime.ulysses.shard_layout`` itself (``group_layout`` re
    gathered tensor is freed as soon as the selection is made;
 4. (``u > 1``) the output back through the Ulysses all-to-all.
 
-**Memory kept for backward per layer** (what the cost model prices; ``b`` bytes per activation
-element, ``hk = KV'/u`` KV heads per rank, ``hd`` head width). Beyond the kernel's usual q, output
-and log-sum-exp over the ``S`` local rows, the kernel keeps the *selected* keys and values:
-chunk ``j``'s prefix ``(j+1)m`` plus chunk ``2c-1-j``'s prefix ``(2c-j)m`` rows, ``(2c+1)m`` per
-sequence whatever ``j`` is, so
+**Memory kept for backward per layer** (what the cost model prices), per rank, with ``b`` bytes
+per activation element (2 in bf16, 4 in fp32), ``hq = H/u`` query heads and ``hk = KV'/u`` KV heads
+per rank, ``hd`` the head width, ``S = sum 2m_i`` the CP-local rows:
 
-    kept K/V bytes per layer per rank = 2 x hk x hd x b x sum over the group's sequences of (2c+1) m_i
-                                      ~ 2 x hk x hd x b x sum s_i x (1 + 1/(2c))
+    the kernel's q and output         2 x S x hq x hd x b           (as any attention over S rows)
+    the kernel's log-sum-exp          hq x S x 4                    (flash kernels; fp32)
+    the selected K and V              2 x hk x hd x b x sum (2c+1) m_i  ~  2 x hk x hd x b x sum s_i (1 + 1/2c)
 
-(the two prefixes overlap, and the varlen kernels take one key segment per query segment, so
-chunk ``j``'s prefix is stored twice; the all-gathered ``2c m`` rows are not kept). The PyTorch
-path (SDPA per segment) repeats K/V to the query heads before keeping them (``H/u`` heads instead
-of ``hk``). With ``--recompute`` one block's worth lives at a time, during its backward. Transient:
-the gathered ``c x S`` rows in the forward, and in the backward a zero-filled gradient of that
-size (the selection's backward) that the reduce-scatter consumes.
+Each local chunk's key segment is its sequence's prefix: ``(j+1)m`` rows for chunk ``j`` and
+``(2c-j)m`` for chunk ``2c-1-j``, ``(2c+1)m`` per sequence whatever ``j`` is. The prefixes overlap
+but a varlen kernel takes one key segment per query segment, so chunk ``j``'s prefix is stored
+twice; the all-gathered ``2c m`` rows are never kept (the selection keeps only its index). So the
+K/V a CP rank keeps are slightly *more* than one whole sequence's for its heads: context
+parallelism divides the q/output memory by ``c``, not the K/V memory (cheap under GQA, which is
+why Llama 3 used it). Also kept, once per group and shared by every layer: the int64 indices
+(``key_index``, ``(2c+1) sum m_i`` entries; with ``u > 1`` the Ulysses gather and scatter, ``S``
+each). The PyTorch path (SDPA per segment) keeps K/V repeated to the query heads (``hq`` instead of
+``hk``). With ``--recompute`` one block's worth lives at a time, during its backward. Transient:
+the gathered ``c x S`` rows in the forward (freed by the selection), and in the backward a
+zero-filled gradient of that size (the selection's backward) that the reduce-scatter consumes.
 
 **Collectives of one layer** (per rank; elements, times ``b`` for bytes; ``T = S/u`` rows per rank):
 
-    pass      op (group)                          sent / received per rank
-    forward   all-to-all qkv (Ulysses, u > 1)     T x (H + 2KV') x hd, (u-1)/u of it leaves the rank
-              all-gather K,V (CP)                 in S x 2hk x hd, out c x S x 2hk x hd
-              all-to-all out (Ulysses, u > 1)     T x H x hd
-    backward  all-to-all d(out) (Ulysses)         T x H x hd
-              reduce-scatter dK,dV (CP, sum)      in c x S x 2hk x hd, out S x 2hk x hd
-              all-to-all d(qkv) (Ulysses)         T x (H + 2KV') x hd
-    recompute the forward's three again, inside the block's backward, before its backward's three
+    pass       op (group)                          tensor per rank                      on the wire per rank
+    forward    all-to-all qkv (Ulysses, u > 1)     T x (H + 2KV') x hd in and out       (u-1)/u of it each way
+               all-gather K,V (CP)                 in S x 2hk x hd, out c x S x 2hk x hd   receives (c-1) x S x 2hk x hd
+               all-to-all out (Ulysses, u > 1)     T x H x hd in and out                (u-1)/u of it each way
+    backward   all-to-all d(out) (Ulysses)         T x H x hd                           (u-1)/u each way
+               reduce-scatter dK,dV (CP, sum)      in c x S x 2hk x hd, out S x 2hk x hd   sends (c-1) x S x 2hk x hd
+               all-to-all d(qkv) (Ulysses)         T x (H + 2KV') x hd                  (u-1)/u each way
+    recompute  the forward's three again, inside the block's backward, before its backward's three
+
+``tests/test_cp_dist.py`` records them on real ranks (order, sizes, groups) and counts what
+autograd keeps against the table above.
 
 Every rank of a group makes them in this order, layer after layer; in a lockstep pass a rank
 serving several groups makes each group's in the pass's order (``PassAttention``), and the

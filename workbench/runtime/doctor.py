@@ -173,10 +173,26 @@ def _attention_checks(device: torch.device) -> list[dict]:
     return out
 
 
+def varlen_error(device: torch.device, dtype: torch.dtype) -> float:
+    """Max difference between torch's ``varlen_attn`` (the workbench's kernel around it) and the
+    PyTorch path on one call with GQA and queries shorter than keys (bottom-right), in ``dtype``."""
+    from workbench.runtime.attention import _varlen_attention_fn, torch_varlen_attention
+
+    gen = torch.Generator().manual_seed(1)
+    lens_q, lens_k, H, KV, hd = [40, 1, 64], [200, 7, 64], 8, 2, 64
+    q, k, v = (torch.randn(sum(n), h, hd, generator=gen).to(device=device, dtype=dtype)
+               for n, h in ((lens_q, H), (lens_k, KV), (lens_k, KV)))
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=device)
+                  for n in (lens_q, lens_k))
+    got = _varlen_attention_fn("bf16")(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)).double().cpu()
+    want = torch_varlen_attention(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)).double().cpu()
+    return float((got - want).abs().max())
+
+
 def _kernel_check(device: torch.device, precision: str) -> dict:
     """Which kernel ``--attention auto`` runs here, and on a GPU torch's ``varlen_attn`` on a call
     whose queries are shorter than its keys (context parallelism's) against the PyTorch path."""
-    from workbench.runtime.attention import _varlen_attention_fn, select_attention, torch_varlen_attention, varlen_version
+    from workbench.runtime.attention import select_attention, varlen_version
 
     _, auto = select_attention("auto", device, precision)
     runs = f"--attention auto runs {auto} on {device.type} in {precision}"
@@ -187,20 +203,12 @@ def _kernel_check(device: torch.device, precision: str) -> dict:
     if version is None:
         return _check("attention kernel", "warn", runs + f"; torch {torch.__version__} has no varlen_attn with flash "
                       f"kernels", "torch >= 2.10 built with CUDA ships it (torch.nn.attention.varlen)", auto=auto)
-    gen = torch.Generator().manual_seed(1)
-    lens_q, lens_k, H, KV, hd = [40, 1, 64], [200, 7, 64], 8, 2, 64
     dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    q, k, v = (torch.randn(sum(n), h, hd, generator=gen).to(device=device, dtype=dtype)
-               for n, h in ((lens_q, H), (lens_k, KV), (lens_k, KV)))
-    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=device)
-                  for n in (lens_q, lens_k))
     try:
-        got = _varlen_attention_fn("bf16")(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)).double().cpu()
+        err = varlen_error(device, dtype)
     except Exception as e:  # noqa: BLE001
         return _check("attention kernel", "fail", runs + f"; varlen_attn failed: {_first_line(e)}",
                       "use --attention flash or torch, and report this", auto=auto, varlen=version)
-    want = torch_varlen_attention(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)).double().cpu()
-    err = float((got - want).abs().max())
     ok = err < 5e-2
     return _check("attention kernel", "ok" if ok else "fail",
                   runs + f"; varlen_attn ({dtype}, queries shorter than keys, bottom-right) against the PyTorch "
