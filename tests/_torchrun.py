@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 
 
-def run_checks(out_path: str | Path, checks, *, degrees=(1, 2, 4), timeout_s: float) -> int:
+def run_checks(out_path: str | Path, checks, *, degrees=(1, 2, 4), shapes=(), timeout_s: float) -> int:
     """Rank side of a worker: the gloo process group (a short ``timeout_s``, so a mismatched or
-    deadlocked collective fails the run instead of hanging it), a GroupRegistry of ``degrees``, then
-    each ``check(registry, rank) -> dict`` in order, merged and gathered to ``out_path``."""
+    deadlocked collective fails the run instead of hanging it), a GroupRegistry of ``degrees`` (and
+    the sub-groups of the ``(degree, cp)`` splits in ``shapes``), then each ``check(registry, rank)
+    -> dict`` in order, merged and gathered to ``out_path``."""
     import datetime
 
     import torch
@@ -33,7 +34,7 @@ def run_checks(out_path: str | Path, checks, *, degrees=(1, 2, 4), timeout_s: fl
     rank = dist.get_rank()
     from workbench.runtime.groups import GroupRegistry
 
-    registry = GroupRegistry(dist.get_world_size(), list(degrees))
+    registry = GroupRegistry(dist.get_world_size(), list(degrees), shapes=shapes)
     results: dict = {}
     for check in checks:
         results.update(check(registry, rank))

@@ -106,7 +106,7 @@ def _check_flash_ulysses(registry, rank: int) -> dict:
         gen = torch.Generator().manual_seed(7 + d)  # the same inputs on every rank
         q, k, v, gout = (torch.randn(T, h, hd, generator=gen).to(torch.bfloat16) for h in (H, KV, KV, H))
         qr, kr, vr = (t.float().requires_grad_(True) for t in (q, k, v))
-        ref = torch_varlen_attention(qr, kr, vr, cu, max(lengths))  # fp32 from the same bf16 values
+        ref = torch_varlen_attention(qr, kr, vr, cu, cu, max(lengths), max(lengths))  # fp32 from the same bf16 values
         (ref * gout.float()).sum().backward()
         ranks = tuple(range((rank // d) * d, (rank // d + 1) * d))
         gr = ranks.index(rank)
@@ -117,7 +117,8 @@ def _check_flash_ulysses(registry, rank: int) -> dict:
 
         ql, kl, vl = (local(t).requires_grad_(True) for t in (q, k, v))
         n_calls = len(flash_attn.CALLS)
-        o = UlyssesAttention(registry.get(ranks), lay, flash)(ql, kl, vl, lay.local_cu_seqlens, max(lay.chunks))
+        cu_l = lay.local_cu_seqlens
+        o = UlyssesAttention(registry.get(ranks), lay, flash)(ql, kl, vl, cu_l, cu_l, max(lay.chunks), max(lay.chunks))
         (o.float() * local(gout).float()).sum().backward()
         valid = lay.local_valid()
         errs = {"out": float((o.float()[valid] - local(ref.detach())[valid]).abs().max())}

@@ -4,6 +4,11 @@
   (``flash_attn_interface``) that refuse what the real varlen kernel refuses (read from flash-attn
   2.8's ``mha_varlen_fwd`` and the 3.x Hopper interface) and compute with PyTorch's SDPA in the
   input dtype. The workbench's flash callable, the model and the backend choice run through them.
+- torch's ``varlen_attn``: ``tests/fakes/_varlen_checks.py`` replaces the two CUDA ops it calls
+  (``aten::_flash_attention_forward``/``_backward``) with functions that refuse what the vendored
+  ``mha_varlen_fwd``/``bwd`` refuse and compute dense attention; ``varlen_attn`` itself (its checks,
+  custom op and autograd) runs for real. Calls whose queries are shorter than their keys (context
+  parallelism's) are checked against the PyTorch path, forward and backward.
 - CUDA events and the allocator's peak: a stand-in ``torch.cuda`` whose kernels run asynchronously
   on a fake GPU clock and whose allocator keeps a high-water mark, so timing that forgets to
   synchronise, uses the host clock, or does not reset the peak per step gets a wrong number.
@@ -24,8 +29,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from workbench.runtime.attention import (AttentionUnavailable, _flash_attention_fn, flash_call_problem, flash_version,
-                                         select_attention, torch_varlen_attention)
+from workbench.runtime.attention import (CAUSAL_WINDOW, AttentionUnavailable, _flash_attention_fn, _varlen_attention_fn,
+                                         flash_call_problem, flash_version, select_attention, torch_varlen_attention,
+                                         varlen_call_problem, varlen_version)
 
 FAKES = Path(__file__).resolve().parent / "fakes"
 
@@ -78,6 +84,12 @@ def no_flash(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
 
 
+@pytest.fixture
+def no_varlen(monkeypatch):
+    """torch without its varlen kernel (as a CPU build, or torch < 2.10), whatever this machine has."""
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: False)
+
+
 def _qkv(T=23, H=4, KV=2, hd=16, dtype=torch.bfloat16, seed=0):
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(T, h, hd, generator=g).to(dtype) for h in (H, KV, KV))
@@ -105,10 +117,12 @@ def test_the_stand_in_refuses_what_the_kernel_refuses(fake_fa2):
         with pytest.raises((RuntimeError, TypeError), match=words):
             f(*args, causal=True)
     # the workbench's own pre-check names the same problems before the kernel would
-    assert "fp16/bf16" in flash_call_problem(q.float(), k.float(), v.float(), cu, 13)
-    assert "int32" in flash_call_problem(q, k, v, cu.long(), 13)
-    assert "Python int" in flash_call_problem(q, k, v, cu, torch.tensor(13))
-    assert flash_call_problem(q, k, v, cu, 13) is None
+    assert "fp16/bf16" in flash_call_problem(q.float(), k.float(), v.float(), cu, cu, 13, 13)
+    assert "int32" in flash_call_problem(q, k, v, cu.long(), cu, 13, 13)
+    assert "int32" in flash_call_problem(q, k, v, cu, cu.long(), 13, 13)
+    assert "Python int" in flash_call_problem(q, k, v, cu, cu, torch.tensor(13), 13)
+    assert "one length" in flash_call_problem(q, k, v, cu, _cu([23]), 13, 23)
+    assert flash_call_problem(q, k, v, cu, cu, 13, 13) is None
 
 
 @pytest.mark.parametrize("lengths, H, KV", [([23], 4, 4), ([5, 1, 17], 4, 2), ([8, 8, 8], 4, 1)])
@@ -119,8 +133,9 @@ def test_flash_callable_matches_the_pytorch_path(fake_fa2, lengths, H, KV):
     fn = _flash_attention_fn("bf16")
     # the callable receives what the model hands it: int64 boundaries are converted, the max length
     # may be a numpy or tensor scalar
-    out = fn(q, k, v, cu.long(), torch.tensor(max(lengths)))
-    ref = torch_varlen_attention(q.float(), k.float(), v.float(), cu, max(lengths))
+    mx = torch.tensor(max(lengths))
+    out = fn(q, k, v, cu.long(), cu.long(), mx, mx)
+    ref = torch_varlen_attention(q.float(), k.float(), v.float(), cu, cu, max(lengths), max(lengths))
     assert out.dtype == torch.bfloat16 and out.shape == (T, H, 16)
     assert float((out.float() - ref).abs().max()) < 2e-2  # bf16 inputs: a few units of 2^-8
     call = fake_fa2.CALLS[-1]
@@ -132,7 +147,7 @@ def test_an_fp32_run_never_gets_flash_silently(fake_fa2):
     q, k, v = _qkv(dtype=torch.float32)
     cu = _cu([23])
     with pytest.raises(ValueError, match="fp16/bf16 only"):
-        _flash_attention_fn("bf16")(q, k, v, cu, 23)
+        _flash_attention_fn("bf16")(q, k, v, cu, cu, 23, 23)
     assert fake_fa2.CALLS == []  # refused before the kernel
     # the backend choice: auto on CUDA with fp32 takes the PyTorch path, flash is refused in one line
     fn, name = select_attention("auto", "cuda", "fp32")
@@ -140,11 +155,11 @@ def test_an_fp32_run_never_gets_flash_silently(fake_fa2):
     with pytest.raises(AttentionUnavailable, match="precision is fp32; use --precision bf16"):
         select_attention("flash", "cuda", "fp32")
     # without a declared precision (the profiler measuring an fp32 model) fp32 runs in bf16 and comes back fp32
-    out = _flash_attention_fn(None)(q, k, v, cu, 23)
+    out = _flash_attention_fn(None)(q, k, v, cu, cu, 23, 23)
     assert out.dtype == torch.float32 and fake_fa2.CALLS[-1]["dtype"] == torch.bfloat16
 
 
-def test_backend_choice_with_and_without_flash(fake_fa2, monkeypatch):
+def test_backend_choice_with_and_without_flash(fake_fa2, no_varlen, monkeypatch):
     fn, name = select_attention("auto", "cuda", "bf16")
     assert name == "flash" and fn is not torch_varlen_attention
     assert flash_version() == "flash_attn 2.8.3+fake"
@@ -154,11 +169,11 @@ def test_backend_choice_with_and_without_flash(fake_fa2, monkeypatch):
         select_attention("flash", "cpu", "bf16")
 
 
-def test_without_flash_auto_falls_back_and_flash_is_refused(no_flash):
+def test_without_flash_auto_falls_back_and_flash_is_refused(no_flash, no_varlen):
     assert flash_version() is None
     fn, name = select_attention("auto", "cuda", "bf16")
     assert name == "torch"
-    with pytest.raises(AttentionUnavailable, match="needs flash-attn.*use --attention torch"):
+    with pytest.raises(AttentionUnavailable, match="needs flash-attn.*use --attention varlen or torch"):
         select_attention("flash", "cuda", "bf16")
 
 
@@ -166,8 +181,8 @@ def test_flash_3_interface_is_used_when_2_is_absent(fake_fa3):
     q, k, v = _qkv(T=12, H=4, KV=2)
     cu = _cu([7, 5])
     assert flash_version() == "flash_attn_interface 3.0.0b1+fake"
-    out = _flash_attention_fn("bf16")(q, k, v, cu, 7)  # 3.x: no dropout_p, returns (out, lse)
-    ref = torch_varlen_attention(q.float(), k.float(), v.float(), cu, 7)
+    out = _flash_attention_fn("bf16")(q, k, v, cu, cu, 7, 7)  # 3.x: no dropout_p, returns (out, lse)
+    ref = torch_varlen_attention(q.float(), k.float(), v.float(), cu, cu, 7, 7)
     assert isinstance(out, torch.Tensor) and float((out.float() - ref).abs().max()) < 2e-2
 
 
@@ -203,12 +218,168 @@ def test_pass_attention_hands_each_group_its_own_boundaries(fake_fa2):
     fn = _flash_attention_fn("bf16")
     q, k, v = _qkv(T=30, H=4, KV=2)
     segs = [(0, 12, fn, _cu([5, 7]), 7), (12, 30, fn, _cu([18]), 18)]
-    out = PassAttention(segs)(q, k, v, _cu([30]), 30)
-    ref = torch.cat([torch_varlen_attention(q[a:b].float(), k[a:b].float(), v[a:b].float(), cu, m)
+    out = PassAttention(segs)(q, k, v, _cu([30]), _cu([30]), 30, 30)
+    ref = torch.cat([torch_varlen_attention(q[a:b].float(), k[a:b].float(), v[a:b].float(), cu, cu, m, m)
                      for a, b, _, cu, m in segs])
     assert float((out.float() - ref).abs().max()) < 2e-2
     assert [c["cu"] for c in fake_fa2.CALLS] == [[0, 5, 12], [0, 18]]
     assert [c["max_seqlen"] for c in fake_fa2.CALLS] == [(7, 7), (18, 18)]
+
+
+@pytest.mark.parametrize("lens_q, lens_k", [([3, 8, 1], [10, 8, 5]), ([4, 4], [4, 16])])
+def test_flash_callable_with_queries_shorter_than_keys(fake_fa2, lens_q, lens_k):
+    """Context parallelism's call: each query segment the last rows of its key segment (bottom-right)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(sum(lens_q), 4, 16, generator=g).bfloat16()
+    k, v = (torch.randn(sum(lens_k), 2, 16, generator=g).bfloat16() for _ in range(2))
+    out = _flash_attention_fn("bf16")(q, k, v, _cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k))
+    ref = torch_varlen_attention(q.float(), k.float(), v.float(), _cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k))
+    assert float((out.float() - ref).abs().max()) < 2e-2
+    call = fake_fa2.CALLS[-1]
+    assert call["cu"] == _cu(lens_q).tolist() and call["cu_k"] == _cu(lens_k).tolist()
+    assert call["max_seqlen"] == (max(lens_q), max(lens_k)) and call["causal"] is True
+
+
+# ------------------------------------------------------------------------------------------------
+# torch's varlen_attn stand-in
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_varlen(monkeypatch):
+    """torch's ``varlen_attn`` with its two CUDA ops replaced by the stand-ins (tests/fakes/_varlen_checks.py)."""
+    monkeypatch.syspath_prepend(str(FAKES))
+    import _varlen_checks
+
+    _varlen_checks.CALLS.clear()
+    with _varlen_checks.installed() as calls:
+        yield calls
+
+
+def _grads(out, g, inputs):
+    return torch.autograd.grad((out.float() * g.float()).sum(), inputs)
+
+
+def test_the_varlen_stand_in_refuses_what_the_kernel_refuses(fake_varlen):
+    """The ops refuse what ``mha_varlen_fwd`` refuses; ``varlen_attn`` refuses grouped-query
+    attention without ``enable_gqa`` by itself; the workbench's pre-check names the same problems,
+    and the one ``varlen_attn`` would not raise for: a window that is not the causal tuple."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    q, k, v = _qkv(T=12, H=4, KV=2)
+    cu = _cu([5, 7])
+    assert varlen_attn(q, k, v, cu, cu, 7, 7, window_size=CAUSAL_WINDOW, enable_gqa=True).shape == q.shape
+    bad = [
+        (dict(query=q.float(), key=k.float(), value=v.float()), "fp16 and bf16"),
+        (dict(cu_seq_q=cu.long()), "int32"),
+        (dict(max_q=4), "longer than max_seqlen"),
+        (dict(cu_seq_k=_cu([12])), r"shape \(batch_size \+ 1\)"),
+        (dict(query=torch.zeros(12, 4, 12).bfloat16(), key=torch.zeros(12, 2, 12).bfloat16(),
+              value=torch.zeros(12, 2, 12).bfloat16()), "multiple of 8"),
+    ]
+    for change, words in bad:
+        args = dict(query=q, key=k, value=v, cu_seq_q=cu, cu_seq_k=cu, max_q=7, max_k=7)
+        args.update(change)
+        with pytest.raises((RuntimeError, TypeError), match=words):
+            varlen_attn(**args, window_size=CAUSAL_WINDOW, enable_gqa=True)
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        varlen_attn(q, k, v, cu, cu, 7, 7, window_size=CAUSAL_WINDOW)
+    ok = dict(enable_gqa=True, window_size=CAUSAL_WINDOW)
+    assert varlen_call_problem(q, k, v, cu, cu, 7, 7, **ok) is None
+    assert "enable_gqa" in varlen_call_problem(q, k, v, cu, cu, 7, 7, enable_gqa=False, window_size=CAUSAL_WINDOW)
+    assert "(a tuple)" in varlen_call_problem(q, k, v, cu, cu, 7, 7, enable_gqa=True, window_size=[-1, 0])
+    assert "(a tuple)" in varlen_call_problem(q, k, v, cu, cu, 7, 7, enable_gqa=True, window_size=(-1, -1))
+    assert "fp16/bf16" in varlen_call_problem(q.float(), k.float(), v.float(), cu, cu, 7, 7, **ok)
+    assert "Python int" in varlen_call_problem(q, k, v, cu, cu, 7, torch.tensor(7), **ok)
+
+
+@pytest.mark.parametrize("lens_q, lens_k, H, KV", [([23], [23], 4, 4), ([5, 1, 17], [5, 1, 17], 4, 2),
+                                                    ([3, 8, 1], [10, 8, 5], 4, 1), ([2, 2], [2, 9], 2, 2)])
+def test_varlen_callable_matches_the_pytorch_path(fake_varlen, lens_q, lens_k, H, KV):
+    """Forward and backward through the real ``varlen_attn`` (its custom op and autograd) against
+    the PyTorch path on the same bf16 values, self-attention and queries shorter than keys."""
+    g = torch.Generator().manual_seed(len(lens_q) + H + KV)
+    q = torch.randn(sum(lens_q), H, 16, generator=g).bfloat16().requires_grad_(True)
+    k, v = (torch.randn(sum(lens_k), KV, 16, generator=g).bfloat16().requires_grad_(True) for _ in range(2))
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    # what the model hands a kernel: int64 boundaries are converted, the max lengths may be tensors
+    out = _varlen_attention_fn("bf16")(q, k, v, cu_q.long(), cu_k.long(), torch.tensor(max(lens_q)), max(lens_k))
+    qr, kr, vr = (t.detach().float().requires_grad_(True) for t in (q, k, v))
+    ref = torch_varlen_attention(qr, kr, vr, cu_q, cu_k, max(lens_q), max(lens_k))
+    assert out.dtype == torch.bfloat16 and float((out.detach().float() - ref.detach()).abs().max()) < 2e-2
+    gout = torch.randn(out.shape, generator=g)
+    for a, b in zip(_grads(out, gout, (q, k, v)), _grads(ref, gout, (qr, kr, vr))):
+        assert a.dtype == torch.bfloat16 and float((a.float() - b).abs().max()) < 3e-2
+    fwd, bwd = fake_varlen[-2:]
+    assert (fwd["op"], bwd["op"]) == ("forward", "backward")
+    assert fwd["is_causal"] and fwd["window"] == (-1, 0) and fwd["kv_heads"] == KV
+    assert (fwd["cu_q"], fwd["cu_k"], fwd["max"]) == (cu_q.tolist(), cu_k.tolist(), (max(lens_q), max(lens_k)))
+
+
+def test_varlen_backend_choice(fake_varlen, fake_fa2):
+    """auto on CUDA in half precision takes torch's varlen kernel before flash-attn; fp32 and CPU
+    never get it; asked for by name where it cannot run it is refused in one line."""
+    assert varlen_version() == f"torch {torch.__version__}"
+    fn, name = select_attention("auto", "cuda", "bf16")
+    assert name == "varlen" and fn is not torch_varlen_attention
+    assert select_attention("varlen", "cuda:1", "bf16")[1] == "varlen"
+    assert select_attention("auto", "cuda", "fp32")[1] == "torch"
+    assert select_attention("auto", "cpu", "bf16")[1] == "torch"
+    with pytest.raises(AttentionUnavailable, match="'varlen' computes in fp16/bf16 but this run's precision is fp32"):
+        select_attention("varlen", "cuda", "fp32")
+    with pytest.raises(AttentionUnavailable, match="'varlen' needs a CUDA device, this run is on cpu"):
+        select_attention("varlen", "cpu", "bf16")
+    with pytest.raises(ValueError, match="fp16/bf16 only"):  # a declared bf16 run never casts silently
+        _varlen_attention_fn("bf16")(*_qkv(dtype=torch.float32), _cu([23]), _cu([23]), 23, 23)
+
+
+def test_varlen_unavailable(no_varlen, fake_fa2, monkeypatch):
+    assert varlen_version() is None
+    assert select_attention("auto", "cuda", "bf16")[1] == "flash"  # the next in line
+    with pytest.raises(AttentionUnavailable, match="lacks; use --attention flash or torch"):
+        select_attention("varlen", "cuda", "bf16")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (7, 5))  # a Turing GPU
+    with pytest.raises(AttentionUnavailable, match="compute capability 8.0 .* has 7.5; use --attention torch"):
+        select_attention("varlen", "cuda", "bf16")
+    assert select_attention("auto", "cuda", "bf16")[1] == "torch"
+
+
+def test_the_doctors_varlen_probe(fake_varlen):
+    """The doctor's GPU line compares the varlen kernel with the PyTorch path on a call with GQA and
+    queries shorter than keys; on CPU it only says which kernel auto runs."""
+    from workbench.runtime import doctor
+
+    err = doctor.varlen_error(torch.device("cpu"), torch.bfloat16)
+    assert 0 < err < 5e-2
+    (call,) = fake_varlen
+    assert call["cu_q"] == [0, 40, 41, 105] and call["cu_k"] == [0, 200, 207, 271] and call["kv_heads"] == 2
+    line = doctor._kernel_check(torch.device("cpu"), "fp32")
+    assert line["status"] == "ok" and "--attention auto runs torch on cpu in fp32" in line["detail"]
+
+
+def test_model_forward_and_backward_through_varlen_under_bf16_autocast(fake_varlen):
+    """The whole model as a bf16 run computes (autocast over fp32 weights): every layer's call
+    reaches torch's varlen_attn in bf16 and the loss and gradients agree with the PyTorch path's."""
+    from workbench.runtime.model import Transformer
+    from workbench.runtime.step import batch_loss
+    from workbench.specs import get_model
+
+    spec = get_model("tiny")
+    seqs = [torch.randint(0, spec.vocab, (n,), generator=torch.Generator().manual_seed(n)) for n in (40, 9, 77)]
+    losses, grads = {}, {}
+    for name, attn in (("varlen", _varlen_attention_fn("bf16")), ("torch", torch_varlen_attention)):
+        model = Transformer(spec, seed=3)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = batch_loss(model, seqs, attn)
+        loss.backward()
+        losses[name] = float(loss.detach())
+        grads[name] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    fwd = [c for c in fake_varlen if c["op"] == "forward"]
+    assert len(fwd) == spec.layers and {c["dtype"] for c in fwd} == {torch.bfloat16}
+    assert sum(c["op"] == "backward" for c in fake_varlen) == spec.layers
+    assert losses["varlen"] == pytest.approx(losses["torch"], rel=1e-2)
+    rel = float((grads["varlen"] - grads["torch"]).norm() / grads["torch"].norm())
+    assert rel < 2e-2, rel
 
 
 # ------------------------------------------------------------------------------------------------
@@ -443,3 +614,45 @@ def test_every_rank_creates_every_subgroup_in_the_same_order(monkeypatch, world,
         assert reg.rank == r
     want = [b for d in sorted(degrees) if 1 < d < world for b in aligned_blocks(world, d)]
     assert all(c == want for c in calls.values()), calls
+
+
+@pytest.mark.parametrize("world, degrees, shapes", [(4, (1, 2, 4), ((2, 2), (4, 2), (4, 4))),
+                                                    (8, (1, 8), ((8, 2), (8, 4))),
+                                                    (16, (4, 16), ((16, 2), (4, 2), (16, 16)))])
+def test_every_rank_creates_the_split_subgroups_in_the_same_order(monkeypatch, world, degrees, shapes):
+    """With ``u x c`` splits the registry also makes the Ulysses blocks no degree made and the
+    strided CP sub-groups of every block; every rank records the same calls, each group once, and
+    ``subgroups`` hands every rank of a split group the groups its collectives use."""
+    import torch.distributed as dist
+
+    from workbench.runtime.groups import GroupRegistry, aligned_blocks, split_subgroups
+
+    calls: dict[int, list] = {}
+    me = {"rank": 0}
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: me["rank"])
+    monkeypatch.setattr(dist, "new_group", lambda ranks, backend=None, **kw: calls[me["rank"]].append(tuple(ranks))
+                        or ("group", tuple(ranks)))
+    regs = {}
+    for r in reversed(range(world)):
+        me["rank"] = r
+        calls[r] = []
+        regs[r] = GroupRegistry(world, degrees, shapes=shapes)
+    first = calls[0]
+    assert all(c == first for c in calls.values()) and len(set(first)) == len(first)
+    made = set(first) | {tuple(range(world))}
+    for d, c in shapes:
+        u = d // c
+        for block in aligned_blocks(world, d):
+            for k, r in enumerate(block):
+                ug, cg = regs[r].subgroups(block, c)
+                want_u = tuple(block[0] + (k // u) * u + a for a in range(u))
+                want_c = tuple(block[0] + k % u + u * j for j in range(c))
+                assert (ug is None) == (u == 1) and (u == 1 or ug == ("group", want_u) or want_u == tuple(range(world)))
+                assert cg == ("group", want_c) or (want_c == tuple(range(world)) and cg is dist.group.WORLD)
+                assert want_c in made and (u == 1 or want_u in made)
+            assert split_subgroups(block, c)[1] == [tuple(block[0] + a + u * j for j in range(c)) for a in range(u)]
+    with pytest.raises(KeyError, match="no process groups for a group of 4 split 1x4 .* this run has"):
+        GroupRegistry(world, degrees).subgroups(range(4), 4, 0)
+    with pytest.raises(ValueError, match=r"shape \(4, 3\): the context-parallel size 3 does not divide the degree 4"):
+        GroupRegistry(world, degrees, shapes=[(4, 3)])

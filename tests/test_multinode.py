@@ -394,7 +394,14 @@ def test_this_machines_refusals_are_one_line(tmp_path, monkeypatch):
         prepare_train({"steps": 1, "attention": "flash", "model": "tiny"}, root=tmp_path)
     with pytest.raises(SpecError, match="precision is fp32; use --precision bf16"):
         prepare_train({"steps": 1, "attention": "flash", "model": "tiny", "precision": "fp32"}, root=tmp_path)
+    # torch's own varlen kernel: half precision only, and only in torch >= 2.10
+    with pytest.raises(SpecError, match="--attention varlen computes in bf16/fp16 but this run's precision is fp32"):
+        prepare_train({"steps": 1, "attention": "varlen", "model": "tiny", "precision": "fp32"}, root=tmp_path)
+    monkeypatch.setattr(training, "torch_has_varlen", lambda: False)
+    with pytest.raises(SpecError, match="--attention varlen needs torch >= 2.10"):
+        prepare_train({"steps": 1, "attention": "varlen", "model": "tiny"}, root=tmp_path)
     assert not any(tmp_path.iterdir())
+    assert training.ATTENTION == ("auto", "varlen", "flash", "torch")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ def _check_ulysses(registry, rank: int) -> dict:
             dist.broadcast(t, src=0)
         # reference on the whole batch
         qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
-        out_ref = torch_varlen_attention(qr, kr, vr, cu, max(lengths))
+        out_ref = torch_varlen_attention(qr, kr, vr, cu, cu, max(lengths), max(lengths))
         (out_ref * gout).sum().backward()
         # distributed: this rank's group and slices
         ranks = tuple(range((rank // d) * d, (rank // d + 1) * d))
@@ -74,7 +74,7 @@ def _check_ulysses(registry, rank: int) -> dict:
 
         ql, kl, vl = (local(t).requires_grad_(True) for t in (q, k, v))
         attn = UlyssesAttention(registry.get(ranks), lay, torch_varlen_attention)
-        out = attn(ql, kl, vl, lay.local_cu_seqlens, max(lay.chunks))
+        out = attn(ql, kl, vl, lay.local_cu_seqlens, lay.local_cu_seqlens, max(lay.chunks), max(lay.chunks))
         (out * local(gout)).sum().backward()
         valid = lay.local_valid()
         try:

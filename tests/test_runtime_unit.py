@@ -66,7 +66,8 @@ def test_torch_varlen_attention_matches_naive_softmax():
     q = torch.randn(T, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     k = torch.randn(T, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     v = torch.randn(T, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
-    out = torch_varlen_attention(q, k, v, _cu(lengths), max(lengths))
+    cu = _cu(lengths)
+    out = torch_varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths))
     ref = _naive_attention(q, k, v, lengths)
     torch.testing.assert_close(out, ref)
     g = torch.randn_like(out)
@@ -76,12 +77,44 @@ def test_torch_varlen_attention_matches_naive_softmax():
         torch.testing.assert_close(a, b)
 
 
+def test_queries_shorter_than_keys_are_bottom_right_aligned():
+    """Segments of fewer queries than keys (context parallelism's chunk against its sequence's
+    prefix): the queries are the last rows of the key range, so each query's output and gradients
+    are those of the same row in full causal attention over the keys."""
+    lengths_k = [9, 1, 17, 6]
+    lengths_q = [4, 1, 17, 1]  # fewer, all, all of a longer one, one
+    gen = torch.Generator().manual_seed(5)
+    Tk = sum(lengths_k)
+    q_full = torch.randn(Tk, 4, 8, generator=gen, dtype=torch.float64)
+    k = torch.randn(Tk, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(Tk, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    rows = torch.cat([torch.arange(b - n, b) for n, b in zip(lengths_q, _cu(lengths_k)[1:].tolist())])
+    q = q_full[rows].clone().requires_grad_(True)
+    out = torch_varlen_attention(q, k, v, _cu(lengths_q), _cu(lengths_k), max(lengths_q), max(lengths_k))
+    qr = q_full.clone().requires_grad_(True)
+    ref = _naive_attention(qr, k, v, lengths_k)[rows]
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad((out * g).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * g).sum(), (qr, k, v))
+    torch.testing.assert_close(got[0], want[0][rows])
+    torch.testing.assert_close(got[1], want[1])
+    torch.testing.assert_close(got[2], want[2])
+
+
 def test_torch_varlen_attention_rejects_bad_inputs():
     q = torch.zeros(6, 3, 4)
+    z = torch.zeros(6, 2, 4)
     with pytest.raises(ValueError, match="multiple of key/value heads"):
-        torch_varlen_attention(q, torch.zeros(6, 2, 4), torch.zeros(6, 2, 4), _cu([6]), 6)
-    with pytest.raises(ValueError, match="cu_seqlens ends at 5"):
-        torch_varlen_attention(torch.zeros(6, 2, 4), torch.zeros(6, 2, 4), torch.zeros(6, 2, 4), _cu([5]), 5)
+        torch_varlen_attention(q, z, z, _cu([6]), _cu([6]), 6, 6)
+    with pytest.raises(ValueError, match="cu_seqlens_q ends at 5"):
+        torch_varlen_attention(z, z, z, _cu([5]), _cu([5]), 5, 5)
+    with pytest.raises(ValueError, match="cu_seqlens_k ends at 5"):
+        torch_varlen_attention(z, z, z, _cu([6]), _cu([5]), 6, 5)
+    with pytest.raises(ValueError, match="3 segments but cu_seqlens_k 1"):
+        torch_varlen_attention(z, z, z, _cu([2, 2, 2]), _cu([6]), 2, 6)
+    with pytest.raises(ValueError, match="6 queries but only 4 keys"):
+        torch_varlen_attention(z, z[:4], z[:4], _cu([6]), _cu([4]), 6, 4)
 
 
 def test_select_attention():
@@ -246,7 +279,7 @@ def test_check_plan_other_errors():
         check_plan(plan, lengths, 4, [1, 4])
     with pytest.raises(PlanError, match="empty"):
         check_plan(plan, [30, 0, 12], 4)
-    with pytest.raises(PlanError, match="Ulysses degree 2 does not fit"):
+    with pytest.raises(PlanError, match=r"\(split 2x1\) runs Ulysses over 2 ranks, which does not fit the model.s 3 query / 1 KV"):
         check_plan(plan, lengths, 4, heads=3, kv_heads=1)
 
 
@@ -336,7 +369,7 @@ class _FlashSaves(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu, max_seqlen):
-        out = torch_varlen_attention(q, k, v, cu, max_seqlen)
+        out = torch_varlen_attention(q, k, v, cu, cu, max_seqlen, max_seqlen)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)  # (H, T) as flash-attn's varlen
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cu, ctx.max_seqlen = cu, max_seqlen
@@ -347,12 +380,12 @@ class _FlashSaves(torch.autograd.Function):
         q, k, v, _, _ = ctx.saved_tensors
         with torch.enable_grad():
             qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
-            out = torch_varlen_attention(qq, kk, vv, ctx.cu, ctx.max_seqlen)
+            out = torch_varlen_attention(qq, kk, vv, ctx.cu, ctx.cu, ctx.max_seqlen, ctx.max_seqlen)
             dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), grad)
         return dq, dk, dv, None, None
 
 
-def _flash_saves(q, k, v, cu, max_seqlen):
+def _flash_saves(q, k, v, cu, cu_k, max_seqlen, max_seqlen_k):
     return _FlashSaves.apply(q, k, v, cu, max_seqlen)
 
 
@@ -515,9 +548,9 @@ def test_pack_shards_and_pass_attention_equal_separate_groups(tiny):
     seen = []
 
     def spy(name):
-        def attn(q, k, v, cu, mx):
+        def attn(q, k, v, cu, cu_k, mx, mx_k):
             seen.append((name, q.shape[0], cu.tolist()))
-            return torch_varlen_attention(q, k, v, cu, mx)
+            return torch_varlen_attention(q, k, v, cu, cu_k, mx, mx_k)
         return attn
 
     pa = PassAttention([(0, 13, spy("a"), sa.cu_seqlens, sa.max_seqlen), (13, 26, spy("b"), sb.cu_seqlens, sb.max_seqlen)])

@@ -271,6 +271,7 @@ def run_doctor(*, device: str = "auto", precision: str | None = None, dist: bool
     else:
         checks.append(Check("sharded step (ZeRO-3)", "skip", "left out (--quick)"))
     order = ["python", "torch", "gpus", "topology", "nccl", "bf16", "attention (PyTorch path)", "flash-attn",
+             "attention kernel",
              "training step", "nccl all-to-all", "nccl all-gather", "gloo all-to-all", "gloo all-gather",
              "sharded step (ZeRO-3)"]
     checks.sort(key=lambda c: order.index(c.name) if c.name in order else len(order))

@@ -32,7 +32,7 @@ __all__ = ["TrainSpec", "SpecError", "read_train_spec", "prepare_train", "Resume
 
 OPTIMIZERS = ("sgd", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION = ("auto", "flash", "torch")
+ATTENTION = ("auto", "varlen", "flash", "torch")
 DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3}
 CPU_MAX_LEN = 1024
 """Max context on CPU when none is given (attention is quadratic: a CPU step over 16K-token
@@ -412,21 +412,39 @@ def flash_installed() -> str | None:
     return None
 
 
+def torch_has_varlen() -> bool:
+    """Whether the installed torch is 2.10 or newer (it ships ``torch.nn.attention.varlen``),
+    read from its metadata without importing it."""
+    import importlib.metadata
+    import re
+
+    try:
+        m = re.match(r"(\d+)\.(\d+)", importlib.metadata.version("torch"))
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return m is not None and (int(m.group(1)), int(m.group(2))) >= (2, 10)
+
+
 def check_machine(spec: TrainSpec) -> None:
     """What this machine must have for ``spec``, checked without importing torch; raises SpecError
-    with one line: ``--device cuda`` without an NVIDIA GPU; ``--attention flash`` on CPU, in fp32,
-    or without flash-attn installed."""
+    with one line: ``--device cuda`` without an NVIDIA GPU; ``--attention flash`` or ``varlen`` on
+    CPU or in fp32, ``flash`` without flash-attn installed, ``varlen`` with a torch older than 2.10."""
     gpu = cuda_visible()
     if spec.device == "cuda" and not gpu:
         raise SpecError("--device cuda but this machine shows no NVIDIA GPU (no /proc/driver/nvidia/gpus, and "
                         "nvidia-smi lists none, or CUDA_VISIBLE_DEVICES hides them); use --device cpu or auto, or run "
                         "`workbench doctor` to see what this machine has")
-    if spec.attention == "flash":
+    if spec.attention in ("flash", "varlen"):
         if spec.device == "cpu" or not gpu:
-            raise SpecError("--attention flash needs CUDA and this run is on CPU; use --attention torch (or auto)")
+            raise SpecError(f"--attention {spec.attention} needs CUDA and this run is on CPU; use --attention torch "
+                            f"(or auto)")
         if spec.scenario.precision == "fp32":
-            raise SpecError("--attention flash computes in bf16/fp16 but this run's precision is fp32; use --precision "
-                            "bf16, or --attention torch")
+            raise SpecError(f"--attention {spec.attention} computes in bf16/fp16 but this run's precision is fp32; use "
+                            f"--precision bf16, or --attention torch")
+    if spec.attention == "varlen" and not torch_has_varlen():
+        raise SpecError("--attention varlen needs torch >= 2.10 (torch.nn.attention.varlen); upgrade torch, or use "
+                        "--attention auto (flash-attn or the PyTorch path)")
+    if spec.attention == "flash":
         if flash_installed() is None:
             raise SpecError("--attention flash but flash-attn is not installed here (`make install` fetches a prebuilt "
                             "wheel when one matches torch and CUDA; see docs/gpu-and-clusters.md); use --attention auto "

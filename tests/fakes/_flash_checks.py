@@ -1,6 +1,7 @@
 """What flash-attn's varlen kernel requires of a call, written independently of the workbench
 (read from flash-attn 2.8's ``mha_varlen_fwd`` in csrc/flash_attn/flash_api.cpp and 3.x's
-hopper/flash_attn_interface.py), and the reference computation the stand-ins return."""
+hopper/flash_attn_interface.py), and the reference computation the stand-ins return: causal is
+bottom-right aligned (flash-attn >= 2.1: a segment's queries are the last rows of its keys)."""
 
 from __future__ import annotations
 
@@ -41,20 +42,28 @@ def check_and_compute(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if k.shape != v.shape or k.shape[2] != hd:
         raise RuntimeError("k and v must be (total_k, heads_k, head_dim)")
     bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    if bq[-1] != T or bk[-1] != k.shape[0] or bq != sorted(bq):
+    if len(bk) != len(bq):
+        raise RuntimeError("cu_seqlens_k must have shape (batch_size + 1)")
+    if bq[-1] != T or bk[-1] != k.shape[0] or bq != sorted(bq) or bk != sorted(bk):
         raise RuntimeError("cu_seqlens do not describe the packed tensors")
+    # the kernel sizes its grid by the max lengths: a smaller value than a segment's silently drops rows
     if max(b - a for a, b in zip(bq, bq[1:])) > max_seqlen_q:
         raise RuntimeError("a sequence is longer than max_seqlen_q")
+    if max(b - a for a, b in zip(bk, bk[1:])) > max_seqlen_k:
+        raise RuntimeError("a key sequence is longer than max_seqlen_k")
     CALLS.append({"dtype": q.dtype, "shape": tuple(q.shape), "kv_heads": k.shape[1], "causal": causal,
-                  "cu": bq, "max_seqlen": (max_seqlen_q, max_seqlen_k), "device": q.device})
+                  "cu": bq, "cu_k": bk, "max_seqlen": (max_seqlen_q, max_seqlen_k), "device": q.device})
     rep = H // k.shape[1]
     out = torch.zeros_like(q)
     for (a, b), (c, d) in zip(zip(bq, bq[1:]), zip(bk, bk[1:])):
         if b == a:
             continue
-        qi = q[a:b].transpose(0, 1)  # (H, s, hd)
-        ki = k[c:d].repeat_interleave(rep, dim=1).transpose(0, 1)  # (H, s, hd)
-        vi = v[c:d].repeat_interleave(rep, dim=1).transpose(0, 1)  # (H, s, hd)
-        out[a:b] = F.scaled_dot_product_attention(qi, ki, vi, is_causal=causal, scale=softmax_scale).transpose(0, 1)
+        qi = q[a:b].transpose(0, 1)  # (H, sq, hd)
+        ki = k[c:d].repeat_interleave(rep, dim=1).transpose(0, 1)  # (H, sk, hd)
+        vi = v[c:d].repeat_interleave(rep, dim=1).transpose(0, 1)  # (H, sk, hd)
+        sq, sk = b - a, d - c
+        # bottom-right: query r of sq sees keys 0 .. sk - sq + r
+        mask = (torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)) if causal else None
+        out[a:b] = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=softmax_scale).transpose(0, 1)
     lse = torch.zeros(H, T, dtype=torch.float32, device=q.device)
     return out, lse

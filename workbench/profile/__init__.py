@@ -43,7 +43,7 @@ __all__ = ["ProfileSpec", "prepare_profile", "start_profile", "load_result", "ch
 MEASURE_MODULE = "workbench.profile.measure"
 """What torchrun runs on every rank of a profile run."""
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION = ("auto", "flash", "torch")
+ATTENTION = ("auto", "varlen", "flash", "torch")
 DEFAULT_MAX_LEN = {"cpu": 4096, "cuda": 32768}
 """Longest sequence timed by default: CPU attention at 4K tokens already takes a second per step."""
 KB, MB = 1 << 10, 1 << 20
@@ -427,8 +427,9 @@ def check_machine(spec: ProfileSpec, *, cores: int | None = None, gpus: int | No
             raise ValueError(f"{spec.nproc} processes but this machine has {gpus} GPU(s): one process per GPU; "
                              f"lower --nproc to {gpus}")
         return dev
-    if spec.attention == "flash":
-        raise ValueError("--attention flash needs CUDA; this profile runs on CPU (use --attention torch or auto)")
+    if spec.attention in ("flash", "varlen"):
+        raise ValueError(f"--attention {spec.attention} needs CUDA; this profile runs on CPU (use --attention torch "
+                         f"or auto)")
     cores = cores or os.cpu_count() or 1
     if spec.nproc > cores and not spec.oversubscribe:
         raise ValueError(f"{spec.nproc} processes on {cores} CPU core(s): they would share cores and every time "

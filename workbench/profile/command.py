@@ -1,7 +1,7 @@
 """``workbench profile``: measure this machine as a run, or check a profile against a training run.
 
     workbench profile [--nproc N] [--model NAME] [--quick] [--out PATH] [--run-root DIR] [--name ID]
-                      [--device auto|cpu|cuda] [--attention auto|flash|torch] [--max-len N]
+                      [--device auto|cpu|cuda] [--attention auto|varlen|flash|torch] [--max-len N]
                       [--group-sizes 2,4] [--oversubscribe] [--detach] [--quiet]
     workbench profile --check RUN [--profile NAME|PATH|RUN] [--skip K] [--json] [--html PATH]
 
@@ -41,6 +41,8 @@ def _int_list(text: str) -> list[int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``workbench profile`` options."""
+    from workbench.profile import ATTENTION
+
     g = p.add_argument_group("measure")
     g.add_argument("--nproc", type=positive_int, default=None, metavar="N",
                    help="processes measuring at once (default: the GPUs; on CPU min(2, cores)); the collectives' "
@@ -50,8 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quick", action="store_true", help="small grid, few repetitions (under a minute on 2 cores)")
     g.add_argument("--out", default=None, metavar="PATH", help="also write the profile JSON here")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--attention", default="auto", choices=["auto", "flash", "torch"],
-                   help="attention backend timed (default auto: flash-attn on CUDA when installed)")
+    g.add_argument("--attention", default="auto", choices=list(ATTENTION),
+                   help="attention backend timed (default auto: on CUDA torch's varlen kernel, else flash-attn when "
+                        "installed, else the PyTorch path)")
     g.add_argument("--max-len", type=positive_int, default=None, metavar="N",
                    help="longest sequence timed (default 4096 on CPU, 32768 on CUDA, at most the model's)")
     g.add_argument("--reps", type=positive_int, default=None, help="timed samples per pack (default 5 quick, 9 full)")

@@ -1,10 +1,14 @@
 """The torch runtime: run Plans on real processes (torchrun; gloo on CPU, NCCL on CUDA).
 
 - ``model``: a Llama-style decoder on packed varlen sequences; attention is a callable handed in.
-- ``attention``: causal varlen attention, flash-attn (CUDA, lazy import) or PyTorch SDPA;
-  ``select_attention(name, device)``.
+- ``attention``: causal varlen attention kernels ``attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+  max_seqlen_k)`` (bottom-right aligned): torch's ``varlen_attn``, flash-attn (CUDA, lazy imports) or
+  PyTorch SDPA; ``select_attention(name, device)``.
 - ``ulysses``: the sequence <-> head all-to-all (autograd), ``shard_layout``, ``UlyssesAttention``.
-- ``groups``: ``GroupRegistry`` - every aligned (degree, block) process group, made once.
+- ``cp``: context parallelism inside a group split ``u x c``: ``cp_layout``/``group_layout``, the K/V
+  all-gather (autograd, backward a reduce-scatter), ``CPAttention``.
+- ``groups``: ``GroupRegistry`` - every aligned (degree, block) process group and the Ulysses/CP
+  sub-groups of every split, made once.
 - ``zero``: ``parallelize(model, zero_stage=, precision=, recompute=)`` -> ``ZeroRuntime``: the model
   states as the ZeRO stage holds them (FSDP2 under ZeRO-3, ZeroRedundancyOptimizer under 1-2),
   autocast, the stage's gradient reduction, the bytes held.
@@ -25,6 +29,7 @@ Everything here imports torch; the planning side (``workbench.solve``, ``cost``,
 """
 
 from workbench.runtime.attention import AttentionUnavailable, select_attention, torch_varlen_attention
+from workbench.runtime.cp import CPAttention, CPLayout, cp_layout, group_layout
 from workbench.runtime.groups import GroupRegistry, aligned_blocks
 from workbench.runtime.model import Transformer
 from workbench.runtime.step import (
@@ -45,5 +50,5 @@ __all__ = [
     "AttentionUnavailable", "select_attention", "torch_varlen_attention", "GroupRegistry", "aligned_blocks",
     "Transformer", "IGNORE", "LocalShard", "MicroStepRecord", "StepExecutor", "StepResult", "batch_loss",
     "check_plan", "make_shard", "ShardLayout", "UlyssesAttention", "shard_layout", "PassAttention",
-    "ZeroRuntime", "parallelize", "default_precision",
+    "ZeroRuntime", "parallelize", "default_precision", "CPAttention", "CPLayout", "cp_layout", "group_layout",
 ]

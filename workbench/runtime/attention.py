@@ -1,16 +1,32 @@
-"""Causal attention on packed variable-length sequences: flash-attn's varlen kernel or PyTorch.
+"""Causal attention on packed variable-length sequences: PyTorch's varlen kernel, flash-attn, or SDPA.
 
-Both backends have the flash-attn shape ``attn(q, k, v, cu_seqlens, max_seqlen) -> out`` with
-``q (T, H, hd)``, ``k, v (T, KV, hd)`` (grouped-query: KV divides H) and ``out (T, H, hd)``; every
-sequence ``cu_seqlens[i]:cu_seqlens[i+1]`` attends causally to itself only.
+Every backend is a *kernel* with flash-attn's varlen shape
 
-The backend is chosen explicitly with ``select_attention("auto" | "flash" | "torch", device)``:
-``auto`` takes flash-attn on CUDA when it is installed (2.x as ``flash_attn``, or 3.x as
-``flash_attn_interface``) and the run computes in bf16, else the PyTorch path; ``flash`` where it
-cannot run is an error, never a silent fallback. flash-attn is imported lazily, inside
-``select_attention``, so importing this module costs nothing on machines without it. Every call is
-checked against what the kernel requires (``flash_call_problem``, read from flash-attn 2.8's
-``mha_varlen_fwd`` and 3.x's ``flash_attn_interface``) before it is made.
+    attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> out
+
+``q (Tq, H, hd)``, ``k, v (Tk, KV, hd)`` (grouped-query: KV divides H), ``out (Tq, H, hd)``; query
+segment ``i`` (rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``) attends to key segment ``i`` causally
+with **bottom-right alignment**: its queries are the *last* rows of their key range, so query row
+``r`` of a segment of ``sq`` queries and ``sk >= sq`` keys sees keys ``0 .. sk - sq + r``. With
+``sq == sk`` that is ordinary causal self-attention, which is how the model calls it (the same
+pack and boundaries twice); context parallelism calls it with a sequence's local chunk as queries
+and the prefix of the sequence up to that chunk's end as keys.
+
+The backend is chosen explicitly with ``select_attention("auto" | "varlen" | "flash" | "torch", device)``:
+
+- ``torch``: ``F.scaled_dot_product_attention`` per sequence (a lower-right causal mask where the
+  queries are shorter than the keys); any device and dtype, the reference the others are checked against.
+- ``varlen``: PyTorch's own ``torch.nn.attention.varlen.varlen_attn`` (CUDA, fp16/bf16, flash
+  kernels built into torch since 2.10; GQA with ``enable_gqa``, causal with ``window_size=(-1, 0)``).
+- ``flash``: flash-attn's ``flash_attn_varlen_func`` (2.x as ``flash_attn`` or 3.x as
+  ``flash_attn_interface``; ``causal=True`` is bottom-right since flash-attn 2.1).
+- ``auto``: on CUDA in half precision ``varlen`` when this torch has it, else ``flash`` when it is
+  installed, else ``torch``; ``torch`` on every other device and in fp32.
+
+A backend asked for by name where it cannot run is an error, never a silent fallback. flash-attn
+and the varlen module are imported lazily, inside ``select_attention``, so importing this module
+costs nothing. Every call is checked against what the kernel requires (``varlen_call_problem``,
+``flash_call_problem``) before it is made.
 """
 
 from __future__ import annotations
@@ -23,9 +39,9 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["BACKENDS", "torch_varlen_attention", "select_attention", "AttentionUnavailable", "flash_call_problem",
-           "flash_version", "FLASH_HALF"]
+           "varlen_call_problem", "flash_version", "varlen_version", "FLASH_HALF", "CAUSAL_WINDOW"]
 
-BACKENDS = ("auto", "flash", "torch")
+BACKENDS = ("auto", "varlen", "flash", "torch")
 
 log = logging.getLogger(__name__)
 
@@ -34,37 +50,61 @@ class AttentionUnavailable(RuntimeError):
     """The requested attention backend cannot run here (no CUDA, flash-attn not installed...)."""
 
 
-def torch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                           max_seqlen: int) -> torch.Tensor:
-    """Causal attention per packed sequence with ``F.scaled_dot_product_attention``; runs on any
-    device and dtype. KV heads are repeated to the query heads (grouped-query attention)."""
-    T, H, hd = q.shape
+def _bounds(cu: torch.Tensor, total: int, what: str) -> list[int]:
+    bounds = cu.tolist()
+    if not bounds or bounds[-1] != total:
+        raise ValueError(f"cu_seqlens_{what} ends at {bounds[-1] if bounds else None} but the packed tensor has "
+                         f"{total} tokens")
+    return bounds
+
+
+def torch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int) -> torch.Tensor:
+    """Causal attention per packed segment with ``F.scaled_dot_product_attention`` (bottom-right
+    aligned where a segment has fewer queries than keys); runs on any device and dtype. KV heads are
+    repeated to the query heads (grouped-query attention). Returns ``(Tq, H, hd)``. Raises
+    ValueError when the heads do not divide, the boundaries do not describe the packs, or a segment
+    has more queries than keys."""
+    Tq, H, hd = q.shape
     kvh = k.shape[1]
     if H % kvh:
         raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({kvh})")
     if kvh != H:
-        k = k.repeat_interleave(H // kvh, dim=1)  # (T, H, hd)
-        v = v.repeat_interleave(H // kvh, dim=1)  # (T, H, hd)
-    bounds = cu_seqlens.tolist()
-    if bounds[-1] != T:
-        raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the packed tensor has {T} tokens")
-    sizes = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+        k = k.repeat_interleave(H // kvh, dim=1)  # (Tk, H, hd)
+        v = v.repeat_interleave(H // kvh, dim=1)  # (Tk, H, hd)
+    bq = _bounds(cu_seqlens_q, Tq, "q")
+    bk = bq if cu_seqlens_k is cu_seqlens_q else _bounds(cu_seqlens_k, k.shape[0], "k")
+    if len(bk) != len(bq):
+        raise ValueError(f"cu_seqlens_q has {len(bq) - 1} segments but cu_seqlens_k {len(bk) - 1}")
+    sq = [hi - lo for lo, hi in zip(bq[:-1], bq[1:])]
+    sk = [hi - lo for lo, hi in zip(bk[:-1], bk[1:])]
     # one split, not a slice per sequence: the backward of a split is one concatenation (O(T)),
     # while each slice's backward would write a gradient the size of the whole pack (O(sequences x T))
     outs = []
-    for qi, ki, vi in zip(q.split(sizes), k.split(sizes), v.split(sizes)):
-        if qi.shape[0] == 0:
+    for qi, ki, vi in zip(q.split(sq), k.split(sk), v.split(sk)):
+        n, m = qi.shape[0], ki.shape[0]
+        if n == 0:
             continue
-        oi = F.scaled_dot_product_attention(qi.transpose(0, 1).unsqueeze(0), ki.transpose(0, 1).unsqueeze(0),
-                                            vi.transpose(0, 1).unsqueeze(0), is_causal=True)  # (1, H, s, hd)
-        outs.append(oi[0].transpose(0, 1))  # (s, H, hd)
-    return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)  # (T, H, hd)
+        if n > m:
+            raise ValueError(f"a segment has {n} queries but only {m} keys (bottom-right causal needs queries <= keys)")
+        args = (qi.transpose(0, 1).unsqueeze(0), ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0))
+        if n == m:
+            oi = F.scaled_dot_product_attention(*args, is_causal=True)  # (1, H, n, hd)
+        else:  # the queries are the last n of the m positions: query r sees keys 0 .. m - n + r
+            mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)  # (n, m)
+            oi = F.scaled_dot_product_attention(*args, attn_mask=mask)  # (1, H, n, hd)
+        outs.append(oi[0].transpose(0, 1))  # (n, H, hd)
+    return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)  # (Tq, H, hd)
 
 
 FLASH_HALF = (torch.float16, torch.bfloat16)
-"""The dtypes flash-attn's kernels compute in (``mha_varlen_fwd`` refuses any other)."""
+"""The dtypes the flash kernels compute in (``mha_varlen_fwd`` refuses any other)."""
 FLASH_MAX_HEAD_DIM = 256
-"""The largest head dimension flash-attn 2.x and 3.x support."""
+"""The largest head dimension flash-attn 2.x/3.x and PyTorch's vendored flash kernels support."""
+CAUSAL_WINDOW = (-1, 0)
+"""``varlen_attn``'s causal window: unlimited to the left, nothing to the right (bottom-right aligned)."""
+VARLEN_MIN_TORCH = "2.10"
+"""The first torch with ``torch.nn.attention.varlen.varlen_attn``."""
 
 
 def _import_flash_varlen() -> tuple[Callable, str]:
@@ -81,70 +121,142 @@ def _import_flash_varlen() -> tuple[Callable, str]:
         return fn, f"{module} {getattr(mod, '__version__', '?')}"
     raise AttentionUnavailable(
         f"attention backend 'flash' needs flash-attn (`make install` on a CUDA machine fetches a prebuilt wheel; "
-        f"see docs/gpu-and-clusters.md): {'; '.join(errors)}; use --attention torch")
+        f"see docs/gpu-and-clusters.md): {'; '.join(errors)}; use --attention varlen or torch")
 
 
-def flash_call_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                       max_seqlen) -> str | None:
-    """Why flash-attn's varlen kernel would refuse this call (as ``mha_varlen_fwd`` checks it in
-    flash-attn 2.x and 3.x), or None: q (T, H, hd), k and v (T, KV, hd) of one fp16/bf16 dtype on
-    one device with a contiguous last dimension, KV dividing H, hd at most 256 and a multiple of 8;
-    ``cu_seqlens`` int32, contiguous, on that device, at least two entries; ``max_seqlen`` a Python
-    int (the kernel's schema takes ``int``, not a tensor)."""
+def _import_varlen() -> Callable:
+    """``torch.nn.attention.varlen.varlen_attn``. Raises AttentionUnavailable when this torch lacks it
+    or was built without its flash kernels."""
+    try:
+        fn = importlib.import_module("torch.nn.attention.varlen").varlen_attn
+    except (ImportError, AttributeError):
+        raise AttentionUnavailable(f"attention backend 'varlen' needs torch >= {VARLEN_MIN_TORCH} "
+                                   f"(torch.nn.attention.varlen); this is torch {torch.__version__}: "
+                                   f"upgrade torch, or use --attention flash or torch") from None
+    if not torch.backends.cuda.is_flash_attention_available():
+        raise AttentionUnavailable(f"attention backend 'varlen' needs torch's flash kernels, which this build of "
+                                   f"torch {torch.__version__} lacks; use --attention flash or torch")
+    return fn
+
+
+def _kernel_call_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> str | None:
+    """What both flash kernels (flash-attn's and torch's vendored copy, ``mha_varlen_fwd``) check."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         return f"q, k, v must be (tokens, heads, head_dim); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
     if q.dtype not in FLASH_HALF:
-        return f"flash-attn computes in fp16/bf16 only; q is {q.dtype}"
+        return f"the flash kernels compute in fp16/bf16 only; q is {q.dtype}"
     if k.dtype != q.dtype or v.dtype != q.dtype:
         return f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}"
-    devs = {t.device for t in (q, k, v, cu_seqlens)}
+    devs = {t.device for t in (q, k, v, cu_seqlens_q, cu_seqlens_k)}
     if len(devs) != 1:
         return f"q, k, v and cu_seqlens must be on one device; got {sorted(str(d) for d in devs)}"
     if any(t.stride(-1) != 1 for t in (q, k, v)):
         return "q, k, v must have a contiguous last dimension"
-    T, H, hd = q.shape
-    if k.shape[0] != T or v.shape != k.shape or k.shape[2] != hd:
-        return f"k and v must be ({T}, KV, {hd}); got {tuple(k.shape)} and {tuple(v.shape)}"
+    Tq, H, hd = q.shape
+    if v.shape != k.shape or k.shape[2] != hd:
+        return f"k and v must be (Tk, KV, {hd}) alike; got {tuple(k.shape)} and {tuple(v.shape)}"
     if H % k.shape[1]:
         return f"the key/value heads ({k.shape[1]}) must divide the query heads ({H})"
     if hd > FLASH_MAX_HEAD_DIM or hd % 8:
         return f"head dimension {hd} is not supported (at most {FLASH_MAX_HEAD_DIM}, a multiple of 8)"
-    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or not cu_seqlens.is_contiguous():
-        return f"cu_seqlens must be a contiguous 1-D int32 tensor; got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
-    if cu_seqlens.numel() < 2:
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or not cu.is_contiguous():
+            return f"{name} must be a contiguous 1-D int32 tensor; got {cu.dtype} of shape {tuple(cu.shape)}"
+    if cu_seqlens_q.numel() < 2:
         return "cu_seqlens must hold at least one sequence (two boundaries)"
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
-        return f"max_seqlen must be a Python int, got {type(max_seqlen).__name__}"
+    if cu_seqlens_k.numel() != cu_seqlens_q.numel():
+        return f"cu_seqlens_q and cu_seqlens_k must have one length; got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}"
+    for name, mx in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(mx, bool) or not isinstance(mx, int):
+            return f"{name} must be a Python int, got {type(mx).__name__}"
     return None
 
 
-def _flash_attention_fn(precision: str | None = None) -> Callable:
-    """flash-attn's varlen kernel as an attention callable (lazy import; raises
-    AttentionUnavailable when it is missing).
+def flash_call_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                       cu_seqlens_k: torch.Tensor, max_seqlen_q, max_seqlen_k) -> str | None:
+    """Why flash-attn's varlen kernel would refuse this call (as ``mha_varlen_fwd`` checks it in
+    flash-attn 2.x and 3.x), or None: q (Tq, H, hd), k and v (Tk, KV, hd) of one fp16/bf16 dtype on
+    one device with a contiguous last dimension, KV dividing H, hd at most 256 and a multiple of 8;
+    ``cu_seqlens_q/k`` int32, contiguous, on that device, of one length (at least two entries);
+    ``max_seqlen_q/k`` Python ints (the kernel's schema takes ``int``, not a tensor)."""
+    return _kernel_call_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
-    With a ``precision`` the run declared (``bf16``), inputs must already be fp16/bf16: a call
-    with anything else is a bug that raises, never a silent cast. Without one (callers that
-    measure an fp32 model, the profiler) fp32 inputs run in bf16 and come back as fp32."""
+
+def varlen_call_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                        cu_seqlens_k: torch.Tensor, max_seqlen_q, max_seqlen_k, *, enable_gqa: bool,
+                        window_size) -> str | None:
+    """Why ``torch.nn.attention.varlen.varlen_attn`` would refuse this causal call, or silently
+    compute something else, or None. Read from torch's ``varlen.py`` and the vendored
+    ``mha_varlen_fwd`` it calls (``aten::_flash_attention_forward``): everything
+    ``flash_call_problem`` checks, and ``enable_gqa`` exactly when the KV heads are fewer than the
+    query heads (``varlen_attn`` raises without it), and ``window_size`` the tuple ``(-1, 0)``
+    (``varlen_attn`` compares with that tuple to set ``is_causal``: anything else, a list
+    included, is not the causal call)."""
+    problem = _kernel_call_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if problem is not None:
+        return problem
+    if q.shape[1] != k.shape[1] and not enable_gqa:
+        return f"{q.shape[1]} query heads over {k.shape[1]} KV heads need enable_gqa=True"
+    if not (isinstance(window_size, tuple) and window_size == CAUSAL_WINDOW):
+        return f"the causal call takes window_size={CAUSAL_WINDOW} (a tuple), got {window_size!r}"
+    return None
+
+
+def _half_inputs(precision: str | None, q, k, v):
+    """The inputs as the flash kernels take them: contiguous, fp16/bf16. With a ``precision`` the run
+    declared, inputs must already be half precision (a call with anything else is a bug the
+    pre-check refuses, never a silent cast); without one (callers that measure an fp32 model, the
+    profiler) fp32 inputs run in bf16 and the output comes back in their dtype."""
+    if precision is None and q.dtype not in FLASH_HALF:
+        q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    return tuple(t.contiguous() for t in (q, k, v))
+
+
+def _flash_attention_fn(precision: str | None = None) -> Callable:
+    """flash-attn's varlen kernel as an attention kernel (lazy import; raises AttentionUnavailable
+    when it is missing). ``precision`` as in ``_half_inputs``."""
     varlen, _ = _import_flash_varlen()
 
-    def flash_varlen_attention(q, k, v, cu_seqlens, max_seqlen):
+    def flash_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         dtype = q.dtype
-        if precision is None and dtype not in FLASH_HALF:
-            q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
-        # what the kernel checks: contiguous (T, H, hd) tensors (a no-op for the model's and
-        # Ulysses' own), int32 boundaries on q's device, Python ints for the max lengths
-        q, k, v = (t.contiguous() for t in (q, k, v))
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
-        mx = int(max_seqlen)
-        problem = flash_call_problem(q, k, v, cu, mx)
+        # what the kernel checks: contiguous (T, H, hd) tensors (a no-op for the model's, Ulysses'
+        # and context parallelism's own), int32 boundaries on q's device, Python ints for the max lengths
+        q, k, v = _half_inputs(precision, q, k, v)
+        cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous()
+        cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
+        mq, mk = int(max_seqlen_q), int(max_seqlen_k)
+        problem = flash_call_problem(q, k, v, cu_q, cu_k, mq, mk)
         if problem is not None:
             raise ValueError(f"flash-attn cannot run this call: {problem}")
-        out = varlen(q, k, v, cu, cu, mx, mx, causal=True)  # (T, H, hd); 3.x may return (out, lse)
+        out = varlen(q, k, v, cu_q, cu_k, mq, mk, causal=True)  # (Tq, H, hd); 3.x may return (out, lse)
         if isinstance(out, tuple):
             out = out[0]
         return out.to(dtype)
 
     return flash_varlen_attention
+
+
+def _varlen_attention_fn(precision: str | None = None) -> Callable:
+    """PyTorch's ``varlen_attn`` as an attention kernel (raises AttentionUnavailable when this torch
+    lacks it). ``precision`` as in ``_half_inputs``."""
+    _import_varlen()
+
+    def torch_flash_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        # looked up at call time, so a stand-in installed after selection is the one called
+        varlen = importlib.import_module("torch.nn.attention.varlen").varlen_attn
+        dtype = q.dtype
+        q, k, v = _half_inputs(precision, q, k, v)
+        cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous()
+        cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
+        mq, mk = int(max_seqlen_q), int(max_seqlen_k)
+        gqa = k.shape[1] != q.shape[1]
+        problem = varlen_call_problem(q, k, v, cu_q, cu_k, mq, mk, enable_gqa=gqa, window_size=CAUSAL_WINDOW)
+        if problem is not None:
+            raise ValueError(f"varlen_attn cannot run this call: {problem}")
+        out = varlen(q, k, v, cu_q, cu_k, mq, mk, window_size=CAUSAL_WINDOW, enable_gqa=gqa)  # (Tq, H, hd)
+        return out.to(dtype)
+
+    return torch_flash_varlen_attention
 
 
 def flash_version() -> str | None:
@@ -156,14 +268,37 @@ def flash_version() -> str | None:
         return None
 
 
-def select_attention(name: str, device: torch.device | str, precision: str | None = None) -> tuple[Callable, str]:
-    """The attention callable for backend ``name`` on ``device``: returns ``(fn, resolved_name)``.
+def varlen_version() -> str | None:
+    """``"torch 2.13.0"`` when this torch has ``varlen_attn`` with its flash kernels, else None."""
+    try:
+        _import_varlen()
+    except AttentionUnavailable:
+        return None
+    return f"torch {torch.__version__}"
 
-    ``auto`` resolves to ``flash`` on CUDA when flash-attn imports (and ``precision`` is not
-    ``fp32``), else ``torch``. ``precision`` is the run's (``bf16``/``fp32``; None: not declared):
-    flash-attn computes in half precision only, so an fp32 run never gets it silently. Raises
-    ValueError for an unknown name and AttentionUnavailable when ``flash`` cannot run here (no
-    CUDA, no flash-attn, an fp32 run).
+
+def _cuda_capability_problem(dev: torch.device) -> str | None:
+    """Why the flash kernels cannot run on ``dev`` (they need compute capability 8.0, Ampere), or None."""
+    try:
+        major, minor = torch.cuda.get_device_capability(dev)
+    except Exception as e:  # noqa: BLE001 - no driver, a stand-in CUDA: the kernel's own check speaks
+        log.debug("no compute capability for %s: %s", dev, e)
+        return None
+    if major < 8:
+        return f"the flash kernels need compute capability 8.0 (Ampere) or newer, {dev} has {major}.{minor}"
+    return None
+
+
+def select_attention(name: str, device: torch.device | str, precision: str | None = None) -> tuple[Callable, str]:
+    """The attention kernel for backend ``name`` on ``device``: returns ``(fn, resolved_name)``,
+    ``fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``.
+
+    ``auto`` resolves on CUDA (and ``precision`` not ``fp32``) to ``varlen`` when this torch has it
+    and the GPU runs it, else ``flash`` when flash-attn imports, else ``torch``; elsewhere to
+    ``torch``. ``precision`` is the run's (``bf16``/``fp32``; None: not declared): the flash kernels
+    compute in half precision only, so an fp32 run never gets one silently. Raises ValueError for
+    an unknown name and AttentionUnavailable when ``varlen`` or ``flash`` cannot run here (no CUDA,
+    not in this torch / not installed, an fp32 run).
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
@@ -171,21 +306,37 @@ def select_attention(name: str, device: torch.device | str, precision: str | Non
     if name == "torch":
         fn, resolved, why = torch_varlen_attention, "torch", "requested"
     elif precision == "fp32":
-        if name == "flash":
-            raise AttentionUnavailable("attention backend 'flash' computes in fp16/bf16 but this run's precision is fp32; "
-                                       "use --precision bf16, or --attention torch (or auto)")
+        if name != "auto":
+            raise AttentionUnavailable(f"attention backend '{name}' computes in fp16/bf16 but this run's precision is "
+                                       f"fp32; use --precision bf16, or --attention torch (or auto)")
         fn, resolved, why = torch_varlen_attention, "torch", "auto: the run computes in fp32"
     elif dev.type != "cuda":
-        if name == "flash":
-            raise AttentionUnavailable(f"attention backend 'flash' needs a CUDA device, this run is on {dev.type}; "
+        if name != "auto":
+            raise AttentionUnavailable(f"attention backend '{name}' needs a CUDA device, this run is on {dev.type}; "
                                        f"use --attention torch (or auto)")
         fn, resolved, why = torch_varlen_attention, "torch", f"auto on {dev.type}"
-    else:
-        try:
-            fn, resolved, why = _flash_attention_fn(precision), "flash", name
-        except AttentionUnavailable as e:
-            if name == "flash":
-                raise
-            fn, resolved, why = torch_varlen_attention, "torch", f"auto: {e}"
+    elif name == "varlen":
+        problem = _cuda_capability_problem(dev)
+        if problem is not None:
+            raise AttentionUnavailable(f"attention backend 'varlen': {problem}; use --attention torch")
+        fn, resolved, why = _varlen_attention_fn(precision), "varlen", "requested"
+    elif name == "flash":
+        fn, resolved, why = _flash_attention_fn(precision), "flash", "requested"
+    else:  # auto on CUDA in half precision: torch's own kernel, else flash-attn, else SDPA
+        notes = []
+        fn = None
+        problem = _cuda_capability_problem(dev)
+        for backend, make in (("varlen", _varlen_attention_fn), ("flash", _flash_attention_fn)):
+            if problem is not None:
+                notes.append(problem)
+                break
+            try:
+                fn, resolved = make(precision), backend
+                break
+            except AttentionUnavailable as e:
+                notes.append(str(e))
+        if fn is None:
+            fn, resolved = torch_varlen_attention, "torch"
+        why = "auto" + (f" ({'; '.join(notes)})" if notes else "")
     log.info("attention backend: %s (%s) on %s", resolved, why, dev)
     return fn, resolved

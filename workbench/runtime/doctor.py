@@ -5,7 +5,10 @@ notebook kernel must not initialise CUDA). Two modes:
 
 - ``probe``: one process. Torch and its CUDA/NCCL build, every GPU (name, memory, compute
   capability), bf16 support, flash-attn importable and one varlen call against the PyTorch path
-  on random data (max error stated), the PyTorch path against a dense causal reference, and a
+  on random data (max error stated), the PyTorch path against a dense causal reference (queries
+  as long as the keys, and shorter: bottom-right aligned), which kernel ``--attention auto`` runs
+  (with torch's ``varlen_attn`` on a GPU: one call with queries shorter than keys against the
+  PyTorch path), and a
   training step of the tiny model in the chosen precision: CUDA-event timing, the allocator's peak
   per step (the first step left out) against the memory model's prediction.
 - ``dist``: one of 2 ranks on this machine (the caller starts both; rank 0 hosts the store on a
@@ -126,11 +129,19 @@ def _attention_checks(device: torch.device) -> list[dict]:
     out = []
     # the PyTorch path (every device) against a dense reference written out here
     ref = torch.cat([_dense_causal(q[a:b], k[a:b], v[a:b]) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
-    got = torch_varlen_attention(q.to(device), k.to(device), v.to(device), cu.to(device), max(lens)).double().cpu()
+    cud = cu.to(device)
+    got = torch_varlen_attention(q.to(device), k.to(device), v.to(device), cud, cud, max(lens), max(lens)).double().cpu()
     err = float((got - ref).abs().max())
+    # queries shorter than keys (context parallelism's call): the last rows of each sequence, bottom-right
+    q_rows = torch.cat([torch.arange(b - (b - a + 1) // 2, b) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    cu_q = torch.tensor([0, *torch.tensor([(n + 1) // 2 for n in lens]).cumsum(0).tolist()], dtype=torch.int32)
+    short = torch_varlen_attention(q[q_rows].to(device), k.to(device), v.to(device), cu_q.to(device), cud,
+                                   max((n + 1) // 2 for n in lens), max(lens)).double().cpu()
+    err = max(err, float((short - ref[q_rows]).abs().max()))
     out.append(_check("attention (PyTorch path)", "ok" if err < 1e-4 else "fail",
                       f"varlen causal SDPA on {device.type}: max error {err:.1e} against a dense fp64 reference "
-                      f"({len(lens)} sequences, {H} heads over {KV} KV heads)", "" if err < 1e-4 else
+                      f"({len(lens)} sequences, {H} heads over {KV} KV heads; queries as long as the keys and "
+                      f"the last half of them)", "" if err < 1e-4 else
                       "report this: the PyTorch attention path disagrees with its reference", max_error=err))
     version = flash_version()
     if device.type != "cuda":
@@ -146,8 +157,8 @@ def _attention_checks(device: torch.device) -> list[dict]:
     try:
         fn = _flash_attention_fn("bf16")
         qd, kd, vd = (t.to(device=device, dtype=dtype) for t in (q, k, v))
-        fo = fn(qd, kd, vd, cu.to(device), max(lens)).double().cpu()
-        to = torch_varlen_attention(qd, kd, vd, cu.to(device), max(lens)).double().cpu()
+        fo = fn(qd, kd, vd, cud, cud, max(lens), max(lens)).double().cpu()
+        to = torch_varlen_attention(qd, kd, vd, cud, cud, max(lens), max(lens)).double().cpu()
         e1, e2 = float((fo - to).abs().max()), float((fo - ref).abs().max())
     except Exception as e:  # noqa: BLE001
         out.append(_check("flash-attn", "fail", f"{version} imports but its varlen call failed: {_first_line(e)}",
@@ -160,6 +171,49 @@ def _attention_checks(device: torch.device) -> list[dict]:
                       f"(against fp64: {e2:.1e})", "" if ok else "the kernel disagrees: use --attention torch",
                       installed=version, max_error=e1, max_error_fp64=e2))
     return out
+
+
+def varlen_error(device: torch.device, dtype: torch.dtype) -> float:
+    """Max difference between torch's ``varlen_attn`` (the workbench's kernel around it) and the
+    PyTorch path on one call with GQA and queries shorter than keys (bottom-right), in ``dtype``."""
+    from workbench.runtime.attention import _varlen_attention_fn, torch_varlen_attention
+
+    gen = torch.Generator().manual_seed(1)
+    lens_q, lens_k, H, KV, hd = [40, 1, 64], [200, 7, 64], 8, 2, 64
+    q, k, v = (torch.randn(sum(n), h, hd, generator=gen).to(device=device, dtype=dtype)
+               for n, h in ((lens_q, H), (lens_k, KV), (lens_k, KV)))
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=device)
+                  for n in (lens_q, lens_k))
+    got = _varlen_attention_fn("bf16")(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)).double().cpu()
+    want = torch_varlen_attention(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)).double().cpu()
+    return float((got - want).abs().max())
+
+
+def _kernel_check(device: torch.device, precision: str) -> dict:
+    """Which kernel ``--attention auto`` runs here, and on a GPU torch's ``varlen_attn`` on a call
+    whose queries are shorter than its keys (context parallelism's) against the PyTorch path."""
+    from workbench.runtime.attention import select_attention, varlen_version
+
+    _, auto = select_attention("auto", device, precision)
+    runs = f"--attention auto runs {auto} on {device.type} in {precision}"
+    version = varlen_version()
+    if device.type != "cuda":
+        return _check("attention kernel", "ok", runs + " (torch's varlen kernel and flash-attn need CUDA)",
+                      auto=auto, varlen=version)
+    if version is None:
+        return _check("attention kernel", "warn", runs + f"; torch {torch.__version__} has no varlen_attn with flash "
+                      f"kernels", "torch >= 2.10 built with CUDA ships it (torch.nn.attention.varlen)", auto=auto)
+    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    try:
+        err = varlen_error(device, dtype)
+    except Exception as e:  # noqa: BLE001
+        return _check("attention kernel", "fail", runs + f"; varlen_attn failed: {_first_line(e)}",
+                      "use --attention flash or torch, and report this", auto=auto, varlen=version)
+    ok = err < 5e-2
+    return _check("attention kernel", "ok" if ok else "fail",
+                  runs + f"; varlen_attn ({dtype}, queries shorter than keys, bottom-right) against the PyTorch "
+                  f"path: max error {err:.1e}", "" if ok else "the kernel disagrees: use --attention flash or torch",
+                  auto=auto, varlen=version, max_error=err)
 
 
 def _train_step_check(device: torch.device, precision: str, steps: int = 4) -> dict:
@@ -258,7 +312,8 @@ def probe(*, device: str = "auto", precision: str | None = None, nvidia_visible:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     prec = precision or ("bf16" if dev.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32")
-    for name, fn in (("attention", lambda: _attention_checks(dev)), ("training step", lambda: [_train_step_check(dev, prec)])):
+    for name, fn in (("attention", lambda: _attention_checks(dev) + [_kernel_check(dev, prec)]),
+                     ("training step", lambda: [_train_step_check(dev, prec)])):
         try:
             out += fn()
         except Exception as e:  # noqa: BLE001 - a crashing check is a finding

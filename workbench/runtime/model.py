@@ -7,9 +7,10 @@ head width, tied embeddings. The arithmetic follows transformers' Llama/Mistral/
 (rotate-half rotary in fp32, RMSNorm statistics in fp32), so loaded weights give their logits.
 
 The model knows nothing about distribution: attention is a callable handed to ``forward``,
-``attn(q, k, v, cu_seqlens, max_seqlen) -> out`` on packed tensors ``(total_tokens, heads,
-head_dim)`` (the flash-attn varlen convention), so the same module runs single-process attention
-or Ulysses sequence parallelism without knowing which.
+``attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> out`` on packed tensors
+``(total_tokens, heads, head_dim)`` (the flash-attn varlen convention; the model passes its one pack's
+boundaries as both), so the same module runs single-process attention, Ulysses sequence parallelism
+or context parallelism without knowing which.
 
 Inputs are packed: token ids ``(T,)`` of several sequences back to back, their true position ids
 ``(T,)`` (a rank holding the middle slice of a sequence passes that slice's positions), and
@@ -31,9 +32,10 @@ from workbench.specs import ModelSpec, RopeScaling
 __all__ = ["RMSNorm", "rope_inv_freq", "rotary_cos_sin", "apply_rotary", "Attention", "MLP", "Block", "Transformer",
            "AttentionFn", "ROPE_BASE"]
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
-"""``attn(q (T, H, hd), k (T, KV, hd), v (T, KV, hd), cu_seqlens (n+1,) int32, max_seqlen) -> (T, H, hd)``,
-causal within each packed sequence."""
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+"""``attn(q (Tq, H, hd), k (Tk, KV, hd), v (Tk, KV, hd), cu_seqlens_q (n+1,), cu_seqlens_k (n+1,) int32,
+max_seqlen_q, max_seqlen_k) -> (Tq, H, hd)``, causal within each packed segment (bottom-right aligned
+where a segment has fewer queries than keys; the model's own call has as many)."""
 
 ROPE_BASE = 10000.0
 
@@ -113,7 +115,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(T, self.kv_heads, self.head_dim)  # (T, KV, hd)
         v = self.v_proj(x).view(T, self.kv_heads, self.head_dim)  # (T, KV, hd)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = attn(q, k, v, cu_seqlens, max_seqlen)  # (T, H, hd)
+        y = attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)  # (T, H, hd)
         return self.o_proj(y.reshape(T, self.heads * self.head_dim))  # (T, C)
 
 

@@ -1,15 +1,20 @@
 """The step executor: run one Plan on this rank, as the run's ZeRO stage executes it.
 
-Per group a rank takes a contiguous ``1/d`` slice of each sequence assigned to the group (packed
-varlen, true position ids, padding to a multiple of ``d`` masked out of the loss) and runs
-attention with the Ulysses all-to-all inside the group. The loss it back-propagates is its share of
+Per group a rank takes its part of each sequence assigned to the group (packed varlen, true
+position ids, end padding masked out of the loss) and runs attention as the group's split says:
+a group of degree ``d = u x c`` with ``c = 1`` (Ulysses over the whole group) holds a contiguous
+``1/d`` slice of every sequence and runs the Ulysses all-to-all (``workbench.runtime.ulysses``);
+with ``c > 1`` it holds two chunks of every sequence per CP rank, sliced over Ulysses, and
+all-gathers K and V over the CP ranks (``workbench.runtime.cp``). The loss it back-propagates is
+its share of
 
     loss = sum of next-token cross-entropy over every target token of the batch / their count
 
 (the last token of a sequence has no target). Each token's loss is computed on exactly one rank,
-and the backward of the all-to-alls carries every rank's share of the attention gradient back to
-the rank that produced q, k, v, so the SUM of the ranks' gradients is exactly the single-process
-gradient; the stage's reduction (``workbench.runtime.zero``) sums them.
+and the backward of the all-to-alls (and of the K/V all-gather: a reduce-scatter) carries every
+rank's share of the attention gradient back to the rank that produced q, k, v, so the SUM of the
+ranks' gradients is exactly the single-process gradient; the stage's reduction
+(``workbench.runtime.zero``) sums them.
 
 How micro-steps run depends on the plan's ``execution``, which must be the run's:
 
@@ -38,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from workbench.runtime.cp import CPAttention, CPLayout, group_layout
 from workbench.runtime.groups import GroupRegistry
 from workbench.runtime.model import Transformer
 from workbench.runtime.ulysses import ShardLayout, UlyssesAttention, shard_layout
@@ -64,27 +70,32 @@ class LocalShard:
     cu_seqlens: torch.Tensor
     """(n+1,) int32 local pack boundaries."""
     max_seqlen: int
-    layout: ShardLayout
+    layout: ShardLayout | CPLayout
+    """The group's layout (``group_layout``): ``ShardLayout`` for a Ulysses-only group, ``CPLayout`` with cp > 1."""
     real_tokens: int
     """Tokens that are not padding."""
     targets: int
     """Labels that are not ``IGNORE``."""
 
 
-def make_shard(sequences: Sequence[torch.Tensor], degree: int, rank: int) -> LocalShard:
-    """Group rank ``rank``'s slice of ``sequences`` (1-D token tensors) on a group of ``degree``.
-    Degree 1 gives the whole sequences packed, without padding. Raises ValueError on an empty group."""
-    lay = shard_layout([int(s.numel()) for s in sequences], degree, rank)
+def make_shard(sequences: Sequence[torch.Tensor], degree: int, rank: int, cp: int = 1) -> LocalShard:
+    """Group rank ``rank``'s part of ``sequences`` (1-D token tensors) on a group of ``degree`` split
+    ``(degree/cp) x cp`` (``group_layout``): its tokens at their true positions, labels taken from
+    the padded whole sequence (``IGNORE`` for padding and each sequence's last token). Degree 1
+    gives the whole sequences packed, without padding. Raises ValueError on an empty group or a
+    ``cp`` that does not divide the degree."""
+    lay = group_layout([int(s.numel()) for s in sequences], degree, cp, rank)
+    positions = lay.local_positions()
     toks, labs = [], []
-    for s, c in zip(sequences, lay.chunks):
+    for s, n, pos in zip(sequences, lay.padded_lengths, positions.split(list(lay.chunks))):
         s = s.reshape(-1).long()
-        pad = degree * c - s.numel()
-        full_t = F.pad(s, (0, pad), value=0)  # (d*c,)
-        full_l = F.pad(torch.cat([s[1:], s.new_full((1,), IGNORE)]), (0, pad), value=IGNORE)  # (d*c,)
-        toks.append(full_t[rank * c:(rank + 1) * c])
-        labs.append(full_l[rank * c:(rank + 1) * c])
+        pad = n - s.numel()
+        full_t = F.pad(s, (0, pad), value=0)  # (L,)
+        full_l = F.pad(torch.cat([s[1:], s.new_full((1,), IGNORE)]), (0, pad), value=IGNORE)  # (L,)
+        toks.append(full_t[pos])
+        labs.append(full_l[pos])
     tokens, labels = torch.cat(toks), torch.cat(labs)
-    return LocalShard(tokens=tokens, positions=lay.local_positions(), labels=labels,
+    return LocalShard(tokens=tokens, positions=positions, labels=labels,
                       cu_seqlens=lay.local_cu_seqlens, max_seqlen=int(max(lay.chunks)), layout=lay,
                       real_tokens=int(lay.local_valid().sum()), targets=int((labels != IGNORE).sum()))
 
@@ -118,23 +129,23 @@ def _empty_shard() -> LocalShard:
 class PassAttention:
     """The attention callable of one rank in one lockstep pass: the rank's groups' tokens are
     packed back to back, ``segments[i] = (start, stop, attn_i, cu_seqlens_i, max_seqlen_i)``; every
-    layer runs each group's attention (Ulysses inside the group, or local for degree 1) on its own
-    rows, in the pass's order, and concatenates the outputs. The model's own ``cu_seqlens`` are
+    layer runs each group's attention (Ulysses or Ulysses x CP inside the group, or local for degree
+    1) on its own rows, in the pass's order, and concatenates the outputs. The model's own ``cu_seqlens`` are
     ignored: each group's attention knows its sequences."""
 
     def __init__(self, segments: Sequence[tuple[int, int, Callable, torch.Tensor, int]]) -> None:
         self.segments = list(segments)
         self._moved: dict = {}
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                 max_seqlen: int) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int) -> torch.Tensor:
         outs = []
         for i, (lo, hi, fn, cu, mx) in enumerate(self.segments):
             if cu.device != q.device:  # moved once per device, not once per layer
                 if (i, q.device) not in self._moved:
                     self._moved[(i, q.device)] = cu.to(q.device)
                 cu = self._moved[(i, q.device)]
-            outs.append(fn(q[lo:hi], k[lo:hi], v[lo:hi], cu, mx))  # (hi-lo, H, hd)
+            outs.append(fn(q[lo:hi], k[lo:hi], v[lo:hi], cu, cu, mx, mx))  # (hi-lo, H, hd)
         return outs[0] if len(outs) == 1 else torch.cat(outs)  # (T, H, hd)
 
 
@@ -168,16 +179,23 @@ def _stage_name(execution: str) -> str:
     return "ZeRO-3" if execution == "lockstep" else "ZeRO 0-2"
 
 
+def _shapes_text(shapes) -> str:
+    return ", ".join(f"{d // c}x{c}" for d, c in sorted(shapes)) or "none"
+
+
 def check_plan(plan: Plan, lengths: Sequence[int], world_size: int, degrees: Sequence[int] | None = None, *,
                max_context: int | None = None, heads: int | None = None, kv_heads: int | None = None,
-               zero_stage: int | None = None, precision: str | None = None, recompute: bool | None = None) -> None:
+               zero_stage: int | None = None, precision: str | None = None, recompute: bool | None = None,
+               shapes: Sequence[tuple[int, int]] | None = None) -> None:
     """Check that ``plan`` can run on ``world_size`` ranks for a batch of ``lengths``: given the
     run's ``zero_stage`` (``precision``, ``recompute``), the plan was made for them (its execution,
     and its stage, precision and recomputation where it records them); same rank count, aligned
-    groups of registered ``degrees``, no rank twice in a micro-step under free execution (a lockstep
-    pass may give a rank several groups), every sequence once with its length, no sequence longer
-    than ``max_context``, and (given ``heads``/``kv_heads``) every degree usable by Ulysses. Raises
-    PlanError saying, in one line, what does not match and how to fix it."""
+    groups of registered ``degrees`` whose split ``(degree, cp)`` is one of the run's ``shapes``
+    (the process groups it made; without ``shapes``, Ulysses-only groups of ``degrees``), a cp that
+    divides its degree, no rank twice in a micro-step under free execution (a lockstep pass may give
+    a rank several groups), every sequence once with its length, no sequence longer than
+    ``max_context``, and (given ``heads``/``kv_heads``) every group's Ulysses size usable with the
+    model's heads. Raises PlanError saying, in one line, what does not match and how to fix it."""
     if zero_stage is not None:
         run_exec = "lockstep" if zero_stage == 3 else "free"
         if plan.execution != run_exec:
@@ -212,14 +230,28 @@ def check_plan(plan: Plan, lengths: Sequence[int], world_size: int, degrees: Seq
                     or lo < 0 or lo + g.degree > world_size):
                 raise PlanError(f"micro-step {m}: group ranks {list(g.ranks)} are not an aligned block of "
                                 f"{g.degree} within {world_size} ranks")
+            if g.cp < 1 or g.degree % g.cp:
+                raise PlanError(f"micro-step {m}: group at ranks {list(g.ranks)} has context-parallel size {g.cp}, "
+                                f"which does not divide its degree {g.degree}")
+            u = g.degree // g.cp
             if degrees is not None and g.degree not in degrees:
                 raise PlanError(f"micro-step {m}: degree {g.degree} has no process groups (degrees {list(degrees)})")
-            if heads is not None and g.degree > 1:
+            if shapes is not None and (g.degree, g.cp) not in shapes and g.degree > 1:
+                raise PlanError(f"micro-step {m}: group at ranks {list(g.ranks)} is split {u}x{g.cp} (Ulysses x CP), "
+                                f"which has no process groups: this run's shapes are {_shapes_text(shapes)}; plan "
+                                f"with this run's cost model")
+            if shapes is None and degrees is not None and g.cp > 1:
+                raise PlanError(f"micro-step {m}: group at ranks {list(g.ranks)} is split {u}x{g.cp} (Ulysses x CP) "
+                                f"but this run made process groups for Ulysses-only splits; plan with this run's "
+                                f"cost model")
+            if heads is not None and u > 1:
                 kv = kv_heads or heads
-                if heads % g.degree or (kv % g.degree and g.degree % kv):
-                    raise PlanError(f"micro-step {m}: Ulysses degree {g.degree} does not fit the model's {heads} "
-                                    f"query / {kv} KV heads (it must divide the query heads and divide or be a "
-                                    f"multiple of the KV heads)")
+                if heads % u or (kv % u and u % kv):
+                    raise PlanError(f"micro-step {m}: group at ranks {list(g.ranks)} (split {u}x{g.cp}) runs Ulysses "
+                                    f"over {u} ranks, which does not fit the model's {heads} query / {kv} KV heads "
+                                    f"(the Ulysses size must divide the query heads and divide or be a multiple of "
+                                    f"the KV heads); plan with --strategy auto, which splits such groups with "
+                                    f"context parallelism")
             if used & set(g.ranks) and not lockstep:
                 raise PlanError(f"micro-step {m}: rank(s) {sorted(used & set(g.ranks))} are in two groups")
             used |= set(g.ranks)
@@ -265,7 +297,7 @@ class MicroStepRecord:
     measured_ms: float
     peak_memory_mb: float
     groups: list[dict] = field(default_factory=list)
-    """Every group the rank served, in order: ``{degree, ranks, sequences}`` (lockstep passes may
+    """Every group the rank served, in order: ``{degree, cp, ranks, sequences}`` (lockstep passes may
     hold several)."""
     pass_ms: float | None = None
     """Lockstep: the plan's predicted duration of the whole pass (its slowest rank, or FSDP's
@@ -343,7 +375,7 @@ class StepExecutor:
         z = self.zero
         check_plan(plan, lengths, self.world_size, self.registry.degrees, max_context=spec.max_context,
                    heads=spec.heads, kv_heads=spec.kv_heads, zero_stage=z.zero_stage, precision=z.precision,
-                   recompute=z.recompute)
+                   recompute=z.recompute, shapes=self.registry.shapes)
 
     def run(self, plan: Plan, sequences: Sequence[torch.Tensor]) -> StepResult:
         """Every micro-step (free) or pass (lockstep) of ``plan``, then the stage's gradient
@@ -393,7 +425,10 @@ class StepExecutor:
     def _group_attention(self, g: Group, sh: LocalShard) -> Callable:
         if g.degree == 1:
             return self.attn
-        return UlyssesAttention(self.registry.get(g.ranks), sh.layout, self.attn)
+        if g.cp == 1:
+            return UlyssesAttention(self.registry.get(g.ranks), sh.layout, self.attn)
+        ulysses_group, cp_group = self.registry.subgroups(g.ranks, g.cp, self.rank)
+        return CPAttention(ulysses_group, cp_group, sh.layout, self.attn)
 
     def _run_free(self, plan: Plan, sequences, n_targets: int) -> tuple[list[MicroStepRecord], float]:
         dev = self.device
@@ -411,7 +446,7 @@ class StepExecutor:
                                                padded_tokens=0, targets=0, loss=None, predicted_ms=0.0,
                                                measured_ms=0.0, peak_memory_mb=peak_memory_mb(dev)))
                 continue
-            sh = make_shard([sequences[i] for i in g.sequences], g.degree, g.ranks.index(self.rank))
+            sh = make_shard([sequences[i] for i in g.sequences], g.degree, g.ranks.index(self.rank), g.cp)
             lv = self._forward_backward(sh, self._group_attention(g, sh), n_targets)
             loss_sum += lv
             records.append(MicroStepRecord(
@@ -419,7 +454,7 @@ class StepExecutor:
                 tokens=sh.real_tokens, padded_tokens=int(sh.tokens.numel()), targets=sh.targets,
                 loss=lv / sh.targets if sh.targets else None, predicted_ms=float(g.time_ms),
                 measured_ms=(time.perf_counter() - t0) * 1e3, peak_memory_mb=peak_memory_mb(dev),
-                groups=[{"degree": g.degree, "ranks": list(g.ranks), "sequences": list(g.sequences)}]))
+                groups=[{"degree": g.degree, "cp": g.cp, "ranks": list(g.ranks), "sequences": list(g.sequences)}]))
         return records, loss_sum
 
     def _run_lockstep(self, plan: Plan, sequences, n_targets: int) -> tuple[list[MicroStepRecord], float]:
@@ -434,7 +469,7 @@ class StepExecutor:
             if not mine:
                 sh, attn = _empty_shard(), self.attn
             else:
-                shards = [make_shard([sequences[i] for i in g.sequences], g.degree, g.ranks.index(self.rank))
+                shards = [make_shard([sequences[i] for i in g.sequences], g.degree, g.ranks.index(self.rank), g.cp)
                           for g in mine]
                 sh = pack_shards(shards)
                 if len(mine) == 1:
@@ -456,6 +491,7 @@ class StepExecutor:
                 padded_tokens=int(sh.tokens.numel()) if mine else 0, targets=sh.targets,
                 loss=lv / sh.targets if sh.targets else None, predicted_ms=load if mine else 0.0,
                 measured_ms=(time.perf_counter() - t0) * 1e3, peak_memory_mb=peak_memory_mb(dev),
-                groups=[{"degree": g.degree, "ranks": list(g.ranks), "sequences": list(g.sequences)} for g in mine],
+                groups=[{"degree": g.degree, "cp": g.cp, "ranks": list(g.ranks), "sequences": list(g.sequences)}
+                        for g in mine],
                 pass_ms=None if ms.time_ms is None else float(ms.time_ms)))
         return records, loss_sum

@@ -538,7 +538,7 @@ class Trainer:
                 torch.cuda.set_rng_state(rng["cuda"], device)
             self.resume_state = None
         self.step = start
-        registry = GroupRegistry(world, self.cost.degrees)
+        registry = GroupRegistry(world, self.cost.degrees, shapes=self.cost.shapes)
         executor = StepExecutor(model, registry, self.attn, device=device, zero=zero)
         planner = None
         if self.rank == 0:
@@ -557,7 +557,8 @@ class Trainer:
             "device": device.type, "backend": backend,
             "attention": self.attn_name, "profile": self.cost.profile.name, "profile_note": self.cost_note,
             "max_len": self.max_len, "batch_size": self.batch_size, "batch_tokens": self.batch_tokens,
-            "lr": lr, "degrees": list(self.cost.degrees), "planning": planner.mode if planner else None,
+            "lr": lr, "degrees": list(self.cost.degrees), "shapes": [list(x) for x in registry.shapes],
+            "planning": planner.mode if planner else None,
             "data": self.data.describe(), "sampler": self.sampler.describe(),
             "max_context": self.data.report.to_dict() if self.data.report is not None else None,
             "params": model_spec.params(), "scenario": sc.to_dict(),
@@ -598,7 +599,7 @@ class Trainer:
                 # same verdict on every rank; a plan made for another stage, precision or
                 # recomputation is refused here, naming both
                 check_plan(plan, lengths, world, registry.degrees, zero_stage=zero.zero_stage,
-                           precision=zero.precision, recompute=zero.recompute)
+                           precision=zero.precision, recompute=zero.recompute, shapes=registry.shapes)
                 if self.rank == 0:
                     runs.append_jsonl(self.run_dir / runs.PLANS_FILE, {
                         "step": step, "attempt": self.attempt, "batch_id": batch.batch_id,

@@ -28,7 +28,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["ShardLayout", "shard_layout", "seq_to_head", "head_to_seq", "UlyssesAttention", "kv_repeats"]
+__all__ = ["ShardLayout", "shard_layout", "seq_to_head", "head_to_seq", "scatter_heads", "gather_heads",
+           "UlyssesAttention", "kv_repeats"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -60,6 +61,11 @@ class ShardLayout:
     """(d*T_loc,) rows of the rank-major gathered tensor, in whole-sequence order."""
     scatter_index: torch.Tensor
     """(d*T_loc,) the inverse permutation: whole-sequence rows back to rank-major order."""
+
+    @property
+    def padded_lengths(self) -> tuple[int, ...]:
+        """Each sequence's length with its end padding (``degree * chunks[i]``)."""
+        return tuple(self.degree * c for c in self.chunks)
 
     def local_positions(self) -> torch.Tensor:
         """(T_loc,) true position ids of this rank's tokens (padding continues past the end)."""
@@ -167,11 +173,41 @@ def head_to_seq(y: torch.Tensor, group) -> torch.Tensor:
     return _HeadToSeq.apply(y, group)
 
 
+def scatter_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, gather_index: torch.Tensor
+                  ) -> tuple[torch.Tensor, int, int]:
+    """The all-to-all before attention, q, k and v in one: ``(T_loc, H, hd)``, ``(T_loc, KV, hd)`` on
+    each of the group's ``d`` ranks -> ``(qkv (S, H/d + 2*KV'/d, hd), H/d, KV'/d)``: whole sequences
+    (rows in ``gather_index`` order, a layout's), this rank's query heads, then its K heads, then its
+    V heads; ``KV' = KV * kv_repeats(KV, d)``. Differentiable. Raises ValueError when ``d`` does not
+    divide the query heads or fit the KV heads."""
+    d = dist.get_world_size(group)
+    T, H, hd = q.shape
+    if H % d:
+        raise ValueError(f"Ulysses degree {d} must divide the {H} query heads")
+    rep = kv_repeats(k.shape[1], d)
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)  # (T, d, hd): one KV head per rank
+        v = v.repeat_interleave(rep, dim=1)  # (T, d, hd)
+    kvh = k.shape[1]
+    # per destination rank j, its query heads then its K and V heads
+    qkv = torch.cat([q.reshape(T, d, H // d, hd), k.reshape(T, d, kvh // d, hd), v.reshape(T, d, kvh // d, hd)],
+                    dim=2).reshape(T, -1, hd)  # (T, H + 2*KV', hd)
+    gathered = seq_to_head(qkv, group)  # (d*T, (H + 2*KV')/d, hd), rank-major
+    return gathered.index_select(0, gather_index), H // d, kvh // d  # (S, (H + 2*KV')/d, hd), whole sequences
+
+
+def gather_heads(out: torch.Tensor, group, scatter_index: torch.Tensor) -> torch.Tensor:
+    """The all-to-all after attention: whole sequences ``(S, H/d, hd)`` -> this rank's tokens with every
+    head ``(T_loc, H, hd)`` (``scatter_index``: a layout's). Differentiable."""
+    return head_to_seq(out.index_select(0, scatter_index), group)  # (T_loc, H, hd)
+
+
 class UlyssesAttention:
     """An attention callable (the model's ``attn``) running ``local_attn`` under Ulysses SP.
 
     Bound to one group and one ``ShardLayout``; the ``cu_seqlens`` the model passes describe the
-    local pack and are ignored in favour of the layout's whole-sequence ``full_cu_seqlens``.
+    local pack and are ignored in favour of the layout's whole-sequence ``full_cu_seqlens``, which
+    ``local_attn`` (an attention kernel, see ``workbench.runtime.attention``) gets for queries and keys.
     Q, K and V travel together in one all-to-all; the attention output returns in one more.
     """
 
@@ -192,27 +228,12 @@ class UlyssesAttention:
                                   lay.full_cu_seqlens.to(device))
         return self._device_index
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                 max_seqlen: int) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int) -> torch.Tensor:
         lay = self.layout
-        d = lay.degree
-        T, H, hd = q.shape
-        if H % d:
-            raise ValueError(f"Ulysses degree {d} must divide the {H} query heads")
-        rep = kv_repeats(k.shape[1], d)
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)  # (T, d, hd): one KV head per rank
-            v = v.repeat_interleave(rep, dim=1)  # (T, d, hd)
-        kvh = k.shape[1]
-        # one all-to-all for q, k and v: per destination rank j, its query heads then its K and V heads
-        qkv = torch.cat([q.reshape(T, d, H // d, hd), k.reshape(T, d, kvh // d, hd), v.reshape(T, d, kvh // d, hd)],
-                        dim=2).reshape(T, -1, hd)  # (T, H + 2*KV', hd)
-        gathered = seq_to_head(qkv, self.group)  # (d*T, (H + 2*KV')/d, hd), rank-major
         gather, scatter, full_cu = self._indices(q.device)
-        full = gathered.index_select(0, gather)  # (S, (H + 2*KV')/d, hd), whole sequences
-        hq, hk = H // d, kvh // d
-        qf, kf, vf = full[:, :hq], full[:, hq:hq + hk], full[:, hq + hk:]
-        out = self.local_attn(qf.contiguous(), kf.contiguous(), vf.contiguous(),
-                              full_cu, lay.full_max_seqlen)  # (S, H/d, hd)
-        out = out.index_select(0, scatter)  # (d*T, H/d, hd), rank-major
-        return head_to_seq(out, self.group)  # (T, H, hd)
+        qkv, hq, hk = scatter_heads(q, k, v, self.group, gather)  # (S, hq + 2*hk, hd), whole sequences
+        qf, kf, vf = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
+        mx = lay.full_max_seqlen
+        out = self.local_attn(qf.contiguous(), kf.contiguous(), vf.contiguous(), full_cu, full_cu, mx, mx)  # (S, hq, hd)
+        return gather_heads(out, self.group, scatter)  # (T, H, hd)
