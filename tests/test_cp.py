@@ -19,7 +19,8 @@ from workbench.runtime.groups import split_subgroups  # noqa: E402
 from workbench.runtime.step import IGNORE, check_plan, make_shard  # noqa: E402
 from workbench.runtime.ulysses import ShardLayout, shard_layout  # noqa: E402
 from workbench.solve.plan import Group, PlanError, build_plan  # noqa: E402
-from workbench.specs import ClusterSpec, get_model, load_profile  # noqa: E402
+from workbench.models import get_model  # noqa: E402
+from workbench.specs import ClusterSpec, load_profile  # noqa: E402
 
 SPLITS = [(1, 2), (2, 2), (1, 4), (4, 2), (2, 4), (3, 2), (1, 8)]
 LENGTHS = [1, 2, 3, 5, 7, 8, 13, 16, 31, 33, 64, 100]

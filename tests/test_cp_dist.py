@@ -217,7 +217,7 @@ def _check_kernels(registry, rank: int) -> dict:
     import _varlen_checks
     import flash_attn  # the flash-attn 2.x stand-in
 
-    from workbench.runtime.attention import _flash_attention_fn, _varlen_attention_fn, torch_varlen_attention
+    from workbench.runtime.attention import _flash_attention_fn, varlen_attention_fn, torch_varlen_attention
     from workbench.runtime.cp import CPAttention, group_layout
     from workbench.runtime.ulysses import UlyssesAttention
 
@@ -226,7 +226,7 @@ def _check_kernels(registry, rank: int) -> dict:
     cu = _cu(lengths)
     T, hd = int(cu[-1]), 16
     with _varlen_checks.installed() as vcalls:
-        kernels = {"varlen": (_varlen_attention_fn("bf16"), vcalls), "flash": (_flash_attention_fn("bf16"), flash_attn.CALLS)}
+        kernels = {"varlen": (varlen_attention_fn("bf16"), vcalls), "flash": (_flash_attention_fn("bf16"), flash_attn.CALLS)}
         for kname, (kernel, calls) in kernels.items():
             for d, c, KV in ((4, 2, 2), (4, 4, 2), (4, 2, 1), (4, 1, 2)):
                 H = 4
@@ -306,7 +306,7 @@ def _check_collectives(registry, rank: int) -> dict:
 
     from test_runtime_zero import _cost, _run_stage
     from workbench.runtime.cp import group_layout
-    from workbench.specs import get_model
+    from workbench.models import get_model
 
     spec = get_model("tiny")
     H, KV, hd, L = spec.heads, spec.kv_heads, spec.head_dim, spec.layers
@@ -398,7 +398,7 @@ def _check_steps(registry, rank: int) -> dict:
 
     from test_runtime_zero import BF16_RTOL, FP32_RTOL, FP64_RTOL, _compare, _reference_update, _run_stage
     from workbench.runtime.model import Transformer
-    from workbench.specs import get_model
+    from workbench.models import get_model
 
     specs = {"tiny": get_model("tiny"), "tiny-kv1": dataclasses.replace(get_model("tiny"), kv_heads=1, name="tiny-kv1")}
     gen = torch.Generator().manual_seed(11)
@@ -498,7 +498,7 @@ def _check_refusals(registry, rank: int) -> dict:
     from workbench.runtime.model import Transformer
     from workbench.runtime.step import StepExecutor
     from workbench.solve.plan import PlanError
-    from workbench.specs import get_model
+    from workbench.models import get_model
 
     spec = get_model("tiny")
     plain = GroupRegistry(WORLD, [1, 2, 4])  # Ulysses-only, as a run whose cost model lists no CP shape

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workbench.runtime.attention import (CAUSAL_WINDOW, AttentionUnavailable, _flash_attention_fn, _varlen_attention_fn,
+from workbench.runtime.attention import (CAUSAL_WINDOW, AttentionUnavailable, _flash_attention_fn, varlen_attention_fn,
                                          flash_call_problem, flash_version, select_attention, torch_varlen_attention,
                                          varlen_call_problem, varlen_version)
 
@@ -303,7 +303,7 @@ def test_varlen_callable_matches_the_pytorch_path(fake_varlen, lens_q, lens_k, H
     k, v = (torch.randn(sum(lens_k), KV, 16, generator=g).bfloat16().requires_grad_(True) for _ in range(2))
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
     # what the model hands a kernel: int64 boundaries are converted, the max lengths may be tensors
-    out = _varlen_attention_fn("bf16")(q, k, v, cu_q.long(), cu_k.long(), torch.tensor(max(lens_q)), max(lens_k))
+    out = varlen_attention_fn("bf16")(q, k, v, cu_q.long(), cu_k.long(), torch.tensor(max(lens_q)), max(lens_k))
     qr, kr, vr = (t.detach().float().requires_grad_(True) for t in (q, k, v))
     ref = torch_varlen_attention(qr, kr, vr, cu_q, cu_k, max(lens_q), max(lens_k))
     assert out.dtype == torch.bfloat16 and float((out.detach().float() - ref.detach()).abs().max()) < 2e-2
@@ -330,7 +330,7 @@ def test_varlen_backend_choice(fake_varlen, fake_fa2):
     with pytest.raises(AttentionUnavailable, match="'varlen' needs a CUDA device, this run is on cpu"):
         select_attention("varlen", "cpu", "bf16")
     with pytest.raises(ValueError, match="fp16/bf16 only"):  # a declared bf16 run never casts silently
-        _varlen_attention_fn("bf16")(*_qkv(dtype=torch.float32), _cu([23]), _cu([23]), 23, 23)
+        varlen_attention_fn("bf16")(*_qkv(dtype=torch.float32), _cu([23]), _cu([23]), 23, 23)
 
 
 def test_varlen_unavailable(no_varlen, fake_fa2, monkeypatch):
@@ -362,12 +362,12 @@ def test_model_forward_and_backward_through_varlen_under_bf16_autocast(fake_varl
     reaches torch's varlen_attn in bf16 and the loss and gradients agree with the PyTorch path's."""
     from workbench.runtime.model import Transformer
     from workbench.runtime.step import batch_loss
-    from workbench.specs import get_model
+    from workbench.models import get_model
 
     spec = get_model("tiny")
     seqs = [torch.randint(0, spec.vocab, (n,), generator=torch.Generator().manual_seed(n)) for n in (40, 9, 77)]
     losses, grads = {}, {}
-    for name, attn in (("varlen", _varlen_attention_fn("bf16")), ("torch", torch_varlen_attention)):
+    for name, attn in (("varlen", varlen_attention_fn("bf16")), ("torch", torch_varlen_attention)):
         model = Transformer(spec, seed=3)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = batch_loss(model, seqs, attn)

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["BACKENDS", "torch_varlen_attention", "select_attention", "AttentionUnavailable", "flash_call_problem",
-           "varlen_call_problem", "flash_version", "varlen_version", "FLASH_HALF", "CAUSAL_WINDOW"]
+           "varlen_call_problem", "flash_version", "varlen_version", "varlen_attention_fn", "FLASH_HALF", "CAUSAL_WINDOW"]
 
 BACKENDS = ("auto", "varlen", "flash", "torch")
 
@@ -236,7 +236,7 @@ def _flash_attention_fn(precision: str | None = None) -> Callable:
     return flash_varlen_attention
 
 
-def _varlen_attention_fn(precision: str | None = None) -> Callable:
+def varlen_attention_fn(precision: str | None = None) -> Callable:
     """PyTorch's ``varlen_attn`` as an attention kernel (raises AttentionUnavailable when this torch
     lacks it). ``precision`` as in ``_half_inputs``."""
     _import_varlen()
@@ -319,14 +319,14 @@ def select_attention(name: str, device: torch.device | str, precision: str | Non
         problem = _cuda_capability_problem(dev)
         if problem is not None:
             raise AttentionUnavailable(f"attention backend 'varlen': {problem}; use --attention torch")
-        fn, resolved, why = _varlen_attention_fn(precision), "varlen", "requested"
+        fn, resolved, why = varlen_attention_fn(precision), "varlen", "requested"
     elif name == "flash":
         fn, resolved, why = _flash_attention_fn(precision), "flash", "requested"
     else:  # auto on CUDA in half precision: torch's own kernel, else flash-attn, else SDPA
         notes = []
         fn = None
         problem = _cuda_capability_problem(dev)
-        for backend, make in (("varlen", _varlen_attention_fn), ("flash", _flash_attention_fn)):
+        for backend, make in (("varlen", varlen_attention_fn), ("flash", _flash_attention_fn)):
             if problem is not None:
                 notes.append(problem)
                 break

@@ -176,7 +176,7 @@ def _attention_checks(device: torch.device) -> list[dict]:
 def varlen_error(device: torch.device, dtype: torch.dtype) -> float:
     """Max difference between torch's ``varlen_attn`` (the workbench's kernel around it) and the
     PyTorch path on one call with GQA and queries shorter than keys (bottom-right), in ``dtype``."""
-    from workbench.runtime.attention import _varlen_attention_fn, torch_varlen_attention
+    from workbench.runtime.attention import varlen_attention_fn, torch_varlen_attention
 
     gen = torch.Generator().manual_seed(1)
     lens_q, lens_k, H, KV, hd = [40, 1, 64], [200, 7, 64], 8, 2, 64
@@ -184,7 +184,7 @@ def varlen_error(device: torch.device, dtype: torch.dtype) -> float:
                for n, h in ((lens_q, H), (lens_k, KV), (lens_k, KV)))
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=device)
                   for n in (lens_q, lens_k))
-    got = _varlen_attention_fn("bf16")(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)).double().cpu()
+    got = varlen_attention_fn("bf16")(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)).double().cpu()
     want = torch_varlen_attention(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)).double().cpu()
     return float((got - want).abs().max())
 
