@@ -463,3 +463,21 @@ def test_step_extras_by_hand():
     assert unmeasured.optimizer_ms() == 0.0
     with pytest.raises(ValueError, match="micro_step_ms must be a finite number >= 0"):
         _profile(micro_step_ms=-1.0)
+
+
+def test_measured_cp_extras_enter_the_split_by_hand():
+    tiny = get_model("tiny")  # 2 layers, 4 heads, 2 KV heads of 16
+    cl = ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=8.0)
+    base = dict(allgather_gbps={2: 1.0, 4: 1.0}, reduce_scatter_gbps={2: 1.0, 4: 1.0})
+    plain = CostModel(_profile(**base), tiny, cl, strategy="auto")
+    cp = CostModel(_profile(cp_overhead_ms={2: 0.5, 4: 0.75}, cp_token_ms={2: 1e-4, 4: 2e-4}, **base), tiny, cl,
+                   strategy="auto")
+    s = np.array([1000.0, 3000.0])
+    # 1 x 4: 2 layers x 0.75 ms once per group, 2 layers x 2e-4 ms per token of each sequence
+    assert cp.group_overhead_ms(4, 4) - plain.group_overhead_ms(4, 4) == pytest.approx(2 * 0.75)
+    assert cp.time(s, 4, 4) - plain.time(s, 4, 4) == pytest.approx(2 * 2e-4 * s)
+    # 2 x 2: a rank holds the K/V of one of the 2 KV heads, so half the per-token extra
+    assert cp.time(s, 4, 2) - plain.time(s, 4, 2) == pytest.approx(2 * 1e-4 * s / 2)
+    assert cp.group_overhead_ms(4, 2) - plain.group_overhead_ms(4, 2) == pytest.approx(2 * 0.5)
+    # Ulysses alone pays none of it
+    assert cp.time(s, 4, 1) == pytest.approx(plain.time(s, 4, 1))

@@ -505,9 +505,20 @@ class HardwareProfile(_JsonMixin):
     beyond its compute and its all-to-all bytes and latency: the runtime's layout work (slicing,
     packing, index gathers, KV repeats) and the waits of ranks that must meet every layer. Fitted
     from real micro-steps of each group size; empty: none."""
+    cp_token_ms: dict = field(default_factory=dict, metadata={"from_json": _latency_table})
+    """Measured extra time per token and layer of context parallelism over c ranks (ms per token of
+    the group's sequences, for a 1 x c split; a u x c split's share scales with its K/V heads per
+    rank), beyond its compute and its all-gather / reduce-scatter bytes: the K/V selection, its
+    scatter-add in the backward, and bottom-right-masked attention where the kernel is slower with
+    it. Empty: none."""
+    cp_overhead_ms: dict = field(default_factory=dict, metadata={"from_json": _latency_table})
+    """Measured extra fixed time per layer of one context-parallel sub-group of size c in one
+    micro-step (ms), beyond its compute and its collectives' bytes and latency: the CP layout work
+    and the waits of ranks that meet at every layer's all-gather. Empty: none."""
     allgather_gbps: dict = field(default_factory=dict, metadata={"from_json": _bw_table})
-    """All-gather bus bandwidth in GB/s by group size (FSDP's parameter all-gather under ZeRO-3: each
-    rank receives (n-1)/n of the bytes); empty: estimated from ``allreduce_gbps``."""
+    """All-gather bus bandwidth in GB/s by group size (FSDP's parameter all-gather under ZeRO-3 over
+    the world, context parallelism's K/V all-gather over its sub-groups: each rank receives (n-1)/n
+    of the bytes); empty: estimated from ``allreduce_gbps``."""
     reduce_scatter_gbps: dict = field(default_factory=dict, metadata={"from_json": _bw_table})
     """Reduce-scatter bus bandwidth in GB/s by group size (FSDP's gradient reduce-scatter under ZeRO-3);
     empty: estimated from ``allreduce_gbps``."""
@@ -578,7 +589,8 @@ class HardwareProfile(_JsonMixin):
             self.gpus_per_node, bool) and self.gpus_per_node >= 1),
                  f"HardwareProfile {self.name}: gpus_per_node must be a positive integer or null, got {self.gpus_per_node!r}")
         for n in ("all_to_all_latency_ms", "p2p_latency_ms", "allreduce_latency_ms", "sp_overhead_ms", "sp_token_ms",
-                  "allgather_latency_ms", "reduce_scatter_latency_ms", "pass_overhead_ms", "pass_compute_factor"):
+                  "cp_overhead_ms", "cp_token_ms", "allgather_latency_ms", "reduce_scatter_latency_ms",
+                  "pass_overhead_ms", "pass_compute_factor"):
             object.__setattr__(self, n, _latency_table(getattr(self, n)))
         _require(bool(self.all_to_all_gbps), f"HardwareProfile {self.name}: all_to_all_gbps is empty; "
                                              f"give at least one {{group size: GB/s}} entry")

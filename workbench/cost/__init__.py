@@ -546,13 +546,18 @@ class CostModel:
         return self._least(one, degree, cp)
 
     def _split_ms(self, lengths, degree: int, cp: int) -> np.ndarray:
-        """What a split adds to each sequence's compute: its collectives and measured SP extra (ms)."""
+        """What a split adds to each sequence's compute: its collectives and the measured SP and CP
+        extras that grow with the tokens (ms)."""
         c = int(cp)
         s = np.asarray(lengths, dtype=np.float64)
         extra = np.zeros_like(s)
         u = int(degree) // c
-        if u > 1 and self.profile.sp_token_ms:
-            extra = self.model.layers * _interp_latency(self.profile.sp_token_ms, u) * s / c
+        p, L = self.profile, self.model.layers
+        if u > 1 and p.sp_token_ms:
+            extra = extra + L * _interp_latency(p.sp_token_ms, u) * s / c
+        if c > 1 and p.cp_token_ms:
+            # measured on 1 x c groups; a rank of a u x c group selects the K/V of its heads only
+            extra = extra + L * _interp_latency(p.cp_token_ms, c) * s * self.kv_bytes_per_token(u) / self.kv_bytes_per_token(1)
         return self.ulysses_comm_ms(s, degree, c) + self.cp_comm_ms(s, degree, c) + extra
 
     def _least(self, fn, degree: int, cp: int | None) -> np.ndarray:
@@ -623,13 +628,16 @@ class CostModel:
         return min(one(c) for c in self._cps(degree, cp))
 
     def sp_overhead_ms(self, degree: int, cp: int | None = None) -> float:
-        """The profile's measured extra fixed time of the Ulysses part of a group per micro-step (its
-        per-layer figure at ``u`` times the model's layers; 0 for ``u = 1`` or a profile without it)."""
+        """The profile's measured extra fixed time of a group's split per micro-step: the Ulysses
+        part's per-layer figure at ``u`` and the CP part's at ``c``, times the model's layers (0 for
+        ``1 x 1`` or a profile without them)."""
         def one(c: int) -> float:
-            u = int(degree) // c
-            if u <= 1 or not self.profile.sp_overhead_ms:
-                return 0.0
-            return self.model.layers * _interp_latency(self.profile.sp_overhead_ms, u)
+            u, p, out = int(degree) // c, self.profile, 0.0
+            if u > 1 and p.sp_overhead_ms:
+                out += self.model.layers * _interp_latency(p.sp_overhead_ms, u)
+            if c > 1 and p.cp_overhead_ms:
+                out += self.model.layers * _interp_latency(p.cp_overhead_ms, c)
+            return out
         return min(one(c) for c in self._cps(degree, cp))
 
     def group_overhead_ms(self, degree: int, cp: int | None = None) -> float:
