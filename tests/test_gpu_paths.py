@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workbench.runtime.attention import (AttentionUnavailable, _flash_attention_fn, flash_call_problem, flash_version,
+from workbench.runtime.attention import (AttentionUnavailable, flash_attention_fn, flash_call_problem, flash_version,
                                          select_attention, torch_varlen_attention)
 
 FAKES = Path(__file__).resolve().parent / "fakes"
@@ -116,7 +116,7 @@ def test_flash_callable_matches_the_pytorch_path(fake_fa2, lengths, H, KV):
     T = sum(lengths)
     q, k, v = _qkv(T, H, KV, 16, torch.bfloat16, seed=len(lengths))
     cu = _cu(lengths)
-    fn = _flash_attention_fn("bf16")
+    fn = flash_attention_fn("bf16")
     # the callable receives what the model hands it: int64 boundaries are converted, the max length
     # may be a numpy or tensor scalar
     out = fn(q, k, v, cu.long(), torch.tensor(max(lengths)))
@@ -132,7 +132,7 @@ def test_an_fp32_run_never_gets_flash_silently(fake_fa2):
     q, k, v = _qkv(dtype=torch.float32)
     cu = _cu([23])
     with pytest.raises(ValueError, match="fp16/bf16 only"):
-        _flash_attention_fn("bf16")(q, k, v, cu, 23)
+        flash_attention_fn("bf16")(q, k, v, cu, 23)
     assert fake_fa2.CALLS == []  # refused before the kernel
     # the backend choice: auto on CUDA with fp32 takes the PyTorch path, flash is refused in one line
     fn, name = select_attention("auto", "cuda", "fp32")
@@ -140,7 +140,7 @@ def test_an_fp32_run_never_gets_flash_silently(fake_fa2):
     with pytest.raises(AttentionUnavailable, match="precision is fp32; use --precision bf16"):
         select_attention("flash", "cuda", "fp32")
     # without a declared precision (the profiler measuring an fp32 model) fp32 runs in bf16 and comes back fp32
-    out = _flash_attention_fn(None)(q, k, v, cu, 23)
+    out = flash_attention_fn(None)(q, k, v, cu, 23)
     assert out.dtype == torch.float32 and fake_fa2.CALLS[-1]["dtype"] == torch.bfloat16
 
 
@@ -166,7 +166,7 @@ def test_flash_3_interface_is_used_when_2_is_absent(fake_fa3):
     q, k, v = _qkv(T=12, H=4, KV=2)
     cu = _cu([7, 5])
     assert flash_version() == "flash_attn_interface 3.0.0b1+fake"
-    out = _flash_attention_fn("bf16")(q, k, v, cu, 7)  # 3.x: no dropout_p, returns (out, lse)
+    out = flash_attention_fn("bf16")(q, k, v, cu, 7)  # 3.x: no dropout_p, returns (out, lse)
     ref = torch_varlen_attention(q.float(), k.float(), v.float(), cu, 7)
     assert isinstance(out, torch.Tensor) and float((out.float() - ref).abs().max()) < 2e-2
 
@@ -182,7 +182,7 @@ def test_model_forward_and_backward_through_flash_under_bf16_autocast(fake_fa2):
     spec = get_model("tiny")
     seqs = [torch.randint(0, spec.vocab, (n,), generator=torch.Generator().manual_seed(n)) for n in (40, 9, 77)]
     losses, grads = {}, {}
-    for name, attn in (("flash", _flash_attention_fn("bf16")), ("torch", torch_varlen_attention)):
+    for name, attn in (("flash", flash_attention_fn("bf16")), ("torch", torch_varlen_attention)):
         model = Transformer(spec, seed=3)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = batch_loss(model, seqs, attn)
@@ -200,7 +200,7 @@ def test_pass_attention_hands_each_group_its_own_boundaries(fake_fa2):
     boundaries on the tensors' device and its own max length."""
     from workbench.runtime.step import PassAttention
 
-    fn = _flash_attention_fn("bf16")
+    fn = flash_attention_fn("bf16")
     q, k, v = _qkv(T=30, H=4, KV=2)
     segs = [(0, 12, fn, _cu([5, 7]), 7), (12, 30, fn, _cu([18]), 18)]
     out = PassAttention(segs)(q, k, v, _cu([30]), 30)

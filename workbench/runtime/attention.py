@@ -118,7 +118,7 @@ def flash_call_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     return None
 
 
-def _flash_attention_fn(precision: str | None = None) -> Callable:
+def flash_attention_fn(precision: str | None = None) -> Callable:
     """flash-attn's varlen kernel as an attention callable (lazy import; raises
     AttentionUnavailable when it is missing).
 
@@ -182,7 +182,7 @@ def select_attention(name: str, device: torch.device | str, precision: str | Non
         fn, resolved, why = torch_varlen_attention, "torch", f"auto on {dev.type}"
     else:
         try:
-            fn, resolved, why = _flash_attention_fn(precision), "flash", name
+            fn, resolved, why = flash_attention_fn(precision), "flash", name
         except AttentionUnavailable as e:
             if name == "flash":
                 raise

@@ -1,6 +1,7 @@
-"""The torch side of ``workbench doctor``: what this machine can do, checked by doing it.
+"""The torch side of ``workbench doctor`` (``workbench.doctor``): the probes that check what this
+machine can do by doing it.
 
-Run as a process of its own (``python -m workbench.runtime.doctor``), never in the caller (a
+Run as a process of its own (``python -m workbench.runtime.probe``), never in the caller (a
 notebook kernel must not initialise CUDA). Two modes:
 
 - ``probe``: one process. Torch and its CUDA/NCCL build, every GPU (name, memory, compute
@@ -116,7 +117,7 @@ def _dense_causal(q, k, v):
 
 
 def _attention_checks(device: torch.device) -> list[dict]:
-    from workbench.runtime.attention import _flash_attention_fn, flash_version, torch_varlen_attention
+    from workbench.runtime.attention import flash_attention_fn, flash_version, torch_varlen_attention
 
     gen = torch.Generator().manual_seed(0)
     lens = [300, 17, 128, 1]
@@ -144,7 +145,7 @@ def _attention_checks(device: torch.device) -> list[dict]:
         return out
     dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     try:
-        fn = _flash_attention_fn("bf16")
+        fn = flash_attention_fn("bf16")
         qd, kd, vd = (t.to(device=device, dtype=dtype) for t in (q, k, v))
         fo = fn(qd, kd, vd, cu.to(device), max(lens)).double().cpu()
         to = torch_varlen_attention(qd, kd, vd, cu.to(device), max(lens)).double().cpu()
@@ -411,7 +412,7 @@ def dist_check(rank: int, world: int, port: int, listen_fd: int | None, out: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m workbench.runtime.doctor", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m workbench.runtime.probe", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="mode", required=True)
     p = sub.add_parser("probe")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
