@@ -332,7 +332,8 @@ _TRAIN_SETTINGS = ("model", "source", "samples", "column", "tokenizer", "init", 
                    "batch_size", "planner",
                    "time_limit", "profile", "gpu_memory_gb", "attention", "steps", "seed", "optimizer", "lr",
                    "weight_decay", "momentum", "grad_clip", "checkpoint_every", "plan_ahead", "timeout_s", "device",
-                   "nproc", "nnodes", "zero_stage", "precision", "recompute", "memory_fraction", "degrees")
+                   "nproc", "nnodes", "zero_stage", "precision", "recompute", "memory_fraction", "degrees",
+                   "torch_profile")
 
 
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -413,6 +414,9 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="plan each step inline instead of one step ahead")
     g.add_argument("--timeout", dest="timeout_s", type=positive_float, default=None, metavar="S",
                    help="collective timeout: a rank waiting longer fails (default 600)")
+    g.add_argument("--torch-profile", nargs="?", const=0, type=positive_int, default=None, metavar="STEP",
+                   help="record step STEP (default: the second this attempt runs) with torch.profiler on every rank: "
+                        "a Chrome trace per rank in the run folder, torch-trace-step<STEP>-rank<k>.json")
     g = p.add_argument_group("where")
     g.add_argument("--run-dir", default=None, metavar="DIR",
                    help="resume this existing run from its latest good checkpoint (it keeps its settings)")
@@ -452,6 +456,8 @@ def cmd_train(args) -> int:
         debug["plan_zero_stage"] = args.debug_plan_zero_stage
     if debug:
         settings["debug"] = debug
+    if settings.get("torch_profile") == 0:  # --torch-profile without a step
+        settings["torch_profile"] = _default_profile_step(args.run_dir, settings.get("steps"))
     if args.emit:
         return _emit(args, settings)
     if args.sbatch:
@@ -508,6 +514,23 @@ def cmd_train(args) -> int:
     from workbench.launch.terminal import follow_in_terminal
 
     return follow_in_terminal(handle, name="train", follow=lambda: _follow(handle, spec, quiet=args.quiet), say=_say)
+
+
+def _default_profile_step(run_dir: str | None, steps: int | None) -> int:
+    """The step ``--torch-profile`` records when given no step: the second this attempt runs (the
+    first pays start-up costs), or its only one."""
+    from workbench import runs, training
+
+    done = 0
+    if run_dir is not None:
+        try:
+            done = runs.read_status(run_dir).step
+            steps = steps or training.read_train_spec(run_dir).steps
+        except (OSError, ValueError):
+            pass  # prepare_train says what is wrong with the folder
+    if not steps:
+        raise CliError("--torch-profile needs --steps K (a new run) to choose its step")
+    return max(1, min(done + 2, int(steps)))
 
 
 def _emit(args, settings: dict) -> int:
@@ -734,6 +757,22 @@ def cmd_runs(args) -> int:
         pred = f" (predicted {res['predicted_speedup']:.2f}x)" if res.get("predicted_speedup") else ""
         print(f"{b['id']} is {res['speedup_b_over_a']:.2f}x as fast as {a['id']} per step (median measured){pred}")
         return 0
+    if args.action == "trace":
+        from workbench.trace import write_trace
+
+        path, tl = write_trace(_one(args), args.out, args.step, root=root)
+        if args.json:
+            print(dumps({"path": str(path), "step": tl["step"], "summary": tl["summary"]}))
+            return 0
+        print(path, flush=True)
+        how = "aligned by their clocks" if tl["aligned"] else "each from its own step start (no clock recorded)"
+        _say(f"workbench runs trace: step {tl['step']} of {tl['run']} ({tl['execution']}, {tl['planner']}), "
+             f"{len(tl['ranks'])} rank(s) {how}; open it in https://ui.perfetto.dev or chrome://tracing")
+        for s in tl["summary"]:
+            _say(f"  rank {s['rank']}: {s['measured_ms']:,.1f} ms = micro-steps {s['work_ms']:,.1f} + reduction "
+                 f"{s['reduction_ms']:,.1f} + optimizer {s['optimizer_ms']:,.1f} + other {s['other_ms']:,.1f}"
+                 + (f"; {s['note']}" if s.get("note") else ""))
+        return 0
     raise CliError(f"unknown runs action {args.action!r}")
 
 
@@ -864,12 +903,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile_arguments(q)
     q.set_defaults(func=cmd_profile)
 
-    q = sub.add_parser("runs", help="list, show, stop and compare runs in the run store")
-    q.add_argument("action", choices=["list", "show", "stop", "compare"])
+    q = sub.add_parser("runs", help="list, show, stop and compare runs in the run store; trace one step of a run")
+    q.add_argument("action", choices=["list", "show", "stop", "compare", "trace"])
     q.add_argument("ids", nargs="*", metavar="ID", help="run id (or a unique prefix) or folder")
     q.add_argument("--root", default=None, metavar="DIR", help="the run store (default runs, or $WORKBENCH_RUNS)")
     q.add_argument("--kind", default=None, help="list: only runs of this kind (train, profile, demo, notebook)")
     q.add_argument("--lines", type=int, default=15, help="show: log lines to print (default 15)")
+    q.add_argument("--step", type=positive_int, default=None, metavar="N",
+                   help="trace: the step (1-based; default the run's median step, the first left out)")
+    q.add_argument("--out", default=None, metavar="PATH",
+                   help="trace: the trace-event JSON to write (default <run>/trace-step<N>.json)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_runs)
 
