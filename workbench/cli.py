@@ -1,4 +1,4 @@
-"""``workbench`` command line: lengths, cost, plan, simulate, demo, train, export, runs, doctor.
+"""``workbench`` command line: lengths, cost, plan, simulate, demo, train, export, runs, doctor, gpu-check.
 
 Thin: it parses, builds a :class:`~workbench.scenario.Scenario` (or a run), calls the library and
 prints. The shapes printed with ``--json`` are the stable interface of DESIGN.md (strict JSON).
@@ -653,6 +653,14 @@ def cmd_doctor(args) -> int:
     return 0 if rep.ok else 1
 
 
+def cmd_gpu_check(args) -> int:
+    """``workbench gpu-check``: ``make gpu-check``'s measurements (``workbench.gpucheck``); exit
+    status 1 when a part failed, 0 when every part ran or was skipped (no CUDA: every part skipped)."""
+    from workbench.gpucheck import run_check
+
+    return run_check(args)
+
+
 def cmd_profile(args) -> int:
     """``workbench profile``: a profile run (measure, fit, show the held-out error), or with --check
     RUN the profile's predictions against a training run's measurements."""
@@ -895,6 +903,15 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--precision", default=None, choices=["bf16", "fp32"],
                    help="the training step's precision (default bf16 on GPUs that have it, else fp32)")
     q.set_defaults(func=cmd_doctor)
+
+    q = sub.add_parser("gpu-check", help="what one GPU does with the workbench, measured in about 8 minutes: the doctor, "
+                                         "peak bf16 rate, varlen attention kernels, 1B and 8B training steps (tokens/s, "
+                                         "MFU, peak memory against the memory model), a profile and its check; writes "
+                                         "gpu-check/result.json and report.md (without CUDA every part says it needs it)")
+    from workbench.gpucheck import add_arguments as _add_gpu_check_arguments
+
+    _add_gpu_check_arguments(q)
+    q.set_defaults(func=cmd_gpu_check)
 
     q = sub.add_parser("profile", help="measure this machine (a profile run) and fit the cost model; --check RUN: "
                                        "predicted vs measured step and group time of a training run")

@@ -2,10 +2,11 @@
 
 Every line is ok / warn / fail (with the fix) or skip (with the reason): Python; torch and its
 CUDA/NCCL build; the GPUs (name, memory, compute capability) and how they are linked (NVLink or
-PCIe, from ``nvidia-smi topo -m``); bf16; flash-attn, and one varlen call of it against the PyTorch
-path; a training step of the tiny model with CUDA-event timing and its peak memory against the
-memory model; with 2+ GPUs an NCCL all-to-all and all-gather on 2 ranks; and the sharded path (a
-ZeRO-3 step on 2 ranks against ZeRO-0; gloo on CPU).
+PCIe, from ``nvidia-smi topo -m``); NCCL on one GPU (a process group of one rank); bf16;
+flash-attn, and one varlen call of it against the PyTorch path; a training step of the tiny model
+with CUDA-event timing and its peak memory against the memory model; with 2+ GPUs an NCCL
+all-to-all and all-gather on 2 ranks; and the sharded path (a ZeRO-3 step on 2 ranks against
+ZeRO-0; gloo on CPU).
 
 The torch checks run in processes of their own (``workbench.runtime.probe``): this module imports
 no torch and never initialises CUDA, so a notebook kernel can run it. The 2-rank check binds its
@@ -270,7 +271,7 @@ def run_doctor(*, device: str = "auto", precision: str | None = None, dist: bool
         checks += _dist(precision, dist_timeout)
     else:
         checks.append(Check("sharded step (ZeRO-3)", "skip", "left out (--quick)"))
-    order = ["python", "torch", "gpus", "topology", "nccl", "bf16", "attention (PyTorch path)", "flash-attn",
+    order = ["python", "torch", "gpus", "topology", "nccl", "nccl (world 1)", "bf16", "attention (PyTorch path)", "flash-attn",
              "training step", "nccl all-to-all", "nccl all-gather", "gloo all-to-all", "gloo all-gather",
              "sharded step (ZeRO-3)"]
     checks.sort(key=lambda c: order.index(c.name) if c.name in order else len(order))

@@ -245,6 +245,48 @@ def _train_step_check(device: torch.device, precision: str, steps: int = 4) -> d
                   precision=precision, attention=attn_name, tokens=sum(lengths), timer=timer)
 
 
+def _nccl_world_of_one(device: torch.device, backend: str = "nccl") -> dict:
+    """NCCL on this GPU alone: a process group of one rank (an in-memory store), then all-reduce,
+    all-gather, reduce-scatter and all-to-all with their values checked (a world of one must return
+    its input). What every CUDA run needs first: NCCL's communicator forms on this GPU. Never raises.
+    (``backend`` gloo on a CPU ``device``: the same steps, for the tests.)"""
+    import torch.distributed as dist
+
+    name = f"{backend} (world 1)"
+    if dist.is_initialized():
+        return _check(name, "skip", "a process group exists in this process already")
+    try:
+        kw = {"device_id": device} if device.type == "cuda" else {}
+        try:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
+        except TypeError:  # a torch without device_id
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            x = torch.arange(1 << 20, dtype=torch.float32, device=device)
+            red = x.clone()
+            dist.all_reduce(red)
+            gathered = torch.empty_like(x)
+            dist.all_gather_into_tensor(gathered, x)
+            scattered = torch.empty_like(x)
+            dist.reduce_scatter_tensor(scattered, x)
+            a2a = torch.empty_like(x)
+            dist.all_to_all_single(a2a, x)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            bad = [n for n, y in (("all-reduce", red), ("all-gather", gathered), ("reduce-scatter", scattered),
+                                  ("all-to-all", a2a)) if not torch.equal(y, x)]
+        finally:
+            dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - a communicator that cannot form is the finding
+        return _check(name, "fail", f"{backend} could not run on one device: {_first_line(e)}",
+                      "check the driver against torch's CUDA build (nvidia-smi), and NCCL_DEBUG=INFO for NCCL's reason")
+    if bad:
+        return _check(name, "fail", f"{backend} on one device returned wrong values for {', '.join(bad)}",
+                      "report this with the doctor's --json output")
+    return _check(name, "ok", f"a process group of one rank on {device}: all-reduce, all-gather, reduce-scatter and "
+                              f"all-to-all return their input, as a world of one must")
+
+
 def probe(*, device: str = "auto", precision: str | None = None, nvidia_visible: bool = False) -> list[dict]:
     """The one-process checks (module docstring). Never raises: a check that crashes is a ``fail``."""
     out = [_check("python", "ok", f"Python {platform.python_version()} ({platform.python_implementation()}, "
@@ -257,6 +299,7 @@ def probe(*, device: str = "auto", precision: str | None = None, nvidia_visible:
     dev = torch.device("cuda", 0) if (device != "cpu" and torch.cuda.is_available()) else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+        out.append(_nccl_world_of_one(dev))
     prec = precision or ("bf16" if dev.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32")
     for name, fn in (("attention", lambda: _attention_checks(dev)), ("training step", lambda: [_train_step_check(dev, prec)])):
         try:
