@@ -265,7 +265,7 @@ class GpuCheck:
     def _train(self, part: Part, model: str, stage: int, tokens: str) -> None:
         args = ["--model", model, "--zero-stage", str(stage), "--tokens", tokens]
         if self.peak_tflops:
-            args += ["--peak-tflops", f"{self.peak_tflops:.3f}"]
+            args += ["--peak-tflops", repr(float(self.peak_tflops))]
         data, why = self._bench("train", args, part.budget_s, log_name=part.name)
         part.data = data
         cases = data.get("cases") or []
