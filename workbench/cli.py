@@ -503,6 +503,9 @@ def cmd_train(args) -> int:
     if not args.detach:  # tokenised here with a progress bar; otherwise the first rank does it (progress in log.txt)
         _tokenise_with_progress(sc.source, sc.column, sc.tokenizer)
     print(run.path, flush=True)
+    if spec.torch_profile and not args.quiet:
+        _say(f"workbench train: torch.profiler records step {spec.torch_profile} on every rank (when this attempt runs it): "
+             f"{runs.torch_trace_path(run.path, spec.torch_profile, 0).name} (rank 0) and the others' in the run folder")
     handle = process.start(run, nproc=spec.nproc, nnodes=spec.nnodes, node_rank=args.node_rank,
                            rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, stop_with_parent=not args.detach,
                            rdzv_timeout=args.rdzv_timeout)
