@@ -326,7 +326,7 @@ class GpuCheck:
                                command="workbench.gpucheck (quick profile, 1 process)")
         part.data["profile_run"] = prof.id
         self.say(f"  | profile: {prof.path}")
-        st = self._wait(process, start_profile(prof, stop_with_parent=True, env=env), deadline, part.budget_s * 0.5)
+        st = self._wait(process, start_profile(prof, stop_with_parent=True, env=env), deadline, part.budget_s * 0.6)
         if st is None or st.state != "done":
             part.status = "fail"
             part.summary = f"the quick profile did not finish: {st.error if st else 'stopped at its share of the budget'}"
