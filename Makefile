@@ -5,6 +5,8 @@
 #               multi-process, notebook and browser tests in two lanes: see tests/_xdist_heavy.py)
 # And, once installed:
 #   make lab    JupyterLab on the notebooks (token on, bound to 127.0.0.1; LAB_PORT=8888)
+# On a GPU machine, without any set-up (the machine's own python3 and its CUDA torch; no .venv):
+#   make gpu-check   about 8 minutes on one H100/H200: gpu-check/result.json + report.md (docs/gpu-check.md)
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -17,7 +19,10 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= auto
 LAB_PORT ?= 8888
 
-.PHONY: demo test install bench lint clean lab
+# make gpu-check GPU_CHECK_ARGS="--parts attention --budget-s 120": rerun pieces (docs/gpu-check.md)
+GPU_CHECK_ARGS ?=
+
+.PHONY: demo test install bench lint clean lab gpu-check
 
 $(STAMP): pyproject.toml Makefile workbench/installer.py
 	$(PY) -m venv $(VENV)
@@ -46,6 +51,10 @@ lab: $(STAMP)
 # start on one worker, the untimed ones after the fast tests on another. The ten slowest are listed at the end.
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --durations=10 $(PYTEST_ARGS)
+
+# no $(STAMP): the check runs with $(PY) as it is (numpy and a CUDA torch), from this folder
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m workbench.gpucheck $(GPU_CHECK_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/planners.py

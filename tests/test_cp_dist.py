@@ -217,7 +217,7 @@ def _check_kernels(registry, rank: int) -> dict:
     import _varlen_checks
     import flash_attn  # the flash-attn 2.x stand-in
 
-    from workbench.runtime.attention import _flash_attention_fn, varlen_attention_fn, torch_varlen_attention
+    from workbench.runtime.attention import flash_attention_fn, varlen_attention_fn, torch_varlen_attention
     from workbench.runtime.cp import CPAttention, group_layout
     from workbench.runtime.ulysses import UlyssesAttention
 
@@ -226,7 +226,7 @@ def _check_kernels(registry, rank: int) -> dict:
     cu = _cu(lengths)
     T, hd = int(cu[-1]), 16
     with _varlen_checks.installed() as vcalls:
-        kernels = {"varlen": (varlen_attention_fn("bf16"), vcalls), "flash": (_flash_attention_fn("bf16"), flash_attn.CALLS)}
+        kernels = {"varlen": (varlen_attention_fn("bf16"), vcalls), "flash": (flash_attention_fn("bf16"), flash_attn.CALLS)}
         for kname, (kernel, calls) in kernels.items():
             for d, c, KV in ((4, 2, 2), (4, 4, 2), (4, 2, 1), (4, 1, 2)):
                 H = 4

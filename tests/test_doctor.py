@@ -64,7 +64,7 @@ def _props(name, gb, major, minor):
 
 
 def test_gpu_lines_with_a_stand_in_cuda(monkeypatch):
-    from workbench.runtime import doctor
+    from workbench.runtime import probe
 
     gpus = [_props("NVIDIA A100-SXM4-40GB", 42.4, 8, 0)] * 2
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -73,19 +73,19 @@ def test_gpu_lines_with_a_stand_in_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: gpus[0].major >= 8)
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3))
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
-    lines = {c["name"]: c for c in doctor._gpu_checks(nvidia_visible=True)}
+    lines = {c["name"]: c for c in probe._gpu_checks(nvidia_visible=True)}
     assert lines["gpus"]["status"] == "ok" and "2 GPU(s): NVIDIA A100-SXM4-40GB x2; 42.4 GB, compute capability 8.0" == \
         lines["gpus"]["detail"]
     assert lines["nccl"]["detail"] == "NCCL 2.27.3" and lines["bf16"]["status"] == "ok"
     gpus[:] = [_props("Tesla V100-SXM2-32GB", 34.1, 7, 0)]
-    lines = {c["name"]: c for c in doctor._gpu_checks(nvidia_visible=True)}
+    lines = {c["name"]: c for c in probe._gpu_checks(nvidia_visible=True)}
     assert lines["gpus"]["status"] == "warn" and "predate Ampere" in lines["gpus"]["detail"]
     assert "--precision fp32" in lines["gpus"]["fix"] and lines["bf16"]["status"] == "warn"
     # a GPU the driver shows that torch cannot use is a failure with its fix
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    lines = {c["name"]: c for c in doctor._gpu_checks(nvidia_visible=True)}
+    lines = {c["name"]: c for c in probe._gpu_checks(nvidia_visible=True)}
     assert lines["gpus"]["status"] == "fail" and "CUDA_VISIBLE_DEVICES" in lines["gpus"]["fix"]
-    assert doctor._torch_check(nvidia_visible=True)["status"] == ("fail" if torch.version.cuda is None else "ok")
+    assert probe._torch_check(nvidia_visible=True)["status"] == ("fail" if torch.version.cuda is None else "ok")
 
 
 def test_report_text_shows_fixes_and_the_summary():

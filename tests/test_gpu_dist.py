@@ -93,11 +93,11 @@ def _check_flash_ulysses(registry, rank: int) -> dict:
     import flash_attn  # the stand-in
 
     from test_runtime_dist import _slice
-    from workbench.runtime.attention import _flash_attention_fn, torch_varlen_attention
+    from workbench.runtime.attention import flash_attention_fn, torch_varlen_attention
     from workbench.runtime.ulysses import UlyssesAttention, shard_layout
 
     out = {}
-    flash = _flash_attention_fn("bf16")
+    flash = flash_attention_fn("bf16")
     H, KV, hd = 4, 2, 16
     lengths = [9, 1, 24, 6, 33]
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workbench.runtime.attention import (CAUSAL_WINDOW, AttentionUnavailable, _flash_attention_fn, varlen_attention_fn,
+from workbench.runtime.attention import (CAUSAL_WINDOW, AttentionUnavailable, flash_attention_fn, varlen_attention_fn,
                                          flash_call_problem, flash_version, select_attention, torch_varlen_attention,
                                          varlen_call_problem, varlen_version)
 
@@ -130,7 +130,7 @@ def test_flash_callable_matches_the_pytorch_path(fake_fa2, lengths, H, KV):
     T = sum(lengths)
     q, k, v = _qkv(T, H, KV, 16, torch.bfloat16, seed=len(lengths))
     cu = _cu(lengths)
-    fn = _flash_attention_fn("bf16")
+    fn = flash_attention_fn("bf16")
     # the callable receives what the model hands it: int64 boundaries are converted, the max length
     # may be a numpy or tensor scalar
     mx = torch.tensor(max(lengths))
@@ -147,7 +147,7 @@ def test_an_fp32_run_never_gets_flash_silently(fake_fa2):
     q, k, v = _qkv(dtype=torch.float32)
     cu = _cu([23])
     with pytest.raises(ValueError, match="fp16/bf16 only"):
-        _flash_attention_fn("bf16")(q, k, v, cu, cu, 23, 23)
+        flash_attention_fn("bf16")(q, k, v, cu, cu, 23, 23)
     assert fake_fa2.CALLS == []  # refused before the kernel
     # the backend choice: auto on CUDA with fp32 takes the PyTorch path, flash is refused in one line
     fn, name = select_attention("auto", "cuda", "fp32")
@@ -155,7 +155,7 @@ def test_an_fp32_run_never_gets_flash_silently(fake_fa2):
     with pytest.raises(AttentionUnavailable, match="precision is fp32; use --precision bf16"):
         select_attention("flash", "cuda", "fp32")
     # without a declared precision (the profiler measuring an fp32 model) fp32 runs in bf16 and comes back fp32
-    out = _flash_attention_fn(None)(q, k, v, cu, cu, 23, 23)
+    out = flash_attention_fn(None)(q, k, v, cu, cu, 23, 23)
     assert out.dtype == torch.float32 and fake_fa2.CALLS[-1]["dtype"] == torch.bfloat16
 
 
@@ -181,7 +181,7 @@ def test_flash_3_interface_is_used_when_2_is_absent(fake_fa3):
     q, k, v = _qkv(T=12, H=4, KV=2)
     cu = _cu([7, 5])
     assert flash_version() == "flash_attn_interface 3.0.0b1+fake"
-    out = _flash_attention_fn("bf16")(q, k, v, cu, cu, 7, 7)  # 3.x: no dropout_p, returns (out, lse)
+    out = flash_attention_fn("bf16")(q, k, v, cu, cu, 7, 7)  # 3.x: no dropout_p, returns (out, lse)
     ref = torch_varlen_attention(q.float(), k.float(), v.float(), cu, cu, 7, 7)
     assert isinstance(out, torch.Tensor) and float((out.float() - ref).abs().max()) < 2e-2
 
@@ -197,7 +197,7 @@ def test_model_forward_and_backward_through_flash_under_bf16_autocast(fake_fa2):
     spec = get_model("tiny")
     seqs = [torch.randint(0, spec.vocab, (n,), generator=torch.Generator().manual_seed(n)) for n in (40, 9, 77)]
     losses, grads = {}, {}
-    for name, attn in (("flash", _flash_attention_fn("bf16")), ("torch", torch_varlen_attention)):
+    for name, attn in (("flash", flash_attention_fn("bf16")), ("torch", torch_varlen_attention)):
         model = Transformer(spec, seed=3)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = batch_loss(model, seqs, attn)
@@ -215,7 +215,7 @@ def test_pass_attention_hands_each_group_its_own_boundaries(fake_fa2):
     boundaries on the tensors' device and its own max length."""
     from workbench.runtime.step import PassAttention
 
-    fn = _flash_attention_fn("bf16")
+    fn = flash_attention_fn("bf16")
     q, k, v = _qkv(T=30, H=4, KV=2)
     segs = [(0, 12, fn, _cu([5, 7]), 7), (12, 30, fn, _cu([18]), 18)]
     out = PassAttention(segs)(q, k, v, _cu([30]), _cu([30]), 30, 30)
@@ -232,7 +232,7 @@ def test_flash_callable_with_queries_shorter_than_keys(fake_fa2, lens_q, lens_k)
     g = torch.Generator().manual_seed(3)
     q = torch.randn(sum(lens_q), 4, 16, generator=g).bfloat16()
     k, v = (torch.randn(sum(lens_k), 2, 16, generator=g).bfloat16() for _ in range(2))
-    out = _flash_attention_fn("bf16")(q, k, v, _cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k))
+    out = flash_attention_fn("bf16")(q, k, v, _cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k))
     ref = torch_varlen_attention(q.float(), k.float(), v.float(), _cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k))
     assert float((out.float() - ref).abs().max()) < 2e-2
     call = fake_fa2.CALLS[-1]
@@ -347,7 +347,7 @@ def test_varlen_unavailable(no_varlen, fake_fa2, monkeypatch):
 def test_the_doctors_varlen_probe(fake_varlen):
     """The doctor's GPU line compares the varlen kernel with the PyTorch path on a call with GQA and
     queries shorter than keys; on CPU it only says which kernel auto runs."""
-    from workbench.runtime import doctor
+    from workbench.runtime import probe as doctor
 
     err = doctor.varlen_error(torch.device("cpu"), torch.bfloat16)
     assert 0 < err < 5e-2

@@ -24,11 +24,7 @@ PACKAGES = ("workbench", "widgets")
 # Breaks of the rules that other work is removing; each line as the check prints it. Any other
 # break fails the test, and each entry here is a strict expected failure of
 # test_known_break_is_gone: when it is fixed that test fails until the entry is deleted.
-KNOWN = {
-    # being removed in the doctor rename
-    "workbench.runtime.doctor imports workbench.runtime.attention._flash_attention_fn",
-    "2 doctor modules: workbench.doctor, workbench.runtime.doctor",
-}
+KNOWN: set[str] = set()  # none today: every circle, private import and second doctor is gone
 
 
 def _private(name: str) -> bool:

@@ -1,4 +1,4 @@
-"""``workbench`` command line: lengths, cost, plan, simulate, demo, train, export, runs, doctor.
+"""``workbench`` command line: lengths, cost, plan, simulate, demo, train, export, runs, doctor, gpu-check.
 
 Thin: it parses, builds a :class:`~workbench.scenario.Scenario` (or a run), calls the library and
 prints. The shapes printed with ``--json`` are the stable interface of DESIGN.md (strict JSON).
@@ -354,7 +354,8 @@ _TRAIN_SETTINGS = ("model", "source", "samples", "column", "tokenizer", "init", 
                    "batch_size", "planner",
                    "effort", "time_limit", "profile", "gpu_memory_gb", "attention", "steps", "seed", "optimizer", "lr",
                    "weight_decay", "momentum", "grad_clip", "checkpoint_every", "plan_ahead", "timeout_s", "device",
-                   "nproc", "nnodes", "zero_stage", "precision", "recompute", "memory_fraction", "degrees")
+                   "nproc", "nnodes", "zero_stage", "precision", "recompute", "memory_fraction", "degrees",
+                   "torch_profile")
 
 
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -438,6 +439,9 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="plan each step inline instead of one step ahead")
     g.add_argument("--timeout", dest="timeout_s", type=positive_float, default=None, metavar="S",
                    help="collective timeout: a rank waiting longer fails (default 600)")
+    g.add_argument("--torch-profile", nargs="?", const=0, type=positive_int, default=None, metavar="STEP",
+                   help="record step STEP (default: the second this attempt runs) with torch.profiler on every rank: "
+                        "a Chrome trace per rank in the run folder, torch-trace-step<STEP>-rank<k>.json")
     g = p.add_argument_group("where")
     g.add_argument("--run-dir", default=None, metavar="DIR",
                    help="resume this existing run from its latest good checkpoint (it keeps its settings)")
@@ -477,6 +481,8 @@ def cmd_train(args) -> int:
         debug["plan_zero_stage"] = args.debug_plan_zero_stage
     if debug:
         settings["debug"] = debug
+    if settings.get("torch_profile") == 0:  # --torch-profile without a step
+        settings["torch_profile"] = _default_profile_step(args.run_dir, settings.get("steps"))
     if args.emit:
         return _emit(args, settings)
     if args.sbatch:
@@ -522,6 +528,9 @@ def cmd_train(args) -> int:
     if not args.detach:  # tokenised here with a progress bar; otherwise the first rank does it (progress in log.txt)
         _tokenise_with_progress(sc.source, sc.column, sc.tokenizer)
     print(run.path, flush=True)
+    if spec.torch_profile and not args.quiet:
+        _say(f"workbench train: torch.profiler records step {spec.torch_profile} on every rank (when this attempt runs it): "
+             f"{runs.torch_trace_path(run.path, spec.torch_profile, 0).name} (rank 0) and the others' in the run folder")
     handle = process.start(run, nproc=spec.nproc, nnodes=spec.nnodes, node_rank=args.node_rank,
                            rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, stop_with_parent=not args.detach,
                            rdzv_timeout=args.rdzv_timeout)
@@ -533,6 +542,23 @@ def cmd_train(args) -> int:
     from workbench.launch.terminal import follow_in_terminal
 
     return follow_in_terminal(handle, name="train", follow=lambda: _follow(handle, spec, quiet=args.quiet), say=_say)
+
+
+def _default_profile_step(run_dir: str | None, steps: int | None) -> int:
+    """The step ``--torch-profile`` records when given no step: the second this attempt runs (the
+    first pays start-up costs), or its only one."""
+    from workbench import runs, training
+
+    done = 0
+    if run_dir is not None:
+        try:
+            done = runs.read_status(run_dir).step
+            steps = steps or training.read_train_spec(run_dir).steps
+        except (OSError, ValueError):
+            pass  # prepare_train says what is wrong with the folder
+    if not steps:
+        raise CliError("--torch-profile needs --steps K (a new run) to choose its step")
+    return max(1, min(done + 2, int(steps)))
 
 
 def _emit(args, settings: dict) -> int:
@@ -655,6 +681,14 @@ def cmd_doctor(args) -> int:
     return 0 if rep.ok else 1
 
 
+def cmd_gpu_check(args) -> int:
+    """``workbench gpu-check``: ``make gpu-check``'s measurements (``workbench.gpucheck``); exit
+    status 1 when a part failed, 0 when every part ran or was skipped (no CUDA: every part skipped)."""
+    from workbench.gpucheck import run_check
+
+    return run_check(args)
+
+
 def cmd_profile(args) -> int:
     """``workbench profile``: a profile run (measure, fit, show the held-out error), or with --check
     RUN the profile's predictions against a training run's measurements."""
@@ -758,6 +792,22 @@ def cmd_runs(args) -> int:
         a, b = res["runs"]
         pred = f" (predicted {res['predicted_speedup']:.2f}x)" if res.get("predicted_speedup") else ""
         print(f"{b['id']} is {res['speedup_b_over_a']:.2f}x as fast as {a['id']} per step (median measured){pred}")
+        return 0
+    if args.action == "trace":
+        from workbench.trace import write_trace
+
+        path, tl = write_trace(_one(args), args.out, args.step, root=root)
+        if args.json:
+            print(dumps({"path": str(path), "step": tl["step"], "summary": tl["summary"]}))
+            return 0
+        print(path, flush=True)
+        how = "aligned by their clocks" if tl["aligned"] else "each from its own step start (no clock recorded)"
+        _say(f"workbench runs trace: step {tl['step']} of {tl['run']} ({tl['execution']}, {tl['planner']}), "
+             f"{len(tl['ranks'])} rank(s) {how}; open it in https://ui.perfetto.dev or chrome://tracing")
+        for s in tl["summary"]:
+            _say(f"  rank {s['rank']}: {s['measured_ms']:,.1f} ms = micro-steps {s['work_ms']:,.1f} + reduction "
+                 f"{s['reduction_ms']:,.1f} + optimizer {s['optimizer_ms']:,.1f} + other {s['other_ms']:,.1f}"
+                 + (f"; {s['note']}" if s.get("note") else ""))
         return 0
     raise CliError(f"unknown runs action {args.action!r}")
 
@@ -885,6 +935,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the training step's precision (default bf16 on GPUs that have it, else fp32)")
     q.set_defaults(func=cmd_doctor)
 
+    q = sub.add_parser("gpu-check", help="what one GPU does with the workbench, measured in about 8 minutes: the doctor, "
+                                         "peak bf16 rate, varlen attention kernels, 1B and 8B training steps (tokens/s, "
+                                         "MFU, peak memory against the memory model), a profile and its check; writes "
+                                         "gpu-check/result.json and report.md (without CUDA every part says it needs it)")
+    from workbench.gpucheck import add_arguments as _add_gpu_check_arguments
+
+    _add_gpu_check_arguments(q)
+    q.set_defaults(func=cmd_gpu_check)
+
     q = sub.add_parser("profile", help="measure this machine (a profile run) and fit the cost model; --check RUN: "
                                        "predicted vs measured step and group time of a training run")
     from workbench.profile.command import add_arguments as _add_profile_arguments
@@ -892,12 +951,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile_arguments(q)
     q.set_defaults(func=cmd_profile)
 
-    q = sub.add_parser("runs", help="list, show, stop and compare runs in the run store")
-    q.add_argument("action", choices=["list", "show", "stop", "compare"])
+    q = sub.add_parser("runs", help="list, show, stop and compare runs in the run store; trace one step of a run")
+    q.add_argument("action", choices=["list", "show", "stop", "compare", "trace"])
     q.add_argument("ids", nargs="*", metavar="ID", help="run id (or a unique prefix) or folder")
     q.add_argument("--root", default=None, metavar="DIR", help="the run store (default runs, or $WORKBENCH_RUNS)")
     q.add_argument("--kind", default=None, help="list: only runs of this kind (train, profile, demo, notebook)")
     q.add_argument("--lines", type=int, default=15, help="show: log lines to print (default 15)")
+    q.add_argument("--step", type=positive_int, default=None, metavar="N",
+                   help="trace: the step (1-based; default the run's median step, the first left out)")
+    q.add_argument("--out", default=None, metavar="PATH",
+                   help="trace: the trace-event JSON to write (default <run>/trace-step<N>.json)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_runs)
 

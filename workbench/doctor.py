@@ -2,12 +2,13 @@
 
 Every line is ok / warn / fail (with the fix) or skip (with the reason): Python; torch and its
 CUDA/NCCL build; the GPUs (name, memory, compute capability) and how they are linked (NVLink or
-PCIe, from ``nvidia-smi topo -m``); bf16; flash-attn, and one varlen call of it against the PyTorch
-path; a training step of the tiny model with CUDA-event timing and its peak memory against the
-memory model; with 2+ GPUs an NCCL all-to-all and all-gather on 2 ranks; and the sharded path (a
-ZeRO-3 step on 2 ranks against ZeRO-0; gloo on CPU).
+PCIe, from ``nvidia-smi topo -m``); NCCL on one GPU (a process group of one rank); bf16;
+flash-attn, and one varlen call of it against the PyTorch path; a training step of the tiny model
+with CUDA-event timing and its peak memory against the memory model; with 2+ GPUs an NCCL
+all-to-all and all-gather on 2 ranks; and the sharded path (a ZeRO-3 step on 2 ranks against
+ZeRO-0; gloo on CPU).
 
-The torch checks run in processes of their own (``workbench.runtime.doctor``): this module imports
+The torch checks run in processes of their own (``workbench.runtime.probe``): this module imports
 no torch and never initialises CUDA, so a notebook kernel can run it. The 2-rank check binds its
 store to a loopback socket (handed to rank 0), its processes run in a session of their own and are
 ended on a timeout.
@@ -177,7 +178,7 @@ def _kill_group(p: subprocess.Popen) -> None:
 
 
 def _probe(device: str, precision: str | None, timeout: float) -> list[Check]:
-    cmd = [sys.executable, "-m", "workbench.runtime.doctor", "probe", "--device", device]
+    cmd = [sys.executable, "-m", "workbench.runtime.probe", "probe", "--device", device]
     if precision:
         cmd += ["--precision", precision]
     if _nvidia_visible():
@@ -189,7 +190,7 @@ def _probe(device: str, precision: str | None, timeout: float) -> list[Check]:
     except subprocess.TimeoutExpired:
         _kill_group(p)
         return [Check("torch checks", "fail", f"the checks did not finish in {timeout:.0f} s (a hang in CUDA?)",
-                      "run `python -m workbench.runtime.doctor probe` by hand to see where it stops")]
+                      "run `python -m workbench.runtime.probe probe` by hand to see where it stops")]
     try:
         return [_check_from(d) for d in json.loads(out.strip().splitlines()[-1])]
     except (ValueError, IndexError):
@@ -212,7 +213,7 @@ def _dist(precision: str | None, timeout: float) -> list[Check]:
         procs, logs = [], []
         try:
             for rank in (0, 1):
-                cmd = [sys.executable, "-m", "workbench.runtime.doctor", "dist", "--rank", str(rank), "--world", "2",
+                cmd = [sys.executable, "-m", "workbench.runtime.probe", "dist", "--rank", str(rank), "--world", "2",
                        "--port", str(port), "--timeout", f"{min(timeout, 120.0):g}"]
                 kw = {}
                 if rank == 0:
@@ -270,8 +271,8 @@ def run_doctor(*, device: str = "auto", precision: str | None = None, dist: bool
         checks += _dist(precision, dist_timeout)
     else:
         checks.append(Check("sharded step (ZeRO-3)", "skip", "left out (--quick)"))
-    order = ["python", "torch", "gpus", "topology", "nccl", "bf16", "attention (PyTorch path)", "flash-attn",
-             "attention kernel",
+    order = ["python", "torch", "gpus", "topology", "nccl", "nccl (world 1)", "bf16", "attention (PyTorch path)",
+             "flash-attn", "attention kernel",
              "training step", "nccl all-to-all", "nccl all-gather", "gloo all-to-all", "gloo all-gather",
              "sharded step (ZeRO-3)"]
     checks.sort(key=lambda c: order.index(c.name) if c.name in order else len(order))

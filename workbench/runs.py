@@ -55,6 +55,7 @@ __all__ = [
     "checksum_path", "write_checksum", "verify_checksum", "now", "pid_alive", "status_pids", "tail_lines",
     "proc_start_time", "process_record", "LOAD_FILE", "read_loadavg", "LoadSampler", "summarize_load",
     "NODES_DIR", "STOP_FILE", "node_status_path", "metrics_path", "log_path", "request_stop", "stop_requested",
+    "torch_trace_path", "TORCH_TRACE_GLOB",
 ]
 
 SPEC_FILE = "spec.json"
@@ -194,6 +195,15 @@ def metrics_path(run_dir: str | Path, node: int | None = None) -> Path:
     filesystem can overwrite each other). ``Run.metrics`` reads them all."""
     run_dir = Path(run_dir)
     return run_dir / METRICS_FILE if not node else run_dir / NODES_DIR / f"node{int(node)}.metrics.jsonl"
+
+
+TORCH_TRACE_GLOB = "torch-trace-step*-rank*.json"
+
+
+def torch_trace_path(run_dir: str | Path, step: int, rank: int) -> Path:
+    """Where ``workbench train --torch-profile`` writes rank ``rank``'s torch.profiler Chrome trace of
+    step ``step`` (1-based): ``torch-trace-step<step>-rank<rank>.json`` in the run folder."""
+    return Path(run_dir) / f"torch-trace-step{int(step)}-rank{int(rank)}.json"
 
 
 def log_path(run_dir: str | Path, node: int | None = None) -> Path:

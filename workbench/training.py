@@ -107,6 +107,9 @@ class TrainSpec:
     """Safetensors checkpoint the weights start from (a file, or a Hugging Face model folder, sharded
     or not), checked strictly against the model; None: random weights from the seed. A resumed run
     starts from its own checkpoint instead."""
+    torch_profile: int | None = None
+    """Record this step (1-based) with ``torch.profiler`` on every rank: a Chrome trace per rank in the
+    run folder (``runs.torch_trace_path``); None: never. Changing it on resume changes no plan."""
 
     def __post_init__(self) -> None:
         _req(isinstance(self.scenario, Scenario), f"scenario must be a Scenario, got {type(self.scenario).__name__}")
@@ -126,6 +129,9 @@ class TrainSpec:
         _req(isinstance(self.debug, Mapping), f"debug must be an object, got {self.debug!r}")
         _req(self.init is None or (isinstance(self.init, str) and self.init.strip() != ""),
              f"init must be a path (a safetensors file or a model folder) or null, got {self.init!r}")
+        _req(self.torch_profile is None or (isinstance(self.torch_profile, int) and not isinstance(self.torch_profile, bool)
+                                            and 1 <= self.torch_profile <= self.steps),
+             f"torch_profile (--torch-profile) must be a step from 1 to steps ({self.steps}), got {self.torch_profile!r}")
         _req(self.scenario.num_gpus == self.nproc * self.nnodes,
              f"scenario.num_gpus ({self.scenario.num_gpus}) must equal nproc x nnodes ({self.nproc} x {self.nnodes})")
         # the memory model counts the optimizer the run trains with: the scenario follows the spec
@@ -534,7 +540,7 @@ def _resume(run_dir: str | Path, settings: dict, allow_changes: bool):
     changes: list[ResumeChange] = []
     upd: dict = {}
     for k, v in settings.items():
-        if k == "steps":
+        if k in ("steps", "torch_profile"):  # neither changes what the run plans or computes
             continue
         old = getattr(spec, k) if k in TRAIN_FIELDS else getattr(spec.scenario, k)
         if k == "degrees":
@@ -554,6 +560,8 @@ def _resume(run_dir: str | Path, settings: dict, allow_changes: bool):
             upd["gpus_per_node"] = nproc
     if "steps" in settings:
         upd["steps"] = int(settings["steps"])
+    if "torch_profile" in settings:
+        upd["torch_profile"] = settings["torch_profile"]
     new = spec.replace(**upd) if upd else spec
     return runs.Run(p), new, changes
 

@@ -111,7 +111,7 @@ def workbench_executable() -> str:
 _TRAIN_FLAGS = {"steps": "--steps", "optimizer": "--optimizer", "lr": "--lr", "weight_decay": "--weight-decay",
                 "momentum": "--momentum", "grad_clip": "--grad-clip", "checkpoint_every": "--checkpoint-every",
                 "attention": "--attention", "device": "--device", "timeout_s": "--timeout", "nproc": "--nproc",
-                "nnodes": "--nnodes", "init": "--init"}
+                "nnodes": "--nnodes", "init": "--init", "torch_profile": "--torch-profile"}
 _SCENARIO_FLAGS = {"model": "--model", "source": "--lengths", "samples": "--samples", "column": "--column",
                    "tokenizer": "--tokenizer", "max_len": "--max-len", "policy": "--policy",
                    "batch_tokens": "--batch-tokens", "batch_size": "--batch-size", "planner": "--planner",

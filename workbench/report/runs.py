@@ -13,7 +13,8 @@ from typing import Any, Mapping, Sequence
 
 from workbench.report._style import add_points, top_legend
 
-__all__ = ["run_series", "live_run_figure", "loss_figure", "step_time_figure", "speedup_figure", "run_label"]
+__all__ = ["run_series", "live_run_figure", "loss_figure", "step_time_figure", "speedup_figure", "run_label",
+           "step_timeline_figure", "STEP_PART_COLORS"]
 
 _PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D"]
 
@@ -111,4 +112,55 @@ def speedup_figure(rows: Sequence[Mapping[str, Any]], baseline: str, title: str 
         fig.add_hline(y=1.0, line_dash="dot", line_color="#999")
     fig.update_yaxes(title=f"speedup over {baseline} (median step)", rangemode="tozero")
     fig.update_layout(barmode="group", template="plotly_white", height=340, title=title or f"Speedup over {baseline}")
+    return top_legend(fig)
+
+
+STEP_PART_COLORS = {
+    "step.compute": "#4C78A8", "planned.compute": "#4C78A8",
+    "step.collective": "#F58518", "planned.collective": "#F58518", "collective": "#FFBF79",
+    "step.optimizer": "#54A24B", "planned.optimizer": "#54A24B",
+    "step.other": "#BAB0AC", "planned.wait": "#E45756",
+}
+"""Colour of each part of a step (``workbench.trace`` categories): micro-steps and passes, collectives
+(the plan broadcast lighter), the optimizer, untimed host work, and the waits the plan predicts."""
+_PART_NAMES = {"step.compute": "micro-steps / passes", "step.collective": "reduction", "collective": "plan broadcast",
+               "step.optimizer": "optimizer", "step.other": "other (untimed)", "planned.compute": "micro-steps / passes",
+               "planned.collective": "reduction", "planned.optimizer": "optimizer", "planned.wait": "waiting"}
+
+
+def step_timeline_figure(tl: Mapping[str, Any], title: str | None = None):
+    """One step on every rank: what each rank measured (left) beside what the plan predicted (right),
+    as bars over time (ms from the step's first event), one row per rank, coloured by what the
+    time went to. ``tl`` is ``workbench.trace.step_timeline``; the bars of a rank's measured row
+    (the plan broadcast aside) sum to its measured step time."""
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.06,
+                        subplot_titles=("measured", f"planned ({tl.get('planner')})"))
+    seen = set()
+    for col, events in ((1, tl["measured"]), (2, tl["planned"])):
+        for cat in STEP_PART_COLORS:
+            es = [e for e in events if e["cat"] == cat]
+            if not es:
+                continue
+            label = _PART_NAMES[cat]
+            fig.add_bar(base=[e["start_ms"] for e in es], x=[e["dur_ms"] for e in es], y=[e["rank"] for e in es],
+                        orientation="h", name=label, legendgroup=label, showlegend=label not in seen,
+                        marker=dict(color=STEP_PART_COLORS[cat], line=dict(width=0.5, color="#fff")), width=0.8,
+                        customdata=[[e["name"]] for e in es],
+                        hovertemplate="rank %{y}: %{customdata[0]}<br>%{base:,.1f} ms + %{x:,.1f} ms<extra></extra>",
+                        row=1, col=col)
+            seen.add(label)
+    ends = [e["start_ms"] + e["dur_ms"] for e in [*tl["measured"], *tl["planned"]]]
+    starts = [e["start_ms"] for e in [*tl["measured"], *tl["planned"]]]
+    span = [min(starts, default=0.0), max(ends, default=1.0)]
+    fig.update_xaxes(title_text="ms", range=span)  # one scale for both: lengths compare across the panels
+    n = max(tl.get("world_size") or 0, 1 + max(tl["ranks"], default=0))
+    fig.update_yaxes(title_text="rank", range=[n - 0.5, -0.5], tickmode="array", tickvals=list(range(n)), row=1, col=1)
+    fig.update_yaxes(range=[n - 0.5, -0.5], tickmode="array", tickvals=list(range(n)), row=1, col=2)
+    worst = max(tl["measured_ms"].values(), default=None)
+    pred = tl.get("predicted_ms")
+    head = title or (f"Step {tl['step']} of {tl['run']}: measured (slowest rank {worst:,.0f} ms)"
+                     + (f" and planned ({pred:,.0f} ms)" if pred else ""))
+    fig.update_layout(barmode="overlay", template="plotly_white", height=max(300, 120 + 40 * n), title=head)
     return top_legend(fig)

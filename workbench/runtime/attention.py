@@ -32,6 +32,7 @@ costs nothing. Every call is checked against what the kernel requires (``varlen_
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 from typing import Callable
 
@@ -212,7 +213,7 @@ def _half_inputs(precision: str | None, q, k, v):
     return tuple(t.contiguous() for t in (q, k, v))
 
 
-def _flash_attention_fn(precision: str | None = None) -> Callable:
+def flash_attention_fn(precision: str | None = None) -> Callable:
     """flash-attn's varlen kernel as an attention kernel (lazy import; raises AttentionUnavailable
     when it is missing). ``precision`` as in ``_half_inputs``."""
     varlen, _ = _import_flash_varlen()
@@ -236,24 +237,53 @@ def _flash_attention_fn(precision: str | None = None) -> Callable:
     return flash_varlen_attention
 
 
+def varlen_keywords(fn: Callable) -> tuple[dict, bool, str]:
+    """How this torch's ``varlen_attn`` is asked for causal attention, read from its signature (its
+    keywords changed between releases): ``window_size=(-1, 0)`` (2.11 and later) or
+    ``is_causal=True`` (2.10); and whether it takes ``enable_gqa`` (2.12 and later; before, K and V
+    are repeated to the query heads). Returns ``(causal keywords, has enable_gqa, a note)``. Raises
+    AttentionUnavailable for a signature with neither causal keyword."""
+    params = inspect.signature(fn).parameters
+    if "window_size" in params:
+        causal = {"window_size": CAUSAL_WINDOW}
+    elif "is_causal" in params:
+        causal = {"is_causal": True}
+    else:
+        raise AttentionUnavailable(f"varlen_attn of torch {torch.__version__} takes neither window_size nor "
+                                   f"is_causal; use --attention flash or torch")
+    gqa = "enable_gqa" in params
+    note = ", ".join([f"{k}={v}" for k, v in causal.items()] + ["enable_gqa" if gqa else "KV heads repeated"])
+    return causal, gqa, note
+
+
 def varlen_attention_fn(precision: str | None = None) -> Callable:
-    """PyTorch's ``varlen_attn`` as an attention kernel (raises AttentionUnavailable when this torch
-    lacks it). ``precision`` as in ``_half_inputs``."""
+    """PyTorch's ``varlen_attn`` as an attention kernel, whatever its release's keywords
+    (``varlen_keywords``); raises AttentionUnavailable when this torch lacks it. ``precision`` as in
+    ``_half_inputs``."""
     _import_varlen()
 
     def torch_flash_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         # looked up at call time, so a stand-in installed after selection is the one called
         varlen = importlib.import_module("torch.nn.attention.varlen").varlen_attn
+        causal, has_gqa, _ = varlen_keywords(varlen)
         dtype = q.dtype
         q, k, v = _half_inputs(precision, q, k, v)
+        gqa = k.shape[1] != q.shape[1]
+        if gqa and not has_gqa:  # an older release: one KV head per query head
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1).contiguous()  # (Tk, H, hd)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1).contiguous()  # (Tk, H, hd)
+            gqa = False
         cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous()
         cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
         mq, mk = int(max_seqlen_q), int(max_seqlen_k)
-        gqa = k.shape[1] != q.shape[1]
-        problem = varlen_call_problem(q, k, v, cu_q, cu_k, mq, mk, enable_gqa=gqa, window_size=CAUSAL_WINDOW)
+        problem = varlen_call_problem(q, k, v, cu_q, cu_k, mq, mk, enable_gqa=gqa,
+                                      window_size=causal.get("window_size", CAUSAL_WINDOW))
         if problem is not None:
             raise ValueError(f"varlen_attn cannot run this call: {problem}")
-        out = varlen(q, k, v, cu_q, cu_k, mq, mk, window_size=CAUSAL_WINDOW, enable_gqa=gqa)  # (Tq, H, hd)
+        kw = dict(causal, **({"enable_gqa": gqa} if has_gqa else {}))
+        out = varlen(q, k, v, cu_q, cu_k, mq, mk, **kw)  # (Tq, H, hd)
+        if isinstance(out, tuple):
+            out = out[0]
         return out.to(dtype)
 
     return torch_flash_varlen_attention
@@ -321,12 +351,12 @@ def select_attention(name: str, device: torch.device | str, precision: str | Non
             raise AttentionUnavailable(f"attention backend 'varlen': {problem}; use --attention torch")
         fn, resolved, why = varlen_attention_fn(precision), "varlen", "requested"
     elif name == "flash":
-        fn, resolved, why = _flash_attention_fn(precision), "flash", "requested"
+        fn, resolved, why = flash_attention_fn(precision), "flash", "requested"
     else:  # auto on CUDA in half precision: torch's own kernel, else flash-attn, else SDPA
         notes = []
         fn = None
         problem = _cuda_capability_problem(dev)
-        for backend, make in (("varlen", varlen_attention_fn), ("flash", _flash_attention_fn)):
+        for backend, make in (("varlen", varlen_attention_fn), ("flash", flash_attention_fn)):
             if problem is not None:
                 notes.append(problem)
                 break

@@ -157,7 +157,7 @@ class Transformer(nn.Module):
     rank builds the same replica. Pretrained weights come in through ``workbench.runtime.weights``.
     """
 
-    def __init__(self, spec: ModelSpec, *, seed: int = 0) -> None:
+    def __init__(self, spec: ModelSpec, *, seed: int = 0, init: bool = True) -> None:
         super().__init__()
         self.spec = spec
         self.embed = nn.Embedding(spec.vocab, spec.hidden)
@@ -166,7 +166,8 @@ class Transformer(nn.Module):
         self.head = nn.Linear(spec.hidden, spec.vocab, bias=False)
         if spec.tied_embeddings:
             self.head.weight = self.embed.weight
-        self.reset_parameters(seed)
+        if init:  # init=False: built on the meta device and initialised where it will live (the GPU check)
+            self.reset_parameters(seed)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:

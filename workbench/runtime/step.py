@@ -302,6 +302,9 @@ class MicroStepRecord:
     pass_ms: float | None = None
     """Lockstep: the plan's predicted duration of the whole pass (its slowest rank, or FSDP's
     collectives, plus the pass overhead); None under free execution."""
+    start_ms: float | None = None
+    """When the micro-step (pass) began on this rank, in ms from the start of the rank's step
+    (``StepResult.start_time``); None in records written before it was kept."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -327,6 +330,10 @@ class StepResult:
     predicted_ms: float = 0.0
     """The plan's makespan (``plan.makespan_ms``)."""
     execution: str = "free"
+    start_time: float | None = None
+    """Wall-clock time (``time.time()``, seconds) at which the step began on this rank: after the
+    gradients were cleared, where ``measured_ms`` starts. Ranks of one machine share the clock, so
+    their timelines line up (across machines, as well as their clocks agree)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -395,18 +402,19 @@ class StepExecutor:
             raise ValueError("the batch has no target token (every sequence is 1 token long)")
         self.zero.zero_grad()
         self._sync()
-        t_step = time.perf_counter()
+        t_step, start_time = time.perf_counter(), time.time()
         if plan.execution == "lockstep":
-            records, loss_sum = self._run_lockstep(plan, sequences, n_targets)
+            records, loss_sum = self._run_lockstep(plan, sequences, n_targets, t_step)
         else:
-            records, loss_sum = self._run_free(plan, sequences, n_targets)
+            records, loss_sum = self._run_free(plan, sequences, n_targets, t_step)
         t_ar = time.perf_counter()
         total = self.zero.reduce_gradients(loss_sum)
         self._sync()
         t_end = time.perf_counter()
         return StepResult(loss=total / n_targets, targets=n_targets, tokens=sum(lengths),
                           measured_ms=(t_end - t_step) * 1e3, allreduce_ms=(t_end - t_ar) * 1e3,
-                          records=records, predicted_ms=float(plan.makespan_ms), execution=plan.execution)
+                          records=records, predicted_ms=float(plan.makespan_ms), execution=plan.execution,
+                          start_time=start_time)
 
     def _forward_backward(self, sh: LocalShard, attn: Callable, n_targets: int) -> float:
         """One forward (in the stage's precision) and backward of a packed shard; returns the summed
@@ -430,7 +438,7 @@ class StepExecutor:
         ulysses_group, cp_group = self.registry.subgroups(g.ranks, g.cp, self.rank)
         return CPAttention(ulysses_group, cp_group, sh.layout, self.attn)
 
-    def _run_free(self, plan: Plan, sequences, n_targets: int) -> tuple[list[MicroStepRecord], float]:
+    def _run_free(self, plan: Plan, sequences, n_targets: int, t_step: float) -> tuple[list[MicroStepRecord], float]:
         dev = self.device
         records: list[MicroStepRecord] = []
         loss_sum = 0.0
@@ -444,7 +452,8 @@ class StepExecutor:
                 # idle in this micro-step: no collective of this micro-step involves this rank
                 records.append(MicroStepRecord(micro_step=m, degree=0, ranks=[], sequences=[], tokens=0,
                                                padded_tokens=0, targets=0, loss=None, predicted_ms=0.0,
-                                               measured_ms=0.0, peak_memory_mb=peak_memory_mb(dev)))
+                                               measured_ms=0.0, peak_memory_mb=peak_memory_mb(dev),
+                                               start_ms=(t0 - t_step) * 1e3))
                 continue
             sh = make_shard([sequences[i] for i in g.sequences], g.degree, g.ranks.index(self.rank), g.cp)
             lv = self._forward_backward(sh, self._group_attention(g, sh), n_targets)
@@ -454,10 +463,11 @@ class StepExecutor:
                 tokens=sh.real_tokens, padded_tokens=int(sh.tokens.numel()), targets=sh.targets,
                 loss=lv / sh.targets if sh.targets else None, predicted_ms=float(g.time_ms),
                 measured_ms=(time.perf_counter() - t0) * 1e3, peak_memory_mb=peak_memory_mb(dev),
-                groups=[{"degree": g.degree, "cp": g.cp, "ranks": list(g.ranks), "sequences": list(g.sequences)}]))
+                groups=[{"degree": g.degree, "cp": g.cp, "ranks": list(g.ranks), "sequences": list(g.sequences)}],
+                start_ms=(t0 - t_step) * 1e3))
         return records, loss_sum
 
-    def _run_lockstep(self, plan: Plan, sequences, n_targets: int) -> tuple[list[MicroStepRecord], float]:
+    def _run_lockstep(self, plan: Plan, sequences, n_targets: int, t_step: float) -> tuple[list[MicroStepRecord], float]:
         dev = self.device
         records: list[MicroStepRecord] = []
         loss_sum = 0.0
@@ -493,5 +503,5 @@ class StepExecutor:
                 measured_ms=(time.perf_counter() - t0) * 1e3, peak_memory_mb=peak_memory_mb(dev),
                 groups=[{"degree": g.degree, "cp": g.cp, "ranks": list(g.ranks), "sequences": list(g.sequences)}
                         for g in mine],
-                pass_ms=None if ms.time_ms is None else float(ms.time_ms)))
+                pass_ms=None if ms.time_ms is None else float(ms.time_ms), start_ms=(t0 - t_step) * 1e3))
         return records, loss_sum

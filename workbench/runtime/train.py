@@ -588,7 +588,7 @@ class Trainer:
                 self.step = step
                 nxt = self.sampler.batch(step + 1) if step + 1 < spec.steps else None
                 payload = [planner.payload(batch, nxt) if planner is not None else None]
-                t_wait = time.perf_counter()
+                t_wait, bcast_start = time.perf_counter(), time.time()
                 dist.broadcast_object_list(payload, src=0)
                 bcast_ms = (time.perf_counter() - t_wait) * 1e3
                 msg = payload[0]
@@ -605,12 +605,16 @@ class Trainer:
                         "step": step, "attempt": self.attempt, "batch_id": batch.batch_id,
                         "plan_wait_s": msg.get("plan_wait_s"), "plan": msg["plan"]})
                 seqs = [torch.from_numpy(self.data.tokens(int(i))) for i in batch.indices]
+                profiler = _torch_profiler(device) if spec.torch_profile == step + 1 else None
+                if profiler is not None:
+                    profiler.__enter__()
                 res = executor.run(plan, seqs)
                 t_opt = time.perf_counter()
                 grad_norm = None
                 if spec.grad_clip > 0:
                     grad_norm = zero.clip_grad_norm(spec.grad_clip)
                 opt.step()
+                torch_trace = self._torch_trace(profiler, step + 1) if profiler is not None else None
                 # what this rank holds, from tensor storage: parameters and optimizer states now (after
                 # the step), gradients at the step's peak (before a ZeRO-2 reduce freed any)
                 states = zero.state_bytes()
@@ -630,7 +634,9 @@ class Trainer:
                     "step_ms": res.measured_ms, "allreduce_ms": res.allreduce_ms, "optimizer_ms": opt_ms,
                     "broadcast_ms": bcast_ms, "plan_wait_s": msg.get("plan_wait_s"), "planner": plan.planner,
                     "grad_norm": grad_norm, "lr": lr, "peak_memory_mb": peak, "time": time.time(),
-                    "model_states": states, "execution": res.execution,
+                    "model_states": states, "execution": res.execution, "start_time": res.start_time,
+                    "broadcast_start_time": bcast_start,
+                    **({"torch_trace": torch_trace} if torch_trace else {}),
                     **({"max_memory_allocated_bytes": torch.cuda.max_memory_allocated(device)}
                        if device.type == "cuda" else {}),
                     "micro_steps": [r.to_dict() for r in res.records],
@@ -657,6 +663,23 @@ class Trainer:
         self._write_status(step=self.step, message=f"trained {self.step} steps; exiting")
         return 0
 
+    def _torch_trace(self, profiler, step: int) -> str | None:
+        """End ``profiler`` (recording step ``step``, 1-based) and write its Chrome trace next to the
+        run's files (``runs.torch_trace_path``); returns the file's name, or None (said in the log)
+        when it could not be written. The optimizer step is inside the recording, as in the step's
+        ``measured_ms``."""
+        try:
+            profiler.__exit__(None, None, None)
+            path = runs.torch_trace_path(self.run_dir, step, self.rank)
+            profiler.export_chrome_trace(str(path))
+        except Exception as e:  # noqa: BLE001 - a failed recording must not end the run
+            _say(f"workbench train: warning (rank {self.rank}): torch.profiler could not record step {step}: {e}")
+            return None
+        if self.rank == 0:
+            _say(f"workbench train: torch.profiler recorded step {step} (every rank): {path.name} and the other "
+                 f"ranks' beside it in {self.run_dir}; this step's times include the profiler's overhead")
+        return path.name
+
     def _checkpoint(self, done: int, model, zero, device: torch.device) -> None:
         """Every rank: a sharded folder under ZeRO-3 (each rank writes its shards), else a whole file
         written by rank 0 (ZeRO 1-2 consolidate the optimizer's states there first)."""
@@ -680,6 +703,14 @@ class Trainer:
         if self.rank == 0:
             state.update(model={k: v.detach().cpu() for k, v in model.state_dict().items()}, optimizer=optimizer)
             save_whole(checkpoint_path(self.run_dir, done), state)
+
+
+def _torch_profiler(device: torch.device):
+    """A ``torch.profiler.profile`` of CPU activity (and CUDA kernels on a GPU), not yet entered."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    return profile(activities=acts, record_shapes=False, with_stack=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
-"""The torch side of ``workbench doctor``: what this machine can do, checked by doing it.
+"""The torch side of ``workbench doctor`` (``workbench.doctor``): the probes that check what this
+machine can do by doing it.
 
-Run as a process of its own (``python -m workbench.runtime.doctor``), never in the caller (a
+Run as a process of its own (``python -m workbench.runtime.probe``), never in the caller (a
 notebook kernel must not initialise CUDA). Two modes:
 
 - ``probe``: one process. Torch and its CUDA/NCCL build, every GPU (name, memory, compute
@@ -119,7 +120,7 @@ def _dense_causal(q, k, v):
 
 
 def _attention_checks(device: torch.device) -> list[dict]:
-    from workbench.runtime.attention import _flash_attention_fn, flash_version, torch_varlen_attention
+    from workbench.runtime.attention import flash_attention_fn, flash_version, torch_varlen_attention
 
     gen = torch.Generator().manual_seed(0)
     lens = [300, 17, 128, 1]
@@ -155,7 +156,7 @@ def _attention_checks(device: torch.device) -> list[dict]:
         return out
     dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     try:
-        fn = _flash_attention_fn("bf16")
+        fn = flash_attention_fn("bf16")
         qd, kd, vd = (t.to(device=device, dtype=dtype) for t in (q, k, v))
         fo = fn(qd, kd, vd, cud, cud, max(lens), max(lens)).double().cpu()
         to = torch_varlen_attention(qd, kd, vd, cud, cud, max(lens), max(lens)).double().cpu()
@@ -299,6 +300,48 @@ def _train_step_check(device: torch.device, precision: str, steps: int = 4) -> d
                   precision=precision, attention=attn_name, tokens=sum(lengths), timer=timer)
 
 
+def _nccl_world_of_one(device: torch.device, backend: str = "nccl") -> dict:
+    """NCCL on this GPU alone: a process group of one rank (an in-memory store), then all-reduce,
+    all-gather, reduce-scatter and all-to-all with their values checked (a world of one must return
+    its input). What every CUDA run needs first: NCCL's communicator forms on this GPU. Never raises.
+    (``backend`` gloo on a CPU ``device``: the same steps, for the tests.)"""
+    import torch.distributed as dist
+
+    name = f"{backend} (world 1)"
+    if dist.is_initialized():
+        return _check(name, "skip", "a process group exists in this process already")
+    try:
+        kw = {"device_id": device} if device.type == "cuda" else {}
+        try:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
+        except TypeError:  # a torch without device_id
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            x = torch.arange(1 << 20, dtype=torch.float32, device=device)
+            red = x.clone()
+            dist.all_reduce(red)
+            gathered = torch.empty_like(x)
+            dist.all_gather_into_tensor(gathered, x)
+            scattered = torch.empty_like(x)
+            dist.reduce_scatter_tensor(scattered, x)
+            a2a = torch.empty_like(x)
+            dist.all_to_all_single(a2a, x)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            bad = [n for n, y in (("all-reduce", red), ("all-gather", gathered), ("reduce-scatter", scattered),
+                                  ("all-to-all", a2a)) if not torch.equal(y, x)]
+        finally:
+            dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - a communicator that cannot form is the finding
+        return _check(name, "fail", f"{backend} could not run on one device: {_first_line(e)}",
+                      "check the driver against torch's CUDA build (nvidia-smi), and NCCL_DEBUG=INFO for NCCL's reason")
+    if bad:
+        return _check(name, "fail", f"{backend} on one device returned wrong values for {', '.join(bad)}",
+                      "report this with the doctor's --json output")
+    return _check(name, "ok", f"a process group of one rank on {device}: all-reduce, all-gather, reduce-scatter and "
+                              f"all-to-all return their input, as a world of one must")
+
+
 def probe(*, device: str = "auto", precision: str | None = None, nvidia_visible: bool = False) -> list[dict]:
     """The one-process checks (module docstring). Never raises: a check that crashes is a ``fail``."""
     out = [_check("python", "ok", f"Python {platform.python_version()} ({platform.python_implementation()}, "
@@ -311,6 +354,7 @@ def probe(*, device: str = "auto", precision: str | None = None, nvidia_visible:
     dev = torch.device("cuda", 0) if (device != "cpu" and torch.cuda.is_available()) else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+        out.append(_nccl_world_of_one(dev))
     prec = precision or ("bf16" if dev.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32")
     for name, fn in (("attention", lambda: _attention_checks(dev) + [_kernel_check(dev, prec)]),
                      ("training step", lambda: [_train_step_check(dev, prec)])):
@@ -468,7 +512,7 @@ def dist_check(rank: int, world: int, port: int, listen_fd: int | None, out: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m workbench.runtime.doctor", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m workbench.runtime.probe", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="mode", required=True)
     p = sub.add_parser("probe")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

@@ -1,0 +1,587 @@
+"""``make gpu-check`` / ``workbench gpu-check``: what one GPU does with this workbench, measured in about 8 minutes.
+
+    PYTHONPATH=. python3 -m workbench.gpucheck [--parts doctor,peak,...] [--budget-s 480] [--out gpu-check]
+
+Runs with the machine's own ``python3`` and its CUDA torch: no virtual environment, no flash-attn, no
+download (numpy and torch; OR-Tools is never needed). It writes ``<out>/result.json`` (every part's
+figures) and ``<out>/report.md`` (the same, short, for ``docs/gpu-results.md``); subprocess logs go to
+``<out>/logs/``, the profile and training runs of the last part to ``<out>/runs/``.
+
+The parts (:data:`PARTS`), each in processes of its own so that a CUDA error or an out-of-memory in
+one cannot take the others down:
+
+- ``doctor``: ``workbench doctor`` on the device (CUDA, NCCL at world 1, bf16, the attention kernel
+  training uses, a training step, and the 2-rank checks where there are 2 GPUs);
+- ``peak``: the device's bf16 matmul rate, measured: what MFU is computed against;
+- ``attention``: the varlen kernels that import (PyTorch's ``varlen_attn``, flash-attn) against the
+  per-sequence SDPA path: outputs and gradients within bf16 tolerance, time at 4K to 128K tokens;
+- ``train-1b``, ``train-8b``: the runtime's own step on packed batches of 8K to 64K tokens, bf16, one
+  rank (the 8B under ZeRO-3: FSDP2 at world 1, where the memory model says it fits): tokens/s, MFU,
+  the allocator's peak against the memory model's prediction;
+- ``profile``: a quick profile of this GPU (bf16), a short training run planned with it, and
+  ``profile --check`` of that run: the step time's median error.
+
+Each part has a share of ``--budget-s`` (:data:`PARTS`' seconds, scaled to the budget over the parts
+chosen); a part that would start with less than half its share left is skipped with a line saying
+so, a running part that overruns its share (plus a grace) is stopped and keeps what it measured (its
+processes write after every measurement). Without CUDA every part says it needs CUDA and the exit
+status is 0 (the CPU dry run CI runs); otherwise 1 when a part failed. ``--cpu-rehearsal`` runs every
+part on CPU with toy sizes (the tests do, to run this code; its figures mean nothing).
+
+This module imports no torch (it runs the torch side, ``workbench.runtime.bench`` and the doctor's
+probes, as subprocesses) and nothing beyond the standard library and the workbench's pure modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["PARTS", "Part", "GpuCheck", "run_check", "format_markdown", "main", "DEFAULT_BUDGET_S"]
+
+PARTS: dict[str, tuple[str, float]] = {
+    "doctor": ("the doctor's checks on the device", 60.0),
+    "peak": ("peak bf16 matmul rate", 25.0),
+    "attention": ("varlen attention kernels against per-sequence SDPA", 80.0),
+    "train-1b": ("training step, Llama-style 1B, ZeRO-0", 80.0),
+    "train-8b": ("training step, Llama 3 8B, ZeRO-3 at world 1", 105.0),
+    "profile": ("quick GPU profile, a short run planned with it, profile --check", 130.0),
+}
+"""Every part: its title and its share of the default budget, in seconds."""
+DEFAULT_BUDGET_S = sum(s for _, s in PARTS.values())
+GRACE_S = 20.0
+"""A part's processes get this long past its share before they are stopped (they stop starting new
+measurements at the share themselves)."""
+STATUSES = ("ok", "warn", "fail", "skip")
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Part:
+    """One part's outcome: ``status`` ok / warn / fail / skip, one ``summary`` line (the reason, for a
+    skip), its figures in ``data``."""
+
+    name: str
+    title: str
+    status: str = "skip"
+    summary: str = ""
+    seconds: float = 0.0
+    budget_s: float = 0.0
+    data: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "title": self.title, "status": self.status, "summary": self.summary,
+                "seconds": round(self.seconds, 1), "budget_s": round(self.budget_s, 1), "data": self.data}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _env(threads: int | None = None) -> dict:
+    """The environment of every subprocess: this checkout first on PYTHONPATH (absolute, so a process
+    started elsewhere imports the same code), unbuffered output."""
+    env = dict(os.environ)
+    path = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + path if path else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def _nvidia_smi() -> dict | None:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    try:
+        p = subprocess.run([exe, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    rows = [ln.split(", ") for ln in p.stdout.strip().splitlines() if ln.strip()]
+    return {"gpus": [{"name": r[0], "memory": r[1] if len(r) > 1 else None, "driver": r[2] if len(r) > 2 else None}
+                     for r in rows]} if p.returncode == 0 else None
+
+
+class GpuCheck:
+    """One run of the check: the parts chosen, the budget, where it writes. :meth:`run` returns the
+    result dict (also written to ``<out>/result.json`` and ``<out>/report.md``)."""
+
+    def __init__(self, out: str | Path = "gpu-check", *, parts: list[str] | None = None, budget_s: float | None = None,
+                 rehearsal: bool = False, say: Callable[[str], None] | None = None) -> None:
+        names = list(parts) if parts else list(PARTS)
+        unknown = [p for p in names if p not in PARTS]
+        if unknown:
+            raise ValueError(f"unknown part(s) {unknown}; the parts are {', '.join(PARTS)}")
+        if budget_s is not None and not budget_s > 0:
+            raise ValueError(f"--budget-s must be a positive number of seconds, got {budget_s!r}")
+        self.out = Path(out).resolve()  # absolute: the subprocesses run in the checkout's folder
+        if self.out.exists() and not self.out.is_dir():
+            raise ValueError(f"--out {self.out} is a file; give a folder")
+        self.names = [p for p in PARTS if p in names]  # in the check's own order
+        share = sum(PARTS[p][1] for p in self.names)
+        self.budget_s = float(budget_s) if budget_s is not None else (DEFAULT_BUDGET_S if not parts else share)
+        self.shares = {p: PARTS[p][1] * self.budget_s / share for p in self.names}
+        self.rehearsal = rehearsal
+        self.say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.t0 = time.monotonic()
+        self.env_info: dict = {}
+        self.peak_tflops: float | None = None
+
+    # ---- processes -----------------------------------------------------------------------------
+    def left(self) -> float:
+        return self.budget_s - (time.monotonic() - self.t0)
+
+    def _log(self, name: str) -> Path:
+        (self.out / "logs").mkdir(parents=True, exist_ok=True)
+        return self.out / "logs" / f"{name}.log"
+
+    def _bench(self, part: str, args: list[str], budget: float, log_name: str | None = None) -> tuple[dict, str | None]:
+        """Run ``python -m workbench.runtime.bench PART ARGS`` with ``budget`` seconds (it leaves out
+        what would overrun; stopped at budget + grace); returns (its JSON, why it was stopped or failed)."""
+        res_path = self.out / "parts" / f"{log_name or part}.json"
+        res_path.parent.mkdir(parents=True, exist_ok=True)
+        if res_path.exists():
+            res_path.unlink()
+        cmd = [sys.executable, "-m", "workbench.runtime.bench", part, "--out", str(res_path), "--budget-s", f"{budget:.0f}",
+               *args, *(["--cpu-rehearsal"] if self.rehearsal else [])]
+        why = self._run(cmd, budget + GRACE_S, log_name or part, threads=1 if self.rehearsal else None)
+        try:
+            data = json.loads(res_path.read_text())
+        except (OSError, ValueError):
+            data = {}
+            why = why or f"it wrote no result (see {self._log(log_name or part)})"
+        return data, why
+
+    def _run(self, cmd: list[str], timeout: float, log_name: str, threads: int | None = None) -> str | None:
+        """Run ``cmd`` in a session of its own, its output to the part's log and, line by line, to the
+        terminal; stop the whole session past ``timeout``. Returns None, or why it did not end well."""
+        log = self._log(log_name)
+        with open(log, "a") as f:
+            f.write(f"$ {' '.join(cmd)}\n")
+            f.flush()
+            p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(threads),
+                                 cwd=str(REPO), start_new_session=True, stdin=subprocess.DEVNULL)
+
+            def pump() -> None:
+                for line in p.stdout:
+                    f.write(line)
+                    f.flush()
+                    s = line.rstrip()
+                    if s and not s.startswith(("  File ", "Traceback", "    ")) and len(s) < 400:
+                        self.say(f"  | {s}")
+
+            reader = threading.Thread(target=pump, daemon=True)
+            reader.start()
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill_session(p)
+                reader.join(timeout=5)
+                return f"stopped after {timeout:.0f} s (over its share of the budget); what it measured is kept"
+            reader.join(timeout=5)
+        if p.returncode != 0:
+            return f"exited with status {p.returncode} (see {log})"
+        return None
+
+    # ---- the parts ------------------------------------------------------------------------------
+    def _env_probe(self) -> dict:
+        data, why = self._bench("env", [], 120.0)
+        if why and not data:
+            tail = [ln.strip() for ln in self._log("env").read_text(errors="replace").splitlines() if ln.strip()]
+            data = {"error": tail[-1] if tail else why}
+        data["nvidia_smi"] = _nvidia_smi()
+        data["host"] = socket.gethostname()
+        data["os"] = f"{platform.system()} {platform.release()}"
+        return data
+
+    def part_doctor(self, part: Part) -> None:
+        from workbench.doctor import run_doctor
+
+        b = part.budget_s
+        rep = run_doctor(device="cpu" if self.rehearsal else "cuda", dist=not self.rehearsal,
+                         probe_timeout=max(45.0, 0.65 * b), dist_timeout=max(40.0, 0.35 * b),
+                         progress=lambda m: self.say(f"  | {m}"))
+        c = rep.counts
+        part.data = rep.to_dict()
+        part.status = "fail" if c["fail"] else "warn" if c["warn"] else "ok"
+        lines = {x.name: x for x in rep.checks}
+        nccl = lines.get("nccl (world 1)")
+        flash = lines.get("flash-attn")
+        part.summary = (f"{c['ok']} ok, {c['warn']} warn, {c['fail']} fail, {c['skip']} skipped"
+                        + (f"; NCCL at world 1: {nccl.status}" if nccl else "")
+                        + (f"; flash-attn: {flash.status}" if flash else ""))
+
+    def part_peak(self, part: Part) -> None:
+        data, why = self._bench("peak", [], part.budget_s)
+        part.data = data
+        peak = (data.get("peak") or {}).get("peak_tflops")
+        if peak:
+            self.peak_tflops = peak
+            sheet = self.env_info.get("datasheet_bf16_tflops")
+            part.status = "ok"
+            part.summary = (f"{peak:,.0f} TFLOPs bf16 (matmul of {data['peak']['at_n']:,})"
+                            + (f", {peak / sheet:.0%} of the datasheet's {sheet:,.0f}" if sheet else ""))
+        else:
+            part.status = "fail"
+            part.summary = why or data.get("error") or "no size ran"
+
+    def part_attention(self, part: Part) -> None:
+        data, why = self._bench("attention", [], part.budget_s)
+        part.data = data
+        corr = (data.get("correctness") or {}).get("kernels") or []
+        bad = [r["kernel"] for r in corr if r["status"] != "ok"]
+        others = [r for r in corr if not r.get("yardstick")]
+        timing = [r for r in data.get("timing") or [] if r.get("status") == "ok"]
+        if not corr:
+            part.status, part.summary = "fail", why or data.get("error") or "no kernel ran"
+            return
+        part.status = "fail" if bad else ("warn" if why else "ok")
+        words = [f"{r['kernel']}: {r['status']} (out {r['max_abs_error']['out']:.1e}, dq {r['max_abs_error']['dq']:.1e})"
+                 if "max_abs_error" in r else f"{r['kernel']}: {r['status']} ({r.get('error')})" for r in others]
+        if not others:
+            words = ["only the per-sequence SDPA path imports here"]
+        longest = max(timing, key=lambda r: (r["tokens"], r["shape"] == "one sequence"), default=None)
+        if longest:
+            words.append(f"{longest['tokens']:,} tokens ({longest['shape']}) fwd+bwd: " + ", ".join(
+                f"{k} {v['fwd_bwd_ms']:,.1f} ms" for k, v in longest["kernels"].items() if v.get("fwd_bwd_ms")))
+        words.append(f"training uses: {data.get('training_uses')}")
+        part.summary = "; ".join(words) + (f"; {why}" if why else "")
+
+    def _train(self, part: Part, model: str, stage: int, tokens: str) -> None:
+        args = ["--model", model, "--zero-stage", str(stage), "--tokens", tokens]
+        if self.peak_tflops:
+            args += ["--peak-tflops", repr(float(self.peak_tflops))]
+        data, why = self._bench("train", args, part.budget_s, log_name=part.name)
+        part.data = data
+        cases = data.get("cases") or []
+        ok = [c for c in cases if c.get("status") == "ok"]
+        if data.get("status") == "skip" or (not cases and data.get("reason")):
+            part.status, part.summary = "skip", data.get("reason") or "skipped"
+            return
+        if not ok:
+            part.status = "fail"
+            part.summary = why or data.get("error") or "; ".join(f"{c['tokens']:,}: {c.get('error') or c.get('reason')}"
+                                                                  for c in cases) or "no case ran"
+            return
+        bad = [c for c in cases if c.get("status") in ("fail", "error")]
+        ooms = [c for c in cases if c.get("status") == "oom"]
+        part.status = "fail" if bad else ("warn" if ooms or why else "ok")
+        best = max(ok, key=lambda c: c["tokens_per_s"])
+        words = [(f"{c['tokens'] // 1024}K" if c["tokens"] >= 1024 else f"{c['tokens']}") + f": {c['tokens_per_s']:,.0f} tok/s"
+                 + (f", MFU {c['mfu']:.0%}" if c.get("mfu") else "")
+                 + (f", peak {c['peak_over_predicted']:.2f}x predicted" if c.get("peak_over_predicted") else "")
+                 + (" (recompute)" if c.get("recompute") else "") for c in ok]
+        if ooms:
+            words.append("out of memory at " + ", ".join(f"{c['tokens']:,}" for c in ooms)
+                         + " (predicted " + ", ".join(f"{c['predicted']['total_bytes'] / 2**30:.0f} GiB" for c in ooms) + ")")
+        skipped = [c for c in cases if c.get("status") == "skip"]
+        if skipped:
+            words.append(f"left out {', '.join(str(c['tokens']) for c in skipped)}: {skipped[0].get('reason')}")
+        part.summary = f"{data.get('optimizer')}, {'; '.join(words)}" + (f"; {why}" if why else "")
+        part.data["best_tokens_per_s"] = best["tokens_per_s"]
+
+    def part_train_1b(self, part: Part) -> None:
+        self._train(part, "tiny" if self.rehearsal else "1b", 0, "256,512" if self.rehearsal else "8192,16384,32768,65536")
+
+    def part_train_8b(self, part: Part) -> None:
+        self._train(part, "tiny" if self.rehearsal else "llama3-8b", 3,
+                    "256,512" if self.rehearsal else "8192,16384,32768,65536")
+
+    def part_profile(self, part: Part) -> None:
+        """A quick profile of this device (bf16, one process), a short run planned with it, then
+        ``profile --check`` of the run: in the run store ``<out>/runs``."""
+        from workbench import runs
+        from workbench.launch import process
+        from workbench.profile import check_fidelity, prepare_profile, start_profile
+        from workbench.training import prepare_train
+
+        root = (self.out / "runs").resolve()
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        model = "tiny" if self.rehearsal else "1b"
+        device = "cpu" if self.rehearsal else "cuda"
+        deadline = time.monotonic() + part.budget_s + GRACE_S
+        env = _env(1 if self.rehearsal else None)
+        part.data = {"model": model, "root": str(root)}
+        # 1. the profile, in the precision a GPU run computes in (workbench profile's default dtype is fp32)
+        # (up to 4,096 tokens: the quick grid's largest packs hold 16 x max_len / 8 tokens, whose activations
+        # the 1B would not hold at the 32,768 a CUDA profile defaults to)
+        max_len = 512 if self.rehearsal else 4096
+        prof = prepare_profile(nproc=1, model=model, quick=True, root=root, name=f"profile-{stamp}", device=device,
+                               dtype="float32" if self.rehearsal else "bfloat16", max_len=max_len,
+                               command="workbench.gpucheck (quick profile, 1 process)")
+        part.data["profile_run"] = prof.id
+        self.say(f"  | profile: {prof.path}")
+        st = self._wait(process, start_profile(prof, stop_with_parent=True, env=env), deadline, part.budget_s * 0.6)
+        if st is None or st.state != "done":
+            part.status = "fail"
+            part.summary = f"the quick profile did not finish: {st.error if st else 'stopped at its share of the budget'}"
+            return
+        profile_path = prof.file(runs.PROFILE_FILE)
+        part.data["profile"] = str(profile_path)
+        # 2. a short training run planned with it
+        settings = {"steps": 6, "nproc": 1, "device": device, "model": model, "source": "stdlib",
+                    "max_len": max_len, "batch_tokens": 2048 if self.rehearsal else 16384,
+                    "profile": str(profile_path), "zero_stage": 0, "checkpoint_every": 0, "planner": "greedy",
+                    "seed": 0}
+        run, spec, _ = prepare_train(settings, root=root, name=f"train-{stamp}")
+        part.data["train_run"] = run.id
+        self.say(f"  | short run: {run.path}")
+        handle = process.start(run, nproc=1, stop_with_parent=True, env=env)
+        st = self._wait(process, handle, deadline, None)
+        if st is None or st.state != "done":
+            part.status = "fail"
+            part.summary = f"the short run did not finish: {st.error if st else 'stopped at its share of the budget'}"
+            return
+        # 3. profile --check
+        res = check_fidelity(str(profile_path), run.path, skip=1, root=root)
+        err = res["step_error"]
+        part.data["check"] = {k: res[k] for k in ("profile", "run", "execution", "zero_stage", "step_error",
+                                                  "group_error", "optimizer_error", "notes", "steps")}
+        from workbench.profile.fidelity import fidelity_table
+
+        part.data["check_table"] = fidelity_table(res)
+        part.status = "ok" if err["median_ape"] is not None else "fail"
+        part.summary = (f"step time median error {err['median_ape']:.1f}% (worst {err['worst_ape']:.1f}%, "
+                        f"{err['count']} steps) of the {model} run planned with this GPU's quick profile"
+                        if err["median_ape"] is not None else "no step to compare")
+
+    def _wait(self, process, handle, deadline: float, share: float | None):
+        """Wait for a run (profile or training) until ``deadline`` (or ``share`` seconds); stop it
+        past that. Returns its final RunStatus, or None when it was stopped."""
+        limit = deadline - time.monotonic()
+        if share is not None:
+            limit = min(limit, share + GRACE_S)
+        try:
+            return process.wait(handle, timeout=max(1.0, limit))
+        except TimeoutError:
+            process.stop(handle)
+            return None
+
+    # ---- the whole check ------------------------------------------------------------------------
+    def run(self) -> dict:
+        self.out.mkdir(parents=True, exist_ok=True)
+        started = _now()
+        self.say(f"gpu-check: parts {', '.join(self.names)}; budget {self.budget_s:.0f} s; writing {self.out}/")
+        self.env_info = self._env_probe()
+        cuda = bool(self.env_info.get("cuda_available"))
+        gpu = (self.env_info.get("gpu") or {}).get("name")
+        if cuda:
+            self.say(f"gpu-check: {gpu}, torch {self.env_info.get('torch')} (CUDA {self.env_info.get('cuda_build')})")
+        parts: list[Part] = []
+        why_not = None
+        if not cuda and not self.rehearsal:
+            if "torch" not in self.env_info:
+                why_not = f"needs CUDA: torch does not import with {sys.executable} ({self.env_info.get('error')})"
+            elif not self.env_info.get("cuda_build"):
+                why_not = f"needs CUDA: torch {self.env_info['torch']} is a CPU build"
+            else:
+                why_not = f"needs CUDA: torch {self.env_info['torch']} (CUDA {self.env_info['cuda_build']}) sees no GPU"
+        for name in self.names:
+            part = Part(name, PARTS[name][0], budget_s=self.shares[name])
+            parts.append(part)
+            if why_not:
+                part.summary = why_not
+                self.say(f"gpu-check: {name}: skip: {why_not}")
+                continue
+            left = self.left()
+            if left < 0.5 * part.budget_s:
+                part.summary = (f"skipped: {max(left, 0):.0f} s of the budget left, this part needs about "
+                                f"{part.budget_s:.0f} s (rerun it: --parts {name})")
+                self.say(f"gpu-check: {name}: {part.summary}")
+                continue
+            part.budget_s = min(part.budget_s, max(left, 0.0))
+            self.say(f"gpu-check: {name}: {part.title} (up to {part.budget_s:.0f} s; {left:.0f} s of the budget left)")
+            t = time.monotonic()
+            try:
+                getattr(self, "part_" + name.replace("-", "_"))(part)
+            except Exception as e:  # noqa: BLE001 - one part's crash is that part's finding, the check goes on
+                part.status = "fail"
+                msg = str(e).strip().splitlines()
+                part.summary = f"crashed: {type(e).__name__}: {msg[0] if msg else ''}"
+            part.seconds = time.monotonic() - t
+            self.say(f"gpu-check: {name}: {part.status}: {part.summary} ({part.seconds:.0f} s)")
+            self._write(started, parts, cuda)
+        result = self._write(started, parts, cuda)
+        self.say(f"gpu-check: {result['summary']}; {self.out / 'report.md'}")
+        return result
+
+    def _write(self, started: str, parts: list[Part], cuda: bool) -> dict:
+        from workbench.util import write_json_atomic, write_text_atomic
+
+        counts = {s: sum(p.status == s for p in parts) for s in STATUSES}
+        result = {
+            "version": 1, "started": started, "finished": _now(), "seconds": round(time.monotonic() - self.t0, 1),
+            "budget_s": self.budget_s, "rehearsal": self.rehearsal, "cuda": cuda,
+            "command": ("workbench " if Path(sys.argv[0]).name == "workbench" else
+                        f"{Path(sys.executable).name} -m workbench.gpucheck ") + " ".join(sys.argv[1:]),
+            "python": sys.executable, "machine": self.env_info, "parts": [p.to_dict() for p in parts],
+            "counts": counts, "ok": counts["fail"] == 0,
+            "summary": f"{counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail, {counts['skip']} skipped "
+                       f"in {time.monotonic() - self.t0:.0f} s",
+        }
+        write_json_atomic(self.out / "result.json", result)
+        write_text_atomic(self.out / "report.md", format_markdown(result))
+        return result
+
+
+def _kill_session(p: subprocess.Popen) -> None:
+    """SIGTERM to ``p``'s session, 5 s, then SIGKILL (``p`` leads a session of its own)."""
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            p.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+# ------------------------------------------------------------------------------------------------
+# the report
+# ------------------------------------------------------------------------------------------------
+
+
+def _f(v, fmt: str = ",.1f", none: str = "-") -> str:
+    return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else none
+
+
+def _gib(b) -> str:
+    return _f(b / 2**30 if isinstance(b, (int, float)) else None, ".1f")
+
+
+def format_markdown(result: dict) -> str:
+    """``report.md``: the machine, one line per part, then each part's tables."""
+    m = result.get("machine") or {}
+    gpu = m.get("gpu") or {}
+    lines = ["# GPU check", ""]
+    if result.get("rehearsal"):
+        lines += ["**CPU rehearsal** (`--cpu-rehearsal`): every part on CPU with toy sizes, to run the code; the "
+                  "figures mean nothing.", ""]
+    lines += [f"- when: {result.get('started')} ({result.get('seconds')} s of a {result.get('budget_s'):.0f} s budget)",
+              f"- command: `{result.get('command')}`",
+              f"- device: {gpu.get('name') or ('no CUDA device' if not result.get('cuda') else '?')}"
+              + (f", {_gib(gpu.get('total_memory_bytes'))} GiB, compute capability {gpu.get('capability')}" if gpu else ""),
+              f"- torch {m.get('torch', '-')} (CUDA build {m.get('cuda_build') or 'none'}), NCCL {m.get('nccl') or '-'}, "
+              f"Python {m.get('python', '-')}; flash-attn {m.get('flash_attn') or 'not installed'}; "
+              f"torch varlen: {(m.get('torch_varlen') or {}).get('note', '-')}; training's attention: "
+              f"{m.get('attention_auto') or '-'}",
+              f"- driver: {((m.get('nvidia_smi') or {}).get('gpus') or [{}])[0].get('driver') or '-'}; host {m.get('host', '-')}",
+              "", f"**{result.get('summary')}**", "", "| part | status | s | summary |", "|---|---|---:|---|"]
+    for p in result.get("parts") or []:
+        lines.append(f"| {p['name']} | {p['status']} | {p['seconds']:.0f} | {p['summary'].replace('|', '/')} |")
+    for p in result.get("parts") or []:
+        d = p.get("data") or {}
+        if p["status"] == "skip" or not d:
+            continue
+        lines += ["", f"## {p['name']}: {p['title']}", ""]
+        if p["name"] == "doctor":
+            for c in d.get("checks") or []:
+                lines.append(f"- {c['status']}: **{c['name']}**: {c['detail']}" + (f" (fix: {c['fix']})" if c.get("fix") and
+                                                                                   c['status'] in ("warn", "fail") else ""))
+        elif p["name"] == "peak":
+            lines += ["| n | ms | TFLOPs |", "|---:|---:|---:|"]
+            for r in (d.get("peak") or {}).get("rows") or []:
+                lines.append(f"| {r['n']:,} | {_f(r.get('ms'), '.3f')} | {_f(r.get('tflops'), ',.1f')} |"
+                             if r.get("status") == "ok" else f"| {r['n']:,} | {r.get('status')} | {r.get('error', '')} |")
+        elif p["name"] == "attention":
+            c = d.get("correctness") or {}
+            lines += [f"Correctness: {c.get('heads')} heads over {c.get('kv_heads')} KV heads of {c.get('head_dim')}, "
+                      f"sequences {c.get('lengths')}, {c.get('dtype')} against a {c.get('reference')} reference; "
+                      f"rule: {c.get('rule')}.", "",
+                      "| kernel | status | out | dq | dk | dv |", "|---|---|---:|---:|---:|---:|"]
+            for r in c.get("kernels") or []:
+                e = r.get("max_abs_error") or {}
+                lines.append(f"| {r['kernel']} | {r['status']} | " + " | ".join(_f(e.get(k), ".2e") for k in
+                                                                               ("out", "dq", "dk", "dv")) + " |"
+                             if e else f"| {r['kernel']} | {r['status']} | {r.get('error', '')} | | | |")
+            for u in d.get("unavailable") or []:
+                lines.append(f"\n{u['kernel']}: {u['status']}: {u['reason']}")
+            names = d.get("kernels") or []
+            lines += ["", "Time (ms, forward / forward+backward; CUDA events, median of 3):", "",
+                      "| tokens | shape | " + " | ".join(names) + " |", "|---:|---|" + "---:|" * len(names)]
+            for r in d.get("timing") or []:
+                if r.get("status") != "ok":
+                    lines.append(f"| {r['tokens']:,} | {r['shape']} | {r.get('status')}: {r.get('reason') or r.get('error')} |")
+                    continue
+                cells = []
+                for n in names:
+                    k = r["kernels"].get(n) or {}
+                    cells.append(f"{_f(k.get('fwd_ms'))} / {_f(k.get('fwd_bwd_ms'))}" if k.get("status") == "ok"
+                                 else str(k.get("status", "-")))
+                lines.append(f"| {r['tokens']:,} | {r['shape']} | " + " | ".join(cells) + " |")
+        elif p["name"].startswith("train"):
+            lines += [f"{d.get('model')} ({_f(d.get('params'), ',.0f')} parameters), ZeRO-{d.get('zero_stage')}, "
+                      f"{d.get('precision')}, {d.get('optimizer')}, one rank ({d.get('backend')}), attention "
+                      f"{d.get('attention')}; MFU against the measured peak {_f(d.get('peak_tflops'), ',.0f')} TFLOPs"
+                      + (f" (datasheet {d['datasheet_tflops']:,.0f})" if d.get("datasheet_tflops") else "")
+                      + "; model FLOPs = sum over sequences of s x flops_per_token(s) (causal attention included).", "",
+                      "| tokens | recompute | status | ms/step | tokens/s | TFLOPs | MFU | peak GiB | predicted GiB | "
+                      "peak/predicted |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+            for c in d.get("cases") or []:
+                pr = (c.get("predicted") or {}).get("total_bytes")
+                lines.append(f"| {c['tokens']:,} | {c.get('recompute', '-')} | {c.get('status')} | {_f(c.get('step_ms'))} | "
+                             f"{_f(c.get('tokens_per_s'), ',.0f')} | {_f(c.get('model_tflops'))} | "
+                             f"{_f(100 * c['mfu'], '.1f') + '%' if c.get('mfu') else '-'} | {_gib(c.get('peak_bytes'))} | "
+                             f"{_gib(pr)} | {_f(c.get('peak_over_predicted'), '.2f')} |"
+                             + (f" {c.get('reason') or c.get('error')}" if c.get("status") != "ok" else ""))
+        elif p["name"] == "profile":
+            if d.get("check_table"):
+                lines += ["```", d["check_table"], "```"]
+    lines.append("")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--parts", default=None, metavar="A,B",
+                    help=f"the parts to run (default all: {','.join(PARTS)})")
+    ap.add_argument("--budget-s", type=float, default=None, metavar="S",
+                    help=f"the whole check's time budget (default {DEFAULT_BUDGET_S:.0f} s for every part; with --parts "
+                         f"their shares): parts share it, one that would overrun is skipped or stopped")
+    ap.add_argument("--out", default="gpu-check", metavar="DIR", help="where result.json and report.md go (default gpu-check)")
+    ap.add_argument("--cpu-rehearsal", action="store_true",
+                    help="run every part on CPU with toy sizes (tests the check's code; figures meaningless)")
+
+
+def run_check(args) -> int:
+    """Run the check for parsed ``args``; returns the exit status (1 when a part failed)."""
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()] if args.parts else None
+    # every process the check starts (the doctor's too) imports this checkout, wherever it runs
+    os.environ["PYTHONPATH"] = _env()["PYTHONPATH"]
+    check = GpuCheck(args.out, parts=parts, budget_s=args.budget_s, rehearsal=args.cpu_rehearsal)
+    result = check.run()
+    return 0 if result["ok"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m workbench.gpucheck", description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    try:
+        return run_check(args)
+    except ValueError as e:
+        print(f"gpu-check: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
