@@ -68,10 +68,12 @@ def test_default_max_len_by_hand():
     params = sc.model_spec().params()
     budget = 0.7 * 40 - 16 * params / 64 / 1e9
     tokens_per_gpu = budget * 1e9 / ACT
-    # Ulysses splits 7B's 32 heads: the largest group has 32 GPUs, holding 32 GPUs' worth of tokens
+    # Ulysses alone splits 7B's 32 heads: the largest group has 32 GPUs, holding 32 GPUs' worth of tokens
     cap = min(32 * tokens_per_gpu, 393216)
     want = 1 << (int(cap).bit_length() - 1)
-    assert sc.resolved_max_len() == want == 131072
+    assert sc.replace(strategy="ulysses").resolved_max_len() == want == 131072
+    # with context parallelism (auto, the default) a group of all 64 holds twice that
+    assert sc.resolved_max_len() == 2 * want
     # an explicit list is planned as given: no default clip
     assert Scenario(source="400000,10").resolved_max_len() is None
     assert Scenario(max_len=4096).resolved_max_len() == 4096

@@ -96,7 +96,7 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help=f"model preset (default {DEFAULT_MODEL}) or a Hugging Face config.json (or its folder)")
     p.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME|PATH",
                    help=f"hardware profile: shipped name or JSON file (default {DEFAULT_PROFILE})")
-    p.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=list(STRATEGIES),
+    p.add_argument("--strategy", default=DEFAULT_STRATEGY, type=_strategy, metavar="|".join(STRATEGIES[:3]) + "|cp:C",
                    help="how a group splits its attention: ulysses (heads scattered, capped by the heads), cp "
                         "(context parallelism, K/V all-gathered; ring is its older name), auto (each group the "
                         f"fastest split u x cp that fits; default {DEFAULT_STRATEGY})")
@@ -112,6 +112,16 @@ def _add_batch_args(p: argparse.ArgumentParser) -> None:
                         f"about a second on 2 cores); plans depend only on the inputs, --seed and --effort")
     p.add_argument("--time-limit", type=positive_float, default=None, metavar="S",
                    help="wall-clock safety cap per step (s; default: ten times the effort and more)")
+
+
+def _strategy(text: str) -> str:
+    """argparse type of --strategy: a strategy name or cp:C (``workbench.cost.strategy_problem``)."""
+    from workbench.cost import strategy_problem
+
+    problem = strategy_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 def scenario_from_args(args, **extra) -> Scenario:
@@ -355,7 +365,7 @@ _TRAIN_SETTINGS = ("model", "source", "samples", "column", "tokenizer", "init", 
                    "effort", "time_limit", "profile", "gpu_memory_gb", "attention", "steps", "seed", "optimizer", "lr",
                    "weight_decay", "momentum", "grad_clip", "checkpoint_every", "plan_ahead", "timeout_s", "device",
                    "nproc", "nnodes", "zero_stage", "precision", "recompute", "memory_fraction", "degrees",
-                   "torch_profile")
+                   "strategy", "torch_profile")
 
 
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -413,6 +423,9 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of device memory plans may fill (default 0.7)")
     g.add_argument("--degrees", default=None, metavar="D1,D2,...",
                    help="candidate SP degrees (default: powers of two up to the world size)")
+    g.add_argument("--strategy", default=None, type=_strategy, metavar="|".join(STRATEGIES[:3]) + "|cp:C",
+                   help=f"how each group splits its attention (default {DEFAULT_STRATEGY}): ulysses (heads), cp "
+                        f"(context parallelism; ring is its older name), auto (each group its fastest split u x cp)")
     g.add_argument("--attention", default=None, choices=ATTENTION, help="attention backend (default auto)")
     g.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
                    help="how model states are held, planned and run (default 3: FSDP2, lockstep passes; 0-2 keep "

@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from workbench.cost import DEFAULT_STRATEGY, STRATEGIES
+from workbench.cost import DEFAULT_STRATEGY, STRATEGIES, strategy_problem
 from workbench.solve.effort import DEFAULT_EFFORT
 
 __all__ = ["Scenario", "DEFAULT_PLANNERS", "STRATEGIES", "DEFAULT_STRATEGY", "POLICIES", "default_max_len"]
@@ -60,10 +60,13 @@ def _check_num(field: str, v: Any, lo: float, hi: float | None = None, optional:
 
 
 def default_max_len(cost) -> int:
-    """The largest power of two of tokens the cluster holds on one group (its largest degree),
-    at most the model's max context."""
+    """The largest power of two of tokens the cluster holds on one group (its largest degree, on the
+    split that needs least memory), at most the model's max context."""
     cap = min(max(cost.degrees) * cost.tokens_per_gpu(), cost.model.max_context)
-    return 1 << max(0, int(cap).bit_length() - 1)
+    out = 1 << max(0, int(cap).bit_length() - 1)
+    while out > 1 and cost.min_degree([out])[0] == 0:  # a split's own memory (CP's gathered K/V) counts too
+        out //= 2
+    return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -167,8 +170,8 @@ class Scenario:
         for d in self.degrees:
             _check_int("degrees", d, 1)
         object.__setattr__(self, "degrees", tuple(sorted({int(d) for d in self.degrees})))
-        if self.strategy not in STRATEGIES:
-            _fail("strategy", self.strategy, f"must be one of {', '.join(STRATEGIES)}")
+        if strategy_problem(self.strategy) is not None:
+            _fail("strategy", self.strategy, f"must be one of {', '.join(STRATEGIES)} or cp:C (C a power of two)")
         if not isinstance(self.recompute, bool):
             _fail("recompute", self.recompute, "must be true or false")
         _check_int("samples", self.samples, 1, optional=True)

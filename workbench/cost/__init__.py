@@ -103,14 +103,33 @@ import numpy as np
 from workbench.cost.memory import PRECISIONS, fsdp_units, model_states
 from workbench.specs import ClusterSpec, ComputeCurve, HardwareProfile, ModelSpec
 
-__all__ = ["CostModel", "STRATEGIES", "DEFAULT_STRATEGY", "InfeasibleError", "EXECUTIONS"]
+__all__ = ["CostModel", "STRATEGIES", "DEFAULT_STRATEGY", "InfeasibleError", "EXECUTIONS", "strategy_problem"]
 
 EXECUTIONS = ("free", "lockstep")
 
 STRATEGIES = ("auto", "ulysses", "cp", "ring")
-"""Which splits ``u x c`` a cost model's groups may use (module docstring); ``ring`` is ``cp``."""
+"""Which splits ``u x c`` a cost model's groups may use (module docstring); ``ring`` is ``cp``.
+``cp:C`` (``strategy_problem`` accepts it) fixes the CP size: every group runs ``(d/C) x C``, a group
+smaller than C context parallelism over all of it."""
 
-DEFAULT_STRATEGY = "ulysses"
+
+def strategy_problem(strategy) -> str | None:
+    """Why ``strategy`` is not one (one line naming the choices), or None: a name of ``STRATEGIES``
+    or ``cp:C`` with C a positive power of two."""
+    s = str(strategy)
+    if s in STRATEGIES:
+        return None
+    if s.startswith("cp:"):
+        try:
+            c = int(s[3:])
+        except ValueError:
+            c = 0
+        if c >= 1 and c & (c - 1) == 0:
+            return None
+        return f"strategy {s!r}: the CP size after 'cp:' must be a power of two, e.g. cp:2"
+    return f"unknown strategy {s!r}; choose one of {', '.join(STRATEGIES)} or cp:C (a fixed CP size, e.g. cp:2)"
+
+DEFAULT_STRATEGY = "auto"
 """The strategy scenarios, the command line and the panels plan with unless told."""
 
 
@@ -243,8 +262,9 @@ class CostModel:
         precision: str | None = None,
         optimizer: str = "adamw",
     ) -> None:
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        problem = strategy_problem(strategy)
+        if problem is not None:
+            raise ValueError(problem)
         strategy = "cp" if strategy == "ring" else strategy
         precision = precision or ("fp32" if model.dtype_bytes >= 4 else "bf16")
         if precision not in PRECISIONS:
@@ -341,9 +361,9 @@ class CostModel:
         """Whether the strategy can run a group of degree ``d`` at all (ignoring memory): some split
         of it is allowed (``ulysses``: Ulysses over all ``d``; ``cp`` and ``auto``: any degree)."""
         d = int(d)
-        if d == 1 or self.strategy != "ulysses":
+        if d == 1 or self.strategy in ("auto", "cp"):
             return True
-        return self.split_supported(d)
+        return bool(self._allowed_splits(d))
 
     def ulysses_limit(self) -> int:
         """The widest Ulysses group the heads allow (the largest supported ``u`` up to the query heads)."""
@@ -354,7 +374,8 @@ class CostModel:
         if self.degree_supported(d):
             return ""
         m = self.model
-        return (f"a Ulysses group of {d} ranks does not fit {m.name}'s {m.heads} query / {m.kv_heads} KV heads "
+        u = d // min(d, int(self.strategy[3:])) if self.strategy.startswith("cp:") else d
+        return (f"a Ulysses group of {u} ranks does not fit {m.name}'s {m.heads} query / {m.kv_heads} KV heads "
                 f"(Ulysses groups go up to {self.ulysses_limit()}); use --strategy auto (or cp) for context parallelism")
 
     def _allowed_splits(self, d: int) -> list[int]:
@@ -364,6 +385,9 @@ class CostModel:
             return [1] if self.split_supported(d) else []
         if self.strategy == "cp":
             return [d]
+        if self.strategy.startswith("cp:"):
+            c = min(d, int(self.strategy[3:]))
+            return [c] if d % c == 0 and self.split_supported(d // c) else []
         return [c for c in range(1, d + 1) if d % c == 0 and self.split_supported(d // c)]
 
     def _choose_shapes(self, degrees) -> tuple[tuple[int, int], ...]:

@@ -125,7 +125,7 @@ _DEBUG_FLAGS = {"plan_num_gpus": "--debug-plan-gpus", "step_sleep_s": "--debug-s
 def train_argv(spec) -> list[str]:
     """``workbench train`` arguments that prepare exactly ``spec`` (a TrainSpec) again: every setting
     given, so nothing depends on the defaults of the machine that reads them. Raises ValueError for a
-    setting no flag carries (a strategy other than Ulysses)."""
+    setting no flag carries."""
     sc = spec.scenario
     out: list[str] = []
     for name, flag in _SCENARIO_FLAGS.items():
@@ -135,8 +135,7 @@ def train_argv(spec) -> list[str]:
     out.append("--recompute" if sc.recompute else "--no-recompute")
     if sc.degrees:
         out += ["--degrees", ",".join(str(d) for d in sc.degrees)]
-    if sc.strategy != "ulysses":
-        raise ValueError(f"strategy {sc.strategy!r} has no workbench train flag; training runs Ulysses")
+    out += ["--strategy", sc.strategy]
     for name, flag in _TRAIN_FLAGS.items():
         v = getattr(spec, name)
         if v is not None:
