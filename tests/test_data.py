@@ -122,6 +122,9 @@ def test_knots_imply_the_published_figures_without_sampling_noise():
     assert close(by.token_share_over(131071.5), 0.443, 0.02)
     assert close(by.token_share_over(2097151.5), 0.121, 0.02)
     assert close(by.fraction_over(4096), 0.20, 0.01)
+    lc = FAMILIES["longctx"]  # ProLong: documents of 64K and more hold 60% of the tokens, to 1M
+    assert close(lc.token_share_over(65535.5), 0.60, 0.03)
+    assert lc.sample(200_000, seed=1).max() <= 1048576
 
 
 def test_teaching_families():

@@ -285,6 +285,11 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     # release has the same shapes with 8K context and no scaling: pass its config.json for that)
     "llama3-8b": _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 131072, rope_theta=500000.0,
                         rope_scaling=_LLAMA31_ROPE, norm_eps=1e-5),
+    # the same shape with its context extended to 1M tokens, as long-context continued training does
+    # (MEMO, ByteScale); the rotary settings stay Llama 3.1's: give an extended model's own config.json
+    # to train its exact rotary
+    "llama3-8b-1m": _llama("llama3-8b-1m", 32, 4096, 32, 8, 14336, 128256, 1048576, rope_theta=500000.0,
+                           rope_scaling=_LLAMA31_ROPE, norm_eps=1e-5),
     "llama3-70b": _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 131072, rope_theta=500000.0,
                          rope_scaling=_LLAMA31_ROPE, norm_eps=1e-5),
     # Qwen/Qwen2.5-7B: q/k/v biases, 28 heads (Ulysses degrees must divide 28: 1, 2, 4), 4 KV heads

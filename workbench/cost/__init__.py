@@ -391,21 +391,39 @@ class CostModel:
         return [c for c in range(1, d + 1) if d % c == 0 and self.split_supported(d // c)]
 
     def _choose_shapes(self, degrees) -> tuple[tuple[int, int], ...]:
-        """Every allowed ``(degree, cp)``, less the splits another split of the same degree beats on
-        overhead, time per token and memory per token alike (each is linear in the tokens for a
-        given split, compute aside, which the split does not change), ties to the smaller ``cp``."""
+        """Every allowed ``(degree, cp)`` that is the fastest split of its degree for some group.
+
+        Compute aside (the split does not change it), a group's time under split c is linear in its
+        tokens S, ``overhead(c) + k(c) * S``, and so is its memory, ``m(c) * S`` within the budget.
+        A split is kept when, for some S from one token to the most any split holds, it is the
+        fastest of the splits that hold S (ties to the smaller c): the lower envelope of the lines.
+        Nothing is lost: every group's best split is kept (tests/test_cost.py checks it by brute
+        force). A degree none of whose splits holds a token keeps its least-memory split."""
         out = []
         one = np.ones(1)
+        B = float(self.memory_budget_gb)
         for d in degrees:
-            cands = []
-            for c in self._allowed_splits(d):
-                cands.append((c, self.group_overhead_ms(d, c), float(self._split_ms(one, d, c)[0]),
-                              float(self.memory(one, d, c)[0])))
-            for c, o, k, mu in cands:
-                beaten = any((o2 <= o and k2 <= k and m2 <= mu) and ((o2, k2, m2) != (o, k, mu) or c2 < c)
-                             for c2, o2, k2, m2 in cands if c2 != c)
-                if not beaten:
-                    out.append((int(d), int(c)))
+            cands = [(int(c), float(self.group_overhead_ms(d, c)), float(self._split_ms(one, d, c)[0]),
+                      float(self.memory(one, d, c)[0])) for c in self._allowed_splits(d)]
+            if not cands:
+                continue
+            top = max(B / mu for _, _, _, mu in cands)
+            points = {1.0, top}
+            for _, o1, k1, m1 in cands:
+                points.add(B / m1)
+                for _, o2, k2, _m2 in cands:
+                    if k1 != k2 and 1.0 < (o2 - o1) / (k1 - k2) < top:
+                        points.add((o2 - o1) / (k1 - k2))
+            pts = sorted(x for x in points if 1.0 <= x <= top)
+            probes = [1.0, *((a + b) / 2 for a, b in zip(pts, pts[1:]))]
+            kept = set()
+            for S in probes:
+                fit = [(o + k * S, c) for c, o, k, mu in cands if mu * S <= B * (1 + 1e-12)]
+                if fit:
+                    kept.add(min(fit)[1])
+            if not kept:
+                kept.add(min(cands, key=lambda x: (x[3], x[0]))[0])
+            out.extend((int(d), c) for c in kept)
         return tuple(sorted(out))
 
     @property

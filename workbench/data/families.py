@@ -378,9 +378,38 @@ _COMMONCRAWL = QuantileFamily(
     },
 )
 
+_LONGCTX = QuantileFamily(
+    name="longctx",
+    description=(
+        "Long-context continued training (ProLong's recipe): short web text beside long documents "
+        "(code repositories, books) that hold 60% of the tokens, up to 1M tokens each"
+    ),
+    # the body is commoncrawl's; the long part starts at 64K at the fraction that gives documents of
+    # 64K and more 60% of the tokens (ProLong's long share) and runs to a 1M cap, about log-uniform
+    knots=(
+        (0.0, 1), (0.01, 40), (0.1, 110), (0.3, 230), (0.5, 450), (0.7, 900), (0.8, 1450), (0.9, 2800),
+        (0.95, 5450), (0.98, 10850), (0.99, 16000), (0.9934, 65536), (0.997, 230000), (0.999, 560000),
+        (0.9998, 1000000), (0.999999, 1048576),
+    ),
+    targets={
+        "source": (
+            "Gao et al., How to Train Long-Context Language Models (Effectively), arXiv 2410.02660 (ProLong): "
+            "long documents (code repositories, books) are 60% of the continued-training tokens, high-quality "
+            "short data the rest; its longest training sequences are 512K, the 1M cap is the long-context "
+            "regime of MEMO and ByteScale"
+        ),
+        "token_share_at_least": {"65536": 0.60},
+        # our assumption, not published: the short part's percentiles (commoncrawl's) and the long
+        # documents' spread between 64K and 1M
+        "percentiles": {"p50": 450, "p90": 2800, "p99": 16000},
+        "cap": 1048576,
+        "assumed": ["percentiles", "cap", "the long part's shape"],
+    },
+)
+
 FAMILIES: dict[str, Any] = {
     f.name: f
-    for f in (_WIKIPEDIA, _GITHUB, _BYTED, _COMMONCRAWL, UniformFamily(), LognormalFamily())
+    for f in (_WIKIPEDIA, _GITHUB, _BYTED, _COMMONCRAWL, _LONGCTX, UniformFamily(), LognormalFamily())
 }
 
 
