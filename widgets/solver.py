@@ -211,7 +211,10 @@ class SolverPanel(ScenarioSource, Panel):
             head, controls, actions, self.status, self.data_line,
             W.HTML("<h4 style='margin:10px 0 2px'>The plan on a timeline</h4>"),
             cap("Each bar is one SP group: a block of consecutive GPUs (ranks, the rows) that runs its sequences "
-                "together, coloured by its <b>degree</b> (how many GPUs share each sequence). When the batch does "
+                "together, coloured by its <b>degree</b> (how many GPUs share each sequence); its <b>split</b> u×c "
+                "(label and hover) says how: Ulysses scatters the heads over u of them, context parallelism keeps "
+                "the tokens and all-gathers K and V over c (the <i>SP split</i> control: auto picks each group's "
+                "fastest). When the batch does "
                 "not fit in memory at once it runs in several parts whose gradients add up, and how those line up "
                 "depends on the <b>ZeRO stage</b>. Under <b>ZeRO-3</b> every forward and backward all-gathers the "
                 "parameters over all GPUs, so the parts are <b>lockstep passes</b> (p0, p1, ..., shaded bands): "
@@ -608,6 +611,7 @@ class SolverPanel(ScenarioSource, Panel):
             ("packing_gap", "over packing bound", lambda v: f"{100 * v:.1f}%"),
             ("micro_steps", "passes" if res.scenario.zero_stage == 3 else "micro-steps", "d"),
             ("groups", "groups", "d"), ("degrees", "degrees", lambda v: ",".join(map(str, v))),
+            ("splits", "splits (u x cp)", lambda v: ", ".join(v)),
             ("imbalance", "imbalance", ".3f"), ("solve_seconds", "solve (s)", ".2f"), ("status", "status", None)])
         self._draw_memory(reset_group=True)
 
@@ -644,7 +648,9 @@ class SolverPanel(ScenarioSource, Panel):
             self._chosen_group = (top["micro_step"], top["index"])
         self._quiet += 1
         try:
-            self.w_group.options = [(f"m{r['micro_step']} · degree {r['degree']} · ranks {r['ranks'][0]}-{r['ranks'][1]} · "
+            self.w_group.options = [(f"m{r['micro_step']} · degree {r['degree']}"
+                                     + (f" ({r['degree'] // r['cp']}x{r['cp']})" if (r.get("cp") or 1) > 1 else "")
+                                     + f" · ranks {r['ranks'][0]}-{r['ranks'][1]} · "
                                      f"{r['sequences']} seq · {r['activations_gb']:.2f} GB activations",
                                      (r["micro_step"], r["index"])) for r in rows]
             self.w_group.value = self._chosen_group

@@ -72,27 +72,30 @@ def working_label(cost) -> str:
     return "autocast's bf16 copies of the matmul weights, kept for backward"
 
 
-def gpu_memory_breakdown(cost, lengths: Sequence[int] = (), degree: int = 1) -> dict:
-    """Memory of one GPU of a group of ``degree`` running ``lengths`` in one micro-step, in GB.
+def gpu_memory_breakdown(cost, lengths: Sequence[int] = (), degree: int = 1, cp: int | None = None) -> dict:
+    """Memory of one GPU of a group of ``degree`` and split ``cp`` (None: the degree's least-memory
+    split) running ``lengths`` in one micro-step, in GB.
 
     Returns plain data: ``parameters_gb``, ``gradients_gb``, ``optimizer_gb``, ``model_states_gb``
     (the three: what a run counts from tensor storage), ``working_gb`` (the transient working set,
     ``working_label`` says what it is), ``activations_gb`` (the group's sequences, each
-    ``cost.memory(s, degree)``), ``total_gb``, ``usable_gb`` (GPU memory x fraction), ``gpu_memory_gb``,
-    ``reserve_gb`` (what is not planned), ``activation_budget_gb`` (usable less model states and
-    working set), ``headroom_gb`` (usable less total; negative: over budget), ``fits``, ``degree``,
-    ``sequences``, ``tokens``, ``zero_stage``, ``execution``, ``states_note``."""
+    ``cost.memory(s, degree, cp)``: with context parallelism its gathered K/V too), ``total_gb``,
+    ``usable_gb`` (GPU memory x fraction), ``gpu_memory_gb``, ``reserve_gb`` (what is not planned),
+    ``activation_budget_gb`` (usable less model states and working set), ``headroom_gb`` (usable less
+    total; negative: over budget), ``fits``, ``degree``, ``cp``, ``sequences``, ``tokens``,
+    ``zero_stage``, ``execution``, ``states_note``."""
     import numpy as np
 
     cl = cost.cluster
     parts = model_state_parts(cost)
     s = np.asarray(list(lengths), dtype=np.int64)
-    act = float(cost.memory(s, int(degree)).sum()) if s.size else 0.0
+    act = float(cost.memory(s, int(degree), cp).sum()) if s.size else 0.0
     states = parts["parameters"] + parts["gradients"] + parts["optimizer"]
     usable = float(cl.usable_memory_gb)
     total = states + parts["working"] + act
     return {
-        "degree": int(degree), "sequences": int(s.size), "tokens": int(s.sum()) if s.size else 0,
+        "degree": int(degree), "cp": None if cp is None else int(cp), "sequences": int(s.size),
+        "tokens": int(s.sum()) if s.size else 0,
         "parameters_gb": parts["parameters"], "gradients_gb": parts["gradients"], "optimizer_gb": parts["optimizer"],
         "model_states_gb": states, "working_gb": parts["working"], "working_label": working_label(cost),
         "activations_gb": act, "total_gb": total, "usable_gb": usable,
@@ -111,10 +114,13 @@ def plan_memory(plan: Mapping[str, Any], cost) -> list[dict]:
     out = []
     for m, ms in enumerate(plan.get("micro_steps") or []):
         for k, g in enumerate(ms.get("groups") or []):
-            row = gpu_memory_breakdown(cost, g["lengths"], g["degree"])
+            c = int(g.get("cp", 1))
+            row = gpu_memory_breakdown(cost, g["lengths"], g["degree"], c)
             r = list(g["ranks"])
             where = f"rank {r[0]}" if len(r) == 1 else f"ranks {r[0]}-{r[-1]}"
-            row.update(micro_step=m, index=k, ranks=[r[0], r[-1]], label=f"micro-step {m}, degree {g['degree']}, {where}")
+            split = f" ({int(g['degree']) // c}x{c})" if c > 1 else ""
+            row.update(micro_step=m, index=k, ranks=[r[0], r[-1]],
+                       label=f"micro-step {m}, degree {g['degree']}{split}, {where}")
             out.append(row)
     return out
 

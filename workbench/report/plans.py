@@ -26,9 +26,27 @@ def _color(d: int) -> str:
     return DEGREE_COLORS.get(int(d), "#888888")
 
 
+def _split(g: Mapping[str, Any]) -> str:
+    """A group's split as ``"u×c"`` (plans written before splits existed: Ulysses over the group)."""
+    c = int(g.get("cp", 1))
+    return f"{int(g['degree']) // c}×{c}"
+
+
+def _split_words(g: Mapping[str, Any]) -> str:
+    """A group's split in words: ``Ulysses 8 × CP 8``, ``Ulysses over 8``, ``CP over 8``, ``one GPU``."""
+    d, c = int(g["degree"]), int(g.get("cp", 1))
+    if d == 1:
+        return "one GPU"
+    if c == 1:
+        return f"Ulysses over {d}"
+    if c == d:
+        return f"context parallel over {d}"
+    return f"Ulysses {d // c} × context parallel {c}"
+
+
 def timeline_data(plan: Mapping[str, Any]) -> dict:
     """The plan replayed on its ranks (``workbench.solve.timeline``) with the gradient sync:
-    ``{"groups": [{micro_step, degree, ranks [first, last], start_ms, end_ms, sequences}],
+    ``{"groups": [{micro_step, degree, ulysses, cp, ranks [first, last], start_ms, end_ms, sequences}],
     "compute_end_ms", "grad_sync_ms", "makespan_ms", "lower_bound_ms", "num_gpus",
     "rank_busy_ms", "imbalance"}`` (imbalance: compute end / mean rank busy time)."""
     from workbench.solve.plan import plan_from_dict, timeline
@@ -48,7 +66,8 @@ def timeline_data(plan: Mapping[str, Any]) -> dict:
 def timeline_figure(plan: Mapping[str, Any], title: str | None = None, *, max_labels: int = 128):
     """Gantt view of one plan: one horizontal bar per group over its ranks (y: every rank
     labelled, up to ``max_labels`` ranks), x: seconds into the step; colour: degree (legend);
-    text: the micro-step (m0, m1, ...; p0, p1, ... for the passes of a lockstep plan); the gradient
+    text: the micro-step (m0, m1, ...; p0, p1, ... for the passes of a lockstep plan) and, for a group
+    with context parallelism, its split u×c (the hover says it in words for every group); the gradient
     sync as a grey block at the end; the lower bound as a dashed line. Lockstep plans also show
     their passes as shaded bands and every rank's wait for the end of a pass."""
     import plotly.graph_objects as go
@@ -78,12 +97,12 @@ def timeline_figure(plan: Mapping[str, Any], title: str | None = None, *, max_la
             base=[g["start_ms"] / 1e3 for g in gs], x=[(g["end_ms"] - g["start_ms"]) / 1e3 for g in gs],
             y=[(g["ranks"][0] + g["ranks"][1]) / 2 for g in gs], width=[g["ranks"][1] - g["ranks"][0] + 0.86 for g in gs],
             orientation="h", name=f"degree {d}", marker=dict(color=_color(d), line=dict(color="white", width=1)),
-            text=[f"{tag}{g['micro_step']}" for g in gs], textposition="inside", insidetextanchor="middle",
-            textfont=dict(size=10), constraintext="both",
+            text=[f"{tag}{g['micro_step']}" + (f" {_split(g)}" if g.get("cp", 1) > 1 else "") for g in gs],
+            textposition="inside", insidetextanchor="middle", textfont=dict(size=10), constraintext="both",
             customdata=[[g["micro_step"], g["ranks"][0], g["ranks"][1], g["sequences"], g["start_ms"] / 1e3,
-                         g["end_ms"] / 1e3] for g in gs],
+                         g["end_ms"] / 1e3, _split_words(g)] for g in gs],
             hovertemplate=(("pass" if lockstep else "micro-step") + " %{customdata[0]}, degree " + str(d)
-                           + "<br>ranks %{customdata[1]}-%{customdata[2]}, "
+                           + " (%{customdata[6]})<br>ranks %{customdata[1]}-%{customdata[2]}, "
                            "%{customdata[3]} sequence(s)<br>%{customdata[4]:.3f}s to %{customdata[5]:.3f}s<extra></extra>"))
     end = tl["compute_end_ms"] / 1e3
     sync = tl["grad_sync_ms"] / 1e3
@@ -124,16 +143,19 @@ def timeline_figure(plan: Mapping[str, Any], title: str | None = None, *, max_la
 
 def planner_rows(plans: Mapping[str, Mapping[str, Any]], packing_bound_ms: float | None = None) -> list[dict]:
     """One row of plain data per planner: makespan, lower bound, gap, micro-steps, groups,
-    degrees used, imbalance, solve seconds and status; with ``packing_bound_ms`` (the step's
+    degrees and splits (``"u x c"``) used, imbalance, solve seconds and status; with ``packing_bound_ms`` (the step's
     ``workbench.solve.bound.step_bound_ms``) also ``packing_gap``, the makespan over it."""
     rows = []
     for name, p in plans.items():
         tl = timeline_data(p)
         degs = sorted({g["degree"] for m in p["micro_steps"] for g in m["groups"]})
+        splits = sorted({(g["degree"], int(g.get("cp", 1))) for m in p["micro_steps"] for g in m["groups"]},
+                        key=lambda x: (-x[0], x[1]))
         rows.append({"planner": name, "makespan_ms": float(p["makespan_ms"]), "lower_bound_ms": float(p["lower_bound_ms"]),
                      "gap": float(p["makespan_ms"]) / float(p["lower_bound_ms"]) - 1 if p["lower_bound_ms"] else 0.0,
                      "micro_steps": len(p["micro_steps"]), "groups": sum(len(m["groups"]) for m in p["micro_steps"]),
-                     "degrees": degs, "imbalance": tl["imbalance"], "grad_sync_ms": tl["grad_sync_ms"],
+                     "degrees": degs, "splits": [f"{d // c}x{c}" for d, c in splits],
+                     "imbalance": tl["imbalance"], "grad_sync_ms": tl["grad_sync_ms"],
                      "solve_seconds": float(p.get("solve_seconds") or 0.0), "status": p.get("status", "")})
         if packing_bound_ms:
             rows[-1]["packing_gap"] = float(p["makespan_ms"]) / float(packing_bound_ms) - 1
@@ -160,9 +182,10 @@ def planners_figure(plans: Mapping[str, Mapping[str, Any]], title: str = "Every 
                 marker_color=["#E45756" if r["planner"].startswith("static") or r["planner"] == "best-static" else "#4C78A8"
                               for r in rows],
                 text=text, textposition="auto", insidetextanchor="start",
-                customdata=[[r["micro_steps"], ", ".join(map(str, r["degrees"])), r["solve_seconds"]] for r in rows],
+                customdata=[[r["micro_steps"], ", ".join(map(str, r["degrees"])), r["solve_seconds"], ", ".join(r["splits"])]
+                            for r in rows],
                 hovertemplate="%{y}: %{x:.3f}s per step<br>%{customdata[0]} micro-step(s), degrees %{customdata[1]}"
-                              "<br>solved in %{customdata[2]:.2f}s<extra></extra>")
+                              "<br>splits (ulysses x cp) %{customdata[3]}<br>solved in %{customdata[2]:.2f}s<extra></extra>")
     if rows:
         lb = min(r["lower_bound_ms"] for r in rows) / 1e3
         fig.add_vline(x=lb, line_dash="dash", line_color="#222", annotation_text=f"lower bound {lb:.2f}s",
