@@ -494,3 +494,19 @@ def test_missing_spec_json_fails_cleanly(tmp_path):
     st = launch.wait(h, timeout=RUN_TIMEOUT)
     assert st.state == "failed" and "spec.json is missing" in st.error, st
     assert not launch.run_alive(st)
+
+
+def test_a_max_context_no_group_holds_is_refused_before_the_run_exists(tmp_path):
+    """Forced Ulysses on a model with 4 heads: a group of 8 cannot scatter them, so a max context that
+    needs 8 GPUs is one line naming the heads and --strategy auto, and no run folder is made; auto
+    runs it with context parallelism."""
+    settings = {"steps": 1, "nproc": 8, "model": "tiny", "device": "cpu", "max_len": 4096, "source": "stdlib",
+                "gpu_memory_gb": 0.02}
+    with pytest.raises(SpecError) as e:
+        prepare_train({**settings, "strategy": "ulysses"}, root=tmp_path, dry_run=True)
+    msg = str(e.value)
+    assert "\n" not in msg and "the max context (4,096 tokens)" in msg
+    assert "4 query / 2 KV heads" in msg and "--strategy auto" in msg
+    _, spec, _ = prepare_train({**settings, "strategy": "auto"}, root=tmp_path, dry_run=True)
+    assert spec.scenario.cost().min_degree([4096])[0] == 8
+    assert not any(tmp_path.iterdir())

@@ -312,7 +312,12 @@ def prepare_train(settings: Mapping[str, Any] | None = None, *, scenario: Scenar
     if sc.precision is None:  # resolved now, so spec.json says what the run computes in and plans assume
         sc = sc.replace(precision="bf16" if on_gpu else "fp32")
     spec = TrainSpec(scenario=sc, **train)
-    sc.cost()  # a cluster or profile that cannot work fails here, before a folder exists
+    cost = sc.cost()  # a cluster or profile that cannot work fails here, before a folder exists
+    max_len = sc.resolved_max_len()
+    if max_len is not None and cost.min_degree([max_len])[0] == 0:
+        # a sequence of the max context could come in any step: refuse now, not at that step
+        why = cost.infeasible_message(-1, int(max_len)).replace("sequence -1 ", "the max context ")
+        raise SpecError(f"{why} (or lower --max-len)" if "--max-len" not in why else why)
     check_model_and_data(spec)
     if here:
         check_machine(spec)
