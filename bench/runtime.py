@@ -30,8 +30,14 @@ an early rank waits inside the group's first collective); then the speedup of ea
 least disturbed by other work on a shared machine), and the ratio of the gains (1: the model
 predicts the measured gain exactly).
 
+``--splits`` instead runs one plan per group split: ``static:N`` (every group all N ranks) with its
+groups as Ulysses over N (``N x 1``), Ulysses x context parallelism (``--strategy cp:2``: ``N/2 x 2``)
+and context parallelism over N (``1 x N``), and prints each one's measured and predicted step and
+whether the measured ranking of the three is the predicted one.
+
 Usage: python bench/runtime.py [--nproc 4] [--zero-stage 3,0] [--profile machine|NAME|PATH] [--lengths wikipedia]
-[--max-len 4096] [--batch-tokens 32768] [--steps 3] [--warmup 1] [--planners a,b] [--gpu-memory-gb G] [--json PATH]
+[--max-len 4096] [--batch-tokens 32768] [--steps 3] [--warmup 1] [--planners a,b] [--strategy auto] [--splits]
+[--gpu-memory-gb G] [--json PATH]
 It launches torchrun itself (argument lists, its own session; killed on --timeout).
 """
 
@@ -66,6 +72,9 @@ def _args(argv=None):
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--planners", default=",".join(PLANNERS))
+    ap.add_argument("--strategy", default="auto", help="how the planners' groups split (auto, ulysses, cp, cp:C)")
+    ap.add_argument("--splits", action="store_true",
+                    help="one static plan per split (N x 1, N/2 x 2, 1 x N) instead of the planners")
     ap.add_argument("--profile", default="machine",
                     help="profile name or JSON path, or 'machine': this machine's quick profile for --nproc, from the "
                          "run store or measured first (default)")
@@ -86,14 +95,22 @@ def _args(argv=None):
 # ------------------------------------------------------------------------------------------------
 
 
-def _scenario(args, gpu_memory_gb: float, stage: int):
+def _scenario(args, gpu_memory_gb: float, stage: int, strategy: str | None = None):
     from workbench.scenario import Scenario
 
     n = args.nproc
     return Scenario(model="tiny", profile=args.profile, num_gpus=n, gpus_per_node=n, gpu_memory_gb=gpu_memory_gb,
                     source=args.lengths, samples=args.samples, max_len=args.max_len, policy="clip",
                     batch_tokens=args.batch_tokens, seed=args.seed, effort=args.time_limit, zero_stage=stage,
-                    precision="fp32", optimizer="adamw")
+                    precision="fp32", optimizer="adamw", strategy=strategy or args.strategy)
+
+
+def _runs(args) -> list[tuple[str, str, str]]:
+    """``(row name, planner, strategy)`` of every plan the bench runs."""
+    if args.splits:
+        n = args.nproc
+        return [(f"{n}x1", f"static:{n}", "ulysses"), (f"{n // 2}x2", f"static:{n}", "cp:2"), (f"1x{n}", f"static:{n}", "cp")]
+    return [(name, name, args.strategy) for name in args.planners.split(",")]
 
 
 def _setup(args, stage: int):
@@ -113,17 +130,20 @@ def _setup(args, stage: int):
     batch = sc.batches(1)[0]
     lengths = [int(x) for x in batch.lengths]
     known = set(planner_names())
-    plans, errors = {}, {}
-    for name in args.planners.split(","):
+    plans, errors, shapes = {}, {}, set()
+    for row, name, strategy in _runs(args):
         if name not in known and not name.startswith("static:"):
-            errors[name] = "not registered"
+            errors[row] = "not registered"
             continue
         try:
-            plans[name] = sc.plan(batch, planner=name).to_dict()
+            s2 = sc.replace(strategy=strategy)
+            plans[row] = s2.plan(batch, planner=name).to_dict()
+            shapes |= set(s2.cost().shapes)
         except Exception as e:  # a planner that fails is reported, the others still run
-            errors[name] = f"{type(e).__name__}: {e}"
+            errors[row] = f"{type(e).__name__}: {e}"
     profile = cost.profile
     info = {"lengths": lengths, "gpu_memory_gb": mem, "memory_budget_gb": cost.memory_budget_gb,
+            "shapes": sorted(shapes),
             "zero_stage": stage, "execution": cost.execution,
             "profile": profile.name, "profile_when": profile.provenance.get("when"),
             "profile_world": profile.provenance.get("world_size"),
@@ -152,7 +172,8 @@ def _run_stage(args, stage: int, rank: int, world: int) -> dict:
     dist.broadcast_object_list(obj, src=0)
     info, plans, errors = obj[0]
     spec = get_model("tiny")
-    registry = GroupRegistry(world, [d for d in (1, 2, 4, 8, 16) if d <= world])
+    degrees = [d for d in (1, 2, 4, 8, 16) if d <= world]
+    registry = GroupRegistry(world, degrees, shapes=[tuple(x) for x in info["shapes"] if x[0] in degrees])
     attn, backend = select_attention("torch", "cpu")
     model = Transformer(spec, seed=args.seed)
     zero = parallelize(model, zero_stage=stage, precision="fp32")
@@ -201,10 +222,11 @@ def _run_stage(args, stage: int, rank: int, world: int) -> dict:
             by_degree.setdefault(str(deg), []).append(meas / pred)
         flat = [x for r in all_ratios for x in r]
         degrees = sorted({g["degree"] for m in pd["micro_steps"] for g in m["groups"]})
+        splits = sorted({f"{g['ulysses']}x{g['cp']}" for m in pd["micro_steps"] for g in m["groups"] if g["degree"] > 1})
         med = statistics.median(steps[name])
         rows[name] = {"measured_ms": med, "measured_all_ms": steps[name], "predicted_ms": pd["makespan_ms"],
                       "ratio": med / pd["makespan_ms"], "group_ratio_median": statistics.median(flat) if flat else None,
-                      "micro_steps": len(pd["micro_steps"]), "degrees": degrees, "loss": losses[name],
+                      "micro_steps": len(pd["micro_steps"]), "degrees": degrees, "splits": splits, "loss": losses[name],
                       "group_ratio_by_degree": {d: statistics.median(v) for d, v in sorted(by_degree.items())}}
     return {"info": info, "rows": rows, "errors": errors, "attention": backend}
 
@@ -271,7 +293,7 @@ def _print_stage(args, stage: str, res: dict) -> None:
           f"step APE (%) | {what} |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     apes = []
-    for name in args.planners.split(","):
+    for name, _, _ in _runs(args):
         r = res["rows"].get(name)
         if r is None:
             why = res["errors"].get(name, "not run")
@@ -285,6 +307,13 @@ def _print_stage(args, stage: str, res: dict) -> None:
     if apes:
         print(f"\nstep-time prediction error over the planners: median {statistics.median(apes):.1f}%, "
               f"worst {max(apes):.1f}%")
+    if args.splits:
+        rows = {name: res["rows"][name] for name, _, _ in _runs(args) if name in res["rows"]}
+        pred = sorted(rows, key=lambda k: rows[k]["predicted_ms"])
+        meas = sorted(rows, key=lambda k: rows[k]["measured_ms"])
+        print(f"\nranking, fastest first: predicted {' < '.join(pred)}; measured {' < '.join(meas)}: "
+              f"{'the same' if pred == meas else 'DIFFERENT'}")
+        return
     base = res["rows"].get("static-max")
     if base is None or base["degrees"] != [max(base["degrees"])]:
         return
