@@ -192,7 +192,7 @@ def _check_misc(registry, rank: int) -> dict:
     results = {}
     cost8 = CostModel(load_profile("cpu-gloo-tiny"), spec, ClusterSpec(num_gpus=8, gpus_per_node=8, gpu_memory_gb=4.0,
                                                                     zero_stage=0))
-    plan8 = build_plan("bad", [[(8, [0, 1])]], [5, 9], cost8)
+    plan8 = build_plan("bad", [[(8, [0, 1], 2)]], [5, 9], cost8)  # 4x2: tiny has 4 heads
     ex = StepExecutor(Transformer(spec, seed=0), registry, torch_varlen_attention)
     try:
         ex.run(plan8, [torch.zeros(5, dtype=torch.long), torch.zeros(9, dtype=torch.long)])

@@ -159,3 +159,19 @@ def test_the_layer_between_stays_light_and_acyclic():
     importers = [p.relative_to(pkg).as_posix() for p in pkg.rglob("*.py") if p.name != "cli.py"
                  and re.search(r"^\s*(from workbench(\.cli| import cli)\b|import workbench\.cli)", p.read_text(), re.M)]
     assert importers == [], f"modules importing the CLI: {importers}"
+
+
+def test_time_limit_is_the_cap_now_and_the_budget_in_specs_written_before_effort():
+    # a scenario file or run spec written before plans were deterministic: its time limit was how long
+    # the search ran, so it reads as that much effort (and no cap)
+    old = {k: v for k, v in Scenario(time_limit=3.0).to_dict().items() if k != "effort"}
+    sc = Scenario.from_dict(old, stored=True)
+    assert (sc.effort, sc.time_limit) == (3.0, None)
+    assert Scenario.from_json(json.dumps(old)).effort == 3.0
+    # built now (a new run's settings, a panel, the CLI): the time limit is the wall-clock cap, the
+    # effort the default
+    sc = Scenario.from_dict({"time_limit": 0.5})
+    assert (sc.effort, sc.time_limit) == (Scenario().effort, 0.5)
+    # and a spec written now keeps both
+    both = Scenario(effort=2.0, time_limit=7.0).to_dict()
+    assert Scenario.from_dict(both, stored=True).effort == 2.0 and Scenario.from_dict(both, stored=True).time_limit == 7.0

@@ -755,7 +755,7 @@ class SolverPanel(ScenarioSource, Panel):
         if not plans:
             raise ValueError(f"run {r.id} has no plans yet")
         spec = r.spec()
-        sc = Scenario.from_dict(spec["scenario"])
+        sc = Scenario.from_dict(spec["scenario"], stored=True)
         cost = sc.cost()
         metrics = r.metrics()
         predicted = predicted_model_states(cost)

@@ -202,9 +202,12 @@ class Scenario:
         return json.dumps(self.to_dict(), **kw)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Scenario":
+    def from_dict(cls, data: Mapping[str, Any], *, stored: bool = False) -> "Scenario":
         """Build from a dict (as ``to_dict`` writes it). Raises ValueError naming unknown fields or
-        the invalid one."""
+        the invalid one. ``stored``: the dict was read from a file (a run's spec, a scenario file);
+        one written before plans were deterministic has a ``time_limit`` and no ``effort``, and its
+        time limit was the search budget, so it becomes the effort (a dict built now keeps
+        ``time_limit`` as the wall-clock cap it is)."""
         if not isinstance(data, Mapping):
             raise ValueError(f"a scenario must be a JSON object, got {type(data).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
@@ -214,14 +217,14 @@ class Scenario:
         kw = dict(data)
         if "degrees" in kw and isinstance(kw["degrees"], list):
             kw["degrees"] = tuple(kw["degrees"])
-        if "effort" not in kw and kw.get("time_limit") is not None:
+        if stored and "effort" not in kw and kw.get("time_limit") is not None:
             # written before plans were deterministic: its time limit was the search budget
             kw["effort"], kw["time_limit"] = kw["time_limit"], None
         return cls(**kw)
 
     @classmethod
     def from_json(cls, text: str) -> "Scenario":
-        return cls.from_dict(json.loads(text))
+        return cls.from_dict(json.loads(text), stored=True)
 
     def replace(self, **changes) -> "Scenario":
         """A copy with ``changes`` applied (validated again). Raises ValueError on a bad value or

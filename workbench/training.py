@@ -168,7 +168,7 @@ class TrainSpec:
         _req("scenario" in data, "spec.json has no 'scenario' field (written by an older workbench? start a new run)")
         kw = {k: v for k, v in data.items() if k != "kind"}
         try:
-            kw["scenario"] = Scenario.from_dict(kw["scenario"])
+            kw["scenario"] = Scenario.from_dict(kw["scenario"], stored=True)
             return cls(**kw)
         except SpecError:
             raise
