@@ -490,7 +490,7 @@ def test_measured_cp_extras_enter_the_split_by_hand():
 
 
 def test_cp_grid_measures_every_cp_size_and_the_splits_the_heads_allow():
-    from workbench.profile import cp_grid
+    from workbench.profile import cp_grid, cp_packs
 
     assert cp_grid([2], [2]) == ([2], [[2, 2]])
     # 4 ranks: 1 x 2, 1 x 4, and 2 x 2 of the 4-rank group when Ulysses over 2 splits the heads
@@ -501,6 +501,9 @@ def test_cp_grid_measures_every_cp_size_and_the_splits_the_heads_allow():
     # the tiny model (4 query heads, 2 KV heads) on 4 ranks; switched off with cp=False
     res = ProfileSpec(model="tiny", nproc=4).resolved("cpu")
     assert res["cp_sizes"] == [2, 4] and res["cp_splits"] == [[2, 2], [4, 4], [4, 2]]
+    # 1 x c micro-steps also run the longest length the curves are fitted to (CP's extra grows with it)
+    assert res["cp_packs"] == res["group_packs"] + [[4096]] and max(max(p) for p in res["fit_packs"]) == 4096
+    assert cp_packs([[256], [4096]], [[64], [4096]]) == [[256], [4096]]
     assert ProfileSpec(model="tiny", nproc=4, cp=False).resolved("cpu")["cp_sizes"] == []
     with pytest.raises(ValueError, match="profile cp must be true or false"):
         ProfileSpec(model="tiny", nproc=2, cp="yes")

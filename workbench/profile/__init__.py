@@ -35,7 +35,7 @@ from workbench.profile.fit import ape, error_summary, fit_curve, fit_pack_curve,
 from workbench.profile.result import MEASUREMENTS_FILE, RESULT_FILE, ProfileResult, build_result
 
 __all__ = ["ProfileSpec", "prepare_profile", "start_profile", "load_result", "check_fidelity", "ProfileResult",
-           "build_result", "read_profile_spec", "default_grid", "default_step_cases", "head_token_counts", "cp_grid",
+           "build_result", "read_profile_spec", "default_grid", "default_step_cases", "head_token_counts", "cp_grid", "cp_packs",
            "fsdp_unit_bytes", "gpu_count", "MEASURE_MODULE", "RESULT_FILE",
            "MEASUREMENTS_FILE", "nnls", "fit_curve", "fit_pack_curve", "trimmed_median", "ape", "error_summary",
            "DEVICES", "ATTENTION"]
@@ -149,6 +149,19 @@ def cp_grid(group_sizes, ulysses_sizes) -> tuple[list[int], list[list[int]]]:
     splits = [[c, c] for c in sizes]
     splits += [[top, c] for c in sizes if c < top and top // c in set(int(u) for u in ulysses_sizes)]
     return sizes, splits
+
+
+def cp_packs(group_packs, fit_packs) -> list[list[int]]:
+    """The packs ``1 x c`` context-parallel micro-steps run: the SP groups' packs and one sequence
+    of the longest length the compute curves are fitted to, when they have none that long. On CPU
+    the CP attention's bottom-right-masked calls cost more than the causal share, and the excess
+    grows with the square of the length: the per-token extra is fitted over the lengths CP is
+    planned for (the long ones), not extrapolated from shorter ones."""
+    packs = [[int(s) for s in p] for p in group_packs]
+    longest = max(int(s) for p in fit_packs for s in p)
+    if all(max(p) < longest for p in packs):
+        packs.append([longest])
+    return packs
 
 
 def head_token_counts(max_len: int) -> list[int]:
@@ -374,6 +387,7 @@ class ProfileSpec:
         # the runtime computes in fp32 or bf16; a big model's three copies of its states would not fit
         run_steps = self.steps and self.dtype != "float16" and m.params() <= 200e6
         cp_sizes, cp_splits = cp_grid(groups, sp) if self.cp else ([], [])
+        group_packs = [list(p) for p in self.group_packs] or grid["groups"]
         return {
             "device": dev, "max_len": max_len, "fit_packs": fit, "heldout_packs": held,
             "warmup": self.warmup if self.warmup is not None else (1 if self.quick else 2),
@@ -382,7 +396,7 @@ class ProfileSpec:
             "message_bytes": list(self.message_bytes) or list(MESSAGE_BYTES[(dev, self.quick)]),
             "collective_reps": self.collective_reps or (9 if self.quick else 15),
             "collective_inner": int(self.collective_inner),
-            "group_packs": [list(p) for p in self.group_packs] or grid["groups"],
+            "group_packs": group_packs,
             "min_sample_ms": float(self.min_sample_ms if self.min_sample_ms is not None
                                    else (50.0 if dev == "cpu" else 5.0)),
             "head_tokens": head_token_counts(max_len),
@@ -391,6 +405,7 @@ class ProfileSpec:
                                              max(sp) if sp else None) if run_steps else [],
             "optimizer": self.optimizer,
             "cp_sizes": cp_sizes, "cp_splits": cp_splits,
+            "cp_packs": cp_packs(group_packs, fit) if cp_splits else [],
         }
 
     def to_dict(self) -> dict:

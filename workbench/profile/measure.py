@@ -387,7 +387,8 @@ def _collective_call(kind: str, send: torch.Tensor, recv: torch.Tensor, group, n
 
 
 def _group_cases(spec: ModelSpec, net, registry, group_sizes, packs, attn, dev: torch.device, clock: Clock,
-                 gen, splits: Sequence[Sequence[int]] = ()) -> tuple[list[tuple[int, int, list[int]]], list[Callable]]:
+                 gen, splits: Sequence[Sequence[int]] = (),
+                 cp_packs: Sequence[Sequence[int]] | None = None) -> tuple[list[tuple[int, int, list[int]]], list[Callable]]:
     from workbench.runtime.cp import CPAttention
     from workbench.runtime.step import IGNORE, make_shard
     from workbench.runtime.ulysses import UlyssesAttention
@@ -403,7 +404,7 @@ def _group_cases(spec: ModelSpec, net, registry, group_sizes, packs, attn, dev: 
             group, subs = registry.get(block), None
         else:
             group, subs = None, registry.subgroups(block, c, rank)  # (Ulysses sub-group or None, CP sub-group)
-        for pack in packs:
+        for pack in (cp_packs if cp_packs is not None and c == d > 1 else packs):
             seqs = [torch.randint(0, spec.vocab, (int(n),), generator=gen) for n in pack]
 
             def once(seqs=seqs, d=d, c=c, lo=lo, group=group, subs=subs) -> list[float]:
@@ -439,7 +440,7 @@ def _group_rows(keys, samples, trim: float, device: torch.device) -> list[dict]:
 def measure_groups(spec: ModelSpec, registry, group_sizes: Sequence[int], packs: Sequence[Sequence[int]], *,
                    attn: Callable, device: torch.device | str = "cpu", warmup: int = 1, reps: int = 3,
                    trim: float = 0.2, dtype: torch.dtype = torch.float32, seed: int = 0, min_sample_ms: float = 0.0,
-                   cp_splits: Sequence[Sequence[int]] = (),
+                   cp_splits: Sequence[Sequence[int]] = (), cp_packs: Sequence[Sequence[int]] | None = None,
                    progress: Callable[[int], None] | None = None) -> list[dict]:
     """Time one micro-step of the runtime's sequence-parallel path, as the step executor runs it:
     each rank takes its slice of every sequence (``make_shard``), forward with Ulysses attention
@@ -450,7 +451,8 @@ def measure_groups(spec: ModelSpec, registry, group_sizes: Sequence[int], packs:
     every ``[degree, c]`` split (c > 1) with context parallelism (``CPAttention``: the CP layout's
     chunks, K/V all-gathered over the strided CP sub-group, bottom-right causal attention of each
     chunk on its prefix, the reduce-scatter of their gradients), Ulysses over ``degree / c`` ranks
-    inside it; the registry must hold those splits.
+    inside it; the registry must hold those splits. ``1 x c`` splits run ``cp_packs`` (default
+    ``packs``; ``workbench.profile.cp_packs`` adds the longest length).
 
     Returns ``[{"degree", "cp" (1: Ulysses only), "pack", "tokens", "ms" (whole model; trimmed
     median, median over ranks), "per_rank"}]``."""
@@ -460,7 +462,7 @@ def measure_groups(spec: ModelSpec, registry, group_sizes: Sequence[int], packs:
     net = Transformer(spec, seed=seed).to(device=dev, dtype=dtype)
     clock = Clock(dev)
     keys, cases = _group_cases(spec, net, registry, group_sizes, packs, attn, dev, clock,
-                               torch.Generator().manual_seed(seed), cp_splits)
+                               torch.Generator().manual_seed(seed), cp_splits, cp_packs)
     samples, _ = _round_robin(cases, device=dev, warmup=warmup, reps=reps, min_sample_ms=min_sample_ms,
                               progress=progress)
     return _group_rows(keys, samples, trim, dev)
@@ -471,6 +473,7 @@ def measure_compute_and_groups(spec: ModelSpec, packs, registry, group_sizes, gr
                                dtype: torch.dtype = torch.float32, seed: int = 0, min_sample_ms: float = 0.0,
                                head_tokens: Sequence[int] = (), step_cases: Sequence[dict] = (),
                                optimizer: str = "adamw", cp_splits: Sequence[Sequence[int]] = (),
+                               cp_packs: Sequence[Sequence[int]] | None = None,
                                progress: Callable[[int, int], None] | None = None) -> tuple[list, list, list, list]:
     """:func:`measure_compute`, :func:`measure_groups`, the head alone (embedding, final norm,
     output head and loss of one sequence of each of ``head_tokens``) and the real steps of
@@ -490,7 +493,7 @@ def measure_compute_and_groups(spec: ModelSpec, packs, registry, group_sizes, gr
     ccases = _compute_cases(spec, net, packs, attn, dev, clock, gen)
     hcases = _head_cases(spec, net, head_tokens, dev, clock, gen)
     keys, gcases = ([], []) if registry is None else _group_cases(spec, net, registry, group_sizes, group_packs, attn,
-                                                                  dev, clock, gen, cp_splits)
+                                                                  dev, clock, gen, cp_splits, cp_packs)
     precision = "bf16" if dtype == torch.bfloat16 else "fp32"
     steps = None
     if step_cases and registry is not None:
@@ -902,6 +905,7 @@ class Profiler:
             reps=res["reps"], trim=res["trim"], device=device, dtype=dtype, min_sample_ms=res["min_sample_ms"],
             head_tokens=res.get("head_tokens") or (), step_cases=cases if dist.is_initialized() else (),
             optimizer=res.get("optimizer") or "adamw", cp_splits=res.get("cp_splits") or [],
+            cp_packs=res.get("cp_packs") or None,
             progress=on_sample)
         fwd, fwd_ranks = agree([r["forward_ms"] for r in rows], device)
         bwd, bwd_ranks = agree([r["backward_ms"] for r in rows], device)
@@ -963,6 +967,7 @@ class Profiler:
                          "message_bytes": res["message_bytes"], "fsdp_bytes": res.get("fsdp_bytes"),
                          "group_sizes": res["group_sizes"], "step_cases": [c["name"] for c in cases],
                          "cp_sizes": res.get("cp_sizes"), "cp_splits": res.get("cp_splits"),
+                         "cp_packs": res.get("cp_packs"),
                          "optimizer": res.get("optimizer")},
                 "load_average": {"start": load_start, "end": _loadavg(), "cores": os.cpu_count(),
                                  "note": "1-minute load average of the machine (os.getloadavg) when the measuring "

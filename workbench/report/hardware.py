@@ -167,8 +167,7 @@ def bandwidth_figure(profile, title: str | None = None):
 
     pd = profile.to_dict() if hasattr(profile, "to_dict") else dict(profile)
     links = profile_links(pd)
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
-                        subplot_titles=("bandwidth (GB/s per GPU)", "latency (ms per call)"))
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12)
     for kind, name, color in LINKS:
         t = links.get(kind)
         if not t:
@@ -184,11 +183,11 @@ def bandwidth_figure(profile, title: str | None = None):
                             showlegend=False, row=1, col=2,
                             hovertemplate=f"group of %{{x}}: %{{y:.3g}} ms per call ({name})<extra></extra>")
     fig.update_xaxes(type="log", dtick=0.30103, title="group size (GPUs, log scale)")
-    fig.update_yaxes(type="log", title="GB/s per GPU (log scale)", row=1, col=1)
-    fig.update_yaxes(title="ms per call", rangemode="tozero", row=1, col=2)
+    fig.update_yaxes(type="log", title="bandwidth: GB/s per GPU (log scale)", row=1, col=1)
+    fig.update_yaxes(title="latency: ms per call", rangemode="tozero", row=1, col=2)
     fig.update_layout(template="plotly_white", height=380,
                       title=title or f"{pd['name']}: collectives by group size")
-    return top_legend(fig, top=130)
+    return top_legend(fig, top=120)
 
 
 _EXTRAS = (("sp", "Ulysses over u ranks", "#4C78A8"), ("cp", "context parallelism over c ranks", "#B279A2"))
@@ -219,8 +218,7 @@ def split_extras_figure(profile, title: str | None = None):
 
     pd = profile.to_dict() if hasattr(profile, "to_dict") else dict(profile)
     ex = split_extras(pd)
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
-                        subplot_titles=("fixed, per micro-step (ms per layer)", "per 1,000 tokens (ms per layer)"))
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12)
     for (key, name, color), part in zip(_EXTRAS, ("ulysses", "cp")):
         t = ex.get(part) or {}
         if not t:
@@ -230,9 +228,11 @@ def split_extras_figure(profile, title: str | None = None):
             fig.add_bar(x=[str(k) for k in ks], y=[t[k][field] for k in ks], name=name, marker_color=color,
                         legendgroup=key, showlegend=col == 1, row=1, col=col,
                         hovertemplate=f"{name}, %{{x}} ranks: %{{y:.3g}} ms per layer<extra></extra>")
-    fig.update_xaxes(title="group size (ranks of the Ulysses or CP sub-group)", type="category")
+    fig.update_xaxes(title="ranks of the Ulysses or CP sub-group", type="category")
+    fig.update_yaxes(title="fixed: ms per layer and micro-step", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title="ms per layer and 1,000 tokens", rangemode="tozero", row=1, col=2)
     fig.update_layout(template="plotly_white", height=340, barmode="group",
                       title=title or (f"{pd['name']}: what a group's split costs beyond its compute and collectives"
                                       if fig.data else f"{pd['name']} has no measured split extras"))
-    return top_legend(fig, top=130)
+    return top_legend(fig)
 
