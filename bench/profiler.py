@@ -4,7 +4,8 @@ lengths, and how well it predicts a real training run's steps and groups.
 1. ``workbench profile --quick --nproc N`` (``--oversubscribe`` when N exceeds the cores), timed
    wall-clock from the command's start to its end (torch start-up included);
 2. the fit's held-out error (lengths and packs not in the fit), the collectives' latency and
-   bandwidth, the SP overhead per group size;
+   bandwidth (context parallelism's all-gather and reduce-scatter on its sub-groups among them),
+   the SP overhead per group size and the CP extras per CP size (the profile table prints them);
 3. with ``--train-steps K``: a real ``workbench train`` run of the tiny model on N ranks planned
    with that profile (one long-tailed batch family clipped to ``--max-len``, per-rank memory set so
    that a ``--max-len`` sequence needs degree N, as ``bench/runtime.py`` does), then
@@ -127,9 +128,11 @@ def _figures(folder: Path, res, check) -> None:
     import shutil
 
     from workbench.report import write_html_report
+    from workbench.report.hardware import bandwidth_figure, split_extras_figure
     from workbench.report.profile import collectives_figure, fidelity_figure, fit_figure, residual_figure
 
-    figs = [("fit", fit_figure(res)), ("residuals", residual_figure(res)), ("collectives", collectives_figure(res))]
+    figs = [("fit", fit_figure(res)), ("residuals", residual_figure(res)), ("collectives", collectives_figure(res)),
+            ("links", bandwidth_figure(res.profile)), ("extras", split_extras_figure(res.profile))]
     if check:
         figs.append(("fidelity", fidelity_figure(check)))
     folder.mkdir(parents=True, exist_ok=True)

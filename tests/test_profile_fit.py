@@ -4,6 +4,7 @@ No torch, milliseconds."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -481,3 +482,128 @@ def test_measured_cp_extras_enter_the_split_by_hand():
     assert cp.group_overhead_ms(4, 2) - plain.group_overhead_ms(4, 2) == pytest.approx(2 * 0.5)
     # Ulysses alone pays none of it
     assert cp.time(s, 4, 1) == pytest.approx(plain.time(s, 4, 1))
+
+
+# ------------------------------------------------------------------------------------------------
+# context parallelism: its collectives on the CP sub-groups, its extras from real micro-steps
+# ------------------------------------------------------------------------------------------------
+
+
+def test_cp_grid_measures_every_cp_size_and_the_splits_the_heads_allow():
+    from workbench.profile import cp_grid, cp_packs
+
+    assert cp_grid([2], [2]) == ([2], [[2, 2]])
+    # 4 ranks: 1 x 2, 1 x 4, and 2 x 2 of the 4-rank group when Ulysses over 2 splits the heads
+    assert cp_grid([2, 4], [2, 4]) == ([2, 4], [[2, 2], [4, 4], [4, 2]])
+    assert cp_grid([2, 4], [4]) == ([2, 4], [[2, 2], [4, 4]])
+    assert cp_grid([2, 4, 8], [2, 4, 8]) == ([2, 4, 8], [[2, 2], [4, 4], [8, 8], [8, 2], [8, 4]])
+    assert cp_grid([], []) == ([], [])
+    # the tiny model (4 query heads, 2 KV heads) on 4 ranks; switched off with cp=False
+    res = ProfileSpec(model="tiny", nproc=4).resolved("cpu")
+    assert res["cp_sizes"] == [2, 4] and res["cp_splits"] == [[2, 2], [4, 4], [4, 2]]
+    # 1 x c micro-steps also run the longest length the curves are fitted to (CP's extra grows with it)
+    assert res["cp_packs"] == res["group_packs"] + [[4096]] and max(max(p) for p in res["fit_packs"]) == 4096
+    assert cp_packs([[256], [4096]], [[64], [4096]]) == [[256], [4096]]
+    assert ProfileSpec(model="tiny", nproc=4, cp=False).resolved("cpu")["cp_sizes"] == []
+    with pytest.raises(ValueError, match="profile cp must be true or false"):
+        ProfileSpec(model="tiny", nproc=2, cp="yes")
+
+
+def test_cp_collectives_fill_the_sizes_fsdp_does_not_measure():
+    tiny = get_model("tiny")  # 2 layers; K and V of one token: 2 KV heads x 16 x 4 bytes x 2 = 256 bytes
+    m = _measurements()
+    # FSDP over the world (4 ranks), CP on its strided sub-groups of 2 and of 4: known latency and bandwidth each
+    known = {("allgather", 4): (0.3, 2.0), ("reduce_scatter", 4): (0.35, 1.0),
+             ("cp_allgather", 2): (0.1, 3.0), ("cp_allgather", 4): (0.2, 1.2),
+             ("cp_reduce_scatter", 2): (0.15, 2.5), ("cp_reduce_scatter", 4): (0.25, 0.8)}
+    for (kind, d), (lat, gbps) in known.items():
+        for mb in (8192, 131072, 1 << 20):
+            m["collectives"].append({"kind": kind, "group_size": d, "message_bytes": mb,
+                                     "ms": lat + mb * (d - 1) / d / (gbps * 1e9) * 1e3})
+    res = build_result(m)
+    p = res.profile
+    # size 2: context parallelism's own figures; the world size stays FSDP's (CP's kept as evidence)
+    assert p.allgather_gbps == pytest.approx({2: 3.0, 4: 2.0}) and p.reduce_scatter_gbps == pytest.approx({2: 2.5, 4: 1.0})
+    assert p.allgather_latency_ms == pytest.approx({2: 0.1, 4: 0.3})
+    assert p.reduce_scatter_latency_ms == pytest.approx({2: 0.15, 4: 0.35})
+    assert res.collective_fits["cp_allgather"][4]["gbps"] == pytest.approx(1.2)
+    assert res.collective_fits["cp_reduce_scatter"][4]["latency_ms"] == pytest.approx(0.25)
+    assert "strided CP sub-groups" in p.provenance["cp_collectives"]
+    # what the cost model makes of it: a 1 x 2 group's K/V all-gather (forward) and reduce-scatter
+    # (backward) per layer, each moving (c-1)/c of the sequence's K/V, plus their latencies
+    cost = CostModel(p, tiny, ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=8.0), strategy="auto")
+    s = 3000.0
+    moved = s * 256 * 1 / 2
+    assert cost.cp_link_gbps("allgather", 2, 2) == pytest.approx(3.0)
+    assert cost.cp_comm_ms([s], 2, 2)[0] == pytest.approx(2 * (moved / 3.0e9 + moved / 2.5e9) * 1e3)
+    assert cost.collective_latency_ms(2, 2) == pytest.approx(2 * (0.1 + 0.15))
+    # FSDP over all 4 ranks keeps its own figure
+    assert cost._bus("allgather", 1e6, 4) == pytest.approx(0.75 * 1e6 / 2.0e9 * 1e3 + 0.3)
+
+
+def test_cp_extras_are_the_residual_of_real_cp_micro_steps_by_hand():
+    from workbench.profile.result import fit_cp_overhead, fit_sp_overhead
+
+    tiny = get_model("tiny")  # 2 layers, 4 heads, 2 KV heads
+    L = tiny.layers
+    prof = _profile(allgather_gbps={2: 1.0, 4: 0.8}, reduce_scatter_gbps={2: 0.9, 4: 0.7},
+                    allgather_latency_ms={2: 0.1, 4: 0.2}, reduce_scatter_latency_ms={2: 0.15, 4: 0.25},
+                    all_to_all_latency_ms={2: 0.5, 4: 1.0}, sp_overhead_ms={2: 1.5}, sp_token_ms={2: 1e-4})
+    cost = CostModel(prof, tiny, ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=1e6), strategy="auto")
+
+    def pred(d, c, pack):
+        return cost.group_overhead_ms(d, c) + float(cost.time(pack, d, c).sum())
+
+    packs = [[1024], [128] * 8, [2048], [256] * 8]
+    # degree 1 runs 4 ms slower than the curve on the first pack (the curve's own error), on time on the others
+    groups = [{"degree": 1, "cp": 1, "pack": packs[0], "ms": pred(1, 1, packs[0]) + 4.0}]
+    groups += [{"degree": 1, "cp": 1, "pack": p, "ms": pred(1, 1, p)} for p in packs[1:]]
+    # 1 x c pays o_c + r_c * tokens more than predicted (plus 1/c of the curve's error on the first pack)
+    for c, o, r in ((2, 8.0, 0.003), (4, 12.0, 0.006)):
+        groups += [{"degree": c, "cp": c, "pack": p,
+                    "ms": pred(c, c, p) + o + r * sum(p) + (4.0 / c if p == packs[0] else 0.0)} for p in packs]
+    # 2 x 2: not fitted, re-timed as evidence; Ulysses groups of 2, which the CP fit leaves to fit_sp_overhead
+    groups += [{"degree": 4, "cp": 2, "pack": p, "ms": pred(4, 2, p) + 2.0} for p in packs]
+    groups += [{"degree": 2, "cp": 1, "pack": p, "ms": pred(2, 1, p) + 3.0 + (2.0 if p == packs[0] else 0.0)}
+               for p in packs]
+    cpo, cpt, rows = fit_cp_overhead(prof, 4, groups)
+    assert cpo == pytest.approx({2: 8.0 / L, 4: 12.0 / L}) and cpt == pytest.approx({2: 0.003 / L, 4: 0.006 / L})
+    assert len(rows) == 12 and {r["split"] for r in rows} == {"1x2", "1x4", "2x2"}
+    for row in rows:
+        if row["split"] == "2x2":
+            # a 2 x 2 rank holds the K/V of one of the 2 KV heads: half the per-token extra of 1 x 2
+            extra = L * cpo[2] + L * cpt[2] * row["tokens"] * 0.5
+            assert row["predicted_with_overhead_ms"] - row["predicted_ms"] == pytest.approx(extra)
+            assert row["measured_ms"] - row["predicted_ms"] == pytest.approx(2.0)
+        else:  # what is left is the compute curve's own error on the first pack, 4 ms / c
+            assert row["predicted_with_overhead_ms"] == pytest.approx(
+                row["measured_ms"] - (4.0 / row["cp"] if row["pack"] == packs[0] else 0.0))
+    # the Ulysses fit sees its own groups only: the profile's extras of degree 2 (which they were predicted with)
+    # plus 3 ms (and 2 ms / 2, the curve's error, on the first pack)
+    sp, tok, sp_rows = fit_sp_overhead(dataclasses.replace(prof, sp_overhead_ms={}, sp_token_ms={}), 4, groups)
+    assert sp == pytest.approx({2: 1.5 + 3.0 / L}) and tok == pytest.approx({2: 1e-4}) and len(sp_rows) == 8
+    # one token count: a fixed extra only; a split faster than predicted gives no negative extra
+    one = [{"degree": 1, "cp": 1, "pack": packs[1], "ms": pred(1, 1, packs[1])},
+           {"degree": 2, "cp": 2, "pack": packs[1], "ms": pred(2, 2, packs[1]) + 3.0}]
+    assert fit_cp_overhead(prof, 4, one)[:2] == ({2: pytest.approx(1.5)}, {2: 0.0})
+    fast = [{"degree": 2, "cp": 2, "pack": packs[1], "ms": pred(2, 2, packs[1]) - 3.0}]
+    assert fit_cp_overhead(prof, 4, fast)[0] == {2: 0.0}
+    assert fit_cp_overhead(prof, 4, groups[:4]) == ({}, {}, [])  # no CP micro-steps: nothing fitted
+
+
+def test_build_result_fits_the_cp_extras_into_the_profile():
+    m = _measurements()
+    prof0 = build_result(m).profile
+    cost = CostModel(prof0, get_model("tiny"), ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=1e6),
+                     strategy="auto")
+    packs = [[512], [1024], [64] * 8]
+    m["groups"] = [{"degree": 1, "cp": 1, "pack": p, "ms": cost.group_overhead_ms(1) + float(cost.time(p, 1).sum())}
+                   for p in packs]
+    m["groups"] += [{"degree": 2, "cp": 2, "pack": p,
+                     "ms": cost.group_overhead_ms(2, 2) + float(cost.time(p, 2, 2).sum()) + 5.0 + 0.004 * sum(p)}
+                    for p in packs]
+    res = build_result(m)
+    assert res.profile.cp_overhead_ms == pytest.approx({2: 2.5}) and res.profile.cp_token_ms == pytest.approx({2: 0.002})
+    assert "1 x c context-parallel micro-steps" in res.profile.provenance["cp_overhead"]
+    assert [g["cp"] for g in res.groups] == [1, 1, 1, 2, 2, 2]
+    assert ProfileResult.from_dict(json.loads(res.to_json())).profile == res.profile

@@ -69,6 +69,29 @@ def test_quick_profile_on_two_gloo_ranks(profiled):
     from workbench.report.profile import collectives_figure, fit_figure, residual_figure
 
     assert len(fit_figure(res).data) >= 4 and residual_figure(res).data and collectives_figure(res).data
+    # context parallelism on 2 ranks: its collectives on the CP sub-group (the world here) at every message
+    # size, real 1 x 2 micro-steps of every group pack, and the extras fitted from them
+    meas = json.loads((run.path / "measurements.json").read_text())
+    sizes = sorted({c["message_bytes"] for c in meas["collectives"] if c["kind"] == "all_to_all"})
+    for kind in ("cp_allgather", "cp_reduce_scatter"):
+        pts = [c for c in meas["collectives"] if c["kind"] == kind]
+        assert sorted(c["message_bytes"] for c in pts) == sizes and {(c["group_size"], c["stride"]) for c in pts} == {(2, 1)}
+        assert all(c["ms"] > 0 and len(c["per_rank"]) == 2 for c in pts)
+    resolved = run.spec()["resolved"]
+    packs = resolved["group_packs"] + [[512]]  # and the longest length the curves are fitted to (--max-len 512)
+    assert sorted(resolved["cp_packs"]) == sorted(packs)
+    cp_rows = [g for g in meas["groups"] if g["cp"] == 2]
+    assert sorted(g["pack"] for g in cp_rows) == sorted(packs) and all(g["degree"] == 2 and g["ms"] > 0 for g in cp_rows)
+    assert set(prof.cp_overhead_ms) == {2} and set(prof.cp_token_ms) == {2}
+    assert "CP extras per layer (1 x c): c = 2" in p.stdout and "| 1x2 |" in p.stdout
+    # at the world size the all-gather stays FSDP's; CP's own figure there is kept beside it
+    assert prof.allgather_gbps[2] == pytest.approx(res.collective_fits["allgather"][2]["gbps"])
+    assert res.collective_fits["cp_allgather"][2]["gbps"] > 0
+    # the fit is a pure function of what the ranks measured
+    from workbench.profile.result import build_result
+
+    again = build_result(meas, run_id=run.id).profile
+    assert again.cp_overhead_ms == prof.cp_overhead_ms and again.cp_token_ms == prof.cp_token_ms
 
 
 def test_profile_drives_plan_simulate_train_and_check(profiled):
@@ -113,6 +136,35 @@ def test_profile_drives_plan_simulate_train_and_check(profiled):
     assert free["execution"] == "free" and free["groups"] and not free["passes"]
     assert all(s["predicted_ms"] - s["planner_cpu_ms"] == pytest.approx(s["run_predicted_ms"], rel=1e-9)
                for s in free["steps"])
+
+
+def test_four_ranks_measure_cp_sub_groups_of_every_size_and_a_2x2_split(tmp_path):
+    """4 gloo ranks (on however many cores): CP's collectives on the strided sub-groups of 2 (ranks
+    {0,2} and {1,3}) and of 4, real micro-steps of 1 x 2, 1 x 4 and 2 x 2; the profile's all-gather
+    at 2 is CP's, at 4 FSDP's; the extras at 2 and 4. A small grid, no real steps (what they add is
+    the 2-rank test's)."""
+    from workbench.launch import process
+    from workbench.profile import load_result, prepare_profile, start_profile
+
+    run = prepare_profile(nproc=4, model="tiny", quick=True, root=tmp_path, name="p4", device="cpu", oversubscribe=True,
+                          max_len=512, reps=2, warmup=1, steps=False, fit_packs=[[64], [128], [256], [512], [32] * 8],
+                          heldout_packs=[[96]], group_packs=[[256], [512]], message_bytes=[8192, 131072])
+    st = process.wait(start_profile(run), timeout=600)
+    assert st.state == "done", run.log_tail(30)
+    meas = json.loads((run.path / "measurements.json").read_text())
+    cp = {(c["kind"], c["group_size"], c["stride"]) for c in meas["collectives"] if c["kind"].startswith("cp_")}
+    assert cp == {(k, c, 4 // c) for k in ("cp_allgather", "cp_reduce_scatter") for c in (2, 4)}
+    splits = {(g["degree"], g["cp"]) for g in meas["groups"]}
+    assert splits == {(1, 1), (2, 1), (4, 1), (2, 2), (4, 4), (4, 2)}
+    res = load_result(run)
+    prof = res.profile
+    assert set(prof.allgather_gbps) == {2, 4} and set(prof.reduce_scatter_latency_ms) == {2, 4}
+    assert prof.allgather_gbps[2] == pytest.approx(res.collective_fits["cp_allgather"][2]["gbps"])
+    assert prof.allgather_gbps[4] == pytest.approx(res.collective_fits["allgather"][4]["gbps"])
+    assert set(prof.cp_overhead_ms) == {2, 4} and set(prof.cp_token_ms) == {2, 4}
+    rows = [g for g in res.groups if g["cp"] > 1]
+    assert sorted({g["split"] for g in rows}) == ["1x2", "1x4", "2x2"] and len(rows) == 6
+    assert all(g["predicted_with_overhead_ms"] >= g["predicted_ms"] for g in rows)
 
 
 def test_a_failing_profile_says_why(tmp_path):

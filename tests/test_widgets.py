@@ -413,6 +413,57 @@ def test_hardware_panel_curves_points_and_save(tmp_path):
     assert json.loads((tmp_path / "results/tables/profile.json").read_text())["name"] == "bench"
 
 
+def test_hardware_panel_shows_cp_collectives_and_split_extras(tmp_path):
+    """The bandwidth figure draws the all-gather and reduce-scatter (context parallelism's and FSDP's)
+    beside the all-to-all, bandwidth on the left and latency on the right; the extras figure draws
+    Ulysses' and CP's measured extras; both checked against the figures typed into the profile."""
+    from widgets import HardwarePanel
+
+    mine = tmp_path / "cp.json"
+    mine.write_text(json.dumps({
+        "name": "cp", "gpu": "test", "model": "tiny", "forward": {"a": 1e-5, "b": 0.02, "c": 2.0},
+        "backward": {"a": 2e-5, "b": 0.03, "c": 3.0}, "gpu_memory_gb": 8.0, "provenance": {"kind": "measured"},
+        "all_to_all_gbps": {"2": 0.5, "4": 0.4}, "all_to_all_latency_ms": {"2": 0.2, "4": 0.3},
+        "allgather_gbps": {"2": 0.6, "4": 0.9}, "allgather_latency_ms": {"2": 0.15, "4": 0.25},
+        "reduce_scatter_gbps": {"2": 0.35, "4": 0.7}, "reduce_scatter_latency_ms": {"2": 0.1, "4": 0.3},
+        "sp_overhead_ms": {"2": 5.0}, "sp_token_ms": {"2": 0.001},
+        "cp_overhead_ms": {"2": 4.0, "4": 6.0}, "cp_token_ms": {"2": 0.002, "4": 0.003}}))
+    panel = HardwarePanel(str(mine), root=tmp_path)
+    links = panel.links()
+    assert links["allgather"] == {2: {"gbps": 0.6, "latency_ms": 0.15}, 4: {"gbps": 0.9, "latency_ms": 0.25}}
+    assert links["reduce_scatter"][4] == {"gbps": 0.7, "latency_ms": 0.3} and "p2p" not in links
+    by = {(t.name, t.xaxis): t for t in panel.fig_bandwidth.data}
+    a2a = next(t for (n, ax), t in by.items() if n.startswith("all-to-all") and ax == "x")
+    assert list(a2a.x) == [2, 4] and list(a2a.y) == [0.5, 0.4]
+    ag = next(t for (n, ax), t in by.items() if n.startswith("all-gather") and ax == "x")
+    ag_lat = next(t for (n, ax), t in by.items() if n.startswith("all-gather") and ax == "x2")
+    assert list(ag.x) == [2, 4] and list(ag.y) == [0.6, 0.9] and list(ag_lat.y) == [0.15, 0.25]
+    rs_lat = next(t for (n, ax), t in by.items() if n.startswith("reduce-scatter") and ax == "x2")
+    assert list(rs_lat.x) == [2, 4] and list(rs_lat.y) == [0.1, 0.3]
+    a2a_lat = next(t for (n, ax), t in by.items() if n.startswith("all-to-all") and ax == "x2")
+    assert list(a2a_lat.y) == [0.2, 0.3]
+    # the extras: fixed per micro-step (left) and per 1,000 tokens (right), per layer, by group size
+    ex = panel.extras()
+    assert ex["cp"] == {2: {"fixed_ms": 4.0, "per_1k_tokens_ms": pytest.approx(2.0)},
+                        4: {"fixed_ms": 6.0, "per_1k_tokens_ms": pytest.approx(3.0)}}
+    assert ex["ulysses"] == {2: {"fixed_ms": 5.0, "per_1k_tokens_ms": pytest.approx(1.0)}}
+    bars = {(t.name, t.xaxis): t for t in panel.fig_extras.data}
+    cp_fixed = next(t for (n, ax), t in bars.items() if n.startswith("context") and ax == "x")
+    cp_tok = next(t for (n, ax), t in bars.items() if n.startswith("context") and ax == "x2")
+    assert list(cp_fixed.x) == ["2", "4"] and list(cp_fixed.y) == [4.0, 6.0]
+    assert list(cp_tok.y) == pytest.approx([2.0, 3.0])
+    assert panel.fig_extras._wb_box.layout.display == ""
+    saved = panel.save(tmp_path / "results")
+    assert "extras.html" in {Path(p).name for p in saved["figures"]}
+    tables = json.loads((tmp_path / "results/tables/links.json").read_text())
+    assert tables["allgather"]["2"] == {"gbps": 0.6, "latency_ms": 0.15}
+    # a reference profile without them: no extras drawn (the box hidden), no all-gather line
+    panel.select("a100-40g-flexsp")
+    assert panel.extras() == {"ulysses": {}, "cp": {}} and len(panel.fig_extras.data) == 0
+    assert panel.fig_extras._wb_box.layout.display == "none"
+    assert not any(t.name.startswith("all-gather") for t in panel.fig_bandwidth.data)
+
+
 def test_hardware_panel_without_the_profiler_says_so(tmp_path, monkeypatch):
     import widgets.hardware as hw
 

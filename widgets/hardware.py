@@ -1,7 +1,9 @@
 """HardwarePanel: the hardware profile the cost model stands on.
 
 Pick a shipped reference profile (or one measured earlier, or a JSON file), see its per-layer
-compute curves with the measured points and residuals, and its collective bandwidths; save it
+compute curves with the measured points and residuals, its collectives' bandwidth and latency by
+group size (the all-to-all of Ulysses beside the all-gather and reduce-scatter of context
+parallelism), and the measured extras of a group's split (Ulysses' and CP's); save it
 elsewhere. Run a quick or full profile of this machine as a run (``workbench.profile``: a torchrun
 process tree, never the kernel), with progress, log and Stop; when it ends its fitted curves,
 residuals, held-out errors and collectives are drawn and the profile can be used for planning.
@@ -37,7 +39,7 @@ class HardwarePanel(Panel):
 
     Python API: :meth:`select` (a shipped name, a profile JSON file or a profile run),
     :attr:`profile` (the HardwareProfile), :attr:`profile_ref` (what ``Scenario.profile`` takes),
-    :meth:`curves`, :meth:`points`, :meth:`load`, :meth:`save_profile`, :meth:`measure_this_machine`,
+    :meth:`curves`, :meth:`points`, :meth:`links`, :meth:`extras`, :meth:`load`, :meth:`save_profile`, :meth:`measure_this_machine`,
     :meth:`start_profile`,
     :meth:`refresh`, :meth:`wait`, :meth:`stop`, :meth:`load_result`, :meth:`check_fidelity`,
     :meth:`on_profile`, :attr:`profiler_available`; the Doctor section: :meth:`run_doctor`,
@@ -92,6 +94,7 @@ class HardwarePanel(Panel):
         self.fig_compute = figure_widget()
         self.fig_residuals = figure_widget()
         self.fig_bandwidth = figure_widget()
+        self.fig_extras = figure_widget()
         self.fig_fit = figure_widget()
         self.fig_collectives = figure_widget()
         self.fig_fidelity = figure_widget()
@@ -124,10 +127,19 @@ class HardwarePanel(Panel):
                 "call (kernel launches and fixed costs: each SP group pays it once per micro-step). Markers are "
                 "measured points; the planner divides a sequence's time by its SP degree."),
             figure_box(self.fig_compute), figure_box(self.fig_residuals),
-            cap("Bandwidth of the collectives by group size: the all-to-all of Ulysses sequence parallelism inside an "
-                "SP group, the point-to-point of ring attention, and the all-reduce of the gradients. Groups that "
-                "leave a node fall from NVLink to the network: that is why wide SP groups are expensive."),
+            cap("Bandwidth (left) and latency per call (right) of the collectives by group size: the all-to-all of "
+                "Ulysses sequence parallelism inside an SP group, the point-to-point of ring attention, the all-reduce "
+                "of the gradients, and the all-gather and reduce-scatter of context parallelism (a group split "
+                "u x c gathers K and V over its c strided ranks and reduce-scatters their gradients; FSDP runs the "
+                "same collectives over all ranks). Groups that leave a node fall from NVLink to the network: that is "
+                "why wide SP groups are expensive."),
             figure_box(self.fig_bandwidth),
+            cap("What a group's split costs beyond its compute and its collectives, measured on real micro-steps, per "
+                "layer: Ulysses over u ranks (layout work, waits at every all-to-all) and context parallelism over c "
+                "ranks (the chunked layout, the K/V selection, bottom-right-masked attention, waits at every "
+                "all-gather); a fixed part per micro-step and a part per 1,000 tokens. Shown when the profile has "
+                "them."),
+            figure_box(self.fig_extras),
             W.HTML("<h4 style='margin:10px 0 2px'>Profile this machine</h4>"),
             W.HBox([self.w_nproc, self.w_model, self.w_quick, self.w_reuse], layout=W.Layout(flex_flow="row wrap")),
             W.HBox([self.b_run, self.b_stop, self.progress], layout=W.Layout(align_items="center")),
@@ -138,7 +150,7 @@ class HardwarePanel(Panel):
 
     def _figure_widgets(self) -> dict:
         return {"compute": self.fig_compute, "residuals": self.fig_residuals, "bandwidth": self.fig_bandwidth,
-                "fit": self.fig_fit, "collectives": self.fig_collectives, "fidelity": self.fig_fidelity}
+                "extras": self.fig_extras, "fit": self.fig_fit, "collectives": self.fig_collectives, "fidelity": self.fig_fidelity}
 
     def _guard(self, fn: Callable[[], Any]) -> None:
         try:
@@ -286,14 +298,30 @@ class HardwarePanel(Panel):
 
         return profile_points(self.profile)
 
+    def links(self) -> dict:
+        """The profile's collectives by group size (``workbench.report.hardware.profile_links``):
+        ``{kind: {size: {"gbps", "latency_ms"}}}``, what the bandwidth figure draws."""
+        from workbench.report.hardware import profile_links
+
+        return profile_links(self.profile)
+
+    def extras(self) -> dict:
+        """The profile's measured extras of a split (``workbench.report.hardware.split_extras``):
+        ``{"ulysses": {u: {...}}, "cp": {c: {...}}}``, what the extras figure draws."""
+        from workbench.report.hardware import split_extras
+
+        return split_extras(self.profile)
+
     def _draw(self) -> None:
-        from workbench.report.hardware import bandwidth_figure, compute_figure, describe_profile, residuals_figure
+        from workbench.report.hardware import (bandwidth_figure, compute_figure, describe_profile, residuals_figure,
+                                               split_extras_figure)
 
         p = self.profile
         self.about.value = f"<div style='font-size:13px;color:#333'>{describe_profile(p)}</div>"
         set_figure(self.fig_compute, compute_figure(p))
         set_figure(self.fig_residuals, residuals_figure(p))
         set_figure(self.fig_bandwidth, bandwidth_figure(p))
+        set_figure(self.fig_extras, split_extras_figure(p))
         pts = self.points()
         if pts:
             worst = max(abs(x["relative_error"]) for x in pts if x["relative_error"] is not None)
@@ -465,7 +493,9 @@ class HardwarePanel(Panel):
     def tables(self) -> dict:
         if self.profile is None:
             return {}
-        out = {"profile": self.profile.to_dict(), "curves": self.curves(), "points": self.points()}
+        out = {"profile": self.profile.to_dict(), "curves": self.curves(), "points": self.points(),
+               "links": {k: {str(d): v for d, v in t.items()} for k, t in self.links().items()},
+               "extras": {k: {str(d): v for d, v in t.items()} for k, t in self.extras().items()}}
         if self.fidelity is not None:
             out["fidelity"] = self.fidelity
         return out

@@ -35,7 +35,7 @@ from workbench.profile.fit import ape, error_summary, fit_curve, fit_pack_curve,
 from workbench.profile.result import MEASUREMENTS_FILE, RESULT_FILE, ProfileResult, build_result
 
 __all__ = ["ProfileSpec", "prepare_profile", "start_profile", "load_result", "check_fidelity", "ProfileResult",
-           "build_result", "read_profile_spec", "default_grid", "default_step_cases", "head_token_counts",
+           "build_result", "read_profile_spec", "default_grid", "default_step_cases", "head_token_counts", "cp_grid", "cp_packs",
            "fsdp_unit_bytes", "gpu_count", "MEASURE_MODULE", "RESULT_FILE",
            "MEASUREMENTS_FILE", "nnls", "fit_curve", "fit_pack_curve", "trimmed_median", "ape", "error_summary",
            "DEVICES", "ATTENTION"]
@@ -133,6 +133,35 @@ def default_step_cases(world: int, max_len: int, sp_degree: int | None = None) -
         {"name": "free-heavy", "execution": "free", "micro_steps": [heavy]},
         {"name": "free-mixed", "execution": "free", "micro_steps": mixed},
     ]
+
+
+def cp_grid(group_sizes, ulysses_sizes) -> tuple[list[int], list[list[int]]]:
+    """What a profile measures of context parallelism on groups of ``group_sizes`` (the model's
+    heads allowing Ulysses over ``ulysses_sizes``): ``(cp_sizes, splits)``. Every group size is a
+    CP size c (its collectives are measured on the strided sub-groups of the largest group,
+    ``workbench.runtime.groups.split_subgroups``); the splits ``[degree, c]`` run as real
+    micro-steps are ``1 x c`` for every c, and ``u x c`` of the largest group for every c below it
+    whose ``u`` the heads allow (2 x 2 on 4 ranks)."""
+    sizes = sorted({int(d) for d in group_sizes if int(d) > 1})
+    if not sizes:
+        return [], []
+    top = sizes[-1]
+    splits = [[c, c] for c in sizes]
+    splits += [[top, c] for c in sizes if c < top and top // c in set(int(u) for u in ulysses_sizes)]
+    return sizes, splits
+
+
+def cp_packs(group_packs, fit_packs) -> list[list[int]]:
+    """The packs ``1 x c`` context-parallel micro-steps run: the SP groups' packs and one sequence
+    of the longest length the compute curves are fitted to, when they have none that long. On CPU
+    the CP attention's bottom-right-masked calls cost more than the causal share, and the excess
+    grows with the square of the length: the per-token extra is fitted over the lengths CP is
+    planned for (the long ones), not extrapolated from shorter ones."""
+    packs = [[int(s) for s in p] for p in group_packs]
+    longest = max(int(s) for p in fit_packs for s in p)
+    if all(max(p) < longest for p in packs):
+        packs.append([longest])
+    return packs
 
 
 def head_token_counts(max_len: int) -> list[int]:
@@ -234,6 +263,11 @@ class ProfileSpec:
     """Parameter dtype, as the runtime trains (fp32; flash-attn runs its kernel in bf16)."""
     oversubscribe: bool = False
     """Allow more processes than CPU cores (or GPUs)."""
+    cp: bool = True
+    """Also measure context parallelism (``workbench.runtime.cp``) for every group size c: the K/V
+    all-gather and the gradient reduce-scatter on the strided CP sub-groups (all at once), and real
+    micro-steps of ``1 x c`` splits (and ``u x c`` splits of the largest group where the heads
+    allow), whose extras beyond the fits are the profile's ``cp_overhead_ms`` and ``cp_token_ms``."""
     steps: bool = True
     """Also time real training steps (ZeRO-3 lockstep passes and ZeRO-0 micro-steps, each followed by
     an optimizer step), in the same rounds as the compute packs: the fixed costs of a micro-step
@@ -312,8 +346,9 @@ class ProfileSpec:
         if any(x < 64 for x in mb):
             bad("message_bytes", "must all be at least 64", list(mb))
         object.__setattr__(self, "message_bytes", tuple(sorted(set(mb))))
-        if not isinstance(self.steps, bool):
-            bad("steps", "must be true or false", self.steps)
+        for f in ("steps", "cp"):
+            if not isinstance(getattr(self, f), bool):
+                bad(f, "must be true or false", getattr(self, f))
         if self.optimizer not in ("adamw", "sgd"):
             bad("optimizer", "must be adamw or sgd", self.optimizer)
         if self.fingerprint is not None and not isinstance(self.fingerprint, Mapping):
@@ -351,6 +386,8 @@ class ProfileSpec:
         dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
         # the runtime computes in fp32 or bf16; a big model's three copies of its states would not fit
         run_steps = self.steps and self.dtype != "float16" and m.params() <= 200e6
+        cp_sizes, cp_splits = cp_grid(groups, sp) if self.cp else ([], [])
+        group_packs = [list(p) for p in self.group_packs] or grid["groups"]
         return {
             "device": dev, "max_len": max_len, "fit_packs": fit, "heldout_packs": held,
             "warmup": self.warmup if self.warmup is not None else (1 if self.quick else 2),
@@ -359,7 +396,7 @@ class ProfileSpec:
             "message_bytes": list(self.message_bytes) or list(MESSAGE_BYTES[(dev, self.quick)]),
             "collective_reps": self.collective_reps or (9 if self.quick else 15),
             "collective_inner": int(self.collective_inner),
-            "group_packs": [list(p) for p in self.group_packs] or grid["groups"],
+            "group_packs": group_packs,
             "min_sample_ms": float(self.min_sample_ms if self.min_sample_ms is not None
                                    else (50.0 if dev == "cpu" else 5.0)),
             "head_tokens": head_token_counts(max_len),
@@ -367,6 +404,8 @@ class ProfileSpec:
             "step_cases": default_step_cases(self.nproc, max_len,
                                              max(sp) if sp else None) if run_steps else [],
             "optimizer": self.optimizer,
+            "cp_sizes": cp_sizes, "cp_splits": cp_splits,
+            "cp_packs": cp_packs(group_packs, fit) if cp_splits else [],
         }
 
     def to_dict(self) -> dict:

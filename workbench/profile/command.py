@@ -123,17 +123,23 @@ def profile_table(res) -> str:
                              f"{f(fl['errors']['median_ape'])} |")
     if res.groups:
         sp = res.profile.sp_overhead_ms
-        lines += ["", "| SP micro-step (all blocks at once) | degree | measured (ms) | predicted: compute + collectives "
-                      "| + sp overhead |", "|---|---:|---:|---:|---:|"]
+        lines += ["", "| SP micro-step (all blocks at once) | degree | split (Ulysses x CP) | measured (ms) | predicted: "
+                      "compute + collectives | + sp / cp extras |", "|---|---:|---:|---:|---:|---:|"]
         for g in res.groups:
             pk = g["pack"]
             desc = f"{pk[0]}" if len(pk) == 1 else f"{len(pk)} x {pk[0]}"
-            lines.append(f"| {desc} | {g['degree']} | {g['measured_ms']:.1f} | {g['predicted_ms']:.1f} | "
+            split = g.get("split") or f"{g['degree']}x1"
+            lines.append(f"| {desc} | {g['degree']} | {split} | {g['measured_ms']:.1f} | {g['predicted_ms']:.1f} | "
                          f"{g['predicted_with_overhead_ms']:.1f} |")
         if sp:
             tok = res.profile.sp_token_ms
             lines.append("\nSP overhead per layer: " + ", ".join(
                 f"degree {d}: {v:.2f} ms + {1e3 * tok.get(d, 0.0):.2f} ms per 1,000 tokens" for d, v in sp.items()))
+        cpo = res.profile.cp_overhead_ms
+        if cpo:
+            tok = res.profile.cp_token_ms
+            lines.append("\nCP extras per layer (1 x c): " + ", ".join(
+                f"c = {c}: {v:.2f} ms + {1e3 * tok.get(c, 0.0):.2f} ms per 1,000 tokens" for c, v in cpo.items()))
     extras = [(k, v) for k, v in (
         ("head (embedding, final norm, head, loss) per 1,000 tokens, fwd+bwd",
          None if p.head_ms_per_token is None else f"{1e3 * p.head_ms_per_token:.3f} ms"),

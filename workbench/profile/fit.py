@@ -13,8 +13,8 @@ evidence next to it (residuals, held-out errors):
   percentage errors reported;
 - **collectives**: per group size, ``t = latency + bytes / bandwidth`` over several message sizes
   (all-to-all: the bytes a rank sends to the others; all-reduce: the ring's ``2 (n-1)/n`` of the
-  buffer; all-gather and reduce-scatter, FSDP's: ``(n-1)/n`` of the full buffer; point-to-point:
-  the bytes of one ring step);
+  buffer; all-gather and reduce-scatter, FSDP's over the world and context parallelism's over its
+  sub-groups: ``(n-1)/n`` of the full buffer; point-to-point: the bytes of one ring step);
 - **lines** (``fit_line``): ``t = slope * x + intercept``, non-negative, for the head's time per
   token and the optimizer's per parameter.
 
@@ -37,7 +37,10 @@ __all__ = ["nnls", "trimmed_median", "ape", "error_summary", "fit_curve", "fit_p
            "CurveFit", "fit_compute", "heldout_errors", "choose_short_len", "short_len_candidates", "LinkFit", "fit_link",
            "fit_collectives", "COLLECTIVE_KINDS", "wire_bytes"]
 
-COLLECTIVE_KINDS = ("all_to_all", "allreduce", "p2p", "allgather", "reduce_scatter")
+COLLECTIVE_KINDS = ("all_to_all", "allreduce", "p2p", "allgather", "reduce_scatter", "cp_allgather",
+                    "cp_reduce_scatter")
+"""``cp_*``: context parallelism's K/V all-gather and gradient reduce-scatter on its strided sub-groups
+(the same collectives as FSDP's, on other ranks and at other sizes)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -281,10 +284,11 @@ def wire_bytes(kind: str, message_bytes: float, group_size: int) -> float:
     """Bytes one rank moves in one call, the x of the latency/bandwidth fit: all-to-all sends
     ``(d-1)/d`` of its buffer to others; a ring all-reduce moves ``2 (n-1)/n`` of it (bus
     bandwidth); an all-gather receives, and a reduce-scatter sends, ``(n-1)/n`` of the full
-    buffer (``message_bytes``: the gathered output, the scattered input); a ring step sends the
-    whole message once."""
+    buffer (``message_bytes``: the gathered output, the scattered input; the same for context
+    parallelism's, ``cp_allgather`` and ``cp_reduce_scatter``); a ring step sends the whole message
+    once."""
     d = int(group_size)
-    if kind in ("all_to_all", "allgather", "reduce_scatter"):
+    if kind in ("all_to_all", "allgather", "reduce_scatter", "cp_allgather", "cp_reduce_scatter"):
         return message_bytes * (d - 1) / d
     if kind == "allreduce":
         return message_bytes * 2 * (d - 1) / d

@@ -18,11 +18,15 @@ ranks that share a machine contend as they do in training):
    per repetition, at several message sizes so latency and bandwidth can both be fitted; the
    all-reduce of the whole world (gradient sync); FSDP's all-gather and reduce-scatter over the
    world, also at the sizes of the model's FSDP units; point-to-point ring steps inside each block
-   (ring attention). Agreed over ranks the same way.
+   (ring attention); context parallelism's K/V all-gather and gradient reduce-scatter for every CP
+   size c, on the strided CP sub-groups of the largest group (all at once, as the CP attention runs
+   them). Agreed over ranks the same way.
 3. **SP groups**: one micro-step of the runtime's own sequence-parallel path (slices, Ulysses
    all-to-alls around the varlen attention, forward and backward) for every group size and a few
    packs, all blocks at once; what it costs beyond the compute and collective fits is the
-   profile's per-degree ``sp_overhead_ms``.
+   profile's per-degree ``sp_overhead_ms``. The same for context-parallel splits
+   (``CPAttention``: ``1 x c`` for every c, and ``u x c`` of the largest group where the heads
+   allow): their extra is ``cp_overhead_ms`` and ``cp_token_ms``.
    **Real steps**: the StepExecutor runs small plans (``default_step_cases``) under ZeRO-3 (FSDP2,
    lockstep passes, idle ranks in empty passes) and ZeRO-0 (free micro-steps), each followed by an
    optimizer step timed apart: a micro-step's and a pass's fixed costs, the pass's compute factor,
@@ -265,7 +269,7 @@ def measure_compute(spec: ModelSpec, packs: Sequence[Sequence[int]], *, attn: Ca
 def measure_collectives(registry, group_sizes: Sequence[int], message_bytes: Sequence[int], *,
                         device: torch.device | str = "cpu", warmup: int = 1, reps: int = 5, inner: int = 4,
                         trim: float = 0.2, kinds: Sequence[str] = ("all_to_all", "allreduce", "p2p"),
-                        fsdp_bytes: Sequence[int] = (),
+                        fsdp_bytes: Sequence[int] = (), cp_sizes: Sequence[int] = (), cp_degree: int | None = None,
                         progress: Callable[[str], None] | None = None) -> list[dict]:
     """Time collectives under an initialised process group; every rank must call this together.
 
@@ -275,12 +279,18 @@ def measure_collectives(registry, group_sizes: Sequence[int], message_bytes: Seq
     previous). ``allgather`` and ``reduce_scatter``: the whole world, as FSDP2 calls them under
     ZeRO-3 (``all_gather_single`` of a shard into a full buffer, ``reduce_scatter_single`` of a full
     buffer into a shard), the full buffer ``message_bytes`` and every size of ``fsdp_bytes`` (one
-    FSDP unit's parameters or gradients: the sizes a pass moves). Each timed repetition is
-    ``inner`` calls back to back after a barrier; a point is the trimmed median of a rank's
-    repetitions per call, agreed over ranks (median).
+    FSDP unit's parameters or gradients: the sizes a pass moves). ``cp_allgather`` and
+    ``cp_reduce_scatter`` (with ``cp_sizes``): context parallelism's K/V all-gather and gradient
+    reduce-scatter, for each CP size c on the strided CP sub-groups of the groups of ``cp_degree``
+    ranks (default the world) split ``(cp_degree/c) x c`` (ranks ``r0 + a + u*[0, c)``: every
+    sub-group at once, as the CP attention runs them), the full buffer ``message_bytes``. Each
+    timed repetition is ``inner`` calls back to back after a barrier; a point is the trimmed median
+    of a rank's repetitions per call, agreed over ranks (median). Every rank must call this
+    together; the registry must hold the ``(cp_degree, c)`` splits.
 
     Returns ``[{"kind", "group_size", "message_bytes", "ms", "per_rank"}]`` (``message_bytes``:
-    per rank for all-to-all and ring steps, the full buffer for the others)."""
+    per rank for all-to-all and ring steps, the full buffer for the others; CP points also carry
+    ``"stride"``, the ``u`` between a sub-group's ranks)."""
     dev = torch.device(device)
     world, rank = dist.get_world_size(), dist.get_rank()
     clock = Clock(dev)
@@ -311,21 +321,33 @@ def measure_collectives(registry, group_sizes: Sequence[int], message_bytes: Seq
     for kind in ("allgather", "reduce_scatter"):
         if kind in kinds and world > 1:
             jobs += [(kind, world, m) for m in fsdp_sizes]
+    top = int(cp_degree or world)
+    for kind in ("cp_allgather", "cp_reduce_scatter"):
+        if kind in kinds:
+            jobs += [(kind, int(c), m) for c in cp_sizes for m in message_bytes]
     for kind, d, m in jobs:
         lo = rank // d * d
-        group = None if kind in _WORLD_KINDS else registry.get(tuple(range(lo, lo + d)))
+        extra = {}
+        if kind in _WORLD_KINDS:
+            group = None
+        elif kind.startswith("cp_"):
+            block = rank // top * top
+            group = registry.subgroups(tuple(range(block, block + top)), d, rank)[1]
+            extra = {"stride": top // d}
+        else:
+            group = registry.get(tuple(range(lo, lo + d)))
         numel = max(d, int(m) // 4 // d * d)
         send = torch.randn(numel, device=dev)
         recv = torch.empty_like(send)
-        if kind == "allgather":  # a shard in, the full buffer out
+        if kind in ("allgather", "cp_allgather"):  # a shard in, the full buffer out
             send = send[: numel // d].clone()
-        elif kind == "reduce_scatter":  # the full buffer in, a shard out
+        elif kind in ("reduce_scatter", "cp_reduce_scatter"):  # the full buffer in, a shard out
             recv = recv[: numel // d].clone()
         fn = _collective_call(kind, send, recv, group, lo + (rank - lo + 1) % d, lo + (rank - lo - 1) % d)
         t = timed(fn)
         med, per_rank = agree([t], dev)
         points.append({"kind": kind, "group_size": int(d), "message_bytes": int(numel * 4), "ms": med[0],
-                       "per_rank": [p[0] for p in per_rank]})
+                       "per_rank": [p[0] for p in per_rank], **extra})
         if progress is not None:
             progress(f"{kind} d={d} {numel * 4:,} B")
     return points
@@ -340,12 +362,14 @@ def _collective_call(kind: str, send: torch.Tensor, recv: torch.Tensor, group, n
         return lambda: dist.all_to_all_single(recv, send, group=group)
     if kind == "allreduce":
         return lambda: dist.all_reduce(send)
-    if kind == "allgather":  # what FSDP2 calls (older torch: all_gather_into_tensor, the same collective)
+    if kind in ("allgather", "cp_allgather"):
+        # what FSDP2 and the CP attention call (older torch: all_gather_into_tensor, the same collective);
+        # FSDP's over the world (group None), CP's over its sub-group
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return lambda: gather(recv, send)
-    if kind == "reduce_scatter":
+        return lambda: gather(recv, send, group=group)
+    if kind in ("reduce_scatter", "cp_reduce_scatter"):
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return lambda: scatter(recv, send)
+        return lambda: scatter(recv, send, group=group)
 
     ops = [dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]
 
@@ -363,24 +387,37 @@ def _collective_call(kind: str, send: torch.Tensor, recv: torch.Tensor, group, n
 
 
 def _group_cases(spec: ModelSpec, net, registry, group_sizes, packs, attn, dev: torch.device, clock: Clock,
-                 gen) -> tuple[list[tuple[int, list[int]]], list[Callable]]:
+                 gen, splits: Sequence[Sequence[int]] = (),
+                 cp_packs: Sequence[Sequence[int]] | None = None) -> tuple[list[tuple[int, int, list[int]]], list[Callable]]:
+    from workbench.runtime.cp import CPAttention
     from workbench.runtime.step import IGNORE, make_shard
     from workbench.runtime.ulysses import UlyssesAttention
 
     rank = dist.get_rank()
     keys, cases = [], []
-    for d in sorted({1, *[int(x) for x in group_sizes]}):
+    shapes = [(d, 1) for d in sorted({1, *[int(x) for x in group_sizes]})]
+    shapes += sorted({(int(d), int(c)) for d, c in splits if int(c) > 1})
+    for d, c in shapes:
         lo = rank // d * d
-        group = registry.get(tuple(range(lo, lo + d)))
-        for pack in packs:
+        block = tuple(range(lo, lo + d))
+        if c == 1:
+            group, subs = registry.get(block), None
+        else:
+            group, subs = None, registry.subgroups(block, c, rank)  # (Ulysses sub-group or None, CP sub-group)
+        for pack in (cp_packs if cp_packs is not None and c == d > 1 else packs):
             seqs = [torch.randint(0, spec.vocab, (int(n),), generator=gen) for n in pack]
 
-            def once(seqs=seqs, d=d, lo=lo, group=group) -> list[float]:
+            def once(seqs=seqs, d=d, c=c, lo=lo, group=group, subs=subs) -> list[float]:
                 net.zero_grad(set_to_none=True)
                 clock.mark()
                 # as the step executor does it, inside the timed micro-step: this rank's slices and layout
-                sh = make_shard(seqs, d, rank - lo)
-                a = attn if d == 1 else UlyssesAttention(group, sh.layout, attn)
+                sh = make_shard(seqs, d, rank - lo, c)
+                if d == 1:
+                    a = attn
+                elif c == 1:
+                    a = UlyssesAttention(group, sh.layout, attn)
+                else:
+                    a = CPAttention(subs[0], subs[1], sh.layout, attn)
                 tokens, positions, cu, labels = (sh.tokens.to(dev), sh.positions.to(dev), sh.cu_seqlens.to(dev),
                                                  sh.labels.to(dev))
                 logits = net(tokens, positions, cu, sh.max_seqlen, a)  # (T_loc, vocab)
@@ -389,37 +426,43 @@ def _group_cases(spec: ModelSpec, net, registry, group_sizes, packs, attn, dev: 
                 clock.mark()
                 return clock.intervals()  # [micro-step]
 
-            keys.append((d, [int(n) for n in pack]))
+            keys.append((d, c, [int(n) for n in pack]))
             cases.append(once)
     return keys, cases
 
 
 def _group_rows(keys, samples, trim: float, device: torch.device) -> list[dict]:
     med, per_rank = agree([trimmed_median([x[0] for x in smp], trim) for smp in samples], device)
-    return [{"degree": d, "pack": p, "tokens": sum(p), "ms": med[i], "per_rank": [r[i] for r in per_rank]}
-            for i, (d, p) in enumerate(keys)]
+    return [{"degree": d, "cp": c, "pack": p, "tokens": sum(p), "ms": med[i], "per_rank": [r[i] for r in per_rank]}
+            for i, (d, c, p) in enumerate(keys)]
 
 
 def measure_groups(spec: ModelSpec, registry, group_sizes: Sequence[int], packs: Sequence[Sequence[int]], *,
                    attn: Callable, device: torch.device | str = "cpu", warmup: int = 1, reps: int = 3,
                    trim: float = 0.2, dtype: torch.dtype = torch.float32, seed: int = 0, min_sample_ms: float = 0.0,
+                   cp_splits: Sequence[Sequence[int]] = (), cp_packs: Sequence[Sequence[int]] | None = None,
                    progress: Callable[[int], None] | None = None) -> list[dict]:
     """Time one micro-step of the runtime's sequence-parallel path, as the step executor runs it:
     each rank takes its slice of every sequence (``make_shard``), forward with Ulysses attention
     inside its group (``UlyssesAttention``: the all-to-alls around the local varlen attention), loss,
     backward. For every degree in ``[1, *group_sizes]`` and pack, every aligned block runs its own
     group of that degree on the pack at once (as concurrent groups do in training); every rank must
-    call this together. Samples go round-robin over the (degree, pack) cases.
+    call this together. Samples go round-robin over the (degree, pack) cases. ``cp_splits``: also
+    every ``[degree, c]`` split (c > 1) with context parallelism (``CPAttention``: the CP layout's
+    chunks, K/V all-gathered over the strided CP sub-group, bottom-right causal attention of each
+    chunk on its prefix, the reduce-scatter of their gradients), Ulysses over ``degree / c`` ranks
+    inside it; the registry must hold those splits. ``1 x c`` splits run ``cp_packs`` (default
+    ``packs``; ``workbench.profile.cp_packs`` adds the longest length).
 
-    Returns ``[{"degree", "pack", "tokens", "ms" (whole model; trimmed median, median over ranks),
-    "per_rank"}]``."""
+    Returns ``[{"degree", "cp" (1: Ulysses only), "pack", "tokens", "ms" (whole model; trimmed
+    median, median over ranks), "per_rank"}]``."""
     from workbench.runtime.model import Transformer
 
     dev = torch.device(device)
     net = Transformer(spec, seed=seed).to(device=dev, dtype=dtype)
     clock = Clock(dev)
     keys, cases = _group_cases(spec, net, registry, group_sizes, packs, attn, dev, clock,
-                               torch.Generator().manual_seed(seed))
+                               torch.Generator().manual_seed(seed), cp_splits, cp_packs)
     samples, _ = _round_robin(cases, device=dev, warmup=warmup, reps=reps, min_sample_ms=min_sample_ms,
                               progress=progress)
     return _group_rows(keys, samples, trim, dev)
@@ -429,11 +472,13 @@ def measure_compute_and_groups(spec: ModelSpec, packs, registry, group_sizes, gr
                                device: torch.device | str = "cpu", warmup: int = 1, reps: int = 3, trim: float = 0.2,
                                dtype: torch.dtype = torch.float32, seed: int = 0, min_sample_ms: float = 0.0,
                                head_tokens: Sequence[int] = (), step_cases: Sequence[dict] = (),
-                               optimizer: str = "adamw",
+                               optimizer: str = "adamw", cp_splits: Sequence[Sequence[int]] = (),
+                               cp_packs: Sequence[Sequence[int]] | None = None,
                                progress: Callable[[int, int], None] | None = None) -> tuple[list, list, list, list]:
     """:func:`measure_compute`, :func:`measure_groups`, the head alone (embedding, final norm,
     output head and loss of one sequence of each of ``head_tokens``) and the real steps of
-    ``step_cases`` (:func:`measure_steps`) in the same round-robin rounds, so that the SP
+    ``step_cases`` (:func:`measure_steps`) in the same round-robin rounds (with the CP splits of
+    ``cp_splits`` among the SP micro-steps), so that the SP
     micro-steps, the head and the real steps see the same load as the compute curve they are
     compared with (on a shared machine the load drifts between phases). ``registry`` None: no SP
     groups and no steps. ``progress(j, n)`` after each of the ``n`` samples. Returns ``(compute
@@ -448,7 +493,7 @@ def measure_compute_and_groups(spec: ModelSpec, packs, registry, group_sizes, gr
     ccases = _compute_cases(spec, net, packs, attn, dev, clock, gen)
     hcases = _head_cases(spec, net, head_tokens, dev, clock, gen)
     keys, gcases = ([], []) if registry is None else _group_cases(spec, net, registry, group_sizes, group_packs, attn,
-                                                                  dev, clock, gen)
+                                                                  dev, clock, gen, cp_splits, cp_packs)
     precision = "bf16" if dtype == torch.bfloat16 else "fp32"
     steps = None
     if step_cases and registry is not None:
@@ -834,8 +879,14 @@ class Profiler:
         if dist.is_initialized() and self.world > 1:
             from workbench.runtime.groups import GroupRegistry
 
-            registry = GroupRegistry(self.world, [1, *res["group_sizes"]])
-            # Ulysses must be able to split the model's heads over the group (collectives need not)
+            # Ulysses must be able to split the model's heads over the group (collectives need not); the CP
+            # sizes' collectives run on the strided sub-groups of the largest group, their micro-steps as
+            # the splits cp_grid chose (workbench.profile.cp_grid)
+            cp_shapes = {tuple(x) for x in res.get("cp_splits") or []}
+            if res.get("cp_sizes"):
+                top = max(res["group_sizes"])
+                cp_shapes |= {(top, c) for c in res["cp_sizes"]}
+            registry = GroupRegistry(self.world, [1, *res["group_sizes"]], shapes=sorted(cp_shapes))
             sp_sizes = [d for d in res["group_sizes"]
                         if model.heads % d == 0 and (model.kv_heads % d == 0 or d % model.kv_heads == 0)]
 
@@ -853,7 +904,9 @@ class Profiler:
             model, [p for p, _ in packs], registry, sp_sizes, res["group_packs"], attn=attn, warmup=res["warmup"],
             reps=res["reps"], trim=res["trim"], device=device, dtype=dtype, min_sample_ms=res["min_sample_ms"],
             head_tokens=res.get("head_tokens") or (), step_cases=cases if dist.is_initialized() else (),
-            optimizer=res.get("optimizer") or "adamw", progress=on_sample)
+            optimizer=res.get("optimizer") or "adamw", cp_splits=res.get("cp_splits") or [],
+            cp_packs=res.get("cp_packs") or None,
+            progress=on_sample)
         fwd, fwd_ranks = agree([r["forward_ms"] for r in rows], device)
         bwd, bwd_ranks = agree([r["backward_ms"] for r in rows], device)
         compute = []
@@ -867,7 +920,8 @@ class Profiler:
         collectives = []
         if registry is not None:
             sizes = res["group_sizes"]
-            n_jobs = 2 * len(sizes) * len(res["message_bytes"]) + len(res["message_bytes"])
+            cp_sizes = res.get("cp_sizes") or []
+            n_jobs = (2 * len(sizes) + 2 * len(cp_sizes)) * len(res["message_bytes"]) + len(res["message_bytes"])
             done = [0]
 
             def on_coll(what: str) -> None:
@@ -878,8 +932,10 @@ class Profiler:
             n_jobs += 2 * len(set(res["message_bytes"]) | set(fsdp))
             collectives = measure_collectives(registry, sizes, res["message_bytes"], device=device,
                                               reps=res["collective_reps"], inner=res["collective_inner"],
-                                              trim=res["trim"], fsdp_bytes=fsdp,
-                                              kinds=("all_to_all", "allreduce", "p2p", "allgather", "reduce_scatter"),
+                                              trim=res["trim"], fsdp_bytes=fsdp, cp_sizes=cp_sizes,
+                                              cp_degree=max(sizes),
+                                              kinds=("all_to_all", "allreduce", "p2p", "allgather", "reduce_scatter",
+                                                     "cp_allgather", "cp_reduce_scatter"),
                                               progress=on_coll)
         self.phase = "memory"
         self._progress(sum(self.SHARES[:2]), "memory")
@@ -910,6 +966,8 @@ class Profiler:
                          "group_packs": res["group_packs"], "head_tokens": res.get("head_tokens"),
                          "message_bytes": res["message_bytes"], "fsdp_bytes": res.get("fsdp_bytes"),
                          "group_sizes": res["group_sizes"], "step_cases": [c["name"] for c in cases],
+                         "cp_sizes": res.get("cp_sizes"), "cp_splits": res.get("cp_splits"),
+                         "cp_packs": res.get("cp_packs"),
                          "optimizer": res.get("optimizer")},
                 "load_average": {"start": load_start, "end": _loadavg(), "cores": os.cpu_count(),
                                  "note": "1-minute load average of the machine (os.getloadavg) when the measuring "

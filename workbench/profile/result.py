@@ -6,9 +6,10 @@
     {"model": "tiny", "world_size": 4, "device": "cpu", "scope": "model",
      "compute": [{"pack": [..], "tokens": n, "role": "fit"|"heldout", "forward_ms": per layer,
                   "backward_ms": per layer, "per_rank": {...}}],
-     "collectives": [{"kind": "all_to_all"|"allreduce"|"p2p", "group_size": d, "message_bytes": m,
-                      "ms": t, "per_rank": [...]}],
-     "groups": [{"degree": d, "pack": [..], "ms": whole-model micro-step, "per_rank": [...]}],
+     "collectives": [{"kind": "all_to_all"|"allreduce"|"p2p"|"allgather"|"reduce_scatter"|"cp_allgather"|
+                      "cp_reduce_scatter", "group_size": d, "message_bytes": m, "ms": t, "per_rank": [...]}],
+     "groups": [{"degree": d, "cp": c (1: Ulysses only), "pack": [..], "ms": whole-model micro-step,
+                 "per_rank": [...]}],
      "head": [{"tokens": n, "forward_ms": whole, "backward_ms": whole, "per_rank": {...}}],
      "steps": [{"name", "execution": "lockstep"|"free", "zero_stage", "micro_steps": [[{degree, ranks,
                 lengths}]], "micro_step_ms": [[ms per rank] per pass or micro-step], "step_ms": [per rank],
@@ -24,11 +25,15 @@ plus every point and curve the figures draw. In order:
    that the per-layer curves are the blocks' own (the head scales with vocab x hidden, the blocks
    with their FLOPs, when the profile plans another model);
 2. the per-layer **compute curves** and the **collectives** (all-to-all, ring steps, all-reduce,
-   and FSDP's all-gather and reduce-scatter over the world);
+   and FSDP's all-gather and reduce-scatter over the world; context parallelism's on its strided
+   sub-groups fill ``allgather_*`` and ``reduce_scatter_*`` at the CP sizes FSDP did not measure:
+   the world-size entries stay FSDP's);
 3. the **micro-step's fixed cost** (``micro_step_ms``): what the runtime's real micro-steps of
    degree-1 groups (free execution, ZeRO-0) take beyond the curves and the head: the Python of a
    forward and backward, building the shard, the loss;
-4. the **SP overhead** per degree from the real SP micro-steps (``fit_sp_overhead``);
+4. the **SP overhead** per degree from the real SP micro-steps (``fit_sp_overhead``), and the
+   **CP extras** per CP size from the real ``1 x c`` micro-steps (``fit_cp_overhead``:
+   ``cp_overhead_ms`` and ``cp_token_ms``; ``u x c`` micro-steps are re-timed with them as evidence);
 5. the **fixed cost of a lockstep pass** (``pass_overhead_ms`` at the world size) and the
    **pass's compute factor** (``pass_compute_factor``) from real ZeRO-3 steps (FSDP2 over every
    rank, idle ranks running empty passes): what a pass takes beyond FSDP's collectives
@@ -51,7 +56,7 @@ import statistics
 from workbench.profile.fit import fit_collectives, fit_compute, fit_line
 from workbench.specs import HardwareProfile
 
-__all__ = ["ProfileResult", "build_result", "fit_sp_overhead", "fit_head", "fit_micro_step", "fit_pass_overhead",
+__all__ = ["ProfileResult", "build_result", "fit_sp_overhead", "fit_cp_overhead", "fit_head", "fit_micro_step", "fit_pass_overhead",
            "fit_optimizer", "step_predictions", "ESTIMATED_ALL_TO_ALL_GBPS", "RESULT_FILE", "MEASUREMENTS_FILE"]
 
 RESULT_FILE = "profile_result.json"
@@ -79,8 +84,10 @@ class ProfileResult:
     - ``collective_fits``: ``{kind: {group size: {latency_ms, gbps, message_bytes, measured_ms,
       predicted_ms, errors}}}``;
     - ``memory``: activation MB per token, model-state MB and how they were obtained;
-    - ``groups``: real SP micro-steps per degree and pack: ``{degree, pack, tokens, measured_ms,
-      predicted_ms (compute + collectives), predicted_with_overhead_ms (+ the fitted sp_overhead)}``.
+    - ``groups``: real SP micro-steps per degree and pack: ``{degree, cp, pack, tokens, measured_ms,
+      predicted_ms (compute + collectives), predicted_with_overhead_ms (+ the fitted sp_overhead)}``;
+      context-parallel ones (``cp > 1``) also ``split`` (``"u x c"``), and their
+      ``predicted_with_overhead_ms`` adds the fitted CP extras.
     """
 
     profile: HardwareProfile
@@ -151,6 +158,7 @@ def fit_sp_overhead(profile: HardwareProfile, world: int, groups: list[dict]) ->
     from workbench.profile.fit import nnls
     from workbench.specs import ClusterSpec
 
+    groups = [g for g in groups if int(g.get("cp", 1)) == 1]  # Ulysses only: CP splits are fit_cp_overhead's
     if not groups:
         return {}, {}, []
     model = get_model(profile.model)
@@ -177,8 +185,61 @@ def fit_sp_overhead(profile: HardwareProfile, world: int, groups: list[dict]) ->
         d = int(g["degree"])
         p0 = pred(d, g["pack"])
         extra = model.layers * (fixed.get(d, 0.0) + per_token.get(d, 0.0) * sum(g["pack"]))
-        rows.append({"degree": d, "pack": list(g["pack"]), "tokens": int(sum(g["pack"])), "measured_ms": g["ms"],
-                     "predicted_ms": p0, "predicted_with_overhead_ms": p0 + extra})
+        rows.append({"degree": d, "cp": 1, "pack": list(g["pack"]), "tokens": int(sum(g["pack"])),
+                     "measured_ms": g["ms"], "predicted_ms": p0, "predicted_with_overhead_ms": p0 + extra})
+    return fixed, per_token, rows
+
+
+def fit_cp_overhead(profile: HardwareProfile, world: int, groups: list[dict]) -> tuple[dict, dict, list[dict]]:
+    """The extra time of context parallelism over c ranks beyond what ``profile``'s compute and
+    collective fits predict (its all-gather and reduce-scatter bytes and latency at c, and for a
+    ``u x c`` split the Ulysses part with its measured extras), from real micro-steps ``groups``
+    (``{"degree", "cp", "pack", "ms"}``, whole model), the way :func:`fit_sp_overhead` fits
+    Ulysses': for a ``1 x c`` split and a pack the residual is measured - predicted, less the same
+    pack's degree-1 residual divided by c; per c the residuals are fitted as ``layers * (o + r *
+    tokens)`` with o, r >= 0 (r = 0 with one token count). What it holds: the CP layout and the K/V
+    selection (and its scatter-add in the backward), waits at every layer's all-gather, and a
+    bottom-right-masked attention slower than the causal one. ``u x c`` splits (u > 1) are not
+    fitted: their rows re-time them with the fitted extras (the cost model scales the per-token
+    one by the K/V heads a rank holds), as evidence. Returns ``({c: o, ms per layer}, {c: r, ms
+    per token and layer}, rows)``; rows hold every CP case's measured and predicted time, without
+    and with the extras."""
+    import numpy as np
+
+    from workbench.cost import CostModel
+    from workbench.profile.fit import nnls
+
+    cps = [g for g in groups if int(g.get("cp", 1)) > 1]
+    if not cps:
+        return {}, {}, []
+    model = _model(profile.model)
+    base = dataclasses.replace(profile, cp_overhead_ms={}, cp_token_ms={})
+    cluster = _cluster(world, 0)
+    cost = CostModel(base, model, cluster, strategy="auto")
+
+    def pred(c_model, d: int, c: int, pack) -> float:
+        return c_model.group_overhead_ms(d, c) + float(c_model.time(pack, d, c).sum())
+
+    r1 = {tuple(g["pack"]): g["ms"] - pred(cost, 1, 1, g["pack"]) for g in groups if int(g["degree"]) == 1}
+    fixed: dict[int, float] = {}
+    per_token: dict[int, float] = {}
+    for c in sorted({int(g["cp"]) for g in cps if int(g["degree"]) == int(g["cp"])}):
+        gs = [g for g in cps if int(g["degree"]) == c and int(g["cp"]) == c]
+        tokens = np.array([float(sum(g["pack"])) for g in gs])
+        res = np.array([g["ms"] - pred(cost, c, c, g["pack"]) - r1.get(tuple(g["pack"]), 0.0) / c for g in gs])
+        if len(set(tokens.tolist())) >= 2:
+            o, r = nnls(np.stack([np.ones_like(tokens), tokens], axis=1), res)
+        else:
+            o, r = max(0.0, float(np.median(res))), 0.0
+        fixed[c], per_token[c] = float(o) / model.layers, float(r) / model.layers
+    fitted = CostModel(dataclasses.replace(profile, cp_overhead_ms=fixed, cp_token_ms=per_token), model, cluster,
+                       strategy="auto")
+    rows = []
+    for g in cps:
+        d, c = int(g["degree"]), int(g["cp"])
+        rows.append({"degree": d, "cp": c, "split": f"{d // c}x{c}", "pack": list(g["pack"]),
+                     "tokens": int(sum(g["pack"])), "measured_ms": g["ms"], "predicted_ms": pred(cost, d, c, g["pack"]),
+                     "predicted_with_overhead_ms": pred(fitted, d, c, g["pack"])})
     return fixed, per_token, rows
 
 
@@ -425,6 +486,11 @@ def build_result(measurements: Mapping[str, Any], *, run_id: str | None = None) 
     def link(kind: str, attr: str) -> dict:
         return {d: getattr(f, attr) for d, f in links.get(kind, {}).items()}
 
+    def with_cp(kind: str, attr: str) -> dict:
+        # context parallelism's sub-groups fill the sizes FSDP's world-wide collective does not
+        # measure; at the world size (a 1 x world split is the whole world) FSDP's figure stays
+        return {**link(f"cp_{kind}", attr), **link(kind, attr)}
+
     device = str(measurements.get("device") or prov.get("device") or "cpu")
     steps = [dict(c) for c in measurements.get("steps") or []]
     profile = HardwareProfile(
@@ -434,9 +500,9 @@ def build_result(measurements: Mapping[str, Any], *, run_id: str | None = None) 
         all_to_all_gbps=a2a, all_to_all_latency_ms=a2a_lat,
         p2p_gbps=link("p2p", "gbps"), p2p_latency_ms=link("p2p", "latency_ms"),
         allreduce_gbps=link("allreduce", "gbps"), allreduce_latency_ms=link("allreduce", "latency_ms"),
-        allgather_gbps=link("allgather", "gbps"), allgather_latency_ms=link("allgather", "latency_ms"),
-        reduce_scatter_gbps=link("reduce_scatter", "gbps"),
-        reduce_scatter_latency_ms=link("reduce_scatter", "latency_ms"),
+        allgather_gbps=with_cp("allgather", "gbps"), allgather_latency_ms=with_cp("allgather", "latency_ms"),
+        reduce_scatter_gbps=with_cp("reduce_scatter", "gbps"),
+        reduce_scatter_latency_ms=with_cp("reduce_scatter", "latency_ms"),
         head_ms_per_token=(head["forward_per_token"] + head["backward_per_token"]) if head else None,
         # FSDP2 overlaps its collectives with compute only on CUDA streams (prefetching); on CPU it
         # runs them on the compute thread, in the order they are needed
@@ -459,6 +525,21 @@ def build_result(measurements: Mapping[str, Any], *, run_id: str | None = None) 
         prov["sp_overhead"] = ("sp_overhead_ms (per layer) + sp_token_ms (per token and layer): the extra time of real "
                                "Ulysses micro-steps (all blocks at once) beyond the compute and collective fits")
         profile = dataclasses.replace(profile, sp_overhead_ms=sp, sp_token_ms=sp_tok)
+    cp_links = sorted(links.get("cp_allgather", {}))
+    if cp_links:
+        fsdp = sorted(links.get("allgather", {}))
+        prov["cp_collectives"] = (
+            f"allgather_* and reduce_scatter_* at {', '.join(str(c) for c in cp_links if c not in fsdp) or 'no size'}: "
+            f"context parallelism's K/V all-gather and gradient reduce-scatter on the strided CP sub-groups; "
+            f"{', '.join(str(c) for c in fsdp) or 'none'}: FSDP's over the world (kept; the CP figure at that size "
+            f"is in profile_result.json's collective_fits)")
+    cp_fixed, cp_tok, cp_rows = fit_cp_overhead(profile, world, groups)
+    if cp_fixed:
+        prov["cp_overhead"] = ("cp_overhead_ms (per layer) + cp_token_ms (per token and layer): the extra time of real "
+                               "1 x c context-parallel micro-steps (CPAttention, all sub-groups at once) beyond the "
+                               "compute and collective fits")
+        profile = dataclasses.replace(profile, cp_overhead_ms=cp_fixed, cp_token_ms=cp_tok)
+    group_rows = group_rows + cp_rows
     fixed, factor, pass_rows = fit_pass_overhead(profile, world, steps)
     if fixed is not None:
         profile = dataclasses.replace(profile, pass_overhead_ms={world: fixed},

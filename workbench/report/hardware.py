@@ -1,6 +1,9 @@
 """Figures of a hardware profile computed from its own coefficients (any profile: shipped
 reference, measured, or saved): the per-layer compute curves, the measured points they were fitted
-to (when the profile keeps them) with their residuals, and the collective bandwidths by group size.
+to (when the profile keeps them) with their residuals, the collectives' bandwidth and latency by
+group size (Ulysses' all-to-all, ring steps, the all-reduce, and the all-gather and reduce-scatter
+that context parallelism runs on its sub-groups and FSDP over all ranks), and the measured extras
+of a group's split (Ulysses' and context parallelism's, fixed and per token).
 
 A profile's compute curve is per transformer layer and per packed call: ``a*s^2 + b*s`` for each
 sequence of ``s`` tokens, plus ``c`` once per call. Pure Python; plotly inside the figure functions.
@@ -13,7 +16,15 @@ from typing import Mapping, Sequence
 from workbench.report._style import top_legend
 
 __all__ = ["profile_curves", "profile_points", "compute_figure", "residuals_figure", "bandwidth_figure",
-           "describe_profile"]
+           "describe_profile", "profile_links", "split_extras", "split_extras_figure", "LINKS"]
+
+LINKS = (("all_to_all", "all-to-all (Ulysses SP)", "#4C78A8"),
+         ("p2p", "point-to-point (ring SP)", "#54A24B"),
+         ("allreduce", "all-reduce (gradient sync)", "#E45756"),
+         ("allgather", "all-gather (CP K/V; FSDP parameters at all ranks)", "#B279A2"),
+         ("reduce_scatter", "reduce-scatter (CP K/V gradients; FSDP gradients at all ranks)", "#F58518"))
+"""The collectives a profile may hold by group size: ``(kind, label, colour)``; ``<kind>_gbps`` and
+``<kind>_latency_ms`` are its fields."""
 
 
 def _curve_ms(c: Mapping[str, float], pack: Sequence[int]) -> float:
@@ -131,24 +142,97 @@ def residuals_figure(profile, title: str | None = None):
     return top_legend(fig)
 
 
+def profile_links(profile) -> dict:
+    """The profile's collectives by group size, as plain data: ``{kind: {group size: {"gbps",
+    "latency_ms"}}}`` for every kind of :data:`LINKS` the profile has (``latency_ms`` None where it
+    has no latency figure for that size). The all-gather and reduce-scatter tables serve context
+    parallelism's sub-groups of every size and FSDP over all ranks; a measured profile's entry at
+    its world size is FSDP's (``provenance.cp_collectives`` says which)."""
+    pd = profile.to_dict() if hasattr(profile, "to_dict") else dict(profile)
+    out = {}
+    for kind, _, _ in LINKS:
+        bw = {int(k): float(v) for k, v in (pd.get(f"{kind}_gbps") or {}).items()}
+        lat = {int(k): float(v) for k, v in (pd.get(f"{kind}_latency_ms") or {}).items()}
+        if bw:
+            out[kind] = {d: {"gbps": bw[d], "latency_ms": lat.get(d)} for d in sorted(bw)}
+    return out
+
+
 def bandwidth_figure(profile, title: str | None = None):
-    """Collective bandwidth per GPU by group size: all-to-all (Ulysses), point-to-point (ring)
-    and all-reduce (gradient sync), log-2 x axis."""
-    import plotly.graph_objects as go
+    """Collectives by group size, two panels: bandwidth per GPU (left) and latency per call (right)
+    of the all-to-all (Ulysses), point-to-point (ring), all-reduce (gradient sync), and the
+    all-gather and reduce-scatter (context parallelism's K/V on its sub-groups; FSDP's at all
+    ranks); log-2 x axes. A kind without latency figures has no line on the right."""
+    from plotly.subplots import make_subplots
 
     pd = profile.to_dict() if hasattr(profile, "to_dict") else dict(profile)
-    fig = go.Figure()
-    for key, name, color in (("all_to_all_gbps", "all-to-all (Ulysses SP)", "#4C78A8"),
-                             ("p2p_gbps", "point-to-point (ring SP)", "#54A24B"),
-                             ("allreduce_gbps", "all-reduce (gradient sync)", "#E45756")):
-        t = {int(k): float(v) for k, v in (pd.get(key) or {}).items()}
-        if t:
-            ks = sorted(t)
-            fig.add_scatter(x=ks, y=[t[k] for k in ks], mode="lines+markers", name=name, line=dict(color=color),
-                            hovertemplate=f"group of %{{x}}: %{{y:.3g}} GB/s ({name})<extra></extra>")
+    links = profile_links(pd)
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12)
+    for kind, name, color in LINKS:
+        t = links.get(kind)
+        if not t:
+            continue
+        ks = sorted(t)
+        fig.add_scatter(x=ks, y=[t[k]["gbps"] for k in ks], mode="lines+markers", name=name, line=dict(color=color),
+                        legendgroup=kind, row=1, col=1,
+                        hovertemplate=f"group of %{{x}}: %{{y:.3g}} GB/s ({name})<extra></extra>")
+        lk = [k for k in ks if t[k]["latency_ms"] is not None]
+        if lk:
+            fig.add_scatter(x=lk, y=[t[k]["latency_ms"] for k in lk], mode="lines+markers", name=f"{name}: latency",
+                            line=dict(color=color, dash="dot"), marker=dict(symbol="diamond"), legendgroup=kind,
+                            showlegend=False, row=1, col=2,
+                            hovertemplate=f"group of %{{x}}: %{{y:.3g}} ms per call ({name})<extra></extra>")
     fig.update_xaxes(type="log", dtick=0.30103, title="group size (GPUs, log scale)")
-    fig.update_yaxes(type="log", title="GB/s per GPU (log scale)")
-    fig.update_layout(template="plotly_white", height=340,
-                      title=title or f"{pd['name']}: collective bandwidth by group size")
+    fig.update_yaxes(type="log", title="bandwidth: GB/s per GPU (log scale)", row=1, col=1)
+    fig.update_yaxes(title="latency: ms per call", rangemode="tozero", row=1, col=2)
+    fig.update_layout(template="plotly_white", height=380,
+                      title=title or f"{pd['name']}: collectives by group size")
+    return top_legend(fig, top=120)
+
+
+_EXTRAS = (("sp", "Ulysses over u ranks", "#4C78A8"), ("cp", "context parallelism over c ranks", "#B279A2"))
+
+
+def split_extras(profile) -> dict:
+    """The measured extras of a group's split (what real micro-steps cost beyond the compute and
+    collective fits), per layer, as plain data: ``{"ulysses": {u: {"fixed_ms", "per_1k_tokens_ms"}},
+    "cp": {c: {...}}}`` from ``sp_overhead_ms``/``sp_token_ms`` and ``cp_overhead_ms``/
+    ``cp_token_ms`` (per 1,000 tokens of the group's sequences; a ``u x c`` split pays the Ulysses
+    part at u and the CP part at c). Empty parts for a profile without them."""
+    pd = profile.to_dict() if hasattr(profile, "to_dict") else dict(profile)
+    out = {}
+    for key, name in (("sp", "ulysses"), ("cp", "cp")):
+        fixed = {int(k): float(v) for k, v in (pd.get(f"{key}_overhead_ms") or {}).items()}
+        tok = {int(k): float(v) for k, v in (pd.get(f"{key}_token_ms") or {}).items()}
+        out[name] = {d: {"fixed_ms": fixed.get(d, 0.0), "per_1k_tokens_ms": 1e3 * tok.get(d, 0.0)}
+                     for d in sorted(set(fixed) | set(tok))}
+    return out
+
+
+def split_extras_figure(profile, title: str | None = None):
+    """The measured extras of a split per layer, by group size, two panels: the fixed part per
+    micro-step (left) and the part per 1,000 tokens (right), Ulysses (``sp_*``) and context
+    parallelism (``cp_*``) side by side. No traces (and a title saying so) for a profile without
+    them."""
+    from plotly.subplots import make_subplots
+
+    pd = profile.to_dict() if hasattr(profile, "to_dict") else dict(profile)
+    ex = split_extras(pd)
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12)
+    for (key, name, color), part in zip(_EXTRAS, ("ulysses", "cp")):
+        t = ex.get(part) or {}
+        if not t:
+            continue
+        ks = sorted(t)
+        for col, field in ((1, "fixed_ms"), (2, "per_1k_tokens_ms")):
+            fig.add_bar(x=[str(k) for k in ks], y=[t[k][field] for k in ks], name=name, marker_color=color,
+                        legendgroup=key, showlegend=col == 1, row=1, col=col,
+                        hovertemplate=f"{name}, %{{x}} ranks: %{{y:.3g}} ms per layer<extra></extra>")
+    fig.update_xaxes(title="ranks of the Ulysses or CP sub-group", type="category")
+    fig.update_yaxes(title="fixed: ms per layer and micro-step", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title="ms per layer and 1,000 tokens", rangemode="tozero", row=1, col=2)
+    fig.update_layout(template="plotly_white", height=340, barmode="group",
+                      title=title or (f"{pd['name']}: what a group's split costs beyond its compute and collectives"
+                                      if fig.data else f"{pd['name']} has no measured split extras"))
     return top_legend(fig)
 
