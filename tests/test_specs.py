@@ -93,3 +93,17 @@ def test_profile_errors_name_the_problem(tmp_path):
     d["bogus"] = 1
     with pytest.raises(ValueError, match="unknown field"):
         HardwareProfile.from_dict(d)
+
+
+def test_cp_attention_factor_loads_like_the_other_size_tables(tmp_path):
+    # a profile written before the field existed loads with none; one that has it round-trips, keyed by c
+    old = load_profile("a100-40g-flexsp").to_dict()
+    del old["cp_attention_factor"]
+    assert HardwareProfile.from_dict(old).cp_attention_factor == {}
+    new = dict(old, cp_attention_factor={"4": 0.5, "2": 0.3})
+    p = HardwareProfile.from_dict(new)
+    assert p.cp_attention_factor == {2: 0.3, 4: 0.5}
+    path = p.save(tmp_path / "p.json")
+    assert load_profile(path) == p and json.loads(path.read_text())["cp_attention_factor"] == {"2": 0.3, "4": 0.5}
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        HardwareProfile.from_dict(dict(old, cp_attention_factor={"2": -0.1}))

@@ -520,6 +520,15 @@ class HardwareProfile(_JsonMixin):
     """Measured extra fixed time per layer of one context-parallel sub-group of size c in one
     micro-step (ms), beyond its compute and its collectives' bytes and latency: the CP layout work
     and the waits of ranks that meet at every layer's all-gather. Empty: none."""
+    cp_attention_factor: dict = field(default_factory=dict, metadata={"from_json": _latency_table})
+    """Measured extra attention time of context parallelism over c ranks, as a fraction of a rank's
+    causal share of the attention (the compute curves' quadratic term ``a * s^2``, which a rank of a
+    degree-d group computes ``1/d`` of): each sequence of a ``u x c`` split adds ``factor[c] *
+    quadratic(s) / d``. Each CP chunk's queries attend to a prefix of keys, bottom-right aligned; where
+    the kernel runs that with an explicit mask (SDPA on CPU) it computes the whole rectangle, not the
+    causal triangle, so the excess grows with the square of the length (GPU flash / varlen kernels
+    skip the masked blocks: near 0). Fitted on ``1 x c`` groups; a ``u x c`` rank runs the same
+    rectangles over its ``H/u`` heads, so the same fraction of its own (``1/d``) attention. Empty: none."""
     allgather_gbps: dict = field(default_factory=dict, metadata={"from_json": _bw_table})
     """All-gather bus bandwidth in GB/s by group size (FSDP's parameter all-gather under ZeRO-3 over
     the world, context parallelism's K/V all-gather over its sub-groups: each rank receives (n-1)/n
@@ -594,7 +603,7 @@ class HardwareProfile(_JsonMixin):
             self.gpus_per_node, bool) and self.gpus_per_node >= 1),
                  f"HardwareProfile {self.name}: gpus_per_node must be a positive integer or null, got {self.gpus_per_node!r}")
         for n in ("all_to_all_latency_ms", "p2p_latency_ms", "allreduce_latency_ms", "sp_overhead_ms", "sp_token_ms",
-                  "cp_overhead_ms", "cp_token_ms", "allgather_latency_ms", "reduce_scatter_latency_ms",
+                  "cp_overhead_ms", "cp_token_ms", "cp_attention_factor", "allgather_latency_ms", "reduce_scatter_latency_ms",
                   "pass_overhead_ms", "pass_compute_factor"):
             object.__setattr__(self, n, _latency_table(getattr(self, n)))
         _require(bool(self.all_to_all_gbps), f"HardwareProfile {self.name}: all_to_all_gbps is empty; "
