@@ -7,7 +7,7 @@ import pytest
 
 from workbench.cost import CostModel, InfeasibleError
 from workbench.models import get_model
-from workbench.specs import ClusterSpec, load_profile
+from workbench.specs import ClusterSpec, HardwareProfile, load_profile
 
 # FlexSP GPT-7B on A100-40G (REFERENCE.md): whole model, forward + backward
 A, B, C = 5.128e-6, 0.1840, 629.4
@@ -157,6 +157,133 @@ def test_auto_keeps_every_split_a_group_would_choose():
             assert min(kept) == pytest.approx(min(fits), rel=1e-12)
             c = auto.best_split(seqs, d)
             assert group(c)[0] == pytest.approx(min(fits), rel=1e-12)
+
+
+def test_cp_attention_factor_enters_the_split_by_hand():
+    """CP's extra attention: ``factor(c) * A * s^2 / d`` per sequence of a ``u x c`` split, ``factor``
+    interpolated in log c, nothing for Ulysses alone and nothing in the group's fixed overhead."""
+    import dataclasses
+
+    p = load_profile("a100-40g-flexsp")
+    plain = CostModel(p, get_model("7b"), ClusterSpec(num_gpus=64), strategy="auto")
+    cost = CostModel(dataclasses.replace(p, cp_attention_factor={2: 0.4, 8: 1.0}), get_model("7b"),
+                     ClusterSpec(num_gpus=64), strategy="auto")
+    s = np.array([8192.0, 65536.0])
+    # c = 4 lies halfway between 2 and 8 in log c: 0.4 + (1.0 - 0.4) / 2; past 8 the table's end holds
+    for d, c, f in ((2, 2, 0.4), (8, 2, 0.4), (16, 4, 0.7), (8, 8, 1.0), (32, 16, 1.0)):
+        assert cost.time(s, d, c) - plain.time(s, d, c) == pytest.approx(f * A * s * s / d, rel=1e-9)
+        assert cost.cp_attention_ms(s, d, c) == pytest.approx(f * A * s * s / d, rel=1e-12)
+        assert cost.group_overhead_ms(d, c) == plain.group_overhead_ms(d, c)
+    assert np.array_equal(cost.time(s, 8, 1), plain.time(s, 8, 1))
+    assert cost.cp_attention_factor(1) == 0.0 and plain.cp_attention_factor(8) == 0.0
+
+    # the fit's quadratic: a_short below short_len, the forward twice with recomputation
+    tiny = get_model("tiny")  # 2 layers
+    short = {"a": 1e-6, "b": 0.01, "c": 1.0, "a_short": 3e-6, "short_len": 512}
+    short_b = {"a": 2e-6, "b": 0.02, "c": 2.0, "a_short": 5e-6, "short_len": 512}
+    tp = HardwareProfile(name="t", gpu="g", model="tiny", forward=short, backward=short_b,
+                         all_to_all_gbps={2: 1.0, 4: 1.0}, provenance={"kind": "measured"})
+    cl = ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=8.0, zero_stage=0)
+    s = np.array([256.0, 2048.0])
+    a_per_pair = np.array([2 * (3e-6 + 5e-6), 2 * (1e-6 + 2e-6)])  # layers x (forward + backward)
+    for recompute, twice in ((False, np.array([2 * (3e-6 + 5e-6), 2 * (1e-6 + 2e-6)])),
+                             (True, np.array([2 * (2 * 3e-6 + 5e-6), 2 * (2 * 1e-6 + 2e-6)]))):
+        t0 = CostModel(tp, tiny, cl, strategy="auto", recompute=recompute)
+        t1 = CostModel(dataclasses.replace(tp, cp_attention_factor={2: 0.5}), tiny, cl, strategy="auto",
+                       recompute=recompute)
+        for d, c in ((4, 2), (4, 4), (2, 2)):
+            assert t1.time(s, d, c) - t0.time(s, d, c) == pytest.approx(0.5 * twice * s * s / d, rel=1e-9)
+    assert a_per_pair[0] > a_per_pair[1]
+
+
+def _quadratic_cp_profile():
+    """A tiny-model profile (2 layers) whose degree-4 splits, on the tokens alone, are: 1 x 4 the
+    least fixed cost (0.4 ms) and per-token extra (2e-4 ms), the fastest wherever its memory holds the
+    group; 2 x 2, paying both the Ulysses and the CP extras (2 ms + 6e-3 ms per token), slower than
+    Ulysses 4 x 1 (20 ms + 2e-3 ms per token) past 1,000 tokens, so never the fastest. CP's extra
+    attention (factor 1.0 at c = 4, 0.1 at c = 2) turns that around for long sequences: single
+    sequences of about 2,000 to 3,500 tokens run fastest on 2 x 2, longer ones on 4 x 1."""
+    return HardwareProfile(
+        name="q", gpu="g", model="tiny", forward={"a": 2.7e-6, "b": 0.004, "c": 0.5},
+        backward={"a": 5.3e-6, "b": 0.008, "c": 1.0}, all_to_all_gbps={2: 1e6, 4: 1e6},
+        allgather_gbps={2: 1e6, 4: 1e6}, reduce_scatter_gbps={2: 1e6, 4: 1e6},
+        sp_overhead_ms={2: 0.5, 4: 10.0}, sp_token_ms={2: 4e-3, 4: 1e-3},
+        cp_overhead_ms={2: 0.5, 4: 0.2}, cp_token_ms={2: 2e-3, 4: 1e-4}, cp_attention_factor={2: 0.1, 4: 1.0},
+        provenance={"kind": "measured"})
+
+
+def test_auto_keeps_every_split_a_group_would_choose_with_cp_attention():
+    """The same brute force with CP's quadratic extra: a group's best split depends on its sequences'
+    lengths, not only on its tokens, and the pruning still loses nothing. The profile is built so that
+    a pruning on the tokens alone (the r = 0 envelope) would drop 2 x 2: the groups of long sequences
+    that choose it show the new term is covered."""
+    import dataclasses
+
+    from workbench.cost import _envelope_splits
+
+    p = _quadratic_cp_profile()
+    cl = ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=8.0, zero_stage=0)
+    auto = CostModel(p, get_model("tiny"), cl, strategy="auto")
+    one = np.ones(1)
+    cands = [(c, auto.group_overhead_ms(4, c), float(auto._split_linear_ms(one, 4, c)[0]), auto.cp_attention_factor(c) / 4,
+              float(auto.memory(one, 4, c)[0])) for c in (1, 2, 4)]
+    assert _envelope_splits(cands, auto.memory_budget_gb, 0.0) == {1, 4}
+    assert auto.splits(4) == (1, 2, 4)
+    # without the factor the same profile drops 2 x 2
+    assert CostModel(dataclasses.replace(p, cp_attention_factor={}), get_model("tiny"), cl,
+                     strategy="auto").splits(4) == (1, 4)
+    rng = np.random.default_rng(1)
+    chosen = set()
+    for _ in range(300):
+        d = int(rng.choice([2, 4]))
+        n = int(rng.integers(1, 7))
+        hi = int(rng.choice([600, 4000, 16384]))
+        seqs = rng.integers(8, hi, size=n)
+        every = [c for c in range(1, d + 1) if d % c == 0 and auto.split_supported(d // c)]
+
+        def group(c, d=d, seqs=seqs):
+            return (auto.group_overhead_ms(d, c) + float(auto.time(seqs, d, c).sum()),
+                    float(auto.memory(seqs, d, c).sum()))
+        fits = [(group(c)[0], c) for c in every if group(c)[1] <= auto.memory_budget_gb]
+        kept = [group(c)[0] for c in auto.splits(d) if group(c)[1] <= auto.memory_budget_gb]
+        assert bool(fits) == bool(kept)
+        if fits:
+            assert min(kept) == pytest.approx(min(fits)[0], rel=1e-12)
+            c = auto.best_split(seqs, d)
+            assert group(c)[0] == pytest.approx(min(fits)[0], rel=1e-12)
+            if d == 4:
+                chosen.add(min(fits)[1])
+    assert chosen == {1, 2, 4}
+
+
+def test_envelope_keeps_every_split_fastest_on_a_dense_grid():
+    """``_envelope_splits`` against brute force on random lines: every split that is the fastest
+    fitting one at some point of a dense (S, r) grid is kept, and so is the fastest at r = 0 of the
+    old, tokens-only envelope. Some of the cases need an r strictly between the ends (the envelopes
+    at r = 0 and at r_max alone miss a split there)."""
+    from workbench.cost import _envelope_splits
+
+    def at(cands, r):  # the tokens-only envelope of the lines at one r
+        return _envelope_splits([(c, o, k + g * r, 0.0, m) for c, o, k, g, m in cands], 1.0, 0.0)
+
+    rng = np.random.default_rng(2)
+    inner = 0
+    for _ in range(300):
+        n = int(rng.integers(2, 6))
+        cands = sorted((c, float(rng.uniform(0, 20)), float(rng.uniform(1e-4, 1e-2)), float(rng.uniform(0, 0.5)),
+                        float(rng.uniform(1e-6, 3e-6))) for c in range(1, n + 1))
+        budget, r_max = 1.0, float(rng.uniform(0.0, 0.05))
+        kept = _envelope_splits(cands, budget, r_max)
+        top = budget / min(x[4] for x in cands)
+        S = np.geomspace(1.0, top, 400)[:, None, None]
+        r = np.linspace(0.0, r_max, 120)[None, :, None]
+        o, k, g, m = (np.array([x[i] for x in cands])[None, None, :] for i in (1, 2, 3, 4))
+        T = np.where(m * S <= budget, o + (k + g * r) * S, np.inf)
+        grid = {cands[i][0] for i in np.unique(np.argmin(T, axis=2))}
+        assert grid <= kept
+        assert _envelope_splits(cands, budget, 0.0) <= kept
+        inner += not grid <= at(cands, 0.0) | at(cands, r_max)
+    assert inner > 0
 
 
 def test_forced_ulysses_past_the_head_limit_is_one_clear_line():

@@ -46,7 +46,17 @@ collective calls, which does not depend on how many tokens the group runs::
         sp_overhead(u): the profile's measured extra per layer of a Ulysses group (layout work, waits)
 
 and, when the profile measured it, each sequence adds ``layers * sp_token(u) * s / c`` (the part of
-that extra that grows with the rank's tokens).
+that extra that grows with the rank's tokens). Context parallelism's measured extras enter the same
+way (``cp_overhead(c)`` per layer in the overhead, ``cp_token(c)`` per token and layer, scaled by the
+K/V heads a rank of ``u x c`` holds), and one more grows with the square of the length::
+
+    cp_attention(s, d, c) = cp_attention_factor(c) * A*s^2 / d      # c > 1
+
+a fraction of the rank's causal share of the attention: each CP chunk's queries attend to a prefix
+of keys, bottom-right aligned, and a kernel that runs that with an explicit mask (SDPA on CPU)
+computes the whole rectangle where the causal one skips the blocks above the diagonal (GPU flash /
+varlen kernels skip them too: a factor near 0). It is measured on ``1 x c`` groups; a rank of
+``u x c`` runs the same rectangles over its ``H/u`` heads, so the same fraction of its own ``1/d``.
 
 A group fits when the sum of its sequences' ``memory(s, d)`` is at most ``memory_budget_gb``
 (usable GPU memory less the model states the runtime holds under the cluster's ZeRO stage,
@@ -176,6 +186,58 @@ def _interp_latency(table: dict[int, float], d: int) -> float:
     """Latency (ms) for group size ``d``: linear in log(d) between measured sizes, clamped; 0 when
     the profile has none."""
     return _interp(table, d, log_values=False) if table else 0.0
+
+
+def _envelope_splits(cands, budget: float, r_max: float) -> set[int]:
+    """The CP sizes of ``cands`` (``(c, o, k, g, m)`` per split, in increasing c) that are the fastest
+    split holding a group somewhere in ``1 <= S <= top``, ``0 <= r <= r_max``, where split c takes
+    ``o + (k + g * r) * S`` and holds S when ``m * S <= budget`` (``top``: the largest S any split
+    holds; ties to the smaller c). Empty when no split holds one token.
+
+    For one r the times are lines in S: the fastest changes only where two lines cross
+    (``bp_ij(r) = (o_j - o_i) / ((k_i - k_j) + (g_i - g_j) r)``) or a split stops holding S
+    (``budget / m``), so one probe between consecutive such points (and at S = 1) finds every split
+    that is fastest on an interval. Over r that picture changes only where those points meet: a
+    crossing passes 1, ``top`` or a memory limit (a linear equation in r), two crossings of one split
+    with two others meet (three lines through one point: linear in r), or two lines become parallel.
+    Probing every such r and one r between consecutive ones finds every split that is fastest on a
+    region of positive area, and the probes at the critical r themselves keep a split that is fastest
+    only on a curve or a point (keeping more is safe: nothing a group prefers is dropped)."""
+    c = np.array([x[0] for x in cands], dtype=np.int64)
+    o, k, g, m = (np.array([x[i] for x in cands], dtype=np.float64) for i in (1, 2, 3, 4))
+    n = len(cands)
+    top = float(np.max(budget / m))
+    if top < 1.0:
+        return set()
+    fixed = np.clip(np.concatenate([[1.0, top], budget / m]), 1.0, top)
+    iu, ju = np.triu_indices(n, 1)
+    dk, dg, do = k[iu] - k[ju], g[iu] - g[ju], o[ju] - o[iu]
+    rs = np.array([0.0])
+    if n > 1 and r_max > 0 and np.ptp(g) > 0:
+        crit = [np.array([0.0, r_max])]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            crit.append(-dk / dg)  # parallel lines: their crossing leaves through either end
+            crit.append(((do[:, None] / fixed[None, :]) - dk[:, None]) / dg[:, None])  # a crossing at a fixed S
+            for a in range(n):  # three lines through one point: crossings (a, b) and (a, e) meet
+                for b in range(a + 1, n):
+                    for e in range(b + 1, n):
+                        do_b, do_e = o[b] - o[a], o[e] - o[a]
+                        dk_b, dk_e, dg_b, dg_e = k[a] - k[b], k[a] - k[e], g[a] - g[b], g[a] - g[e]
+                        crit.append(np.array([(do_e * dk_b - do_b * dk_e) / (do_b * dg_e - do_e * dg_b)]))
+        r = np.concatenate([x.ravel() for x in crit])
+        r = np.unique(r[np.isfinite(r) & (r >= 0) & (r <= r_max)])
+        rs = np.unique(np.concatenate([r, (r[:-1] + r[1:]) / 2]))
+    K = k[None, :] + g[None, :] * rs[:, None]  # (r probes, splits): time per token at each r
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bp = do[None, :] / (K[:, iu] - K[:, ju])  # (r probes, pairs): where two lines cross
+    bp = np.where(np.isfinite(bp) & (bp > 1.0) & (bp < top), bp, 1.0)
+    pts = np.sort(np.concatenate([np.broadcast_to(fixed, (len(rs), len(fixed))), bp], axis=1), axis=1)
+    S = np.concatenate([np.ones((len(rs), 1)), (pts[:, :-1] + pts[:, 1:]) / 2], axis=1)  # (r probes, S probes)
+    T = o[None, None, :] + K[:, None, :] * S[:, :, None]
+    T = np.where(m[None, None, :] * S[:, :, None] <= budget * (1 + 1e-12), T, np.inf)
+    best = np.argmin(T, axis=2)  # the first of equal times: the smaller c
+    ok = np.isfinite(np.min(T, axis=2))
+    return {int(x) for x in c[best[ok]]}
 
 
 def _quadratic_coeff(m: ModelSpec) -> float:
@@ -393,36 +455,36 @@ class CostModel:
     def _choose_shapes(self, degrees) -> tuple[tuple[int, int], ...]:
         """Every allowed ``(degree, cp)`` that is the fastest split of its degree for some group.
 
-        Compute aside (the split does not change it), a group's time under split c is linear in its
-        tokens S, ``overhead(c) + k(c) * S``, and so is its memory, ``m(c) * S`` within the budget.
-        A split is kept when, for some S from one token to the most any split holds, it is the
-        fastest of the splits that hold S (ties to the smaller c): the lower envelope of the lines.
-        Nothing is lost: every group's best split is kept (tests/test_cost.py checks it by brute
-        force). A degree none of whose splits holds a token keeps its least-memory split."""
+        Compute aside (the split does not change it), a group of sequences ``s_i`` runs under split c
+        in ``o(c) + k(c) * S + g(c) * Q`` with ``S = sum s_i`` its tokens and ``Q = sum quadratic(s_i)``
+        its attention (``g(c) = cp_attention_factor(c) / d``: CP's measured extra attention, 0 without
+        it), and needs ``m(c) * S`` memory within the budget. With ``r = Q / S`` a group is a point
+        ``(S, r)``: S from one token to the most any split holds (``top``), r from 0 to the largest
+        ``quadratic(s) / s`` of one sequence of up to ``top`` tokens (a weighted mean of the
+        sequences' ``quadratic(s_i) / s_i``, so never above it). A split is kept when it is the
+        fastest of the splits that hold S (ties to the smaller c) somewhere in that rectangle
+        (``_envelope_splits``): a superset of the points real groups reach, so every group's best
+        split is kept and nothing is lost (tests/test_cost.py checks it by brute force); without a
+        quadratic term (every g equal) r plays no part and this is the lower envelope of the lines
+        ``o(c) + k(c) * S``. A degree none of whose splits holds a token keeps its least-memory split."""
         out = []
         one = np.ones(1)
         B = float(self.memory_budget_gb)
         for d in degrees:
-            cands = [(int(c), float(self.group_overhead_ms(d, c)), float(self._split_ms(one, d, c)[0]),
-                      float(self.memory(one, d, c)[0])) for c in self._allowed_splits(d)]
+            cands = [(int(c), float(self.group_overhead_ms(d, c)), float(self._split_linear_ms(one, d, c)[0]),
+                      self.cp_attention_factor(c) / int(d), float(self.memory(one, d, c)[0]))
+                     for c in self._allowed_splits(d)]
             if not cands:
                 continue
-            top = max(B / mu for _, _, _, mu in cands)
-            points = {1.0, top}
-            for _, o1, k1, m1 in cands:
-                points.add(B / m1)
-                for _, o2, k2, _m2 in cands:
-                    if k1 != k2 and 1.0 < (o2 - o1) / (k1 - k2) < top:
-                        points.add((o2 - o1) / (k1 - k2))
-            pts = sorted(x for x in points if 1.0 <= x <= top)
-            probes = [1.0, *((a + b) / 2 for a, b in zip(pts, pts[1:]))]
-            kept = set()
-            for S in probes:
-                fit = [(o + k * S, c) for c, o, k, mu in cands if mu * S <= B * (1 + 1e-12)]
-                if fit:
-                    kept.add(min(fit)[1])
+            top = max(B / x[4] for x in cands)
+            s_top = max(1.0, top)
+            # the largest quadratic(s)/s of one sequence up to top tokens: a(s)*s grows with s on each
+            # side of short_len, so its maximum is at top or just under short_len
+            ends = [s_top] + ([min(float(self._fit.short_len - 1), s_top)] if self._fit.short_len else [])
+            r_max = max(float(self._fit.quadratic(np.array([x]))[0]) / x for x in ends if x >= 1.0)
+            kept = _envelope_splits(cands, B, r_max)
             if not kept:
-                kept.add(min(cands, key=lambda x: (x[3], x[0]))[0])
+                kept = {min(cands, key=lambda x: (x[4], x[0]))[0]}
             out.extend((int(d), c) for c in kept)
         return tuple(sorted(out))
 
@@ -587,9 +649,31 @@ class CostModel:
             return self.model.layers * _interp_latency(self.profile.sp_token_ms, u) * s / c
         return self._least(one, degree, cp)
 
-    def _split_ms(self, lengths, degree: int, cp: int) -> np.ndarray:
-        """What a split adds to each sequence's compute: its collectives and the measured SP and CP
-        extras that grow with the tokens (ms)."""
+    def cp_attention_factor(self, cp: int) -> float:
+        """The profile's ``cp_attention_factor`` at CP size ``cp`` (linear in log c between measured
+        sizes, clamped at the ends, as the other per-size tables); 0 for ``cp = 1`` or a profile
+        without it."""
+        c = int(cp)
+        if c <= 1 or not self.profile.cp_attention_factor:
+            return 0.0
+        return _interp_latency(self.profile.cp_attention_factor, c)
+
+    def cp_attention_ms(self, lengths, degree: int, cp: int) -> np.ndarray:
+        """CP's measured extra attention time of each sequence on a rank of a ``degree`` group of split
+        ``(degree/cp) x cp`` (ms): ``cp_attention_factor(c) * quadratic(s) / d``, a fraction of the
+        rank's causal share of the attention (the fitted ``A * s^2``: scaled to the model by FLOPs,
+        with the recomputed forward and the lockstep pass factor when those apply). Measured on
+        ``1 x c`` groups; a ``u x c`` rank runs the same bottom-right rectangles over its ``H/u``
+        heads, so the same fraction of its own ``1/d`` of the attention. 0 for ``cp = 1``."""
+        s = np.asarray(lengths, dtype=np.float64)
+        f = self.cp_attention_factor(cp)
+        if f <= 0:
+            return np.zeros_like(s)
+        return f * self._fit.quadratic(s) / int(degree)
+
+    def _split_linear_ms(self, lengths, degree: int, cp: int) -> np.ndarray:
+        """The part of ``_split_ms`` linear in each sequence's tokens: the collectives and the
+        measured SP and CP extras per token (ms)."""
         c = int(cp)
         s = np.asarray(lengths, dtype=np.float64)
         extra = np.zeros_like(s)
@@ -602,6 +686,12 @@ class CostModel:
             extra = extra + L * _interp_latency(p.cp_token_ms, c) * s * self.kv_bytes_per_token(u) / self.kv_bytes_per_token(1)
         return self.ulysses_comm_ms(s, degree, c) + self.cp_comm_ms(s, degree, c) + extra
 
+    def _split_ms(self, lengths, degree: int, cp: int) -> np.ndarray:
+        """What a split adds to each sequence's compute (ms): its collectives, the measured SP and CP
+        extras that grow with the tokens (``_split_linear_ms``) and CP's extra attention, which grows
+        with the square of the length (``cp_attention_ms``)."""
+        return self._split_linear_ms(lengths, degree, cp) + self.cp_attention_ms(lengths, degree, cp)
+
     def _least(self, fn, degree: int, cp: int | None) -> np.ndarray:
         """``fn(c)`` for split ``cp``, or elementwise the least over the degree's splits (cp None)."""
         out = None
@@ -612,7 +702,8 @@ class CostModel:
 
     def time(self, lengths, degree: int, cp: int | None = None) -> np.ndarray:
         """Time (ms) of each sequence on a group of ``degree`` and split ``(degree/cp) x cp``: compute
-        plus communication (plus the measured SP layout cost per token, when the profile has it).
+        plus communication (plus the measured SP and CP extras per token and CP's extra attention,
+        when the profile has them).
         ``cp`` None: each sequence on its fastest split of the degree (no group is faster). The
         group's fixed cost per micro-step is ``group_overhead_ms``, not included."""
         return self.compute_ms(lengths, degree) + self._least(lambda c: self._split_ms(lengths, degree, c), degree, cp)
@@ -870,7 +961,7 @@ class CostModel:
         ``split_rows``: the same per length and shape ``(degree, ulysses, cp)`` (the degree's shapes,
         or every split in ``cps`` that divides it), with the split's ``comm_ms`` (``ulysses_ms``,
         ``cp_ms``) and ``group_overhead_ms``. ``group_overhead_ms`` per degree is its least over the
-        splits; ``shapes`` lists the strategy's shapes with their overheads and collectives.
+        splits; ``shapes`` lists the strategy's shapes with their overheads, collectives and CP attention factor.
         Raises ValueError when a CP size in ``cps`` divides none of ``degrees``."""
         degrees = list(degrees) if degrees else list(self.cluster.degrees)
         if cps is not None:
@@ -916,6 +1007,7 @@ class CostModel:
                 "cp_allgather_gbps": self.cp_link_gbps("allgather", d, c) if c > 1 else None,
                 "cp_reduce_scatter_gbps": self.cp_link_gbps("reduce_scatter", d, c) if c > 1 else None,
                 "kv_bytes_per_token": self.kv_bytes_per_token(u) if c > 1 else None,
+                "cp_attention_factor": self.cp_attention_factor(c) if c > 1 else None,
             })
         return {
             "rows": rows,
