@@ -566,8 +566,9 @@ def test_cp_extras_are_the_residual_of_real_cp_micro_steps_by_hand():
     groups += [{"degree": 4, "cp": 2, "pack": p, "ms": pred(4, 2, p) + 2.0} for p in packs]
     groups += [{"degree": 2, "cp": 1, "pack": p, "ms": pred(2, 1, p) + 3.0 + (2.0 if p == packs[0] else 0.0)}
                for p in packs]
-    cpo, cpt, rows = fit_cp_overhead(prof, 4, groups)
+    cpo, cpt, rows, cpq = fit_cp_overhead(prof, 4, groups)
     assert cpo == pytest.approx({2: 8.0 / L, 4: 12.0 / L}) and cpt == pytest.approx({2: 0.003 / L, 4: 0.006 / L})
+    assert cpq == {2: 0.0, 4: 0.0}  # the profile's curves have no attention term (a = 0)
     assert len(rows) == 12 and {r["split"] for r in rows} == {"1x2", "1x4", "2x2"}
     for row in rows:
         if row["split"] == "2x2":
@@ -588,7 +589,78 @@ def test_cp_extras_are_the_residual_of_real_cp_micro_steps_by_hand():
     assert fit_cp_overhead(prof, 4, one)[:2] == ({2: pytest.approx(1.5)}, {2: 0.0})
     fast = [{"degree": 2, "cp": 2, "pack": packs[1], "ms": pred(2, 2, packs[1]) - 3.0}]
     assert fit_cp_overhead(prof, 4, fast)[0] == {2: 0.0}
-    assert fit_cp_overhead(prof, 4, groups[:4]) == ({}, {}, [])  # no CP micro-steps: nothing fitted
+    assert fit_cp_overhead(prof, 4, groups[:4]) == ({}, {}, [], {})  # no CP micro-steps: nothing fitted
+
+
+CP_PACKS = [[1024], [2048], [128] * 8, [256] * 8, [4096]]
+"""What a quick profile on 2 ranks runs as 1 x 2 micro-steps (the SP packs and the longest length)."""
+
+
+def _cp_attention_case(known, noise=0.0, seed=0):
+    """A tiny-model profile with an attention term, and real-looking micro-steps: degree 1 on time
+    with the curves, ``1 x c`` paying ``layers * (o + r * tokens) + q * attention / c`` beyond them
+    (``known``: {c: (o, r, q)}, o and r per layer; 1 + noise relative noise per step), 2 x 2 on time."""
+    from workbench.profile.fit import trimmed_median
+
+    prof = _profile(forward={"a": 2.7e-6, "b": 0.004, "c": 0.5}, backward={"a": 5.3e-6, "b": 0.008, "c": 1.0},
+                    allgather_gbps={2: 1.0, 4: 0.8}, reduce_scatter_gbps={2: 0.5, 4: 0.4},
+                    allgather_latency_ms={2: 0.1, 4: 0.2}, reduce_scatter_latency_ms={2: 0.15, 4: 0.25})
+    cost = CostModel(prof, get_model("tiny"), ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=1e6),
+                     strategy="auto")
+    L = 2
+    A = L * (2.7e-6 + 5.3e-6)  # the whole model's a, forward and backward: ms per token pair
+    rng = np.random.default_rng(seed)
+
+    def ms(d, c, pack, extra=0.0):
+        t = cost.group_overhead_ms(d, c) + float(cost.time(pack, d, c).sum()) + extra
+        return trimmed_median(t * (1 + noise * rng.standard_normal(5))) if noise else t
+
+    groups = [{"degree": 1, "cp": 1, "pack": p, "ms": ms(1, 1, p)} for p in CP_PACKS]
+    for c, (o, r, q) in known.items():
+        groups += [{"degree": c, "cp": c, "pack": p,
+                    "ms": ms(c, c, p, L * (o + r * sum(p)) + q * A * sum(s * s for s in p) / c)} for p in CP_PACKS]
+    groups += [{"degree": 4, "cp": 2, "pack": p, "ms": ms(4, 2, p)} for p in CP_PACKS]
+    return prof, groups, A
+
+
+def test_cp_attention_factor_is_recovered_from_synthetic_micro_steps():
+    from workbench.profile.result import fit_cp_overhead
+
+    known = {2: (0.5, 1e-3, 0.35), 4: (1.0, 2e-3, 0.2)}
+    prof, groups, A = _cp_attention_case(known)
+    cpo, cpt, rows, cpq = fit_cp_overhead(prof, 4, groups)
+    for c, (o, r, q) in known.items():
+        assert cpo[c] == pytest.approx(o, rel=1e-6) and cpt[c] == pytest.approx(r, rel=1e-6)
+        assert cpq[c] == pytest.approx(q, rel=1e-6)
+    for row in rows:
+        if row["split"] == "2x2":
+            # the same fraction of a 2 x 2 rank's own quarter of the attention, half the per-token extra (one of
+            # the 2 KV heads), the fixed extra at c = 2
+            attn = A * sum(s * s for s in row["pack"]) / 4
+            extra = 2 * cpo[2] + 2 * cpt[2] * row["tokens"] * 0.5 + cpq[2] * attn
+            assert row["predicted_with_overhead_ms"] - row["predicted_ms"] == pytest.approx(extra)
+        else:  # 1 x c: the fitted extras are the synthetic ones
+            assert row["predicted_with_overhead_ms"] == pytest.approx(row["measured_ms"], rel=1e-9)
+    # the per-token fit of the same steps (what profiles held before the factor): the line through the
+    # convex residual over-prices the short packs and under-prices the longest
+    lo, lt, lrows, lq = fit_cp_overhead(prof, 4, groups, attention=False)
+    assert lq == {2: 0.0, 4: 0.0}
+    one = {tuple(r["pack"]): r for r in lrows if r["split"] == "1x2"}
+    assert one[(128,) * 8]["predicted_with_overhead_ms"] > one[(128,) * 8]["measured_ms"]
+    assert one[(4096,)]["predicted_with_overhead_ms"] < one[(4096,)]["measured_ms"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cp_attention_factor_under_noise(seed):
+    # 1% noise per sample on the whole micro-step (the extras are a fraction of it), trimmed median of 5
+    from workbench.profile.result import fit_cp_overhead
+
+    known = {2: (0.0, 2e-3, 0.35)}
+    prof, groups, _ = _cp_attention_case(known, noise=0.01, seed=seed)
+    cpo, cpt, rows, cpq = fit_cp_overhead(prof, 4, groups)
+    assert cpq[2] == pytest.approx(0.35, abs=0.05) and cpt[2] == pytest.approx(2e-3, rel=0.15)
+    worst = max(abs(r["predicted_with_overhead_ms"] / r["measured_ms"] - 1) for r in rows if r["split"] == "1x2")
+    assert worst < 0.03
 
 
 def test_build_result_fits_the_cp_extras_into_the_profile():
@@ -599,11 +671,17 @@ def test_build_result_fits_the_cp_extras_into_the_profile():
     packs = [[512], [1024], [64] * 8]
     m["groups"] = [{"degree": 1, "cp": 1, "pack": p, "ms": cost.group_overhead_ms(1) + float(cost.time(p, 1).sum())}
                    for p in packs]
+    # 0.3 of each rank's causal share of the attention more (the 2 layers' a * s^2 over the pack, over c = 2)
+    a = prof0.forward.a + prof0.backward.a
+    assert a > 0 and prof0.forward.short_len is None
     m["groups"] += [{"degree": 2, "cp": 2, "pack": p,
-                     "ms": cost.group_overhead_ms(2, 2) + float(cost.time(p, 2, 2).sum()) + 5.0 + 0.004 * sum(p)}
+                     "ms": cost.group_overhead_ms(2, 2) + float(cost.time(p, 2, 2).sum()) + 5.0 + 0.004 * sum(p)
+                     + 0.3 * 2 * a * sum(s * s for s in p) / 2}
                     for p in packs]
     res = build_result(m)
     assert res.profile.cp_overhead_ms == pytest.approx({2: 2.5}) and res.profile.cp_token_ms == pytest.approx({2: 0.002})
+    assert res.profile.cp_attention_factor == pytest.approx({2: 0.3})
     assert "1 x c context-parallel micro-steps" in res.profile.provenance["cp_overhead"]
+    assert "cp_attention_factor" in res.profile.provenance["cp_overhead"]
     assert [g["cp"] for g in res.groups] == [1, 1, 1, 2, 2, 2]
     assert ProfileResult.from_dict(json.loads(res.to_json())).profile == res.profile

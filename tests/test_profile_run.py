@@ -82,8 +82,9 @@ def test_quick_profile_on_two_gloo_ranks(profiled):
     assert sorted(resolved["cp_packs"]) == sorted(packs)
     cp_rows = [g for g in meas["groups"] if g["cp"] == 2]
     assert sorted(g["pack"] for g in cp_rows) == sorted(packs) and all(g["degree"] == 2 and g["ms"] > 0 for g in cp_rows)
-    assert set(prof.cp_overhead_ms) == {2} and set(prof.cp_token_ms) == {2}
+    assert set(prof.cp_overhead_ms) == {2} and set(prof.cp_token_ms) == {2} and set(prof.cp_attention_factor) == {2}
     assert "CP extras per layer (1 x c): c = 2" in p.stdout and "| 1x2 |" in p.stdout
+    assert "CP's extra attention" in p.stdout
     # at the world size the all-gather stays FSDP's; CP's own figure there is kept beside it
     assert prof.allgather_gbps[2] == pytest.approx(res.collective_fits["allgather"][2]["gbps"])
     assert res.collective_fits["cp_allgather"][2]["gbps"] > 0
@@ -92,6 +93,7 @@ def test_quick_profile_on_two_gloo_ranks(profiled):
 
     again = build_result(meas, run_id=run.id).profile
     assert again.cp_overhead_ms == prof.cp_overhead_ms and again.cp_token_ms == prof.cp_token_ms
+    assert again.cp_attention_factor == prof.cp_attention_factor
 
 
 def test_profile_drives_plan_simulate_train_and_check(profiled):
@@ -162,6 +164,7 @@ def test_four_ranks_measure_cp_sub_groups_of_every_size_and_a_2x2_split(tmp_path
     assert prof.allgather_gbps[2] == pytest.approx(res.collective_fits["cp_allgather"][2]["gbps"])
     assert prof.allgather_gbps[4] == pytest.approx(res.collective_fits["allgather"][4]["gbps"])
     assert set(prof.cp_overhead_ms) == {2, 4} and set(prof.cp_token_ms) == {2, 4}
+    assert set(prof.cp_attention_factor) == {2, 4}
     rows = [g for g in res.groups if g["cp"] > 1]
     assert sorted({g["split"] for g in rows}) == ["1x2", "1x4", "2x2"] and len(rows) == 6
     assert all(g["predicted_with_overhead_ms"] >= g["predicted_ms"] for g in rows)

@@ -582,6 +582,12 @@ class CostModel:
         f = self._fit
         return (f.quadratic(s) + f.B * s) / degree
 
+    def attention_ms(self, lengths, degree: int) -> np.ndarray:
+        """The attention part of ``compute_ms`` (ms): the fitted ``A * s^2`` (``A_short`` under the
+        profile's ``short_len``) of each sequence over ``degree``, what one rank of the group computes
+        of it (its causal share)."""
+        return self._fit.quadratic(np.asarray(lengths, dtype=np.float64)) / int(degree)
+
     def _passes(self) -> float:
         return 3.0 if self.recompute else 2.0
 
@@ -669,7 +675,7 @@ class CostModel:
         f = self.cp_attention_factor(cp)
         if f <= 0:
             return np.zeros_like(s)
-        return f * self._fit.quadratic(s) / int(degree)
+        return f * self.attention_ms(s, degree)
 
     def _split_linear_ms(self, lengths, degree: int, cp: int) -> np.ndarray:
         """The part of ``_split_ms`` linear in each sequence's tokens: the collectives and the

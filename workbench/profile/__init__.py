@@ -155,8 +155,8 @@ def cp_packs(group_packs, fit_packs) -> list[list[int]]:
     """The packs ``1 x c`` context-parallel micro-steps run: the SP groups' packs and one sequence
     of the longest length the compute curves are fitted to, when they have none that long. On CPU
     the CP attention's bottom-right-masked calls cost more than the causal share, and the excess
-    grows with the square of the length: the per-token extra is fitted over the lengths CP is
-    planned for (the long ones), not extrapolated from shorter ones."""
+    grows with the square of the length (``cp_attention_factor``): the extras are fitted over the
+    lengths CP is planned for (the long ones), not extrapolated from shorter ones."""
     packs = [[int(s) for s in p] for p in group_packs]
     longest = max(int(s) for p in fit_packs for s in p)
     if all(max(p) < longest for p in packs):
@@ -267,7 +267,8 @@ class ProfileSpec:
     """Also measure context parallelism (``workbench.runtime.cp``) for every group size c: the K/V
     all-gather and the gradient reduce-scatter on the strided CP sub-groups (all at once), and real
     micro-steps of ``1 x c`` splits (and ``u x c`` splits of the largest group where the heads
-    allow), whose extras beyond the fits are the profile's ``cp_overhead_ms`` and ``cp_token_ms``."""
+    allow), whose extras beyond the fits are the profile's ``cp_overhead_ms``, ``cp_token_ms`` and
+    ``cp_attention_factor``."""
     steps: bool = True
     """Also time real training steps (ZeRO-3 lockstep passes and ZeRO-0 micro-steps, each followed by
     an optimizer step), in the same rounds as the compute packs: the fixed costs of a micro-step

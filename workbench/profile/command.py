@@ -137,9 +137,12 @@ def profile_table(res) -> str:
                 f"degree {d}: {v:.2f} ms + {1e3 * tok.get(d, 0.0):.2f} ms per 1,000 tokens" for d, v in sp.items()))
         cpo = res.profile.cp_overhead_ms
         if cpo:
-            tok = res.profile.cp_token_ms
+            tok, att = res.profile.cp_token_ms, res.profile.cp_attention_factor
             lines.append("\nCP extras per layer (1 x c): " + ", ".join(
                 f"c = {c}: {v:.2f} ms + {1e3 * tok.get(c, 0.0):.2f} ms per 1,000 tokens" for c, v in cpo.items()))
+            if att:
+                lines.append("CP's extra attention (bottom-right-masked chunks), as a fraction of a rank's causal "
+                             "share a * s^2 / d: " + ", ".join(f"c = {c}: {v:.3f}" for c, v in att.items()))
     extras = [(k, v) for k, v in (
         ("head (embedding, final norm, head, loss) per 1,000 tokens, fwd+bwd",
          None if p.head_ms_per_token is None else f"{1e3 * p.head_ms_per_token:.3f} ms"),

@@ -26,7 +26,7 @@ ranks that share a machine contend as they do in training):
    packs, all blocks at once; what it costs beyond the compute and collective fits is the
    profile's per-degree ``sp_overhead_ms``. The same for context-parallel splits
    (``CPAttention``: ``1 x c`` for every c, and ``u x c`` of the largest group where the heads
-   allow): their extra is ``cp_overhead_ms`` and ``cp_token_ms``.
+   allow): their extra is ``cp_overhead_ms``, ``cp_token_ms`` and ``cp_attention_factor``.
    **Real steps**: the StepExecutor runs small plans (``default_step_cases``) under ZeRO-3 (FSDP2,
    lockstep passes, idle ranks in empty passes) and ZeRO-0 (free micro-steps), each followed by an
    optimizer step timed apart: a micro-step's and a pass's fixed costs, the pass's compute factor,

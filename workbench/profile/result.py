@@ -33,7 +33,8 @@ plus every point and curve the figures draw. In order:
    forward and backward, building the shard, the loss;
 4. the **SP overhead** per degree from the real SP micro-steps (``fit_sp_overhead``), and the
    **CP extras** per CP size from the real ``1 x c`` micro-steps (``fit_cp_overhead``:
-   ``cp_overhead_ms`` and ``cp_token_ms``; ``u x c`` micro-steps are re-timed with them as evidence);
+   ``cp_overhead_ms``, ``cp_token_ms`` and ``cp_attention_factor``; ``u x c`` micro-steps are
+   re-timed with them as evidence);
 5. the **fixed cost of a lockstep pass** (``pass_overhead_ms`` at the world size) and the
    **pass's compute factor** (``pass_compute_factor``) from real ZeRO-3 steps (FSDP2 over every
    rank, idle ranks running empty passes): what a pass takes beyond FSDP's collectives
@@ -190,20 +191,27 @@ def fit_sp_overhead(profile: HardwareProfile, world: int, groups: list[dict]) ->
     return fixed, per_token, rows
 
 
-def fit_cp_overhead(profile: HardwareProfile, world: int, groups: list[dict]) -> tuple[dict, dict, list[dict]]:
+def fit_cp_overhead(profile: HardwareProfile, world: int, groups: list[dict], *,
+                    attention: bool = True) -> tuple[dict, dict, list[dict], dict]:
     """The extra time of context parallelism over c ranks beyond what ``profile``'s compute and
     collective fits predict (its all-gather and reduce-scatter bytes and latency at c, and for a
     ``u x c`` split the Ulysses part with its measured extras), from real micro-steps ``groups``
     (``{"degree", "cp", "pack", "ms"}``, whole model), the way :func:`fit_sp_overhead` fits
     Ulysses': for a ``1 x c`` split and a pack the residual is measured - predicted, less the same
     pack's degree-1 residual divided by c; per c the residuals are fitted as ``layers * (o + r *
-    tokens)`` with o, r >= 0 (r = 0 with one token count). What it holds: the CP layout and the K/V
-    selection (and its scatter-add in the backward), waits at every layer's all-gather, and a
-    bottom-right-masked attention slower than the causal one. ``u x c`` splits (u > 1) are not
-    fitted: their rows re-time them with the fitted extras (the cost model scales the per-token
-    one by the K/V heads a rank holds), as evidence. Returns ``({c: o, ms per layer}, {c: r, ms
-    per token and layer}, rows)``; rows hold every CP case's measured and predicted time, without
-    and with the extras."""
+    tokens) + q * attention`` with o, r, q >= 0 (non-negative least squares), ``attention`` the
+    rank's causal share of the pack's attention (the compute curves' ``a * s^2`` summed over the
+    pack, over c: ``CostModel.attention_ms``), so q is a fraction of it. What it holds: the CP layout
+    and the K/V selection (and its scatter-add in the backward), waits at every layer's all-gather
+    (o, r), and the bottom-right-masked attention where the kernel computes the whole rectangle of
+    each chunk's queries against its key prefix rather than the causal triangle (q: on CPU the
+    excess grows with the square of the length). With packs of one token count only o is fitted;
+    with two distinct (tokens, attention) pairs, or ``attention=False`` (the per-token fit profiles
+    had before ``cp_attention_factor``), o and r. ``u x c`` splits (u > 1) are not fitted: their rows
+    re-time them with the fitted extras (the cost model scales the per-token one by the K/V heads a
+    rank holds and takes the same fraction of the rank's own attention), as evidence. Returns
+    ``({c: o, ms per layer}, {c: r, ms per token and layer}, rows, {c: q})``; rows hold every CP
+    case's measured and predicted time, without and with the extras."""
     import numpy as np
 
     from workbench.cost import CostModel
@@ -211,9 +219,9 @@ def fit_cp_overhead(profile: HardwareProfile, world: int, groups: list[dict]) ->
 
     cps = [g for g in groups if int(g.get("cp", 1)) > 1]
     if not cps:
-        return {}, {}, []
+        return {}, {}, [], {}
     model = _model(profile.model)
-    base = dataclasses.replace(profile, cp_overhead_ms={}, cp_token_ms={})
+    base = dataclasses.replace(profile, cp_overhead_ms={}, cp_token_ms={}, cp_attention_factor={})
     cluster = _cluster(world, 0)
     cost = CostModel(base, model, cluster, strategy="auto")
 
@@ -223,24 +231,31 @@ def fit_cp_overhead(profile: HardwareProfile, world: int, groups: list[dict]) ->
     r1 = {tuple(g["pack"]): g["ms"] - pred(cost, 1, 1, g["pack"]) for g in groups if int(g["degree"]) == 1}
     fixed: dict[int, float] = {}
     per_token: dict[int, float] = {}
+    factor: dict[int, float] = {}
     for c in sorted({int(g["cp"]) for g in cps if int(g["degree"]) == int(g["cp"])}):
         gs = [g for g in cps if int(g["degree"]) == c and int(g["cp"]) == c]
         tokens = np.array([float(sum(g["pack"])) for g in gs])
+        attn = np.array([float(cost.attention_ms(g["pack"], c).sum()) for g in gs])
         res = np.array([g["ms"] - pred(cost, c, c, g["pack"]) - r1.get(tuple(g["pack"]), 0.0) / c for g in gs])
-        if len(set(tokens.tolist())) >= 2:
+        o, r, q = 0.0, 0.0, 0.0
+        if attention and len(set(zip(tokens.tolist(), attn.tolist()))) >= 3 and np.any(attn > 0):
+            X = np.stack([np.ones_like(tokens), tokens, attn], axis=1)
+            scale = np.max(np.abs(X), axis=0)  # columns of one size: ms, thousands of tokens, ms
+            o, r, q = nnls(X / scale, res) / scale
+        elif len(set(tokens.tolist())) >= 2:
             o, r = nnls(np.stack([np.ones_like(tokens), tokens], axis=1), res)
         else:
-            o, r = max(0.0, float(np.median(res))), 0.0
-        fixed[c], per_token[c] = float(o) / model.layers, float(r) / model.layers
-    fitted = CostModel(dataclasses.replace(profile, cp_overhead_ms=fixed, cp_token_ms=per_token), model, cluster,
-                       strategy="auto")
+            o = max(0.0, float(np.median(res)))
+        fixed[c], per_token[c], factor[c] = float(o) / model.layers, float(r) / model.layers, float(q)
+    fitted = CostModel(dataclasses.replace(profile, cp_overhead_ms=fixed, cp_token_ms=per_token,
+                                           cp_attention_factor=factor), model, cluster, strategy="auto")
     rows = []
     for g in cps:
         d, c = int(g["degree"]), int(g["cp"])
         rows.append({"degree": d, "cp": c, "split": f"{d // c}x{c}", "pack": list(g["pack"]),
                      "tokens": int(sum(g["pack"])), "measured_ms": g["ms"], "predicted_ms": pred(cost, d, c, g["pack"]),
                      "predicted_with_overhead_ms": pred(fitted, d, c, g["pack"])})
-    return fixed, per_token, rows
+    return fixed, per_token, rows, factor
 
 
 def _model(name: str):
@@ -533,12 +548,13 @@ def build_result(measurements: Mapping[str, Any], *, run_id: str | None = None) 
             f"context parallelism's K/V all-gather and gradient reduce-scatter on the strided CP sub-groups; "
             f"{', '.join(str(c) for c in fsdp) or 'none'}: FSDP's over the world (kept; the CP figure at that size "
             f"is in profile_result.json's collective_fits)")
-    cp_fixed, cp_tok, cp_rows = fit_cp_overhead(profile, world, groups)
+    cp_fixed, cp_tok, cp_rows, cp_attn = fit_cp_overhead(profile, world, groups)
     if cp_fixed:
-        prov["cp_overhead"] = ("cp_overhead_ms (per layer) + cp_token_ms (per token and layer): the extra time of real "
-                               "1 x c context-parallel micro-steps (CPAttention, all sub-groups at once) beyond the "
+        prov["cp_overhead"] = ("cp_overhead_ms (per layer) + cp_token_ms (per token and layer) + cp_attention_factor "
+                               "(a fraction of the rank's causal share of the attention, a * s^2 / c): the extra time of "
+                               "real 1 x c context-parallel micro-steps (CPAttention, all sub-groups at once) beyond the "
                                "compute and collective fits")
-        profile = dataclasses.replace(profile, cp_overhead_ms=cp_fixed, cp_token_ms=cp_tok)
+        profile = dataclasses.replace(profile, cp_overhead_ms=cp_fixed, cp_token_ms=cp_tok, cp_attention_factor=cp_attn)
     group_rows = group_rows + cp_rows
     fixed, factor, pass_rows = fit_pass_overhead(profile, world, steps)
     if fixed is not None:
