@@ -260,12 +260,18 @@ def test_fingerprint_names_the_machine_and_process_count():
         machine_fingerprint(2, device="tpu")
 
 
-def _cached(root, fp, *, state="done", damage=None, model="tiny"):
-    """A machine profile run as ``ensure_machine_profile`` leaves one, without measuring."""
+def _cached(root, fp, *, state="done", damage=None, model="tiny", version=None):
+    """A machine profile run as ``ensure_machine_profile`` leaves one, without measuring (by this
+    profiler, or by the one of ``version``; 1: before context parallelism, which wrote none)."""
+    from workbench.profile.result import PROFILER_VERSION
+
     run = runs.new_run("profile", {"model": model, "nproc": fp["nproc"], "quick": True, "fingerprint": fp}, root=root)
+    prov = {"kind": "measured", "device": "cpu", "world_size": fp["nproc"], "fingerprint": fp,
+            "versions": {"torch": fp["torch"]}, "profiler_version": version or PROFILER_VERSION}
+    if version == 1:
+        del prov["profiler_version"]
     prof = _profile(name=f"cpu-gloo-tiny-{fp['nproc']}r", gpu=f"CPU {fp['cpu']} ({fp['cores']} cores)",
-                    provenance={"kind": "measured", "device": "cpu", "world_size": fp["nproc"], "fingerprint": fp,
-                                "versions": {"torch": fp["torch"]}})
+                    provenance=prov)
     prof.save(run.file(runs.PROFILE_FILE))
     if damage == "truncated":
         run.file(runs.PROFILE_FILE).write_text(run.file(runs.PROFILE_FILE).read_text()[:50])
@@ -299,6 +305,13 @@ def test_the_cache_reuses_this_machines_profile_and_passes_over_the_rest(tmp_pat
     # a damaged newest entry is passed over: the good one before it is reused
     _cached(tmp_path, fp, damage="truncated")
     assert find_machine_profile(2, root=tmp_path).run == newer
+    # so is one the profiler wrote before it measured context parallelism: plans would price CP without
+    # this machine's figures; on one process there is no CP to measure, so an old one still serves
+    _cached(tmp_path, fp, version=1)
+    assert find_machine_profile(2, root=tmp_path).run == newer
+    one = machine_fingerprint(1)
+    old_single = _cached(tmp_path, one, version=1)
+    assert find_machine_profile(1, root=tmp_path).run == old_single
 
 
 def test_a_profile_from_another_machine_says_so():

@@ -168,7 +168,10 @@ def find_machine_profile(nproc: int, *, root: str | Path | None = None, device: 
                          model: str = MACHINE_MODEL, fingerprint: Mapping[str, Any] | None = None) -> MachineProfile | None:
     """The newest finished machine profile in the run store for this fingerprint (``nproc`` on
     ``device``, ``model``) whose ``profile.json`` loads and carries the same fingerprint; None when
-    there is none. Damaged, failed or foreign entries are passed over."""
+    there is none. Damaged, failed or foreign entries are passed over, and so are profiles of more
+    than one process measured by an older profiler (``profiler_version`` below
+    ``PROFILER_VERSION``: they lack what plans now price, such as context parallelism's terms)."""
+    from workbench.profile.result import PROFILER_VERSION
     from workbench.specs import load_profile
 
     fp = dict(fingerprint) if fingerprint else machine_fingerprint(nproc, device=device)
@@ -183,7 +186,8 @@ def find_machine_profile(nproc: int, *, root: str | Path | None = None, device: 
             prof = load_profile(path)
         except (ValueError, OSError):  # a damaged entry: measured again, never trusted
             continue
-        if prof.model == model and same_machine(profile_fingerprint(prof), fp):
+        outdated = int(nproc) > 1 and int((prof.provenance or {}).get("profiler_version") or 1) < PROFILER_VERSION
+        if prof.model == model and same_machine(profile_fingerprint(prof), fp) and not outdated:
             return MachineProfile(path=path, run=run, measured=False, fingerprint=fp)
     return None
 

@@ -58,8 +58,14 @@ from workbench.profile.fit import fit_collectives, fit_compute, fit_line
 from workbench.specs import HardwareProfile
 
 __all__ = ["ProfileResult", "build_result", "fit_sp_overhead", "fit_cp_overhead", "fit_head", "fit_micro_step", "fit_pass_overhead",
-           "fit_optimizer", "step_predictions", "ESTIMATED_ALL_TO_ALL_GBPS", "RESULT_FILE", "MEASUREMENTS_FILE"]
+           "fit_optimizer", "step_predictions", "ESTIMATED_ALL_TO_ALL_GBPS", "RESULT_FILE", "MEASUREMENTS_FILE",
+           "PROFILER_VERSION"]
 
+PROFILER_VERSION = 2
+"""What a profile measured, as a number its provenance carries (``profiler_version``): 1 (or none)
+before context parallelism, 2 with the CP collectives, the 1 x c micro-steps and their fit
+(``cp_overhead_ms``, ``cp_token_ms``, ``cp_attention_factor``). A cached machine profile older
+than this one is measured again (``workbench.profile.machine``)."""
 RESULT_FILE = "profile_result.json"
 """The fit and its evidence, in a profile run's folder (beside ``profile.json``)."""
 MEASUREMENTS_FILE = "measurements.json"
@@ -482,6 +488,7 @@ def build_result(measurements: Mapping[str, Any], *, run_id: str | None = None) 
     a2a_lat = {d: f.latency_ms for d, f in links.get("all_to_all", {}).items()}
     prov = dict(meta.get("provenance") or {})
     prov.setdefault("kind", "measured")
+    prov["profiler_version"] = PROFILER_VERSION
     if not a2a:
         a2a, a2a_lat = dict(ESTIMATED_ALL_TO_ALL_GBPS), {}
         prov["collectives"] = "estimate"
