@@ -427,7 +427,8 @@ def test_hardware_panel_shows_cp_collectives_and_split_extras(tmp_path):
         "allgather_gbps": {"2": 0.6, "4": 0.9}, "allgather_latency_ms": {"2": 0.15, "4": 0.25},
         "reduce_scatter_gbps": {"2": 0.35, "4": 0.7}, "reduce_scatter_latency_ms": {"2": 0.1, "4": 0.3},
         "sp_overhead_ms": {"2": 5.0}, "sp_token_ms": {"2": 0.001},
-        "cp_overhead_ms": {"2": 4.0, "4": 6.0}, "cp_token_ms": {"2": 0.002, "4": 0.003}}))
+        "cp_overhead_ms": {"2": 4.0, "4": 6.0}, "cp_token_ms": {"2": 0.002, "4": 0.003},
+        "cp_attention_factor": {"2": 0.3}}))
     panel = HardwarePanel(str(mine), root=tmp_path)
     links = panel.links()
     assert links["allgather"] == {2: {"gbps": 0.6, "latency_ms": 0.15}, 4: {"gbps": 0.9, "latency_ms": 0.25}}
@@ -444,14 +445,16 @@ def test_hardware_panel_shows_cp_collectives_and_split_extras(tmp_path):
     assert list(a2a_lat.y) == [0.2, 0.3]
     # the extras: fixed per micro-step (left) and per 1,000 tokens (right), per layer, by group size
     ex = panel.extras()
-    assert ex["cp"] == {2: {"fixed_ms": 4.0, "per_1k_tokens_ms": pytest.approx(2.0)},
-                        4: {"fixed_ms": 6.0, "per_1k_tokens_ms": pytest.approx(3.0)}}
+    assert ex["cp"] == {2: {"fixed_ms": 4.0, "per_1k_tokens_ms": pytest.approx(2.0), "attention_factor": 0.3},
+                        4: {"fixed_ms": 6.0, "per_1k_tokens_ms": pytest.approx(3.0), "attention_factor": 0.0}}
     assert ex["ulysses"] == {2: {"fixed_ms": 5.0, "per_1k_tokens_ms": pytest.approx(1.0)}}
     bars = {(t.name, t.xaxis): t for t in panel.fig_extras.data}
     cp_fixed = next(t for (n, ax), t in bars.items() if n.startswith("context") and ax == "x")
     cp_tok = next(t for (n, ax), t in bars.items() if n.startswith("context") and ax == "x2")
     assert list(cp_fixed.x) == ["2", "4"] and list(cp_fixed.y) == [4.0, 6.0]
     assert list(cp_tok.y) == pytest.approx([2.0, 3.0])
+    cp_attn = next(t for (n, ax), t in bars.items() if n.startswith("context") and ax == "x3")
+    assert list(cp_attn.x) == ["2", "4"] and list(cp_attn.y) == [0.3, 0.0]
     assert panel.fig_extras._wb_box.layout.display == ""
     saved = panel.save(tmp_path / "results")
     assert "extras.html" in {Path(p).name for p in saved["figures"]}

@@ -198,27 +198,31 @@ def split_extras(profile) -> dict:
     collective fits), per layer, as plain data: ``{"ulysses": {u: {"fixed_ms", "per_1k_tokens_ms"}},
     "cp": {c: {...}}}`` from ``sp_overhead_ms``/``sp_token_ms`` and ``cp_overhead_ms``/
     ``cp_token_ms`` (per 1,000 tokens of the group's sequences; a ``u x c`` split pays the Ulysses
-    part at u and the CP part at c). Empty parts for a profile without them."""
+    part at u and the CP part at c); CP's entries also carry ``attention_factor``
+    (``cp_attention_factor``: its extra attention as a share of the rank's causal attention). Empty
+    parts for a profile without them."""
     pd = profile.to_dict() if hasattr(profile, "to_dict") else dict(profile)
     out = {}
     for key, name in (("sp", "ulysses"), ("cp", "cp")):
         fixed = {int(k): float(v) for k, v in (pd.get(f"{key}_overhead_ms") or {}).items()}
         tok = {int(k): float(v) for k, v in (pd.get(f"{key}_token_ms") or {}).items()}
-        out[name] = {d: {"fixed_ms": fixed.get(d, 0.0), "per_1k_tokens_ms": 1e3 * tok.get(d, 0.0)}
-                     for d in sorted(set(fixed) | set(tok))}
+        attn = {int(k): float(v) for k, v in (pd.get("cp_attention_factor") or {}).items()} if key == "cp" else {}
+        out[name] = {d: {"fixed_ms": fixed.get(d, 0.0), "per_1k_tokens_ms": 1e3 * tok.get(d, 0.0),
+                         **({"attention_factor": attn.get(d, 0.0)} if key == "cp" else {})}
+                     for d in sorted(set(fixed) | set(tok) | set(attn))}
     return out
 
 
 def split_extras_figure(profile, title: str | None = None):
-    """The measured extras of a split per layer, by group size, two panels: the fixed part per
-    micro-step (left) and the part per 1,000 tokens (right), Ulysses (``sp_*``) and context
-    parallelism (``cp_*``) side by side. No traces (and a title saying so) for a profile without
-    them."""
+    """The measured extras of a split per layer, by group size, three panels: the fixed part per
+    micro-step, the part per 1,000 tokens, Ulysses (``sp_*``) and context parallelism (``cp_*``)
+    side by side, and CP's extra attention as a share of the rank's causal attention (right). No
+    traces (and a title saying so) for a profile without them."""
     from plotly.subplots import make_subplots
 
     pd = profile.to_dict() if hasattr(profile, "to_dict") else dict(profile)
     ex = split_extras(pd)
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12)
+    fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.09)
     for (key, name, color), part in zip(_EXTRAS, ("ulysses", "cp")):
         t = ex.get(part) or {}
         if not t:
@@ -228,9 +232,14 @@ def split_extras_figure(profile, title: str | None = None):
             fig.add_bar(x=[str(k) for k in ks], y=[t[k][field] for k in ks], name=name, marker_color=color,
                         legendgroup=key, showlegend=col == 1, row=1, col=col,
                         hovertemplate=f"{name}, %{{x}} ranks: %{{y:.3g}} ms per layer<extra></extra>")
+        if part == "cp" and any(v["attention_factor"] for v in t.values()):
+            fig.add_bar(x=[str(k) for k in ks], y=[t[k]["attention_factor"] for k in ks], name=name, marker_color=color,
+                        legendgroup=key, showlegend=False, row=1, col=3,
+                        hovertemplate=f"{name}, %{{x}} ranks: extra attention %{{y:.2f}} x the causal share<extra></extra>")
     fig.update_xaxes(title="ranks of the Ulysses or CP sub-group", type="category")
     fig.update_yaxes(title="fixed: ms per layer and micro-step", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title="ms per layer and 1,000 tokens", rangemode="tozero", row=1, col=2)
+    fig.update_yaxes(title="CP's extra attention / causal share", rangemode="tozero", row=1, col=3)
     fig.update_layout(template="plotly_white", height=340, barmode="group",
                       title=title or (f"{pd['name']}: what a group's split costs beyond its compute and collectives"
                                       if fig.data else f"{pd['name']} has no measured split extras"))
