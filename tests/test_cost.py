@@ -256,6 +256,129 @@ def test_auto_keeps_every_split_a_group_would_choose_with_cp_attention():
     assert chosen == {1, 2, 4}
 
 
+def _residual_profile(**split):
+    """A tiny-model profile (2 layers, 4 heads of 16, 2 KV heads; fp32) whose every term is easy to
+    follow by hand: no attention term, no latencies; Ulysses at 2 over 1 GB/s, CP's all-gather at
+    0.5 GB/s and reduce-scatter at 0.25 GB/s, the Ulysses and CP extras at 2, and ``split``'s
+    residual tables."""
+    return HardwareProfile(
+        name="r", gpu="g", model="tiny", forward={"a": 0.0, "b": 0.01, "c": 1.0},
+        backward={"a": 0.0, "b": 0.02, "c": 2.0}, all_to_all_gbps={2: 1.0, 4: 1.0},
+        allgather_gbps={2: 0.5, 4: 0.5}, reduce_scatter_gbps={2: 0.25, 4: 0.25},
+        sp_overhead_ms={2: 0.5}, sp_token_ms={2: 1e-4}, cp_overhead_ms={2: 0.75}, cp_token_ms={2: 2e-4},
+        provenance={"kind": "measured"}, **split)
+
+
+def test_split_residual_enters_exactly_its_split_by_hand():
+    """A composite split's measured residual (``split_overhead_ms``, ``split_token_ms``) adds, per
+    layer, its fixed part to the group's overhead and its per-token part to every sequence, for that
+    split only: a 2 x 2 group of 1,000 and 3,000 tokens costed term by term by hand."""
+    from workbench.solve import build_plan
+
+    tiny = get_model("tiny")
+    cl = ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=8.0, zero_stage=0)
+    cost = CostModel(_residual_profile(split_overhead_ms={"2x2": 1.5}, split_token_ms={"2x2": 3e-4}), tiny, cl,
+                     strategy="auto")
+    plain = CostModel(_residual_profile(), tiny, cl, strategy="auto")
+    s = np.array([1000.0, 3000.0])
+    S = s.sum()
+    overhead = 2 * (1.0 + 2.0) + 2 * 0.5 + 2 * 0.75 + 2 * 1.5  # C, the Ulysses, CP and split fixed parts
+    compute = 2 * (0.01 + 0.02) * S / 4
+    # Ulysses over 2: each rank's s/4 tokens of q, o (64 each) and k, v (2 KV heads x 16 each), fp32, half sent,
+    # forward and backward, 2 layers, 1 GB/s
+    ulysses = 2 * 2 * 4 * (S / 4) * (2 * 64 + 2 * 32) * 0.5 / 1e9 * 1e3
+    # CP over 2: half of each sequence's K/V (a rank of 2 x 2 holds 1 KV head: 2 x 4 x 16 bytes a token)
+    # all-gathered at 0.5 GB/s in the forward, reduce-scattered at 0.25 GB/s in the backward, 2 layers
+    moved = S * 128 * 0.5
+    cp = 2 * (moved / 0.5e9 + moved / 0.25e9) * 1e3
+    per_token = 2 * 1e-4 * S / 2 + 2 * 2e-4 * S * 0.5 + 2 * 3e-4 * S  # Ulysses (s/c), CP (its KV share), split
+    assert cost.group_overhead_ms(4, 2) == pytest.approx(overhead, rel=1e-12)
+    group = cost.group_overhead_ms(4, 2) + float(cost.time(s, 4, 2).sum())
+    assert group == pytest.approx(overhead + compute + ulysses + cp + per_token, rel=1e-12)
+    assert group == pytest.approx(79.708, rel=1e-12)  # the same sum, added up on paper
+    assert group - (plain.group_overhead_ms(4, 2) + float(plain.time(s, 4, 2).sum())) == pytest.approx(
+        2 * 1.5 + 2 * 3e-4 * S, rel=1e-12)
+    assert cost.split_residual(4, 2) == (1.5, 3e-4) and cost.split_residual(4, 1) == (0.0, 0.0)
+    # the planners see it: a plan's 2 x 2 group, the lockstep extra, the cost table
+    plan = build_plan("hand", [[(4, [0, 1], 2)]], s.astype(np.int64), cost)
+    assert plan.micro_steps[0].groups[0].split == "2x2"
+    assert plan.micro_steps[0].groups[0].time_ms == pytest.approx(group, rel=1e-12)
+    assert cost.group_extra_ms(4, 2) - plain.group_extra_ms(4, 2) == pytest.approx(3.0)
+    row = cost.table([1000], [4], cps=[2])["split_rows"][0]
+    assert (row["ulysses"], row["cp"]) == (2, 2) and row["group_overhead_ms"] == pytest.approx(overhead)
+    assert row["time_ms"] == pytest.approx(float(cost.time([1000], 4, 2)[0]))
+    # every other split, and the per-degree figures where 2 x 2 is not the choice, are the sum of the parts
+    for d, c in ((4, 1), (4, 4), (2, 1), (2, 2), (1, 1)):
+        assert cost.group_overhead_ms(d, c) == plain.group_overhead_ms(d, c)
+        assert np.array_equal(cost.time(s, d, c), plain.time(s, d, c))
+    # 8 ranks: 4 x 2 and 2 x 4 have no entry, so nothing (no entry is interpolated to another split)
+    cl8 = ClusterSpec(num_gpus=8, gpus_per_node=8, gpu_memory_gb=8.0, zero_stage=0)
+    c8 = CostModel(_residual_profile(split_overhead_ms={"2x2": 1.5}, split_token_ms={"2x2": 3e-4}), tiny, cl8,
+                   strategy="auto")
+    p8 = CostModel(_residual_profile(), tiny, cl8, strategy="auto")
+    for d, c in ((8, 2), (8, 4)):
+        assert c8.group_overhead_ms(d, c) == p8.group_overhead_ms(d, c)
+        assert np.array_equal(c8.time(s, d, c), p8.time(s, d, c))
+    assert c8.group_overhead_ms(4, 2) == pytest.approx(p8.group_overhead_ms(4, 2) + 3.0)
+
+
+def test_auto_keeps_every_split_a_group_would_choose_with_a_split_residual():
+    """The brute force of the pruning with a composite split's residual: on the profile where CP's
+    extra attention makes 2 x 2 the fastest split of some groups, a small residual narrows where it
+    wins (it is still kept and still chosen), a large one makes it dominated (pruned); in both every
+    group's best split over all the splits the heads allow is among the kept ones."""
+    import dataclasses
+
+    from workbench.cost import _envelope_splits
+
+    p = _quadratic_cp_profile()
+    cl = ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=8.0, zero_stage=0)
+    tiny = get_model("tiny")
+    for fixed, tok, kept_splits, chosen_splits in ((0.5, 2e-4, (1, 2, 4), {1, 2, 4}), (40.0, 1e-2, (1, 4), {1, 4})):
+        auto = CostModel(dataclasses.replace(p, split_overhead_ms={"2x2": fixed}, split_token_ms={"2x2": tok}), tiny,
+                         cl, strategy="auto")
+        base = CostModel(p, tiny, cl, strategy="auto")
+        one = np.ones(1)
+        # the pruning's lines carry the residual: fixed in o, per token in k
+        assert auto.group_overhead_ms(4, 2) - base.group_overhead_ms(4, 2) == pytest.approx(2 * fixed)
+        assert float(auto._split_linear_ms(one, 4, 2)[0] - base._split_linear_ms(one, 4, 2)[0]) == pytest.approx(2 * tok)
+        assert auto.splits(4) == kept_splits
+        shapes = {(x["ulysses"], x["cp"]): x for x in auto.table([1000], [4])["shapes"]}
+        if (2, 2) in shapes:
+            assert shapes[2, 2]["split_residual_ms"] == pytest.approx(2 * fixed)
+            assert shapes[2, 2]["split_residual_ms_per_token"] == pytest.approx(2 * tok)
+        assert shapes[1, 4]["split_residual_ms"] is None
+        rng = np.random.default_rng(1)
+        chosen = set()
+        for _ in range(300):
+            d = int(rng.choice([2, 4]))
+            seqs = rng.integers(8, int(rng.choice([600, 4000, 16384])), size=int(rng.integers(1, 7)))
+            every = [c for c in range(1, d + 1) if d % c == 0 and auto.split_supported(d // c)]
+
+            def group(c, d=d, seqs=seqs, auto=auto):
+                return (auto.group_overhead_ms(d, c) + float(auto.time(seqs, d, c).sum()),
+                        float(auto.memory(seqs, d, c).sum()))
+            fits = [(group(c)[0], c) for c in every if group(c)[1] <= auto.memory_budget_gb]
+            kept = [group(c)[0] for c in auto.splits(d) if group(c)[1] <= auto.memory_budget_gb]
+            assert bool(fits) == bool(kept)
+            if fits:
+                assert min(kept) == pytest.approx(min(fits)[0], rel=1e-12)
+                assert group(auto.best_split(seqs, d))[0] == pytest.approx(min(fits)[0], rel=1e-12)
+                if d == 4:
+                    chosen.add(min(fits)[1])
+        assert chosen == chosen_splits
+        # the envelope on the same lines, and a dense (S, r) grid, agree on what is kept
+        cands = [(c, auto.group_overhead_ms(4, c), float(auto._split_linear_ms(one, 4, c)[0]),
+                  auto.cp_attention_factor(c) / 4, float(auto.memory(one, 4, c)[0])) for c in (1, 2, 4)]
+        top = auto.memory_budget_gb / min(x[4] for x in cands)
+        S = np.geomspace(1.0, top, 400)[:, None, None]
+        r = np.linspace(0.0, float(auto._fit.quadratic(np.array([top]))[0]) / top, 200)[None, :, None]
+        o, k, g, m = (np.array([x[i] for x in cands])[None, None, :] for i in (1, 2, 3, 4))
+        T = np.where(m * S <= auto.memory_budget_gb, o + (k + g * r) * S, np.inf)
+        grid = {cands[i][0] for i in np.unique(np.argmin(T, axis=2))}
+        assert grid <= _envelope_splits(cands, auto.memory_budget_gb, float(r.max())) == set(kept_splits)
+
+
 def test_envelope_keeps_every_split_fastest_on_a_dense_grid():
     """``_envelope_splits`` against brute force on random lines: every split that is the fastest
     fitting one at some point of a dense (S, r) grid is kept, and so is the fastest at r = 0 of the

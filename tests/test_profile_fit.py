@@ -685,3 +685,137 @@ def test_build_result_fits_the_cp_extras_into_the_profile():
     assert "cp_attention_factor" in res.profile.provenance["cp_overhead"]
     assert [g["cp"] for g in res.groups] == [1, 1, 1, 2, 2, 2]
     assert ProfileResult.from_dict(json.loads(res.to_json())).profile == res.profile
+
+
+# ------------------------------------------------------------------------------------------------
+# composite splits (u > 1 and c > 1): their residual beyond the sum of their parts
+# ------------------------------------------------------------------------------------------------
+
+
+def _split_case(known, world=4, noise=0.0, seed=0, packs=CP_PACKS):
+    """A tiny-model profile holding every part (an attention term, the Ulysses and CP collectives with
+    their latencies, the Ulysses extras at u, the CP extras and attention factor at c), and real-looking
+    micro-steps: degree 1 on time with the curves but 4 ms slow on the first pack (the curve's own
+    error), each composite split ``"uxc"`` of ``known`` paying ``layers * (o + r * tokens)`` beyond the
+    sum of its parts (o, r per layer) plus its share of that curve error (4 ms / degree); 1 + noise
+    relative noise per sample, trimmed median of 5."""
+    from workbench.profile.fit import trimmed_median
+
+    prof = _profile(forward={"a": 2.7e-6, "b": 0.004, "c": 0.5}, backward={"a": 5.3e-6, "b": 0.008, "c": 1.0},
+                    all_to_all_gbps={2: 1.0, 4: 0.8}, all_to_all_latency_ms={2: 0.2, 4: 0.3},
+                    allgather_gbps={2: 1.0, 4: 0.8}, reduce_scatter_gbps={2: 0.5, 4: 0.4},
+                    allgather_latency_ms={2: 0.1, 4: 0.2}, reduce_scatter_latency_ms={2: 0.15, 4: 0.25},
+                    sp_overhead_ms={2: 1.5, 4: 2.0}, sp_token_ms={2: 1e-3, 4: 5e-4},
+                    cp_overhead_ms={2: 0.8, 4: 1.0}, cp_token_ms={2: 2e-3, 4: 1e-3}, cp_attention_factor={2: 0.3, 4: 0.2})
+    cost = CostModel(prof, get_model("tiny"), ClusterSpec(num_gpus=world, gpus_per_node=world, gpu_memory_gb=1e6),
+                     strategy="auto")
+    L = 2
+    rng = np.random.default_rng(seed)
+
+    def ms(d, c, pack, extra=0.0):
+        t = cost.group_overhead_ms(d, c) + float(cost.time(pack, d, c).sum()) + extra
+        return trimmed_median(t * (1 + noise * rng.standard_normal(5))) if noise else t
+
+    groups = [{"degree": 1, "cp": 1, "pack": p, "ms": ms(1, 1, p, 4.0 if p == packs[0] else 0.0)} for p in packs]
+    # the parts themselves, measured on time: the residual fit leaves them to fit_sp_overhead / fit_cp_overhead
+    groups += [{"degree": 2, "cp": c, "pack": p, "ms": ms(2, c, p)} for c in (1, 2) for p in packs]
+    for key, (o, r) in known.items():
+        u, c = (int(x) for x in key.split("x"))
+        d = u * c
+        groups += [{"degree": d, "cp": c, "pack": p,
+                    "ms": ms(d, c, p, L * (o + r * sum(p)) + (4.0 / d if p == packs[0] else 0.0))} for p in packs]
+    return prof, groups, cost
+
+
+def test_split_residual_is_recovered_from_synthetic_micro_steps():
+    from workbench.profile.result import fit_split_overhead
+
+    # 8 ranks: three composite splits, each its own residual (a fixed one only, a per-token one only, both)
+    known = {"2x2": (0.5, 1e-3), "4x2": (2.0, 0.0), "2x4": (0.0, 3e-3)}
+    prof, groups, cost = _split_case(known, world=8)
+    fixed, per_token, rows = fit_split_overhead(prof, 8, groups)
+    assert list(fixed) == ["2x2", "4x2", "2x4"] and list(per_token) == list(fixed)  # in increasing c, then u
+    for key, (o, r) in known.items():
+        assert fixed[key] == pytest.approx(o, abs=1e-9) and per_token[key] == pytest.approx(r, abs=1e-12)
+    assert len(rows) == 3 * len(CP_PACKS) and {r["split"] for r in rows} == set(known)
+    bare = CostModel(dataclasses.replace(prof, sp_overhead_ms={}, sp_token_ms={}, cp_overhead_ms={}, cp_token_ms={},
+                                         cp_attention_factor={}), get_model("tiny"),
+                     ClusterSpec(num_gpus=8, gpus_per_node=8, gpu_memory_gb=1e6), strategy="auto")
+    for row in rows:
+        d, c, pack = row["degree"], row["cp"], row["pack"]
+        o, r = known[row["split"]]
+        assert row["predicted_parts_ms"] == pytest.approx(cost.group_overhead_ms(d, c) + float(cost.time(pack, d, c).sum()))
+        assert row["predicted_ms"] == pytest.approx(bare.group_overhead_ms(d, c) + float(bare.time(pack, d, c).sum()))
+        assert row["predicted_ms"] < row["predicted_parts_ms"]
+        # with the fitted residual the prediction is the measurement, less the curve's own error on the first pack
+        assert row["predicted_with_overhead_ms"] - row["predicted_parts_ms"] == pytest.approx(2 * (o + r * row["tokens"]))
+        assert row["predicted_with_overhead_ms"] == pytest.approx(
+            row["measured_ms"] - (4.0 / d if pack == CP_PACKS[0] else 0.0), rel=1e-9)
+    # the profile with the fit: the cost model prices exactly those splits with it
+    fitted = CostModel(dataclasses.replace(prof, split_overhead_ms=fixed, split_token_ms=per_token), get_model("tiny"),
+                       ClusterSpec(num_gpus=8, gpus_per_node=8, gpu_memory_gb=1e6), strategy="auto")
+    assert fitted.group_overhead_ms(8, 2) - cost.group_overhead_ms(8, 2) == pytest.approx(2 * 2.0)
+    assert fitted.group_overhead_ms(8, 8) == cost.group_overhead_ms(8, 8)
+
+
+def test_split_residual_falls_back_with_few_packs():
+    from workbench.profile.result import fit_split_overhead
+
+    # packs of one token count (1,024 each): the fixed part alone, the median residual
+    one = [[1024], [128] * 8]
+    prof, groups, _ = _split_case({"2x2": (0.0, 2e-3)}, packs=one)
+    fixed, per_token, rows = fit_split_overhead(prof, 4, groups)
+    # residuals: 2 x 2e-3 x 1,024 on both, plus 4 ms / 4 of curve error on the first, which the fit takes out
+    assert fixed == {"2x2": pytest.approx(2e-3 * 1024)} and per_token == {"2x2": 0.0} and len(rows) == 2
+    # one pack
+    prof, groups, _ = _split_case({"2x2": (1.25, 0.0)}, packs=[[2048]])
+    assert fit_split_overhead(prof, 4, groups)[:2] == ({"2x2": pytest.approx(1.25)}, {"2x2": 0.0})
+    # a composite split faster than the sum of its parts gives no negative residual
+    prof, groups, _ = _split_case({"2x2": (0.0, 0.0)})
+    fast = [dict(g, ms=g["ms"] - 30.0) if (g["degree"], g["cp"]) == (4, 2) else g for g in groups]
+    fixed, per_token, _ = fit_split_overhead(prof, 4, fast)
+    assert fixed == {"2x2": 0.0} and per_token == {"2x2": 0.0}
+    # nothing composite measured (2 ranks, or CP switched off): nothing fitted
+    assert fit_split_overhead(prof, 4, [g for g in groups if (g["degree"], g["cp"]) != (4, 2)]) == ({}, {}, [])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_split_residual_under_noise(seed):
+    # 1% noise per sample on the whole micro-step (the residual is a tenth to a fifth of it), trimmed median of 5
+    from workbench.profile.result import fit_split_overhead
+
+    prof, groups, _ = _split_case({"2x2": (1.0, 2e-3)}, noise=0.01, seed=seed)
+    fixed, per_token, rows = fit_split_overhead(prof, 4, groups)
+    assert per_token["2x2"] == pytest.approx(2e-3, rel=0.25) and fixed["2x2"] == pytest.approx(1.0, abs=1.5)
+    # against the measurement less the curve's own error on the first pack (1 ms), which no split term holds
+    worst = max(abs(r["predicted_with_overhead_ms"] / (r["measured_ms"] - (1.0 if r["pack"] == CP_PACKS[0] else 0.0)) - 1)
+                for r in rows)
+    assert worst < 0.02
+
+
+def test_build_result_fits_the_split_residual_into_the_profile():
+    m = _measurements()
+    prof0 = build_result(m).profile
+    cost = CostModel(prof0, get_model("tiny"), ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=1e6),
+                     strategy="auto")
+
+    def pred(d, c, p):
+        return cost.group_overhead_ms(d, c) + float(cost.time(p, d, c).sum())
+    m["groups"] = [{"degree": 1, "cp": 1, "pack": p, "ms": pred(1, 1, p)} for p in CP_PACKS]
+    # 2 x 2 pays 2 layers x (1.5 ms + 2.5e-3 ms per token) beyond its parts
+    m["groups"] += [{"degree": 4, "cp": 2, "pack": p, "ms": pred(4, 2, p) + 2 * (1.5 + 2.5e-3 * sum(p))} for p in CP_PACKS]
+    res = build_result(m)
+    assert res.profile.split_overhead_ms == pytest.approx({"2x2": 1.5})
+    assert res.profile.split_token_ms == pytest.approx({"2x2": 2.5e-3})
+    assert "beyond the sum of their parts" in res.profile.provenance["split_overhead"]
+    assert res.profile.provenance["profiler_version"] >= 3
+    rows = [g for g in res.groups if g.get("split") == "2x2"]
+    assert len(rows) == len(CP_PACKS)  # once each: fit_split_overhead's rows, not fit_cp_overhead's as well
+    assert all(r["predicted_with_overhead_ms"] == pytest.approx(r["measured_ms"]) for r in rows)
+    assert all(r["predicted_parts_ms"] < r["measured_ms"] for r in rows)
+    back = ProfileResult.from_dict(json.loads(res.to_json()))
+    assert back.profile == res.profile and back.groups == res.groups
+    assert HardwareProfile.from_dict(json.loads(res.profile.to_json())).split_token_ms == res.profile.split_token_ms
+    # without composite micro-steps the profile has none (2 ranks; profiles measured before them)
+    m["groups"] = m["groups"][:len(CP_PACKS)]
+    assert build_result(m).profile.split_overhead_ms == {} and "split_overhead" not in build_result(m).profile.provenance

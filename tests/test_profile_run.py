@@ -142,15 +142,17 @@ def test_profile_drives_plan_simulate_train_and_check(profiled):
 
 def test_four_ranks_measure_cp_sub_groups_of_every_size_and_a_2x2_split(tmp_path):
     """4 gloo ranks (on however many cores): CP's collectives on the strided sub-groups of 2 (ranks
-    {0,2} and {1,3}) and of 4, real micro-steps of 1 x 2, 1 x 4 and 2 x 2; the profile's all-gather
-    at 2 is CP's, at 4 FSDP's; the extras at 2 and 4. A small grid, no real steps (what they add is
-    the 2-rank test's)."""
+    {0,2} and {1,3}) and of 4, real micro-steps of 1 x 2, 1 x 4 and 2 x 2, all three on the CP packs
+    (the SP packs and the longest fitted length); the profile's all-gather at 2 is CP's, at 4 FSDP's;
+    the extras at 2 and 4, and 2 x 2's residual beyond them. A small grid, no real steps (what they
+    add is the 2-rank test's)."""
     from workbench.launch import process
     from workbench.profile import load_result, prepare_profile, start_profile
+    from workbench.profile.result import PROFILER_VERSION
 
     run = prepare_profile(nproc=4, model="tiny", quick=True, root=tmp_path, name="p4", device="cpu", oversubscribe=True,
                           max_len=512, reps=2, warmup=1, steps=False, fit_packs=[[64], [128], [256], [512], [32] * 8],
-                          heldout_packs=[[96]], group_packs=[[256], [512]], message_bytes=[8192, 131072])
+                          heldout_packs=[[96]], group_packs=[[256], [32] * 8], message_bytes=[8192, 131072])
     st = process.wait(start_profile(run), timeout=600)
     assert st.state == "done", run.log_tail(30)
     meas = json.loads((run.path / "measurements.json").read_text())
@@ -158,6 +160,9 @@ def test_four_ranks_measure_cp_sub_groups_of_every_size_and_a_2x2_split(tmp_path
     assert cp == {(k, c, 4 // c) for k in ("cp_allgather", "cp_reduce_scatter") for c in (2, 4)}
     splits = {(g["degree"], g["cp"]) for g in meas["groups"]}
     assert splits == {(1, 1), (2, 1), (4, 1), (2, 2), (4, 4), (4, 2)}
+    packs = {s: sorted(tuple(g["pack"]) for g in meas["groups"] if (g["degree"], g["cp"]) == s) for s in splits}
+    assert packs[4, 2] == packs[2, 2] == packs[4, 4] == sorted([(256,), (32,) * 8, (512,)])
+    assert packs[2, 1] == sorted([(256,), (32,) * 8])
     res = load_result(run)
     prof = res.profile
     assert set(prof.allgather_gbps) == {2, 4} and set(prof.reduce_scatter_latency_ms) == {2, 4}
@@ -165,9 +170,12 @@ def test_four_ranks_measure_cp_sub_groups_of_every_size_and_a_2x2_split(tmp_path
     assert prof.allgather_gbps[4] == pytest.approx(res.collective_fits["allgather"][4]["gbps"])
     assert set(prof.cp_overhead_ms) == {2, 4} and set(prof.cp_token_ms) == {2, 4}
     assert set(prof.cp_attention_factor) == {2, 4}
+    assert set(prof.split_overhead_ms) == {"2x2"} and set(prof.split_token_ms) == {"2x2"}
+    assert "split_overhead" in prof.provenance and prof.provenance["profiler_version"] == PROFILER_VERSION
     rows = [g for g in res.groups if g["cp"] > 1]
-    assert sorted({g["split"] for g in rows}) == ["1x2", "1x4", "2x2"] and len(rows) == 6
+    assert sorted({g["split"] for g in rows}) == ["1x2", "1x4", "2x2"] and len(rows) == 9
     assert all(g["predicted_with_overhead_ms"] >= g["predicted_ms"] for g in rows)
+    assert all(g["predicted_with_overhead_ms"] >= g["predicted_parts_ms"] for g in rows if g["split"] == "2x2")
 
 
 def test_a_failing_profile_says_why(tmp_path):

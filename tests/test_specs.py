@@ -107,3 +107,38 @@ def test_cp_attention_factor_loads_like_the_other_size_tables(tmp_path):
     assert load_profile(path) == p and json.loads(path.read_text())["cp_attention_factor"] == {"2": 0.3, "4": 0.5}
     with pytest.raises(ValueError, match="finite number >= 0"):
         HardwareProfile.from_dict(dict(old, cp_attention_factor={"2": -0.1}))
+
+
+def test_split_residual_tables_load_keyed_by_the_split(tmp_path):
+    # a profile written before split_overhead_ms / split_token_ms existed loads with none; one that has
+    # them round-trips, keyed by the split "u x c" (normalised, in increasing c then u)
+    old = load_profile("a100-40g-flexsp").to_dict()
+    del old["split_overhead_ms"], old["split_token_ms"]
+    prof = HardwareProfile.from_dict(old)
+    assert prof.split_overhead_ms == {} and prof.split_token_ms == {}
+    p = HardwareProfile.from_dict(dict(old, split_overhead_ms={"4x2": 0.5, " 2 X 4": 0.25, "2x2": 1.5},
+                                       split_token_ms={"2x2": 0.002}))
+    assert p.split_overhead_ms == {"2x2": 1.5, "4x2": 0.5, "2x4": 0.25}
+    assert list(p.split_overhead_ms) == ["2x2", "4x2", "2x4"] and p.split_token_ms == {"2x2": 0.002}
+    path = p.save(tmp_path / "p.json")
+    assert load_profile(path) == p
+    assert json.loads(path.read_text())["split_overhead_ms"] == {"2x2": 1.5, "4x2": 0.5, "2x4": 0.25}
+
+
+@pytest.mark.parametrize("table, match", [
+    ({"2x1": 1.0}, "only composite splits"), ({"1x4": 1.0}, "only composite splits"),
+    ({"2by2": 1.0}, "not a split"), ({"2x2x2": 1.0}, "not a split"), ({"2": 1.0}, "not a split"),
+    ({"2x2": -0.5}, "finite number >= 0"), ({"2x2": float("nan")}, "finite number >= 0"),
+    ({"2x2": True}, "finite number >= 0"), ([1.0], "must be an object")])
+def test_bad_split_residual_table_is_one_clear_error(tmp_path, table, match):
+    import dataclasses
+
+    old = load_profile("a100-40g-flexsp").to_dict()
+    with pytest.raises(ValueError, match=match):
+        HardwareProfile.from_dict(dict(old, split_token_ms=table))
+    with pytest.raises(ValueError, match=f"HardwareProfile a100-40g-flexsp: split_overhead_ms: .*{match}"):
+        dataclasses.replace(load_profile("a100-40g-flexsp"), split_overhead_ms=table)
+    (tmp_path / "p.json").write_text(json.dumps(dict(old, split_overhead_ms=table)))
+    with pytest.raises(ValueError, match=r"p\.json: ") as e:
+        load_profile(tmp_path / "p.json")
+    assert "\n" not in str(e.value)

@@ -416,7 +416,8 @@ def test_hardware_panel_curves_points_and_save(tmp_path):
 def test_hardware_panel_shows_cp_collectives_and_split_extras(tmp_path):
     """The bandwidth figure draws the all-gather and reduce-scatter (context parallelism's and FSDP's)
     beside the all-to-all, bandwidth on the left and latency on the right; the extras figure draws
-    Ulysses' and CP's measured extras; both checked against the figures typed into the profile."""
+    Ulysses' and CP's measured extras and the composite splits' residual beyond them; both checked
+    against the figures typed into the profile."""
     from widgets import HardwarePanel
 
     mine = tmp_path / "cp.json"
@@ -428,7 +429,8 @@ def test_hardware_panel_shows_cp_collectives_and_split_extras(tmp_path):
         "reduce_scatter_gbps": {"2": 0.35, "4": 0.7}, "reduce_scatter_latency_ms": {"2": 0.1, "4": 0.3},
         "sp_overhead_ms": {"2": 5.0}, "sp_token_ms": {"2": 0.001},
         "cp_overhead_ms": {"2": 4.0, "4": 6.0}, "cp_token_ms": {"2": 0.002, "4": 0.003},
-        "cp_attention_factor": {"2": 0.3}}))
+        "cp_attention_factor": {"2": 0.3},
+        "split_overhead_ms": {"4x2": 0.5, "2x2": 1.5}, "split_token_ms": {"2x2": 0.004}}))
     panel = HardwarePanel(str(mine), root=tmp_path)
     links = panel.links()
     assert links["allgather"] == {2: {"gbps": 0.6, "latency_ms": 0.15}, 4: {"gbps": 0.9, "latency_ms": 0.25}}
@@ -448,6 +450,10 @@ def test_hardware_panel_shows_cp_collectives_and_split_extras(tmp_path):
     assert ex["cp"] == {2: {"fixed_ms": 4.0, "per_1k_tokens_ms": pytest.approx(2.0), "attention_factor": 0.3},
                         4: {"fixed_ms": 6.0, "per_1k_tokens_ms": pytest.approx(3.0), "attention_factor": 0.0}}
     assert ex["ulysses"] == {2: {"fixed_ms": 5.0, "per_1k_tokens_ms": pytest.approx(1.0)}}
+    # the composite splits, by their own key, in increasing c then u; a split without a per-token entry has 0
+    assert ex["splits"] == {"2x2": {"fixed_ms": 1.5, "per_1k_tokens_ms": pytest.approx(4.0)},
+                            "4x2": {"fixed_ms": 0.5, "per_1k_tokens_ms": 0.0}}
+    assert list(ex["splits"]) == ["2x2", "4x2"]
     bars = {(t.name, t.xaxis): t for t in panel.fig_extras.data}
     cp_fixed = next(t for (n, ax), t in bars.items() if n.startswith("context") and ax == "x")
     cp_tok = next(t for (n, ax), t in bars.items() if n.startswith("context") and ax == "x2")
@@ -455,14 +461,21 @@ def test_hardware_panel_shows_cp_collectives_and_split_extras(tmp_path):
     assert list(cp_tok.y) == pytest.approx([2.0, 3.0])
     cp_attn = next(t for (n, ax), t in bars.items() if n.startswith("context") and ax == "x3")
     assert list(cp_attn.x) == ["2", "4"] and list(cp_attn.y) == [0.3, 0.0]
+    split_fixed = next(t for (n, ax), t in bars.items() if n.startswith("composite") and ax == "x")
+    split_tok = next(t for (n, ax), t in bars.items() if n.startswith("composite") and ax == "x2")
+    assert list(split_fixed.x) == ["2x2", "4x2"] and list(split_fixed.y) == [1.5, 0.5]
+    assert list(split_tok.x) == ["2x2", "4x2"] and list(split_tok.y) == pytest.approx([4.0, 0.0])
+    assert not any(n.startswith("composite") and ax == "x3" for n, ax in bars)
     assert panel.fig_extras._wb_box.layout.display == ""
     saved = panel.save(tmp_path / "results")
     assert "extras.html" in {Path(p).name for p in saved["figures"]}
     tables = json.loads((tmp_path / "results/tables/links.json").read_text())
     assert tables["allgather"]["2"] == {"gbps": 0.6, "latency_ms": 0.15}
+    extras = json.loads((tmp_path / "results/tables/extras.json").read_text())
+    assert extras["splits"]["2x2"] == {"fixed_ms": 1.5, "per_1k_tokens_ms": pytest.approx(4.0)}
     # a reference profile without them: no extras drawn (the box hidden), no all-gather line
     panel.select("a100-40g-flexsp")
-    assert panel.extras() == {"ulysses": {}, "cp": {}} and len(panel.fig_extras.data) == 0
+    assert panel.extras() == {"ulysses": {}, "cp": {}, "splits": {}} and len(panel.fig_extras.data) == 0
     assert panel.fig_extras._wb_box.layout.display == "none"
     assert not any(t.name.startswith("all-gather") for t in panel.fig_bandwidth.data)
 

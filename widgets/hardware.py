@@ -3,7 +3,8 @@
 Pick a shipped reference profile (or one measured earlier, or a JSON file), see its per-layer
 compute curves with the measured points and residuals, its collectives' bandwidth and latency by
 group size (the all-to-all of Ulysses beside the all-gather and reduce-scatter of context
-parallelism), and the measured extras of a group's split (Ulysses' and CP's); save it
+parallelism), and the measured extras of a group's split (Ulysses' and CP's, and a composite
+split's residual beyond them); save it
 elsewhere. Run a quick or full profile of this machine as a run (``workbench.profile``: a torchrun
 process tree, never the kernel), with progress, log and Stop; when it ends its fitted curves,
 residuals, held-out errors and collectives are drawn and the profile can be used for planning.
@@ -307,7 +308,8 @@ class HardwarePanel(Panel):
 
     def extras(self) -> dict:
         """The profile's measured extras of a split (``workbench.report.hardware.split_extras``):
-        ``{"ulysses": {u: {...}}, "cp": {c: {...}}}``, what the extras figure draws."""
+        ``{"ulysses": {u: {...}}, "cp": {c: {...}}, "splits": {"uxc": {...}}}``, what the extras
+        figure draws."""
         from workbench.report.hardware import split_extras
 
         return split_extras(self.profile)

@@ -458,6 +458,34 @@ def _latency_table(v: Any) -> dict[int, float]:
     return dict(sorted(out.items()))
 
 
+def split_key(ulysses: int, cp: int) -> str:
+    """The key of split ``ulysses x cp`` in a profile's per-split tables: ``"2x2"``."""
+    return f"{int(ulysses)}x{int(cp)}"
+
+
+def _split_table(v: Any) -> dict[str, float]:
+    """A per-split table ``{"uxc": ms}`` of composite splits (u > 1 and c > 1: a ``u x 1`` split's
+    extras are ``sp_*``, a ``1 x c`` one's ``cp_*``), values finite and >= 0; keys normalised
+    (``" 2 x 2 "`` -> ``"2x2"``) and sorted by (c, u)."""
+    if not isinstance(v, Mapping):
+        raise ValueError(f"split table must be an object {{\"u x c\" split, e.g. \"2x2\": ms}}, got {v!r}")
+    out = {}
+    for k, x in v.items():
+        parts = str(k).replace(" ", "").lower().split("x")
+        try:
+            u, c = (int(t) for t in parts)
+        except ValueError:
+            raise ValueError(f"split table key {k!r} is not a split \"u x c\" (e.g. \"2x2\": Ulysses over u ranks "
+                             f"inside context parallelism over c)") from None
+        _require(u > 1 and c > 1, f"split table key {k!r}: only composite splits (u > 1 and c > 1) have an entry; "
+                                  f"a u x 1 split's extras are sp_overhead_ms / sp_token_ms, a 1 x c split's "
+                                  f"cp_overhead_ms / cp_token_ms")
+        _require(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0,
+                 f"value for split {k!r} must be a finite number >= 0 ms, got {x!r}")
+        out[(c, u)] = float(x)
+    return {split_key(u, c): out[(c, u)] for c, u in sorted(out)}
+
+
 def _bw_table(v: Any) -> dict[int, float]:
     if not isinstance(v, Mapping):
         raise ValueError(f"bandwidth table must be an object {{group size: GB/s}}, got {v!r}")
@@ -529,6 +557,17 @@ class HardwareProfile(_JsonMixin):
     causal triangle, so the excess grows with the square of the length (GPU flash / varlen kernels
     skip the masked blocks: near 0). Fitted on ``1 x c`` groups; a ``u x c`` rank runs the same
     rectangles over its ``H/u`` heads, so the same fraction of its own (``1/d``) attention. Empty: none."""
+    split_overhead_ms: dict = field(default_factory=dict, metadata={"from_json": _split_table})
+    """Measured extra fixed time per layer of one group of a composite split ``u x c`` (u > 1 and
+    c > 1) in one micro-step (ms), keyed by the split (``"2x2"``), beyond the sum of its parts (its
+    compute and collectives, the Ulysses extras at u and the CP extras at c): what running two
+    different sub-group collectives per layer costs on top of each alone (a rank meets its Ulysses
+    partners, then its CP partners, and waits for the slowest of both). A residual, fitted from real
+    ``u x c`` micro-steps; it applies to exactly that split (none for a split without an entry).
+    Empty: none (reference and GPU profiles)."""
+    split_token_ms: dict = field(default_factory=dict, metadata={"from_json": _split_table})
+    """The same residual's part per token and layer (ms per token of the group's sequences), keyed by
+    the split. Empty: none."""
     allgather_gbps: dict = field(default_factory=dict, metadata={"from_json": _bw_table})
     """All-gather bus bandwidth in GB/s by group size (FSDP's parameter all-gather under ZeRO-3 over
     the world, context parallelism's K/V all-gather over its sub-groups: each rank receives (n-1)/n
@@ -606,6 +645,11 @@ class HardwareProfile(_JsonMixin):
                   "cp_overhead_ms", "cp_token_ms", "cp_attention_factor", "allgather_latency_ms", "reduce_scatter_latency_ms",
                   "pass_overhead_ms", "pass_compute_factor"):
             object.__setattr__(self, n, _latency_table(getattr(self, n)))
+        for n in ("split_overhead_ms", "split_token_ms"):
+            try:
+                object.__setattr__(self, n, _split_table(getattr(self, n)))
+            except ValueError as e:
+                raise ValueError(f"HardwareProfile {self.name}: {n}: {e}") from None
         _require(bool(self.all_to_all_gbps), f"HardwareProfile {self.name}: all_to_all_gbps is empty; "
                                              f"give at least one {{group size: GB/s}} entry")
         if self.activation_mb_per_token is not None:

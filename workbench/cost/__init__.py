@@ -41,6 +41,7 @@ packed call per layer) and, when the profile measured it, the fixed latency of t
 collective calls, which does not depend on how many tokens the group runs::
 
     overhead(d, c) = C + calls_u * latency_a2a(u) + calls_c * latency_ag(c) + layers * sp_overhead(u)
+                     [+ layers * cp_overhead(c) + layers * split_overhead(u x c): below]
         calls_u = 2 * passes * layers (u > 1)    # q/k/v there and the output back, per pass
         calls_c = passes * layers (c > 1)        # the all-gathers and the reduce-scatter
         sp_overhead(u): the profile's measured extra per layer of a Ulysses group (layout work, waits)
@@ -57,6 +58,17 @@ of keys, bottom-right aligned, and a kernel that runs that with an explicit mask
 computes the whole rectangle where the causal one skips the blocks above the diagonal (GPU flash /
 varlen kernels skip them too: a factor near 0). It is measured on ``1 x c`` groups; a rank of
 ``u x c`` runs the same rectangles over its ``H/u`` heads, so the same fraction of its own ``1/d``.
+
+A composite split (u > 1 and c > 1) is priced as the sum of those parts, plus, when the profile
+measured that very split, its residual beyond them (``split_overhead_ms["uxc"]`` per layer in the
+group's fixed overhead, ``split_token_ms["uxc"]`` per token of its sequences and layer): what two
+different sub-group collectives per layer cost together beyond each alone (every rank waits on its
+Ulysses partners, then on its CP partners). Fitted from real ``u x c`` micro-steps; a split
+without an entry (every GPU and reference profile today) adds nothing, and no entry is
+interpolated to another split::
+
+    split(d, c) = layers * split_overhead["uxc"]            (in group_overhead_ms)
+                + layers * split_token["uxc"] * s           (per sequence, in time)
 
 A group fits when the sum of its sequences' ``memory(s, d)`` is at most ``memory_budget_gb``
 (usable GPU memory less the model states the runtime holds under the cluster's ZeRO stage,
@@ -111,7 +123,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from workbench.cost.memory import PRECISIONS, fsdp_units, model_states
-from workbench.specs import ClusterSpec, ComputeCurve, HardwareProfile, ModelSpec
+from workbench.specs import ClusterSpec, ComputeCurve, HardwareProfile, ModelSpec, split_key
 
 __all__ = ["CostModel", "STRATEGIES", "DEFAULT_STRATEGY", "InfeasibleError", "EXECUTIONS", "strategy_problem"]
 
@@ -458,7 +470,9 @@ class CostModel:
         Compute aside (the split does not change it), a group of sequences ``s_i`` runs under split c
         in ``o(c) + k(c) * S + g(c) * Q`` with ``S = sum s_i`` its tokens and ``Q = sum quadratic(s_i)``
         its attention (``g(c) = cp_attention_factor(c) / d``: CP's measured extra attention, 0 without
-        it), and needs ``m(c) * S`` memory within the budget. With ``r = Q / S`` a group is a point
+        it), and needs ``m(c) * S`` memory within the budget; ``o(c)`` is ``group_overhead_ms`` and
+        ``k(c)`` the per-token ``_split_linear_ms``, so a composite split's measured residual
+        (``split_residual``: fixed and per token) is in them and the pruning stays exact with it. With ``r = Q / S`` a group is a point
         ``(S, r)``: S from one token to the most any split holds (``top``), r from 0 to the largest
         ``quadratic(s) / s`` of one sequence of up to ``top`` tokens (a weighted mean of the
         sequences' ``quadratic(s_i) / s_i``, so never above it). A split is kept when it is the
@@ -677,9 +691,22 @@ class CostModel:
             return np.zeros_like(s)
         return f * self.attention_ms(s, degree)
 
+    def split_residual(self, degree: int, cp: int) -> tuple[float, float]:
+        """The profile's measured residual of the composite split ``(degree/cp) x cp`` beyond the sum
+        of its parts, per layer: ``(fixed ms per micro-step, ms per token)`` from
+        ``split_overhead_ms`` and ``split_token_ms`` at exactly that split's key (``"2x2"``);
+        ``(0, 0)`` for a ``u x 1`` or ``1 x c`` split and for a split the profile has no entry for."""
+        d, c = int(degree), int(cp)
+        u = d // c
+        if u <= 1 or c <= 1:
+            return 0.0, 0.0
+        key, p = split_key(u, c), self.profile
+        return float(p.split_overhead_ms.get(key, 0.0)), float(p.split_token_ms.get(key, 0.0))
+
     def _split_linear_ms(self, lengths, degree: int, cp: int) -> np.ndarray:
-        """The part of ``_split_ms`` linear in each sequence's tokens: the collectives and the
-        measured SP and CP extras per token (ms)."""
+        """The part of ``_split_ms`` linear in each sequence's tokens: the collectives, the measured
+        SP and CP extras per token and, for a composite split the profile measured, its residual per
+        token (``split_residual``) (ms)."""
         c = int(cp)
         s = np.asarray(lengths, dtype=np.float64)
         extra = np.zeros_like(s)
@@ -690,6 +717,9 @@ class CostModel:
         if c > 1 and p.cp_token_ms:
             # measured on 1 x c groups; a rank of a u x c group selects the K/V of its heads only
             extra = extra + L * _interp_latency(p.cp_token_ms, c) * s * self.kv_bytes_per_token(u) / self.kv_bytes_per_token(1)
+        per_token = self.split_residual(degree, c)[1]
+        if per_token:
+            extra = extra + L * per_token * s
         return self.ulysses_comm_ms(s, degree, c) + self.cp_comm_ms(s, degree, c) + extra
 
     def _split_ms(self, lengths, degree: int, cp: int) -> np.ndarray:
@@ -708,8 +738,8 @@ class CostModel:
 
     def time(self, lengths, degree: int, cp: int | None = None) -> np.ndarray:
         """Time (ms) of each sequence on a group of ``degree`` and split ``(degree/cp) x cp``: compute
-        plus communication (plus the measured SP and CP extras per token and CP's extra attention,
-        when the profile has them).
+        plus communication (plus the measured SP and CP extras per token, CP's extra attention and a
+        composite split's measured residual per token, when the profile has them).
         ``cp`` None: each sequence on its fastest split of the degree (no group is faster). The
         group's fixed cost per micro-step is ``group_overhead_ms``, not included."""
         return self.compute_ms(lengths, degree) + self._least(lambda c: self._split_ms(lengths, degree, c), degree, cp)
@@ -768,22 +798,25 @@ class CostModel:
 
     def sp_overhead_ms(self, degree: int, cp: int | None = None) -> float:
         """The profile's measured extra fixed time of a group's split per micro-step: the Ulysses
-        part's per-layer figure at ``u`` and the CP part's at ``c``, times the model's layers (0 for
-        ``1 x 1`` or a profile without them)."""
+        part's per-layer figure at ``u``, the CP part's at ``c`` and, for a composite split the
+        profile measured, its residual beyond those two (``split_residual``), times the model's layers
+        (0 for ``1 x 1`` or a profile without them). ``cp`` None: the least over the degree's splits."""
         def one(c: int) -> float:
             u, p, out = int(degree) // c, self.profile, 0.0
             if u > 1 and p.sp_overhead_ms:
                 out += self.model.layers * _interp_latency(p.sp_overhead_ms, u)
             if c > 1 and p.cp_overhead_ms:
                 out += self.model.layers * _interp_latency(p.cp_overhead_ms, c)
+            out += self.model.layers * self.split_residual(degree, c)[0]
             return out
         return min(one(c) for c in self._cps(degree, cp))
 
     def group_overhead_ms(self, degree: int, cp: int | None = None) -> float:
         """Fixed time a group pays once per micro-step: the fitted constant c of every layer and the
         profile's measured fixed cost of a micro-step, plus the latency of the group's collective
-        calls and the measured extra of its SP layout when the profile has them. ``cp`` None: the
-        least over the degree's splits."""
+        calls and the measured extras of its split when the profile has them (``sp_overhead_ms``: the
+        Ulysses and CP parts and a composite split's own residual). ``cp`` None: the least over the
+        degree's splits."""
         return self._fit.C + min(self.collective_latency_ms(degree, c) + self.sp_overhead_ms(degree, c)
                                  for c in self._cps(degree, cp))
 
@@ -967,7 +1000,9 @@ class CostModel:
         ``split_rows``: the same per length and shape ``(degree, ulysses, cp)`` (the degree's shapes,
         or every split in ``cps`` that divides it), with the split's ``comm_ms`` (``ulysses_ms``,
         ``cp_ms``) and ``group_overhead_ms``. ``group_overhead_ms`` per degree is its least over the
-        splits; ``shapes`` lists the strategy's shapes with their overheads, collectives and CP attention factor.
+        splits; ``shapes`` lists the strategy's shapes with their overheads, collectives, CP attention factor
+        and, for a composite split, its measured residual (``split_residual_ms`` per micro-step and
+        ``split_residual_ms_per_token``, whole model; 0 without an entry).
         Raises ValueError when a CP size in ``cps`` divides none of ``degrees``."""
         degrees = list(degrees) if degrees else list(self.cluster.degrees)
         if cps is not None:
@@ -1014,6 +1049,9 @@ class CostModel:
                 "cp_reduce_scatter_gbps": self.cp_link_gbps("reduce_scatter", d, c) if c > 1 else None,
                 "kv_bytes_per_token": self.kv_bytes_per_token(u) if c > 1 else None,
                 "cp_attention_factor": self.cp_attention_factor(c) if c > 1 else None,
+                # a composite split's measured residual beyond its parts (whole model): fixed, per token
+                "split_residual_ms": self.model.layers * self.split_residual(d, c)[0] if u > 1 and c > 1 else None,
+                "split_residual_ms_per_token": self.model.layers * self.split_residual(d, c)[1] if u > 1 and c > 1 else None,
             })
         return {
             "rows": rows,

@@ -141,7 +141,8 @@ def cp_grid(group_sizes, ulysses_sizes) -> tuple[list[int], list[list[int]]]:
     CP size c (its collectives are measured on the strided sub-groups of the largest group,
     ``workbench.runtime.groups.split_subgroups``); the splits ``[degree, c]`` run as real
     micro-steps are ``1 x c`` for every c, and ``u x c`` of the largest group for every c below it
-    whose ``u`` the heads allow (2 x 2 on 4 ranks)."""
+    whose ``u`` the heads allow (2 x 2 on 4 ranks: its residual beyond the ``u x 1`` and ``1 x c``
+    parts is the profile's ``split_overhead_ms`` and ``split_token_ms``)."""
     sizes = sorted({int(d) for d in group_sizes if int(d) > 1})
     if not sizes:
         return [], []
@@ -152,11 +153,13 @@ def cp_grid(group_sizes, ulysses_sizes) -> tuple[list[int], list[list[int]]]:
 
 
 def cp_packs(group_packs, fit_packs) -> list[list[int]]:
-    """The packs ``1 x c`` context-parallel micro-steps run: the SP groups' packs and one sequence
-    of the longest length the compute curves are fitted to, when they have none that long. On CPU
-    the CP attention's bottom-right-masked calls cost more than the causal share, and the excess
-    grows with the square of the length (``cp_attention_factor``): the extras are fitted over the
-    lengths CP is planned for (the long ones), not extrapolated from shorter ones."""
+    """The packs context-parallel micro-steps (``1 x c`` and ``u x c``) run: the SP groups' packs and
+    one sequence of the longest length the compute curves are fitted to, when they have none that
+    long. On CPU the CP attention's bottom-right-masked calls cost more than the causal share, and
+    the excess grows with the square of the length (``cp_attention_factor``): the extras are fitted
+    over the lengths CP is planned for (the long ones), not extrapolated from shorter ones. A
+    composite split runs the same packs, so its residual beyond its parts (``split_token_ms``) is
+    fitted on three token counts (1,024, 2,048 and 4,096 on CPU), not two."""
     packs = [[int(s) for s in p] for p in group_packs]
     longest = max(int(s) for p in fit_packs for s in p)
     if all(max(p) < longest for p in packs):
@@ -268,7 +271,8 @@ class ProfileSpec:
     all-gather and the gradient reduce-scatter on the strided CP sub-groups (all at once), and real
     micro-steps of ``1 x c`` splits (and ``u x c`` splits of the largest group where the heads
     allow), whose extras beyond the fits are the profile's ``cp_overhead_ms``, ``cp_token_ms`` and
-    ``cp_attention_factor``."""
+    ``cp_attention_factor`` (and, for ``u x c``, beyond the sum of its parts, ``split_overhead_ms``
+    and ``split_token_ms``)."""
     steps: bool = True
     """Also time real training steps (ZeRO-3 lockstep passes and ZeRO-0 micro-steps, each followed by
     an optimizer step), in the same rounds as the compute packs: the fixed costs of a micro-step

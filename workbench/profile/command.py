@@ -124,7 +124,7 @@ def profile_table(res) -> str:
     if res.groups:
         sp = res.profile.sp_overhead_ms
         lines += ["", "| SP micro-step (all blocks at once) | degree | split (Ulysses x CP) | measured (ms) | predicted: "
-                      "compute + collectives | + sp / cp extras |", "|---|---:|---:|---:|---:|---:|"]
+                      "compute + collectives | + sp / cp / split extras |", "|---|---:|---:|---:|---:|---:|"]
         for g in res.groups:
             pk = g["pack"]
             desc = f"{pk[0]}" if len(pk) == 1 else f"{len(pk)} x {pk[0]}"
@@ -143,6 +143,17 @@ def profile_table(res) -> str:
             if att:
                 lines.append("CP's extra attention (bottom-right-masked chunks), as a fraction of a rank's causal "
                              "share a * s^2 / d: " + ", ".join(f"c = {c}: {v:.3f}" for c, v in att.items()))
+        spo = res.profile.split_overhead_ms
+        if spo:
+            tok = res.profile.split_token_ms
+            parts = {g["split"]: [] for g in res.groups if g.get("predicted_parts_ms") is not None}
+            for g in res.groups:
+                if g.get("predicted_parts_ms") is not None:
+                    parts[g["split"]].append(g["measured_ms"] / g["predicted_parts_ms"])
+            lines.append("\ncomposite splits beyond the sum of their parts, per layer: " + ", ".join(
+                f"{k}: {v:.2f} ms + {1e3 * tok.get(k, 0.0):.2f} ms per 1,000 tokens"
+                + (f" (measured / the parts' prediction: {min(parts[k]):.2f}-{max(parts[k]):.2f})" if parts.get(k) else "")
+                for k, v in spo.items()))
     extras = [(k, v) for k, v in (
         ("head (embedding, final norm, head, loss) per 1,000 tokens, fwd+bwd",
          None if p.head_ms_per_token is None else f"{1e3 * p.head_ms_per_token:.3f} ms"),

@@ -26,7 +26,9 @@ ranks that share a machine contend as they do in training):
    packs, all blocks at once; what it costs beyond the compute and collective fits is the
    profile's per-degree ``sp_overhead_ms``. The same for context-parallel splits
    (``CPAttention``: ``1 x c`` for every c, and ``u x c`` of the largest group where the heads
-   allow): their extra is ``cp_overhead_ms``, ``cp_token_ms`` and ``cp_attention_factor``.
+   allow, both on the CP packs): the ``1 x c`` extra is ``cp_overhead_ms``, ``cp_token_ms`` and
+   ``cp_attention_factor``, what a ``u x c`` split costs beyond the sum of its parts
+   ``split_overhead_ms`` and ``split_token_ms``.
    **Real steps**: the StepExecutor runs small plans (``default_step_cases``) under ZeRO-3 (FSDP2,
    lockstep passes, idle ranks in empty passes) and ZeRO-0 (free micro-steps), each followed by an
    optimizer step timed apart: a micro-step's and a pass's fixed costs, the pass's compute factor,
@@ -404,7 +406,9 @@ def _group_cases(spec: ModelSpec, net, registry, group_sizes, packs, attn, dev: 
             group, subs = registry.get(block), None
         else:
             group, subs = None, registry.subgroups(block, c, rank)  # (Ulysses sub-group or None, CP sub-group)
-        for pack in (cp_packs if cp_packs is not None and c == d > 1 else packs):
+        # every CP split runs the CP packs: the composite ones (u x c) too, so that their residual beyond
+        # the 1 x c and u x 1 parts is fitted on the same lengths, the longest included
+        for pack in (cp_packs if cp_packs is not None and c > 1 else packs):
             seqs = [torch.randint(0, spec.vocab, (int(n),), generator=gen) for n in pack]
 
             def once(seqs=seqs, d=d, c=c, lo=lo, group=group, subs=subs) -> list[float]:
@@ -451,8 +455,8 @@ def measure_groups(spec: ModelSpec, registry, group_sizes: Sequence[int], packs:
     every ``[degree, c]`` split (c > 1) with context parallelism (``CPAttention``: the CP layout's
     chunks, K/V all-gathered over the strided CP sub-group, bottom-right causal attention of each
     chunk on its prefix, the reduce-scatter of their gradients), Ulysses over ``degree / c`` ranks
-    inside it; the registry must hold those splits. ``1 x c`` splits run ``cp_packs`` (default
-    ``packs``; ``workbench.profile.cp_packs`` adds the longest length).
+    inside it; the registry must hold those splits. CP splits (``1 x c`` and ``u x c``) run
+    ``cp_packs`` (default ``packs``; ``workbench.profile.cp_packs`` adds the longest length).
 
     Returns ``[{"degree", "cp" (1: Ulysses only), "pack", "tokens", "ms" (whole model; trimmed
     median, median over ranks), "per_rank"}]``."""

@@ -31,10 +31,11 @@ plus every point and curve the figures draw. In order:
 3. the **micro-step's fixed cost** (``micro_step_ms``): what the runtime's real micro-steps of
    degree-1 groups (free execution, ZeRO-0) take beyond the curves and the head: the Python of a
    forward and backward, building the shard, the loss;
-4. the **SP overhead** per degree from the real SP micro-steps (``fit_sp_overhead``), and the
+4. the **SP overhead** per degree from the real SP micro-steps (``fit_sp_overhead``), the
    **CP extras** per CP size from the real ``1 x c`` micro-steps (``fit_cp_overhead``:
-   ``cp_overhead_ms``, ``cp_token_ms`` and ``cp_attention_factor``; ``u x c`` micro-steps are
-   re-timed with them as evidence);
+   ``cp_overhead_ms``, ``cp_token_ms`` and ``cp_attention_factor``), and the **composite splits'
+   residual** from the real ``u x c`` micro-steps (u > 1 and c > 1) beyond the sum of those parts
+   (``fit_split_overhead``: ``split_overhead_ms``, ``split_token_ms``, keyed ``"uxc"``);
 5. the **fixed cost of a lockstep pass** (``pass_overhead_ms`` at the world size) and the
    **pass's compute factor** (``pass_compute_factor``) from real ZeRO-3 steps (FSDP2 over every
    rank, idle ranks running empty passes): what a pass takes beyond FSDP's collectives
@@ -57,14 +58,16 @@ import statistics
 from workbench.profile.fit import fit_collectives, fit_compute, fit_line
 from workbench.specs import HardwareProfile
 
-__all__ = ["ProfileResult", "build_result", "fit_sp_overhead", "fit_cp_overhead", "fit_head", "fit_micro_step", "fit_pass_overhead",
+__all__ = ["ProfileResult", "build_result", "fit_sp_overhead", "fit_cp_overhead", "fit_split_overhead",
+           "fit_head", "fit_micro_step", "fit_pass_overhead",
            "fit_optimizer", "step_predictions", "ESTIMATED_ALL_TO_ALL_GBPS", "RESULT_FILE", "MEASUREMENTS_FILE",
            "PROFILER_VERSION"]
 
-PROFILER_VERSION = 2
+PROFILER_VERSION = 3
 """What a profile measured, as a number its provenance carries (``profiler_version``): 1 (or none)
 before context parallelism, 2 with the CP collectives, the 1 x c micro-steps and their fit
-(``cp_overhead_ms``, ``cp_token_ms``, ``cp_attention_factor``). A cached machine profile older
+(``cp_overhead_ms``, ``cp_token_ms``, ``cp_attention_factor``), 3 with the composite splits'
+residual (``u x c`` micro-steps on the 1 x c packs: ``split_overhead_ms``, ``split_token_ms``). A cached machine profile older
 than this one is measured again (``workbench.profile.machine``)."""
 RESULT_FILE = "profile_result.json"
 """The fit and its evidence, in a profile run's folder (beside ``profile.json``)."""
@@ -94,7 +97,9 @@ class ProfileResult:
     - ``groups``: real SP micro-steps per degree and pack: ``{degree, cp, pack, tokens, measured_ms,
       predicted_ms (compute + collectives), predicted_with_overhead_ms (+ the fitted sp_overhead)}``;
       context-parallel ones (``cp > 1``) also ``split`` (``"u x c"``), and their
-      ``predicted_with_overhead_ms`` adds the fitted CP extras.
+      ``predicted_with_overhead_ms`` adds the fitted CP extras; composite ones (u > 1 and c > 1)
+      also ``predicted_parts_ms`` (the sum of the parts: compute, collectives, Ulysses and CP
+      extras), and their ``predicted_with_overhead_ms`` adds the split's own fitted residual.
     """
 
     profile: HardwareProfile
@@ -213,9 +218,10 @@ def fit_cp_overhead(profile: HardwareProfile, world: int, groups: list[dict], *,
     each chunk's queries against its key prefix rather than the causal triangle (q: on CPU the
     excess grows with the square of the length). With packs of one token count only o is fitted;
     with two distinct (tokens, attention) pairs, or ``attention=False`` (the per-token fit profiles
-    had before ``cp_attention_factor``), o and r. ``u x c`` splits (u > 1) are not fitted: their rows
-    re-time them with the fitted extras (the cost model scales the per-token one by the K/V heads a
-    rank holds and takes the same fraction of the rank's own attention), as evidence. Returns
+    had before ``cp_attention_factor``), o and r. ``u x c`` splits (u > 1) are not fitted here: their
+    rows re-time them with the fitted extras (the cost model scales the per-token one by the K/V heads
+    a rank holds and takes the same fraction of the rank's own attention); their residual beyond
+    that sum is :func:`fit_split_overhead`'s. Returns
     ``({c: o, ms per layer}, {c: r, ms per token and layer}, rows, {c: q})``; rows hold every CP
     case's measured and predicted time, without and with the extras."""
     import numpy as np
@@ -262,6 +268,68 @@ def fit_cp_overhead(profile: HardwareProfile, world: int, groups: list[dict], *,
                      "tokens": int(sum(g["pack"])), "measured_ms": g["ms"], "predicted_ms": pred(cost, d, c, g["pack"]),
                      "predicted_with_overhead_ms": pred(fitted, d, c, g["pack"])})
     return fixed, per_token, rows, factor
+
+
+def fit_split_overhead(profile: HardwareProfile, world: int, groups: list[dict]) -> tuple[dict, dict, list[dict]]:
+    """The residual of every composite split ``u x c`` (u > 1 and c > 1) measured in real
+    micro-steps ``groups`` (``{"degree", "cp", "pack", "ms"}``, whole model) beyond the sum of its
+    parts as ``profile`` prices it: compute, the Ulysses and CP collectives, the Ulysses extras at u
+    (``sp_*``) and the CP extras at c (``cp_*``, ``cp_attention_factor``), so ``profile`` should hold
+    those already (``build_result`` fits them first). As :func:`fit_sp_overhead` does: per pack the
+    residual is measured - predicted, less the same pack's degree-1 residual divided by the degree
+    (the compute curve's own error); per split the residuals are fitted as ``layers * (o + r *
+    tokens)`` with o, r >= 0 (non-negative least squares), tokens the pack's. Packs of one token
+    count only (or one pack) fit o alone, the median residual clipped at 0. What it holds: what two
+    different sub-group collectives per layer cost together beyond each alone (a rank waits on its
+    Ulysses partners, then on its CP partners; with ranks oversubscribed on the cores, on both).
+
+    Returns ``({"uxc": o, ms per layer}, {"uxc": r, ms per token and layer}, rows)``; rows hold every
+    composite case: ``{degree, cp, split, pack, tokens, measured_ms, predicted_ms (compute +
+    collectives), predicted_parts_ms (+ the Ulysses and CP extras: the sum of the parts),
+    predicted_with_overhead_ms (+ the split's fitted residual)}``. Empty without composite splits."""
+    import numpy as np
+
+    from workbench.cost import CostModel
+    from workbench.profile.fit import nnls
+    from workbench.specs import split_key
+
+    comp = [g for g in groups if int(g.get("cp", 1)) > 1 and int(g["degree"]) > int(g.get("cp", 1))]
+    if not comp:
+        return {}, {}, []
+    model = _model(profile.model)
+    cluster = _cluster(world, 0)
+    parts = dataclasses.replace(profile, split_overhead_ms={}, split_token_ms={})
+    bare = dataclasses.replace(parts, sp_overhead_ms={}, sp_token_ms={}, cp_overhead_ms={}, cp_token_ms={},
+                               cp_attention_factor={})
+    cost = CostModel(parts, model, cluster, strategy="auto")
+
+    def pred(c_model, d: int, c: int, pack) -> float:
+        return c_model.group_overhead_ms(d, c) + float(c_model.time(pack, d, c).sum())
+
+    r1 = {tuple(g["pack"]): g["ms"] - pred(cost, 1, 1, g["pack"]) for g in groups if int(g["degree"]) == 1}
+    fixed: dict[str, float] = {}
+    per_token: dict[str, float] = {}
+    for d, c in sorted({(int(g["degree"]), int(g["cp"])) for g in comp}, key=lambda x: (x[1], x[0])):
+        gs = [g for g in comp if int(g["degree"]) == d and int(g["cp"]) == c]
+        tokens = np.array([float(sum(g["pack"])) for g in gs])
+        res = np.array([g["ms"] - pred(cost, d, c, g["pack"]) - r1.get(tuple(g["pack"]), 0.0) / d for g in gs])
+        if len(set(tokens.tolist())) >= 2:
+            o, r = nnls(np.stack([np.ones_like(tokens), tokens], axis=1), res)
+        else:
+            o, r = max(0.0, float(np.median(res))), 0.0
+        key = split_key(d // c, c)
+        fixed[key], per_token[key] = float(o) / model.layers, float(r) / model.layers
+    fitted = CostModel(dataclasses.replace(profile, split_overhead_ms=fixed, split_token_ms=per_token), model, cluster,
+                       strategy="auto")
+    bare_cost = CostModel(bare, model, cluster, strategy="auto")
+    rows = []
+    for g in comp:
+        d, c = int(g["degree"]), int(g["cp"])
+        rows.append({"degree": d, "cp": c, "split": split_key(d // c, c), "pack": list(g["pack"]),
+                     "tokens": int(sum(g["pack"])), "measured_ms": g["ms"], "predicted_ms": pred(bare_cost, d, c, g["pack"]),
+                     "predicted_parts_ms": pred(cost, d, c, g["pack"]),
+                     "predicted_with_overhead_ms": pred(fitted, d, c, g["pack"])})
+    return fixed, per_token, rows
 
 
 def _model(name: str):
@@ -562,7 +630,15 @@ def build_result(measurements: Mapping[str, Any], *, run_id: str | None = None) 
                                "real 1 x c context-parallel micro-steps (CPAttention, all sub-groups at once) beyond the "
                                "compute and collective fits")
         profile = dataclasses.replace(profile, cp_overhead_ms=cp_fixed, cp_token_ms=cp_tok, cp_attention_factor=cp_attn)
-    group_rows = group_rows + cp_rows
+    sp_fixed, sp_tok, split_rows = fit_split_overhead(profile, world, groups)
+    if split_rows:
+        prov["split_overhead"] = ("split_overhead_ms (per layer) + split_token_ms (per token and layer), by split "
+                                  "\"u x c\": the extra time of real composite micro-steps (u > 1 and c > 1) beyond the "
+                                  "sum of their parts (compute, collectives, the Ulysses extras at u and the CP extras "
+                                  "at c), for exactly that split")
+        profile = dataclasses.replace(profile, split_overhead_ms=sp_fixed, split_token_ms=sp_tok)
+    # the composite splits' rows are fit_split_overhead's (re-timed with their own residual too)
+    group_rows = group_rows + [r for r in cp_rows if r["degree"] == r["cp"]] + split_rows
     fixed, factor, pass_rows = fit_pass_overhead(profile, world, steps)
     if fixed is not None:
         profile = dataclasses.replace(profile, pass_overhead_ms={world: fixed},

@@ -3,7 +3,8 @@ reference, measured, or saved): the per-layer compute curves, the measured point
 to (when the profile keeps them) with their residuals, the collectives' bandwidth and latency by
 group size (Ulysses' all-to-all, ring steps, the all-reduce, and the all-gather and reduce-scatter
 that context parallelism runs on its sub-groups and FSDP over all ranks), and the measured extras
-of a group's split (Ulysses' and context parallelism's, fixed and per token).
+of a group's split (Ulysses' and context parallelism's, fixed and per token, and a composite u x c
+split's measured residual beyond those two).
 
 A profile's compute curve is per transformer layer and per packed call: ``a*s^2 + b*s`` for each
 sequence of ``s`` tokens, plus ``c`` once per call. Pure Python; plotly inside the figure functions.
@@ -190,17 +191,22 @@ def bandwidth_figure(profile, title: str | None = None):
     return top_legend(fig, top=120)
 
 
-_EXTRAS = (("sp", "Ulysses over u ranks", "#4C78A8"), ("cp", "context parallelism over c ranks", "#B279A2"))
+_EXTRAS = (("sp", "Ulysses over u ranks", "#4C78A8"), ("cp", "context parallelism over c ranks", "#B279A2"),
+           ("split", "composite split u x c: beyond its parts", "#F58518"))
 
 
 def split_extras(profile) -> dict:
     """The measured extras of a group's split (what real micro-steps cost beyond the compute and
     collective fits), per layer, as plain data: ``{"ulysses": {u: {"fixed_ms", "per_1k_tokens_ms"}},
-    "cp": {c: {...}}}`` from ``sp_overhead_ms``/``sp_token_ms`` and ``cp_overhead_ms``/
-    ``cp_token_ms`` (per 1,000 tokens of the group's sequences; a ``u x c`` split pays the Ulysses
-    part at u and the CP part at c); CP's entries also carry ``attention_factor``
-    (``cp_attention_factor``: its extra attention as a share of the rank's causal attention). Empty
-    parts for a profile without them."""
+    "cp": {c: {...}}, "splits": {"uxc": {...}}}`` from ``sp_overhead_ms``/``sp_token_ms``,
+    ``cp_overhead_ms``/``cp_token_ms`` and ``split_overhead_ms``/``split_token_ms`` (per 1,000 tokens
+    of the group's sequences). A ``u x c`` split pays the Ulysses part at u, the CP part at c and,
+    under ``splits``, its own measured residual beyond those two (keyed ``"2x2"``, in increasing c
+    then u); CP's entries also carry ``attention_factor`` (``cp_attention_factor``: its extra
+    attention as a share of the rank's causal attention). Empty parts for a profile without them
+    (profiles written before the composite residual have no ``splits`` entries)."""
+    from workbench.specs import split_key
+
     pd = profile.to_dict() if hasattr(profile, "to_dict") else dict(profile)
     out = {}
     for key, name in (("sp", "ulysses"), ("cp", "cp")):
@@ -210,33 +216,44 @@ def split_extras(profile) -> dict:
         out[name] = {d: {"fixed_ms": fixed.get(d, 0.0), "per_1k_tokens_ms": 1e3 * tok.get(d, 0.0),
                          **({"attention_factor": attn.get(d, 0.0)} if key == "cp" else {})}
                      for d in sorted(set(fixed) | set(tok) | set(attn))}
+    fixed, tok = (dict(pd.get(f"split_{k}") or {}) for k in ("overhead_ms", "token_ms"))
+
+    def order(k: str) -> tuple[int, int]:
+        u, c = (int(x) for x in str(k).lower().split("x"))
+        return c, u
+    out["splits"] = {split_key(*order(k)[::-1]): {"fixed_ms": float(fixed.get(k, 0.0)),
+                                                  "per_1k_tokens_ms": 1e3 * float(tok.get(k, 0.0))}
+                     for k in sorted(set(fixed) | set(tok), key=order)}
     return out
 
 
 def split_extras_figure(profile, title: str | None = None):
     """The measured extras of a split per layer, by group size, three panels: the fixed part per
     micro-step, the part per 1,000 tokens, Ulysses (``sp_*``) and context parallelism (``cp_*``)
-    side by side, and CP's extra attention as a share of the rank's causal attention (right). No
-    traces (and a title saying so) for a profile without them."""
+    side by side, with the composite splits' residual beyond those parts (``split_*``, one bar per
+    measured split, labelled ``"2x2"``) after them, and CP's extra attention as a share of the
+    rank's causal attention (right). No traces (and a title saying so) for a profile without them."""
     from plotly.subplots import make_subplots
 
     pd = profile.to_dict() if hasattr(profile, "to_dict") else dict(profile)
     ex = split_extras(pd)
     fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.09)
-    for (key, name, color), part in zip(_EXTRAS, ("ulysses", "cp")):
+    for (key, name, color), part in zip(_EXTRAS, ("ulysses", "cp", "splits")):
         t = ex.get(part) or {}
         if not t:
             continue
-        ks = sorted(t)
+        ks = list(t) if part == "splits" else sorted(t)  # splits: in increasing c, then u (split_extras)
         for col, field in ((1, "fixed_ms"), (2, "per_1k_tokens_ms")):
             fig.add_bar(x=[str(k) for k in ks], y=[t[k][field] for k in ks], name=name, marker_color=color,
                         legendgroup=key, showlegend=col == 1, row=1, col=col,
-                        hovertemplate=f"{name}, %{{x}} ranks: %{{y:.3g}} ms per layer<extra></extra>")
+                        hovertemplate=("split %{x}, beyond its parts: %{y:.3g} ms per layer<extra></extra>"
+                                       if part == "splits" else
+                                       f"{name}, %{{x}} ranks: %{{y:.3g}} ms per layer<extra></extra>"))
         if part == "cp" and any(v["attention_factor"] for v in t.values()):
             fig.add_bar(x=[str(k) for k in ks], y=[t[k]["attention_factor"] for k in ks], name=name, marker_color=color,
                         legendgroup=key, showlegend=False, row=1, col=3,
                         hovertemplate=f"{name}, %{{x}} ranks: extra attention %{{y:.2f}} x the causal share<extra></extra>")
-    fig.update_xaxes(title="ranks of the Ulysses or CP sub-group", type="category")
+    fig.update_xaxes(title="ranks of the Ulysses or CP sub-group; u x c: a composite split", type="category")
     fig.update_yaxes(title="fixed: ms per layer and micro-step", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title="ms per layer and 1,000 tokens", rangemode="tozero", row=1, col=2)
     fig.update_yaxes(title="CP's extra attention / causal share", rangemode="tozero", row=1, col=3)
