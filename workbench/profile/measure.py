@@ -937,7 +937,7 @@ class Profiler:
             collectives = measure_collectives(registry, sizes, res["message_bytes"], device=device,
                                               reps=res["collective_reps"], inner=res["collective_inner"],
                                               trim=res["trim"], fsdp_bytes=fsdp, cp_sizes=cp_sizes,
-                                              cp_degree=max(sizes),
+                                              cp_degree=max(sizes, default=1),
                                               kinds=("all_to_all", "allreduce", "p2p", "allgather", "reduce_scatter",
                                                      "cp_allgather", "cp_reduce_scatter"),
                                               progress=on_coll)
