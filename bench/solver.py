@@ -9,10 +9,12 @@ makespan over the lower bound (median), the speedup of flexsp over static-max, b
 min-degree, greedy and two-stage (ratio of mean step times), CP-SAT's contribution (the median over
 the steps of flexsp-without-CP-SAT's makespan / flexsp's, minus one), the steps where flexsp is
 behind any other planner, and what CP-SAT did: how many calls reported the warm-start hint complete
-and feasible, and which plans it produced. It also divides each makespan by the larger of the lower
-bound and the packing bound (``workbench.solve.bound``: sequences over half a group cannot share
-it, a long sequence's wide group pays its whole overhead), given the best plan of the step as the
-bound's ``upper_ms``. ``--batch-tokens T`` draws batches of T tokens from
+and feasible, and which plans it produced. It also divides each makespan by the *step bound*
+(``workbench.solve.bound.step_bound_ms``: the largest of the lower bound, the packing bound, where
+sequences over half a group cannot share it and a long sequence's wide group pays its whole overhead,
+and under ZeRO-3 the pass bound, where passes are cut at sequences and the longest ones set their
+lengths), given the best plan of the step as the bound's ``upper_ms``, and prints the step bound over
+the lower bound. ``--batch-tokens T`` draws batches of T tokens from
 each family instead (``GlobalBatchSampler``, as bench/planners.py does), so the seqs column is
 "T tokens".
 
@@ -115,7 +117,7 @@ def run_cell(gpus: int, seqs: int, families, steps: int, time_limit, seed: int, 
     for fam in families:
         t0 = time.perf_counter()
         solve, solve_off, ratio, ratio_off, gain = [], [], [], [], []
-        ratio_pack, ratio_pack_off = [], []
+        ratio_pack, ratio_pack_off, bound_lb = [], [], []
         mk = {p: [] for p in ("flexsp", *others)}
         statuses: dict[str, int] = {}
         sources: dict[str, int] = {}
@@ -162,6 +164,7 @@ def run_cell(gpus: int, seqs: int, families, steps: int, time_limit, seed: int, 
             bound = step_bound_ms(s, cost, step_plans)
             ratio_pack.append(p.makespan_ms / bound)
             ratio_pack_off.append(q.makespan_ms / bound)
+            bound_lb.append(bound / p.lower_bound_ms)
         row = {
             "family": fam, "time_limit": tl, "solve_p50": float(np.percentile(solve, 50)),
             "solve_p95": float(np.percentile(solve, 95)), "solve_p95_off": float(np.percentile(solve_off, 95)),
@@ -169,6 +172,7 @@ def run_cell(gpus: int, seqs: int, families, steps: int, time_limit, seed: int, 
             "x_lower_bound_median_off": float(np.median(ratio_off)),
             "x_packing_bound_median": float(np.median(ratio_pack)),
             "x_packing_bound_median_off": float(np.median(ratio_pack_off)),
+            "bound_over_lb_median": float(np.median(bound_lb)),
             "cp_sat_gain_median": float(np.median(gain)), "cp_sat_gain_max": float(np.max(gain)),
             "speedup": {o: float(np.mean(mk[o]) / np.mean(mk["flexsp"])) for o in others},
             "speedup_median": {o: float(np.median(np.asarray(mk[o]) / np.asarray(mk["flexsp"]))) for o in others},
@@ -191,14 +195,15 @@ def print_cell(gpus, seqs, rows, all_others):
     print(f"\n### {gpus} GPUs x {seqs} per step (flexsp time limit {tl:g}s)\n")
     head = " | ".join(f"vs {o}" for o in all_others)
     print(f"| family | solve p50 (s) | solve p95 (s) | makespan / LB (median) | CP-SAT off: makespan / LB | "
-          f"makespan / packing bound (median; CP-SAT off) | CP-SAT gain (median, max) | {head} | behind | "
-          f"groups per GPU | source |")
-    print("|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(all_others) + "---:|---:|---|")
+          f"makespan / step bound (median; CP-SAT off) | step bound / LB | CP-SAT gain (median, max) | {head} | "
+          f"behind | groups per GPU | source |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(all_others) + "---:|---:|---|")
     for r in rows:
         sp = " | ".join(f"{r['speedup'][o]:.3f}x" if o in r["speedup"] else "n/a" for o in all_others)
         print(f"| {r['family']} | {r['solve_p50']:.2f} | {r['solve_p95']:.2f} | {r['x_lower_bound_median']:.3f} | "
               f"{r['x_lower_bound_median_off']:.3f} | {r['x_packing_bound_median']:.3f}; "
-              f"{r['x_packing_bound_median_off']:.3f} | {r['cp_sat_gain_median']:+.2%}, {r['cp_sat_gain_max']:+.2%} | {sp} | "
+              f"{r['x_packing_bound_median_off']:.3f} | {r.get('bound_over_lb_median', float('nan')):.3f} | "
+              f"{r['cp_sat_gain_median']:+.2%}, {r['cp_sat_gain_max']:+.2%} | {sp} | "
               f"{len(r['behind'])} of {r['steps']} | {r['groups_per_gpu']:.2f} | {_fmt_counts(r['source'])} |", flush=True)
     print("\nCP-SAT calls: " + "; ".join(f"{r['family']}: {_fmt_counts(r['cp_sat_calls'])} (hint: "
                                         f"{_fmt_counts(r['hints'])})" for r in rows))
