@@ -461,7 +461,7 @@ each at its shortest member's time and memory (both grow with length: a relaxati
 PASS_GLOP = ""
 """GLOP's parameters for the pass bound (the dual simplex restarts well after a branch's bounds change)."""
 
-PASS_NODES = 24
+PASS_NODES = 64
 """Branch and bound on the passes per tier stops after this many programmes per pass count and keeps
 the least value still open (a node limit, not a time limit: deterministic)."""
 
