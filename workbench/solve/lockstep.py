@@ -74,7 +74,7 @@ EXTRA_PASSES = 2
 CONSTRUCT_SHARE = 0.35
 """Share of the time limit the splits may take (the first split always completes)."""
 
-FILL_SHARE = 0.15
+FILL_SHARE = 0.25
 """Share of the time limit the filled starts (``fill_passes``) may take (the first always completes)."""
 
 FILL_EXTRA = 1
@@ -437,7 +437,7 @@ class Passes:
         groups = [h for h in self.groups() if h != g]
         if self.clock is not None:
             self.clock.tick(elements=8 * self.tab.s.size + 6 * len(groups) + 4 * n * len(passes),
-                            steps=2 * len(passes) + 1.2 * min(len(groups), limit_groups or len(groups)))
+                            steps=2 * len(passes) + 0.6 * min(len(groups), limit_groups or len(groups)))
         flat = {h: int(self._lv_off[self._lv[self.g_e[h]]]) + self.g_b[h] for h in groups}
         if limit_groups is not None and len(groups) > limit_groups:
             slack = [length[self.g_p[h]] - float(f_rl[self.g_p[h]][flat[h]]) for h in groups]
