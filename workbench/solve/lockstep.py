@@ -84,8 +84,9 @@ FILL_FLOORS = (0.0, 0.8, 1.15)
 """... with every pass's floor at these shares of the level the passes but the longest would have if
 the step's least GPU-time were spread evenly over them ..."""
 
-FILL_ROUNDS = 2
-"""... and this many times more with the best one's own pass lengths as floors."""
+FILL_ROUNDS = 4
+"""... and up to this many times more, first with the best one's own pass lengths as floors, then
+each round's (until they repeat)."""
 
 IMPROVE_SHARE = 0.65
 """Share of the time left after the splits that the local search and the pair re-splits get."""
@@ -932,12 +933,15 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
                    - float(tab.best_single.max()))
         level = rest / (M - 1) if M > 1 else 0.0
         floors_list = [[theta * level] * M for theta in FILL_FLOORS]
-        best_fill = None
+        best_fill, floors = None, None
         for k in range(len(floors_list) + FILL_ROUNDS):
             if n_fill and clock.past(fill_end):
                 break
             opts.check_cancel()
-            floors = floors_list[k] if k < len(floors_list) else best_fill[1]
+            if k < len(floors_list):
+                floors = floors_list[k]
+            elif k == len(floors_list):
+                floors = best_fill[1]  # the best start's own lengths, then each round's
             ps = fill_passes(tab, cost, M, floors, clock, multi=multi)
             n_fill += 1
             if ps is None:
@@ -945,9 +949,13 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
             ms = ps.step_ms()
             tried.append({"passes": M, "rule": f"fill:{k}", "ms": ms})
             cands.append(_Cand(ps, f"fill:{M}:{k}"))
+            lens = sorted((ps.pass_len(q) for q in range(M)), reverse=True)
             if best_fill is None or ms < best_fill[0]:
-                lens = sorted((ps.pass_len(q) for q in range(M)), reverse=True)
                 best_fill = (ms, lens)
+            if k >= len(floors_list):
+                if np.allclose(lens, floors):
+                    break  # its own lengths again: nothing new to find
+                floors = lens
     lap("fill")
     # 2. splits
     opts.report(0.1, "flexsp (lockstep): splitting the batch into passes")
