@@ -499,23 +499,26 @@ class Passes:
         self.clock = clock
         moves = 0
         for it in range(max_iter):
-            if it % 8 == 0:
-                if clock.past(deadline):
-                    break
-                if cancel is not None:
-                    cancel()
-            if self._improve_once():
+            if clock.past(deadline):
+                break
+            if cancel is not None and it % 8 == 0:
+                cancel()
+            if self._improve_once(deadline):
                 moves += 1
                 continue
+            if clock.past(deadline):
+                break
             if self._eject_lightest(deadline):
                 moves += 1
                 continue
             break
         return moves
 
-    def _improve_once(self) -> bool:
+    def _improve_once(self, deadline: float = math.inf) -> bool:
         order = sorted(self.passes(), key=lambda p: -self.pass_len(p))
         for p in order:
+            if self.clock is not None and self.clock.past(deadline):
+                return False
             if self.pass_len(p) <= self.comm * (1 + _EPS):
                 break  # FSDP's collectives set these passes' length: shorter compute gains nothing
             rl = self.rank_loads(p)
@@ -529,7 +532,9 @@ class Passes:
                     e = self.g_e[g]
                     cands.extend((float(self.tab.t[e, i]), i) for i in self.g_members[g])
             cands.sort(reverse=True)
-            for _, i in cands:
+            for k, (_, i) in enumerate(cands):
+                if k % 8 == 7 and self.clock is not None and self.clock.past(deadline):
+                    return False
                 mv = self.best_move(i)
                 if mv is not None and mv[0] < -_EPS * max(1.0, top):
                     delta, kind, where, q = mv
