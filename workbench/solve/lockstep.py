@@ -52,7 +52,7 @@ import numpy as np
 from workbench.cost import CostModel
 from workbench.solve.bound import lower_bound_ms
 from workbench.solve.cpsat import warm_up
-from workbench.solve.effort import Effort, Phases
+from workbench.solve.effort import ELEMENT_S, STEP_S, Effort, Phases
 from workbench.solve.microstep import Table, heuristic_step, makespan, min_micro_steps, refine, solve_step
 from workbench.solve.options import PlanOptions
 from workbench.solve.plan import Plan, build_plan
@@ -72,10 +72,12 @@ EXTRA_PASSES = 2
 """Splits are tried with up to this many passes above the memory minimum."""
 
 CONSTRUCT_SHARE = 0.35
-"""Share of the time limit the splits may take (the first split always completes)."""
+"""Share of the time limit the filled starts and the splits may take together (the first split
+always completes: where the filled starts took it all, only that one runs)."""
 
-FILL_SHARE = 0.25
-"""Share of the time limit the filled starts (``fill_passes``) may take (the first always completes)."""
+FILL_SHARE = 0.35
+"""Share of the time limit the filled starts (``fill_passes``) may take (none starts that would
+overrun it)."""
 
 FILL_EXTRA = 1
 """Filled starts are tried with up to this many passes above the memory minimum ..."""
@@ -586,6 +588,15 @@ class Passes:
 # ------------------------------------------------------------------------------------------------
 
 
+def fill_cost(tab, M: int) -> float:
+    """The effort ``fill_passes`` charges for M passes, at most (reference seconds)."""
+    n = int(tab.n_gpus)
+    degs = np.unique(tab.deg)
+    F = M * int((n // degs).sum())
+    per = (4 * F + 6 * tab.s.size + 5 * n * degs.size) * ELEMENT_S + (6 + 0.5 * degs.size) * STEP_S
+    return float(tab.s.size * per)
+
+
 def fill_passes(tab, cost: CostModel, M: int, floors, clock: Effort, *, multi: bool, order=None) -> "Passes | None":
     """List scheduling of the whole step into ``M`` passes: sequences one by one (``order``; default
     slowest alone first) each go where the step grows least, counting the GPU-time it adds over N
@@ -939,7 +950,6 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
     # 1. the whole step filled at once (``fill_passes``), with floors and again with its own lengths
     opts.report(0.08, "flexsp (lockstep): filling passes")
     fill_end = t0 + FILL_SHARE * limit
-    n_fill = 0
     for M in range(M0, M0 + FILL_EXTRA + 1):
         rest = max(0.0, float(tab.best_work.sum()) / tab.n_gpus + M * float(cost.call_overhead_ms())
                    - float(tab.best_single.max()))
@@ -947,15 +957,14 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
         floors_list = [[theta * level] * M for theta in FILL_FLOORS]
         best_fill, floors = None, None
         for k in range(len(floors_list) + FILL_ROUNDS):
-            if n_fill and clock.past(fill_end):
-                break
+            if clock.past(fill_end) or clock.now() + fill_cost(tab, M) > fill_end:
+                break  # (a fill that would overrun its share does not start)
             opts.check_cancel()
             if k < len(floors_list):
                 floors = floors_list[k]
             elif k == len(floors_list):
                 floors = best_fill[1]  # the best start's own lengths, then each round's
             ps = fill_passes(tab, cost, M, floors, clock, multi=multi)
-            n_fill += 1
             if ps is None:
                 break
             ms = ps.step_ms()
@@ -972,9 +981,10 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
     # 2. splits
     opts.report(0.1, "flexsp (lockstep): splitting the batch into passes")
     construct_end = t0 + CONSTRUCT_SHARE * limit
+    n_split = len(cands)
     for M in range(M0, M0 + EXTRA_PASSES + 1):
         for rule in ("consecutive", "work", "memory"):
-            if cands[len(baselines):] and clock.past(construct_end):
+            if len(cands) > n_split and clock.past(construct_end):
                 break
             opts.check_cancel()
             parts = split_passes(tab, M, rule, clock)
