@@ -40,6 +40,12 @@ sequence's share over half its budget (and two "units", shares over a third), so
 rank-slots are at most ``N * M`` (``2 * N * M``). Every pass is at least
 ``P = max(C, comm)``, the longest at least the slowest sequence's fastest group, so ``T >= Lam + M
 * overhead``, ``T >= M * (comm + overhead)`` and ``T >= alone + (M - 1) * P + M * overhead``.
+
+``lockstep_pass_bound_ms`` sees how a lockstep step is cut into passes: pass classes by length, a
+share only in a pass at least its single-group time, the passes holding the longest sequences whole
+(branch and bound), C paid by every busy rank in every pass, and the activations a rank cannot use
+beside a share that takes most of its pass (its docstring has the programme). ``step_bound_ms`` is
+the largest of them all.
 """
 
 from __future__ import annotations
