@@ -9,10 +9,12 @@ makespan over the lower bound (median), the speedup of flexsp over static-max, b
 min-degree, greedy and two-stage (ratio of mean step times), CP-SAT's contribution (the median over
 the steps of flexsp-without-CP-SAT's makespan / flexsp's, minus one), the steps where flexsp is
 behind any other planner, and what CP-SAT did: how many calls reported the warm-start hint complete
-and feasible, and which plans it produced. It also divides each makespan by the larger of the lower
-bound and the packing bound (``workbench.solve.bound``: sequences over half a group cannot share
-it, a long sequence's wide group pays its whole overhead), given the best plan of the step as the
-bound's ``upper_ms``. ``--batch-tokens T`` draws batches of T tokens from
+and feasible, and which plans it produced. It also divides each makespan by the *step bound*
+(``workbench.solve.bound.step_bound_ms``: the largest of the lower bound, the packing bound, where
+sequences over half a group cannot share it and a long sequence's wide group pays its whole overhead,
+and under ZeRO-3 the pass bound, where passes are cut at sequences and the longest ones set their
+lengths), given the best plan of the step as the bound's ``upper_ms``, and prints the step bound over
+the lower bound. ``--batch-tokens T`` draws batches of T tokens from
 each family instead (``GlobalBatchSampler``, as bench/planners.py does), so the seqs column is
 "T tokens".
 
@@ -27,7 +29,8 @@ as a run of that stage would be (``workbench.solve.plan``). Two more tables:
 results.json, run outside the project: REFERENCE.md) with flexsp in FlexSP's own cost model
 (``bench/flexsp_model.py``), one group per GPU and pass (FlexSP's rule) and with stacked groups, and
 prints each plan's step time in that model (``flexsp_model.step_ms``, the formulas alone) against
-the peer's.
+the peer's, flexsp's solve time (wall clock and the planning thread's CPU time), and every plan over
+the lockstep pass bound (``workbench.solve.bound.lockstep_pass_bound_ms``) in the same model.
 
 ``--stages`` plans 64 GPUs x 1M-token batches of each family under ZeRO-3 (lockstep; with and
 without stacked groups) and ZeRO-2 (free), for 7B and 1B on A100-40G and 7B on H100-80G: which stage
@@ -115,7 +118,7 @@ def run_cell(gpus: int, seqs: int, families, steps: int, time_limit, seed: int, 
     for fam in families:
         t0 = time.perf_counter()
         solve, solve_off, ratio, ratio_off, gain = [], [], [], [], []
-        ratio_pack, ratio_pack_off = [], []
+        ratio_pack, ratio_pack_off, bound_lb = [], [], []
         mk = {p: [] for p in ("flexsp", *others)}
         statuses: dict[str, int] = {}
         sources: dict[str, int] = {}
@@ -162,6 +165,7 @@ def run_cell(gpus: int, seqs: int, families, steps: int, time_limit, seed: int, 
             bound = step_bound_ms(s, cost, step_plans)
             ratio_pack.append(p.makespan_ms / bound)
             ratio_pack_off.append(q.makespan_ms / bound)
+            bound_lb.append(bound / p.lower_bound_ms)
         row = {
             "family": fam, "time_limit": tl, "solve_p50": float(np.percentile(solve, 50)),
             "solve_p95": float(np.percentile(solve, 95)), "solve_p95_off": float(np.percentile(solve_off, 95)),
@@ -169,6 +173,7 @@ def run_cell(gpus: int, seqs: int, families, steps: int, time_limit, seed: int, 
             "x_lower_bound_median_off": float(np.median(ratio_off)),
             "x_packing_bound_median": float(np.median(ratio_pack)),
             "x_packing_bound_median_off": float(np.median(ratio_pack_off)),
+            "bound_over_lb_median": float(np.median(bound_lb)),
             "cp_sat_gain_median": float(np.median(gain)), "cp_sat_gain_max": float(np.max(gain)),
             "speedup": {o: float(np.mean(mk[o]) / np.mean(mk["flexsp"])) for o in others},
             "speedup_median": {o: float(np.median(np.asarray(mk[o]) / np.asarray(mk["flexsp"]))) for o in others},
@@ -191,14 +196,15 @@ def print_cell(gpus, seqs, rows, all_others):
     print(f"\n### {gpus} GPUs x {seqs} per step (flexsp time limit {tl:g}s)\n")
     head = " | ".join(f"vs {o}" for o in all_others)
     print(f"| family | solve p50 (s) | solve p95 (s) | makespan / LB (median) | CP-SAT off: makespan / LB | "
-          f"makespan / packing bound (median; CP-SAT off) | CP-SAT gain (median, max) | {head} | behind | "
-          f"groups per GPU | source |")
-    print("|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(all_others) + "---:|---:|---|")
+          f"makespan / step bound (median; CP-SAT off) | step bound / LB | CP-SAT gain (median, max) | {head} | "
+          f"behind | groups per GPU | source |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(all_others) + "---:|---:|---|")
     for r in rows:
         sp = " | ".join(f"{r['speedup'][o]:.3f}x" if o in r["speedup"] else "n/a" for o in all_others)
         print(f"| {r['family']} | {r['solve_p50']:.2f} | {r['solve_p95']:.2f} | {r['x_lower_bound_median']:.3f} | "
               f"{r['x_lower_bound_median_off']:.3f} | {r['x_packing_bound_median']:.3f}; "
-              f"{r['x_packing_bound_median_off']:.3f} | {r['cp_sat_gain_median']:+.2%}, {r['cp_sat_gain_max']:+.2%} | {sp} | "
+              f"{r['x_packing_bound_median_off']:.3f} | {r.get('bound_over_lb_median', float('nan')):.3f} | "
+              f"{r['cp_sat_gain_median']:+.2%}, {r['cp_sat_gain_max']:+.2%} | {sp} | "
               f"{len(r['behind'])} of {r['steps']} | {r['groups_per_gpu']:.2f} | {_fmt_counts(r['source'])} |", flush=True)
     print("\nCP-SAT calls: " + "; ".join(f"{r['family']}: {_fmt_counts(r['cp_sat_calls'])} (hint: "
                                         f"{_fmt_counts(r['hints'])})" for r in rows))
@@ -290,7 +296,11 @@ def peer_table(path: str, time_limit: float, seed: int) -> dict:
                "peer_ms": peer, "peer_check_ms": peer_check, "peer_passes": len(b["micro_batches"]),
                "peer_solve_s": b.get("solve_wall_s_if_unbounded_cores_est", b.get("solve_wall_s"))}
         for multi in (False, True):
+            # plan_lockstep is called directly (run_planner has no one-group-per-GPU switch), so its
+            # solve time is measured here: wall clock and the planning thread's CPU time
+            w0, c0 = time.perf_counter(), time.thread_time()
             p = plan_lockstep(s, cost, PlanOptions(seed=seed, effort=time_limit), multi=multi)
+            wall, cpu = time.perf_counter() - w0, time.thread_time() - c0
             validate(p, s, cost.cluster, cost)
             key = "stacked" if multi else "ours"
             if not multi:
@@ -299,18 +309,27 @@ def peer_table(path: str, time_limit: float, seed: int) -> dict:
                 assert abs(mine - p.makespan_ms) <= 1e-6 * mine, (mine, p.makespan_ms)
             row[f"{key}_ms"] = p.makespan_ms
             row[f"{key}_passes"] = len(p.micro_steps)
-            row[f"{key}_solve_s"] = p.solve_seconds
+            row[f"{key}_solve_s"] = wall
+            row[f"{key}_cpu_s"] = cpu
             row[f"{key}_stacked_groups"] = p.stats.get("stacked_groups", 0)
+        # the lockstep pass bound (every plan, stacked or not), given the best plan as its upper limit
+        from workbench.solve.bound import lockstep_pass_bound_ms
+
+        row["bound_ms"] = lockstep_pass_bound_ms(s, cost, min(row["ours_ms"], row["stacked_ms"], peer))
         rows.append(row)
         print(f"# peer batch {b['dataset']} {b['iteration']} done", file=sys.stderr, flush=True)
     print(f"\n### Against FlexSP's released solver, in its own cost model (flexsp time limit {time_limit:g}s)\n")
     print("| batch | sequences | tokens | FlexSP (ms) | passes | FlexSP solve (s) | flexsp (ms) | vs FlexSP | passes | "
-          "solve (s) | stacked groups allowed (ms) | vs FlexSP |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "solve wall (CPU) (s) | stacked groups allowed (ms) | vs FlexSP | solve wall (CPU) (s) | pass bound (ms) | "
+          "FlexSP / bound | flexsp / bound | stacked / bound |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['dataset']} {r['iteration']} | {r['sequences']} | {r['tokens']:,} | {r['peer_ms']:,.0f} | "
               f"{r['peer_passes']} | {r['peer_solve_s']:.1f} | {r['ours_ms']:,.0f} | {r['ours_ms'] / r['peer_ms'] - 1:+.1%} | "
-              f"{r['ours_passes']} | {r['ours_solve_s']:.2f} | {r['stacked_ms']:,.0f} | {r['stacked_ms'] / r['peer_ms'] - 1:+.1%} |")
+              f"{r['ours_passes']} | {r['ours_solve_s']:.2f} ({r['ours_cpu_s']:.2f}) | {r['stacked_ms']:,.0f} | "
+              f"{r['stacked_ms'] / r['peer_ms'] - 1:+.1%} | {r['stacked_solve_s']:.2f} ({r['stacked_cpu_s']:.2f}) | "
+              f"{r['bound_ms']:,.0f} | {r['peer_ms'] / r['bound_ms']:.3f} | {r['ours_ms'] / r['bound_ms']:.3f} | "
+              f"{r['stacked_ms'] / r['bound_ms']:.3f} |")
     rel = [r["ours_ms"] / r["peer_ms"] - 1 for r in rows]
     rel_m = [r["stacked_ms"] / r["peer_ms"] - 1 for r in rows]
     print(f"\nflexsp vs FlexSP: median {np.median(rel):+.1%}, worst {max(rel):+.1%}; with stacked groups: median "

@@ -40,19 +40,26 @@ sequence's share over half its budget (and two "units", shares over a third), so
 rank-slots are at most ``N * M`` (``2 * N * M``). Every pass is at least
 ``P = max(C, comm)``, the longest at least the slowest sequence's fastest group, so ``T >= Lam + M
 * overhead``, ``T >= M * (comm + overhead)`` and ``T >= alone + (M - 1) * P + M * overhead``.
+
+``lockstep_pass_bound_ms`` sees how a lockstep step is cut into passes: pass classes by length, a
+share only in a pass at least its single-group time, the passes holding the longest sequences whole
+(branch and bound), C paid by every busy rank in every pass, and the activations a rank cannot use
+beside a share that takes most of its pass (its docstring has the programme). ``step_bound_ms`` is
+the largest of them all.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import heapq
 import math
 
 import numpy as np
 
 from workbench.cost import CostModel
 
-__all__ = ["lower_bound_ms", "lockstep_lower_bound_ms", "packing_bound_ms", "lockstep_packing_bound_ms",
+__all__ = ["lower_bound_ms", "lockstep_lower_bound_ms", "packing_bound_ms", "lockstep_packing_bound_ms", "lockstep_pass_bound_ms",
            "step_bound_ms"]
 
 
@@ -424,11 +431,353 @@ def _groups_lp(lp, u, cnt, allowed, degs, t, mem, per_group, B) -> _GroupsLP:
 
 
 def step_bound_ms(lengths, cost, plans=()) -> float:
-    """The tightest lower bound on one step this package knows: the larger of
-    ``lower_bound_ms`` and the packing bound, the packing bound restricted by the fastest of
-    ``plans`` (Plans of these lengths over ``cost``; their compute time is ``upper_ms``). What the
-    Solver panel, ``workbench plan`` and ``bench/solver.py`` call "packing bound"."""
+    """The tightest lower bound on one step this package knows: the largest of ``lower_bound_ms``,
+    the packing bound and, for a lockstep cost model, the pass bound (``lockstep_pass_bound_ms``), the
+    last two restricted by the fastest of ``plans`` (Plans of these lengths over ``cost``; their compute
+    time is ``upper_ms``). What the Solver panel, ``workbench plan`` and ``bench/solver.py`` report
+    beside the plans."""
     weak = float(lower_bound_ms(lengths, cost))
     makespans = [float(p.makespan_ms) for p in plans]
     upper = min(makespans) - float(cost.step_end_ms()) if makespans else None
-    return max(weak, packing_bound_ms(lengths, cost, upper_ms=upper))
+    out = max(weak, packing_bound_ms(lengths, cost, upper_ms=upper))
+    if cost.execution == "lockstep":
+        out = max(out, lockstep_pass_bound_ms(lengths, cost, upper_ms=upper))
+    return out
+
+
+
+
+PASS_GRID = 1.01
+"""``lockstep_pass_bound_ms`` cuts pass lengths into classes at most this ratio apart, and at every
+single-group time of the longest sequences (``PASS_EXACT_SEQS``); the other sequences' single-group
+times are rounded down onto the grid (a share allowed in a pass a little shorter than itself: a
+relaxation, so still a bound)."""
+
+PASS_TIER = 1.12
+"""... and groups the classes into tiers at most this ratio apart: a share's pass is chosen per tier
+(its time and activations land in the same tier) and the passes per tier are whole numbers."""
+
+PASS_EXACT_SEQS = 48
+"""The longest sequences (by their fastest single-group time) whose every share is exact."""
+
+PASS_ITEMS = 240
+"""Above this many distinct lengths the shorter ones share an item per run of neighbouring lengths,
+each at its shortest member's time and memory (both grow with length: a relaxation)."""
+
+PASS_GLOP = ""
+"""GLOP's parameters for the pass bound (the dual simplex restarts well after a branch's bounds change)."""
+
+PASS_NODES = 64
+"""Branch and bound on the passes per tier stops after this many programmes per pass count and keeps
+the least value still open (a node limit, not a time limit: deterministic)."""
+
+
+def lockstep_pass_bound_ms(lengths, cost, upper_ms: float | None = None, *, detail: dict | None = None) -> float:
+    """A lower bound on every lockstep plan (one group or several per rank in a pass) that sees how a
+    step is cut into passes, in ms with the step's end (gradient sync and optimizer) included.
+    ``upper_ms``: some plan's compute time (its makespan less the step's end; larger restricts less).
+
+    A pass of length L (its busiest rank) costs ``max(L, comm) + overhead``; every rank busy in it
+    pays the packed call's constant C once, so it gives each rank at most ``L - C`` of group extras and
+    sequence time and ``budget`` of activations; a sequence at degree d sits in a pass at least its
+    single-group time ``C + extra(d) + time(s, d)`` long. The programme works on *pass classes*: class
+    k holds the passes whose length lies in ``[g_k, g_k+1)``, the floors ``g`` being ``P = max(C,
+    comm)`` (class 0: a shorter pass is taken as P, which costs ``P + overhead`` all the same and gives
+    more room), the single-group times above P and a geometric grid (``PASS_GRID``). Per class,
+    ``z_k`` passes with lengths summing to ``w_k`` in ``[g_k z_k, g_k+1 z_k]``; classes form tiers
+    (``PASS_TIER``) with a whole number of passes each (unless ``integral`` is False). A share of a
+    length (``x`` of the sequences of length j at degree d, per tier, summing to their count) may only
+    sit in a class at least its single-group time's ``kappa(j, d)``, so in each tier, for every k, the
+    shares of class k or above fit in the tier's passes of class k or above (Hall's condition, per
+    resource):
+
+    - time: ``sum d (time + extra(d) memory / budget) x <= N sum (w - C z)`` (groups of degree d hold at
+      most a budget each, so there are at least memory / budget of them, each paying extra(d));
+    - activations: ``sum d memory x <= N budget sum z``, less what ranks cannot use: a rank whose share
+      takes more than half its time in the pass (one such share per rank at most) holds besides it at
+      most ``f(g_k+1 - C - extra - time)``, ``f(tau)`` the most activations shares fill in ``tau`` ms on
+      one rank (fractional knapsack, densest first); in each class where ``budget - memory - f(...)`` is
+      positive such a share has its own variable and takes that much more of the class's activations;
+    - a rank holds at most one share over half the budget in a pass (``sum d x <= N sum z`` over those)
+      and at most two "units" (a share over two thirds weighing 2, over a third 1);
+    - at least ``n_k`` passes of class k or above, ``n_k`` what the sequences that fit no class below
+      k need (one, or more by their activations and their shares over half a budget);
+    - ``sum z = M``: one programme per pass count M from the memory minimum up, while ``M (C +
+      overhead)`` plus the least GPU-time over N is below the best so far; minimise ``sum w + overhead M``.
+
+    Every plan maps onto a solution (its passes per class, their lengths, its sequences' degrees and
+    classes), so the least optimum over M is a bound. The integer programme runs on SCIP with a node
+    limit (``PASS_NODES``) and gives its proven bound; ``integral=False`` solves the linear programme
+    on GLOP (weaker where a fraction of a long pass would do). Shares a cheaper one of the same length
+    dominates in every demand are left out. ``detail``, when given, gets the value per M, the sizes,
+    and the best programme's passes per class (``passes``: ``[(count, summed length ms, floor ms)]``)."""
+    from ortools.linear_solver import pywraplp
+
+    s = np.asarray(lengths, dtype=np.int64)
+    end = float(cost.step_end_ms())
+    if s.size == 0:
+        return end
+    cost.check_feasible(s)
+    n = int(cost.cluster.num_gpus)
+    shapes = [(int(d), int(cp)) for d, cp in cost.shapes if d <= n]
+    B = float(cost.memory_budget_gb)
+    C, comm, ovh = float(cost.call_overhead_ms()), float(cost.pass_comm_ms()), float(cost.pass_overhead_ms())
+    P = max(C, comm)
+    u, cnt = np.unique(s, return_counts=True)
+    deg = np.array([d for d, _ in shapes], dtype=np.float64)
+    t = np.stack([cost.time(u, d, cp) for d, cp in shapes])
+    mem = np.stack([cost.memory(u, d, cp) for d, cp in shapes])
+    extra = np.array([float(cost.group_extra_ms(d, cp)) for d, cp in shapes])
+    act = float((cost.memory(u, 1) * cnt).sum())
+    fits = mem <= B
+    least_work = float((np.where(fits, deg[:, None] * t, np.inf).min(axis=0) * cnt).sum())
+    if u.size > PASS_ITEMS:
+        # the longest lengths stay items; the rest share items per run of neighbouring lengths, each at
+        # its shortest member's time and memory (both grow with length: a relaxation)
+        rest = u.size - PASS_EXACT_SEQS
+        runs = [r for r in np.array_split(np.arange(rest), PASS_ITEMS - PASS_EXACT_SEQS) if r.size]
+        first = np.array([r[0] for r in runs] + list(range(rest, u.size)))
+        c2 = np.array([cnt[r].sum() for r in runs] + list(cnt[rest:]))
+        t, mem, u, cnt = t[:, first], mem[:, first], u[first], c2
+    single = C + extra[:, None] + t
+    allowed = mem <= B
+    if upper_ms is not None:
+        # no pass of a plan of compute time upper_ms is longer than upper_ms less its overhead
+        allowed &= single <= (float(upper_ms) - ovh) * (1 + 1e-9)
+    if not allowed.any(axis=0).all():  # upper_ms is no plan's: claim only what holds for every plan
+        allowed = mem <= B
+        upper_ms = None
+    J = u.size
+    # the class floors
+    fastest = np.where(allowed, single, np.inf).min(axis=0)
+    top = np.argsort(-fastest, kind="stable")[:PASS_EXACT_SEQS]
+    exact = single[:, top][allowed[:, top]]
+    exact = exact[exact > P * (1 + 1e-12)]
+    hi = float(np.where(allowed, single, 0.0).max())
+    if upper_ms is not None:
+        hi = max(hi, float(upper_ms) - ovh)
+    grid = P * PASS_GRID ** np.arange(max(1, int(math.ceil(math.log(max(hi, P) / P) / math.log(PASS_GRID)))) + 1)
+    rest = single[allowed]
+    rest = rest[rest > P * (1 + 1e-12)]
+    snapped = grid[np.searchsorted(grid, rest * (1 + 1e-12), side="right") - 1]  # down onto the grid
+    g = np.unique(np.concatenate([grid, exact, snapped]))
+    g = g[g >= P * (1 - 1e-12)]
+    g[0] = P
+    K = g.size
+    ceiling = np.append(g[1:], math.inf)
+    # a share's class: the last floor at or below its single-group time
+    kappa = np.clip(np.searchsorted(g, single * (1 + 1e-12), side="right") - 1, 0, K - 1)
+    # f(tau): the most activations shares fill in tau ms on one rank (fractional, densest first)
+    tt, mm = t[allowed], mem[allowed]
+    rep = np.broadcast_to(cnt[None, :], allowed.shape)[allowed].astype(np.float64)
+    order = np.argsort(-(mm / np.maximum(tt, 1e-12)), kind="stable")
+    cum_t = np.concatenate([[0.0], np.cumsum((tt * rep)[order])])
+    cum_m = np.concatenate([[0.0], np.cumsum((mm * rep)[order])])
+    # per length: the least class any of its shares needs, and the passes the lengths needing class k need
+    kmin = np.where(allowed, kappa, K).min(axis=0)
+    share_mem = np.where(allowed, deg[:, None] * mem, np.inf).min(axis=0)
+    half_all = np.where(allowed, mem > 0.5 * B * (1 + 1e-12), True).all(axis=0)
+    half_deg = np.where(allowed, deg[:, None], np.inf).min(axis=0)
+    need = np.zeros(K)
+    for k in range(1, K):
+        q = kmin >= k
+        if not q.any():
+            break
+        by_mem = math.ceil(float((share_mem[q] * cnt[q]).sum()) / (n * B) - 1e-9)
+        hq = q & half_all
+        by_half = math.ceil(float((half_deg[hq] * cnt[hq]).sum()) / n - 1e-9) if hq.any() else 0
+        need[k] = max(1, by_mem, by_half)
+    m_min = max(1, int(math.ceil(act / (n * B) - 1e-9)))
+    # demands per share: time, activations, rank-slots over half a budget, units over a third
+    dem = np.stack([deg[:, None] * (t + extra[:, None] * mem / B), deg[:, None] * mem,
+                    np.where(mem > 0.5 * B * (1 + 1e-12), deg[:, None], 0.0),
+                    deg[:, None] * np.where(mem > (2 / 3) * B * (1 + 1e-12), 2.0,
+                                            np.where(mem > B / 3 * (1 + 1e-12), 1.0, 0.0))])
+    # the classes where a share takes over half a rank's time and leaves activations unusable
+    bands: dict = {}
+    for e, j in np.argwhere(allowed):
+        k0 = int(kappa[e, j])
+        room = ceiling[k0:] - C
+        lost = B - mem[e, j] - np.minimum(B, np.interp(np.maximum(room - extra[e] - t[e, j], 0.0), cum_t, cum_m))
+        ok = (t[e, j] > 0.5 * room) & (lost > 1e-9 * B)
+        stop = int(np.argmin(ok)) if not ok.all() else ok.size
+        if stop:
+            bands[int(e), int(j)] = lost[:stop]
+    # shares dominated by another of the same length (no more of any demand, no higher class, no band)
+    keep = allowed.copy()
+    for j in range(J):
+        es = np.flatnonzero(allowed[:, j])
+        for e in es:
+            for f in es:
+                if f != e and keep[f, j] and (e, j) not in bands and (f, j) not in bands \
+                        and kappa[f, j] <= kappa[e, j] and (dem[:, f, j] <= dem[:, e, j] * (1 + 1e-12)).all() \
+                        and (kappa[f, j] < kappa[e, j] or (dem[:, f, j] < dem[:, e, j]).any() or f < e):
+                    keep[e, j] = False
+                    break
+    # tiers of classes
+    tb = P * PASS_TIER ** np.arange(1, 2 + int(math.ceil(math.log(max(hi, P) / P) / math.log(PASS_TIER))))
+    tier_of = np.searchsorted(tb, g * (1 + 1e-12), side="right")
+    _, tier_of = np.unique(tier_of, return_inverse=True)
+    tiers = [np.flatnonzero(tier_of == v) for v in range(int(tier_of.max()) + 1)]
+    def build(M: int):
+        """The programme with M passes (GLOP), its pass-count variables ``z``, its rows ``above[v]`` (the
+        passes of tier v or above: branched on), and its objective; None when no M-pass plan fits."""
+        lp = pywraplp.Solver.CreateSolver("GLOP")
+        if lp is None:
+            raise RuntimeError("OR-Tools has no GLOP")
+        lp.SetSolverSpecificParametersAsString(PASS_GLOP)
+        inf = lp.infinity()
+        lmax = inf if upper_ms is None else float(upper_ms) - ovh - (M - 1) * (P + ovh)
+        if lmax < P * (1 - 1e-12):
+            return None
+        z = [lp.NumVar(0.0, float(M), "") for _ in range(K)]
+        w = [lp.NumVar(0.0, inf, "") for _ in range(K)]
+        # per class and resource, a slack chain within the tier: sl[k] = sl[above] + cap(k) - demands
+        sl = [[lp.NumVar(0.0, inf, "") for _ in range(4)] for _ in range(K)]
+        chain = [[lp.Constraint(0.0, 0.0) for _ in range(4)] for _ in range(K)]
+        for ks in tiers:
+            for a, k in enumerate(ks):
+                for r in range(4):
+                    ct = chain[k][r]
+                    ct.SetCoefficient(sl[k][r], 1.0)
+                    if a + 1 < ks.size:
+                        ct.SetCoefficient(sl[int(ks[a + 1])][r], -1.0)
+                ca = chain[k]
+                ca[0].SetCoefficient(w[k], -float(n))
+                ca[0].SetCoefficient(z[k], float(n) * C)
+                ca[1].SetCoefficient(z[k], -float(n) * B)
+                ca[2].SetCoefficient(z[k], -float(n))
+                ca[3].SetCoefficient(z[k], -2.0 * n)
+        cover = [lp.Constraint(float(c), float(c)) for c in cnt]
+        held = np.zeros(J, dtype=bool)
+        for e, j in np.argwhere(keep):
+            e, j = int(e), int(j)
+            if single[e, j] > lmax * (1 + 1e-9):
+                continue
+            held[j] = True
+            d = dem[:, e, j]
+            lost = bands.get((e, j), ())
+            k0 = int(kappa[e, j])
+            places = [(k0 + off, float(deg[e]) * float(x)) for off, x in enumerate(lost)]  # one per class of its band
+            kr = k0 + len(lost)
+            if kr < K:
+                places += [(max(kr, int(ks[0])), 0.0) for ks in tiers[int(tier_of[kr]):]]  # one per tier above
+            for k, more in places:
+                v = lp.NumVar(0.0, float(cnt[j]), "")
+                cover[j].SetCoefficient(v, 1.0)
+                for r in range(4):
+                    c = float(d[r]) + (more if r == 1 else 0.0)
+                    if c:
+                        chain[k][r].SetCoefficient(v, c)
+        if not held.all():
+            return None  # a length no pass of an M-pass plan within upper_ms holds
+        for k in range(K):
+            c = lp.Constraint(0.0, inf)  # w >= g z
+            c.SetCoefficient(w[k], 1.0)
+            c.SetCoefficient(z[k], -float(g[k]))
+            top_k = min(float(ceiling[k]), lmax)
+            if g[k] > lmax * (1 + 1e-12):
+                z[k].SetUb(0.0)
+            elif math.isfinite(top_k):
+                c = lp.Constraint(0.0, inf)  # w <= ceiling z
+                c.SetCoefficient(w[k], -1.0)
+                c.SetCoefficient(z[k], top_k)
+        c = lp.Constraint(float(M), float(M))
+        for k in range(K):
+            c.SetCoefficient(z[k], 1.0)
+        for k in range(1, K):  # passes of class k or above
+            if need[k] > 0:
+                c = lp.Constraint(float(need[k]), inf)
+                for k2 in range(k, K):
+                    c.SetCoefficient(z[k2], 1.0)
+        above = []
+        for v in range(len(tiers)):  # passes of tier v or above: a whole number (branched on)
+            c = lp.Constraint(0.0, float(M))
+            for ks in tiers[v:]:
+                for k in ks:
+                    c.SetCoefficient(z[int(k)], 1.0)
+            above.append(c)
+        obj = lp.Objective()
+        for k in range(K):
+            obj.SetCoefficient(w[k], 1.0)
+            obj.SetCoefficient(z[k], ovh)
+        obj.SetMinimization()
+        return lp, z, w, above, obj
+
+    def branch_and_bound(M: int, best: float):
+        """The least optimum over whole numbers of passes per tier and above, or below ``best`` by at
+        most the nodes it could not open (``PASS_NODES``): ``(value, passes)``, value inf when no
+        M-pass plan fits."""
+        built = build(M)
+        if built is None:
+            return math.inf, []
+        lp, z, w, above, obj = built
+        V = len(tiers)
+        heap = [(-math.inf, 0, [0.0] * V, [float(M)] * V)]  # (parent's value, tie, lower, upper)
+        found, found_passes, nodes, tie = math.inf, [], 0, 1
+        while heap:
+            parent, _, lo, up = heapq.heappop(heap)
+            if parent >= min(found, best) * (1 - 1e-9):
+                continue
+            if nodes >= PASS_NODES:
+                heapq.heappush(heap, (parent, 0, lo, up))
+                break
+            nodes += 1
+            for v in range(V):
+                above[v].SetBounds(lo[v], up[v])
+            status = lp.Solve()
+            if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.INFEASIBLE):
+                # GLOP lost its way restarting from the last basis: once more from scratch
+                lp, z, w, above, obj = build(M)
+                for v in range(V):
+                    above[v].SetBounds(lo[v], up[v])
+                status = lp.Solve()
+            if status == pywraplp.Solver.INFEASIBLE:
+                continue
+            if status != pywraplp.Solver.OPTIMAL:
+                heapq.heappush(heap, (parent, 0, lo, up))  # left open at its parent's value
+                break
+            val = obj.Value()
+            if val >= min(found, best) * (1 - 1e-9):
+                continue
+            zs = np.array([x.solution_value() for x in z])
+            cum = np.array([zs[np.concatenate(tiers[v:])].sum() for v in range(V)])
+            frac = np.flatnonzero(np.abs(cum - np.round(cum)) > 1e-6)
+            if frac.size == 0:
+                found = val
+                found_passes = [(float(zs[k]), w[k].solution_value(), float(g[k])) for k in range(K) if zs[k] > 1e-9]
+                continue
+            v = int(frac[-1])  # the longest passes first
+            down_up = (lo[:], up[:]), (lo[:], up[:])
+            down_up[0][1][v] = math.floor(cum[v])
+            down_up[1][0][v] = math.ceil(cum[v])
+            for l2, u2 in down_up:
+                # the passes of a tier or above are at least those of every higher tier
+                for x in range(V):
+                    l2[x] = max(l2[x], max(l2[x + 1:], default=0.0))
+                    u2[x] = min(u2[x], min(u2[:x], default=float(M)))
+                if all(a <= b for a, b in zip(l2, u2)):
+                    heapq.heappush(heap, (val, tie, l2, u2))
+                    tie += 1
+        open_min = min((h[0] for h in heap), default=math.inf)
+        return min(found, open_min), found_passes
+
+    best, per_m, best_passes = math.inf, {}, []
+    M = m_min
+    while M * (C + ovh) + least_work / n < best * (1 - 1e-9):
+        if upper_ms is not None and float(upper_ms) - ovh - (M - 1) * (P + ovh) < P * (1 - 1e-12):
+            break
+        r = branch_and_bound(M, best)
+        per_m[M] = r[0] if math.isfinite(r[0]) else None  # None: no M-pass plan, or none below the best
+        if r[0] < best:
+            best, best_passes = r[0], r[1]
+        M += 1
+        if upper_ms is None and M > m_min + 64:
+            break
+    if detail is not None:
+        detail.update({"per_passes": per_m, "classes": int(K), "items": int(J), "tiers": len(tiers),
+                       "bands": len(bands), "shares": int(keep.sum()), "passes": best_passes})
+    if not math.isfinite(best):
+        return end
+    # the solvers' optimum is a floating-point vertex: step back by their tolerance so it stays a bound
+    return max(0.0, best * (1 - 1e-6)) + end

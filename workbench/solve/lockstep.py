@@ -18,19 +18,26 @@ Two pass shapes (``Passes.multi``):
 
 How ``plan_lockstep`` plans (within ``opts.effort``, counted on the plan's clock: ``effort.py``):
 
-1. Splits. For M from the memory minimum ``M_min`` (the activations over N ranks x budget) up to a
-   few more, the batch is split into M passes by three rules: FlexSP's (sorted by length,
-   consecutive chunks of equal tokens), work-balanced (longest-processing-time on each sequence's
-   least GPU-time, within each pass's memory) and memory-balanced. Every pass is planned as one
-   micro-step by the per-micro-step heuristic of ``microstep`` (degrees by bottleneck raising, group
-   counts by a divisible estimate, LPT packing, moves and swaps).
-2. Local search on the whole step (``Passes.improve``): take the most loaded rank of the passes that
+1. Filled starts (``fill_passes``): for M from the memory minimum ``M_min`` (the activations over N
+   ranks x budget) and one more, list scheduling over all M passes at once, the sequences slowest
+   alone first, each where the step grows least (plus its GPU-time over N): the pass the longest
+   sequence opens fills up to its length before the others grow, each sequence at the cheapest
+   degree that fits there. With floors under the passes, then again with the best start's own pass
+   lengths as floors (so a sequence takes the degree that fits the passes the step will have).
+2. Splits. For M from ``M_min`` up to a few more, the batch is split into M passes by three rules:
+   FlexSP's (sorted by length, consecutive chunks of equal tokens), work-balanced
+   (longest-processing-time on each sequence's least GPU-time, within each pass's memory) and
+   memory-balanced. Every pass is planned as one micro-step by the per-micro-step heuristic of
+   ``microstep`` (degrees by bottleneck raising, group counts by a divisible estimate, LPT packing,
+   moves and swaps).
+3. Local search on the whole step (``Passes.improve``): take the most loaded rank of the passes that
    are longer than FSDP's collectives, and move one of its sequences to the group (or a new group
    on idle ranks, or on any ranks with memory to spare when ``multi``) of any pass where the sum of
-   passes falls most; when nothing moves, try to empty the lightest pass into the others.
-3. CP-SAT on the one-micro-step model (``microstep.solve_step``) for the longest passes, warm-started
-   from their groups, kept when a pass gets shorter; the local search again.
-4. With ``multi``, the local search once more with stacked groups allowed.
+   passes falls most (every pass's new length exact, vectorised over groups and blocks); when
+   nothing moves, try to empty the lightest pass into the others.
+4. CP-SAT on the one-micro-step model (``microstep.solve_step``) for the longest passes that have
+   one group per rank, warm-started from their groups, kept when a pass gets shorter.
+5. With ``multi``, the local search once more with stacked groups allowed.
 
 Pure numpy (and OR-Tools through ``microstep``): no torch.
 """
@@ -45,7 +52,7 @@ import numpy as np
 from workbench.cost import CostModel
 from workbench.solve.bound import lower_bound_ms
 from workbench.solve.cpsat import warm_up
-from workbench.solve.effort import Effort, Phases
+from workbench.solve.effort import ELEMENT_S, STEP_S, Effort, Phases
 from workbench.solve.microstep import Table, heuristic_step, makespan, min_micro_steps, refine, solve_step
 from workbench.solve.options import PlanOptions
 from workbench.solve.plan import Plan, build_plan
@@ -65,7 +72,23 @@ EXTRA_PASSES = 2
 """Splits are tried with up to this many passes above the memory minimum."""
 
 CONSTRUCT_SHARE = 0.35
-"""Share of the time limit the splits may take (the first split always completes)."""
+"""Share of the time limit the filled starts and the splits may take together (the first split
+always completes: where the filled starts took it all, only that one runs)."""
+
+FILL_SHARE = 0.35
+"""Share of the time limit the filled starts (``fill_passes``) may take (none starts that would
+overrun it)."""
+
+FILL_EXTRA = 1
+"""Filled starts are tried with up to this many passes above the memory minimum ..."""
+
+FILL_FLOORS = (0.0, 0.8, 1.15)
+"""... with every pass's floor at these shares of the level the passes but the longest would have if
+the step's least GPU-time were spread evenly over them ..."""
+
+FILL_ROUNDS = 4
+"""... and up to this many times more, first with the best one's own pass lengths as floors, then
+each round's (until they repeat)."""
 
 IMPROVE_SHARE = 0.65
 """Share of the time left after the splits that the local search and the pair re-splits get."""
@@ -121,13 +144,19 @@ class Passes:
         self.g_b: list[int] = []
         self.g_members: list[list[int]] = []
         self.g_alive: list[bool] = []
+        self.p_groups: list[set] = []  # live groups per pass
         self.where = np.full(tab.s.size, -1, dtype=np.int64)
+        degs = np.unique(np.asarray(self.d))
+        self._levels = degs  # the distinct degrees, and each row's index among them
+        self._lv = np.searchsorted(degs, np.asarray(self.d))
+        self._lv_off = np.concatenate([[0], np.cumsum(self.n // degs)])  # a level's blocks in a flat array
 
     # ---- building ---------------------------------------------------------------------------------
     def new_pass(self) -> int:
         self.load.append(np.zeros(self.n))
         self.cnt.append(np.zeros(self.n, dtype=np.int64))
         self.mem.append(np.zeros(self.n))
+        self.p_groups.append(set())
         return len(self.load) - 1
 
     def add_group(self, p: int, e: int, b: int, members) -> int:
@@ -139,6 +168,7 @@ class Passes:
         self.g_b.append(int(b))
         self.g_members.append(members)
         self.g_alive.append(True)
+        self.p_groups[p].add(g)
         r = self._ranks(e, b)
         self.load[p][r] += self.extra[e] + float(self.tab.t[e, members].sum())
         self.cnt[p][r] += 1
@@ -180,6 +210,7 @@ class Passes:
         out.g_p, out.g_e, out.g_b = list(self.g_p), list(self.g_e), list(self.g_b)
         out.g_members = [list(m) for m in self.g_members]
         out.g_alive = list(self.g_alive)
+        out.p_groups = [set(x) for x in self.p_groups]
         out.where = self.where.copy()
         return out
 
@@ -213,7 +244,9 @@ class Passes:
 
     def groups(self, p: int | None = None) -> list[int]:
         """Live groups (of pass ``p``)."""
-        return [g for g in range(len(self.g_p)) if self.g_alive[g] and (p is None or self.g_p[g] == p)]
+        if p is None:
+            return [g for g in range(len(self.g_p)) if self.g_alive[g]]
+        return sorted(self.p_groups[p])
 
     def assignment(self):
         """``(micro_steps, blocks)`` for ``build_plan``: per non-empty pass its groups as ``(degree,
@@ -250,6 +283,7 @@ class Passes:
         self.where[i] = -1
         if not self.g_members[g]:
             self.g_alive[g] = False
+            self.p_groups[p].discard(g)
             self.load[p][r] -= self.extra[e]
             self.cnt[p][r] -= 1
             self.mem[p][r] = np.where(self.cnt[p][r] == 0, 0.0, self.mem[p][r])  # no float dust
@@ -276,47 +310,63 @@ class Passes:
             cnt[r] -= 1
         return p, load + self.C * (cnt > 0), gone
 
-    def _targets(self, i: int, q: int, rl_q: np.ndarray, skip: int = -1):
-        """Every place ``i`` can go in pass ``q`` and that pass's largest rank load afterwards when
-        ``i`` leaves nothing in ``q`` (``rl_q``: ``q``'s rank loads before; groups of ``q`` may share
-        ranks with ``i``'s own group only when ``q`` is ``i``'s pass, handled by the caller).
-        Returns ``(kind, group or (e, b), new_len)`` triples: existing groups, then new groups."""
+    def _level_max(self, x: np.ndarray) -> np.ndarray:
+        """Per aligned block of every degree, the largest of ``x`` over its ranks: one flat array, the
+        blocks of degree level v at ``_lv_off[v]:_lv_off[v + 1]``."""
+        return np.concatenate([x[: (self.n // int(d)) * int(d)].reshape(-1, int(d)).max(axis=1) for d in self._levels])
+
+    def _place(self, i: int, q: int, rl: np.ndarray, mem: np.ndarray | None = None, cnt: np.ndarray | None = None,
+               skip: int = -1):
+        """The best place for ``i`` in pass ``q`` and the pass's largest rank load once it is there:
+        ``(kind, group or (e, b), new_len)`` (``join`` an existing group before ``new`` on ties), or
+        None. ``rl``, ``mem``, ``cnt``: the pass's rank loads, activations and group counts (default
+        its own; ``i``'s own pass gives them with ``i`` removed, and ``skip``, its group)."""
         tab = self.tab
+        n = self.n
+        mem = self.mem[q] if mem is None else mem
+        cnt = self.cnt[q] if cnt is None else cnt
+        gs = [g for g in self.p_groups[q] if g != skip]
         if self.clock is not None:
-            self.clock.tick(elements=3 * self.n * self.D, steps=0.7 + 0.7 * self.D)
-        out = []
-        L = float(rl_q.max()) if rl_q.size else 0.0
-        cnt, mem = self.cnt[q], self.mem[q]
-        for g in self.groups(q):
-            if g == skip:
-                continue
-            e, b = self.g_e[g], self.g_b[g]
-            if not tab.ok[e, i]:
-                continue
-            r = self._ranks(e, b)
-            if float(mem[r].max()) + tab.mem[e, i] > self.budget:
-                continue
-            out.append(("join", g, max(L, float(rl_q[r].max()) + tab.t[e, i])))
-        for e in range(self.D):
-            if not tab.ok[e, i]:
-                continue
-            d = self.d[e]
-            nb = self.n // d
-            c = cnt[: nb * d].reshape(nb, d)
-            m = mem[: nb * d].reshape(nb, d).max(axis=1)
-            if self.multi:
-                room = m + tab.mem[e, i] <= self.budget
-            else:
-                room = ~(c > 0).any(axis=1)
+            self.clock.tick(elements=(8 + 2 * self.D) * n + 12 * len(gs), steps=3 + 0.5 * self.D + 0.025 * len(gs))
+        pre = np.maximum.accumulate(rl)
+        suf = np.maximum.accumulate(rl[::-1])[::-1]
+        idle = cnt <= 0
+        f_rl, f_mem = self._level_max(rl), self._level_max(mem)
+        best = None
+        if gs:
+            gs.sort()
+            ga = np.asarray(gs)
+            ge = np.asarray([self.g_e[g] for g in gs])
+            gb = np.asarray([self.g_b[g] for g in gs])
+            lv = self._lv[ge]
+            d = self._levels[lv]
+            f = self._lv_off[lv] + gb
+            ok = tab.ok[ge, i] & (f_mem[f] + tab.mem[ge, i] <= self.budget)
+            if ok.any():
+                lo, hi = gb * d, gb * d + d
+                out = np.maximum(np.where(lo > 0, pre[np.maximum(lo - 1, 0)], 0.0),
+                                 np.where(hi < n, suf[np.minimum(hi, n - 1)], 0.0))
+                new = np.where(ok, np.maximum(out, f_rl[f] + tab.t[ge, i]), np.inf)
+                k = int(np.argmin(new))
+                best = ("join", int(ga[k]), float(new[k]))
+        f_free = self._level_max((~idle).astype(np.float64)) if not self.multi else None
+        f_rlc = self._level_max(rl + self.C * idle)
+        for e in np.flatnonzero(tab.ok[:, i]):
+            v = int(self._lv[e])
+            d = int(self._levels[v])
+            sl = slice(int(self._lv_off[v]), int(self._lv_off[v + 1]))
+            room = (f_mem[sl] + tab.mem[e, i] <= self.budget) if self.multi else (f_free[sl] == 0)
             if not room.any():
                 continue
-            # every rank of the block pays the packed call (once) and the new group
-            busy = (self.load[q][: nb * d] + self.C).reshape(nb, d).max(axis=1)
-            new = busy + self.extra[e] + tab.t[e, i]
-            new = np.where(room, new, np.inf)
+            lo = np.arange(room.size) * d
+            hi = lo + d
+            out = np.maximum(np.where(lo > 0, pre[np.maximum(lo - 1, 0)], 0.0),
+                             np.where(hi < n, suf[np.minimum(hi, n - 1)], 0.0))
+            new = np.where(room, np.maximum(out, f_rlc[sl] + self.extra[e] + tab.t[e, i]), np.inf)
             b = int(np.argmin(new))
-            out.append(("new", (e, b), max(L, float(new[b]))))
-        return out
+            if best is None or new[b] < best[2]:
+                best = ("new", (int(e), b), float(new[b]))
+        return best
 
     def apply(self, i: int, kind: str, where, q: int) -> None:
         """Move sequence ``i`` into group ``where`` (``kind`` ``join``) or into a new group ``where =
@@ -330,32 +380,31 @@ class Passes:
 
     def best_move(self, i: int):
         """The move of sequence ``i`` that lowers the step most: ``(delta_ms, kind, where, pass)`` or
-        None. Moves within ``i``'s pass are evaluated exactly; into other passes a pass's new length
-        is its old one or the target block's after the move, whichever is larger."""
-        p, rl_src, _ = self._source_after(i)
+        None. Every pass's new length is exact (its largest rank load once ``i`` is there and gone)."""
+        p, rl_src, gone = self._source_after(i)
         g0 = int(self.where[i])
         base_p = self.pass_cost(p)
         new_p = 0.0 if self._pass_empty_after(i) else self._cost_of(float(rl_src.max()))
+        e0, r0 = self.g_e[g0], self._ranks(self.g_e[g0], self.g_b[g0])
+        mem = self.mem[p].copy()
+        mem[r0] -= self.tab.mem[e0, i]
+        cnt = self.cnt[p].copy()
+        if gone:
+            cnt[r0] -= 1
         best = None
         for q in self.passes():
             if q == p:
-                # within the pass: the source change and the target change on the same ranks
-                for kind, where, _ in self._targets(i, q, rl_src, skip=-1 if len(self.g_members[g0]) > 1 else g0):
-                    if kind == "join" and where == g0:
-                        continue
-                    L_new = self._eval_same_pass(i, kind, where)
-                    if L_new is None:
-                        continue
-                    delta = self._cost_of(L_new) - base_p
+                mv = self._place(i, q, rl_src, mem, cnt, skip=g0)
+                if mv is not None:
+                    delta = self._cost_of(mv[2]) - base_p
                     if best is None or delta < best[0]:
-                        best = (delta, kind, where, q)
+                        best = (delta, mv[0], mv[1], q)
                 continue
-            rl_q = self.rank_loads(q)
-            base_q = self.pass_cost(q)
-            for kind, where, L_new in self._targets(i, q, rl_q):
-                delta = (new_p - base_p) + (self._cost_of(L_new) - base_q)
+            mv = self._place(i, q, self.rank_loads(q))
+            if mv is not None:
+                delta = (new_p - base_p) + (self._cost_of(mv[2]) - self.pass_cost(q))
                 if best is None or delta < best[0]:
-                    best = (delta, kind, where, q)
+                    best = (delta, mv[0], mv[1], q)
         return best
 
     def best_swap(self, i: int, limit_groups: int | None = None):
@@ -365,23 +414,37 @@ class Passes:
         one. ``limit_groups``: look at this many groups at most (those of the other passes with the
         most slack first)."""
         tab = self.tab
+        n = self.n
         g = int(self.where[i])
         p, eg = self.g_p[g], self.g_e[g]
         rg = self._ranks(eg, self.g_b[g])
-        rl_p = self.rank_loads(p)
-        out_g = np.ones(self.n, dtype=bool)
-        out_g[rg] = False
-        a_p = float(rl_p[out_g].max()) if out_g.any() else 0.0
+        passes = self.passes()
+        rl = {q: self.rank_loads(q) for q in passes}
+        length = {q: float(rl[q].max()) for q in passes}
+        f_rl = {q: self._level_max(rl[q]) for q in passes}
+        f_mem = {q: self._level_max(self.mem[q]) for q in passes}
+        pre = {q: np.maximum.accumulate(rl[q]) for q in passes}
+        suf = {q: np.maximum.accumulate(rl[q][::-1])[::-1] for q in passes}
+
+        def outside(q: int, r: slice) -> float:
+            a = pre[q][r.start - 1] if r.start > 0 else 0.0
+            b = suf[q][r.stop] if r.stop < n else 0.0
+            return float(max(a, b))
+
+        rl_p = rl[p]
+        a_p = outside(p, rg)
         b_p = float(rl_p[rg].max())
         mem_g = float(self.mem[p][rg].max()) - tab.mem[eg, i]
         base_p = self.pass_cost(p)
         best = None
         groups = [h for h in self.groups() if h != g]
         if self.clock is not None:
-            self.clock.tick(elements=8 * self.tab.s.size, steps=min(len(groups), limit_groups or len(groups)))
+            self.clock.tick(elements=8 * self.tab.s.size + 6 * len(groups) + 4 * n * len(passes),
+                            steps=2 * len(passes) + 0.6 * min(len(groups), limit_groups or len(groups))
+                            + 0.05 * len(groups))
+        flat = {h: int(self._lv_off[self._lv[self.g_e[h]]]) + self.g_b[h] for h in groups}
         if limit_groups is not None and len(groups) > limit_groups:
-            slack = [self.pass_len(self.g_p[h]) - float(self.rank_loads(self.g_p[h])[self._ranks(self.g_e[h], self.g_b[h])].max())
-                     for h in groups]
+            slack = [length[self.g_p[h]] - float(f_rl[self.g_p[h]][flat[h]]) for h in groups]
             groups = [groups[k] for k in np.argsort(slack)[::-1][:limit_groups]]
         for h in groups:
             q, eh = self.g_p[h], self.g_e[h]
@@ -390,21 +453,18 @@ class Passes:
             js = np.asarray(self.g_members[h], dtype=np.int64)
             rh = self._ranks(eh, self.g_b[h])
             ok = tab.ok[eg, js] & (mem_g + tab.mem[eg, js] <= self.budget)
-            ok &= float(self.mem[q][rh].max()) - tab.mem[eh, js] + tab.mem[eh, i] <= self.budget
+            ok &= float(f_mem[q][flat[h]]) - tab.mem[eh, js] + tab.mem[eh, i] <= self.budget
             if not ok.any():
                 continue
             dg = tab.t[eg, js] - tab.t[eg, i]
             dh = tab.t[eh, i] - tab.t[eh, js]
             if q != p:
-                rl_q = self.rank_loads(q)
-                out_h = np.ones(self.n, dtype=bool)
-                out_h[rh] = False
-                a_q = float(rl_q[out_h].max()) if out_h.any() else 0.0
-                b_q = float(rl_q[rh].max())
+                a_q = outside(q, rh)
+                b_q = float(f_rl[q][flat[h]])
                 lp = np.maximum(a_p, b_p + dg)
                 lq = np.maximum(a_q, b_q + dh)
-                delta = (np.maximum(lp, self.comm) - max(self.pass_len(p), self.comm)
-                         + np.maximum(lq, self.comm) - max(self.pass_len(q), self.comm))
+                delta = (np.maximum(lp, self.comm) - max(length[p], self.comm)
+                         + np.maximum(lq, self.comm) - max(length[q], self.comm))
             else:
                 if rg.start < rh.stop and rh.start < rg.stop:
                     continue  # nested blocks of one pass: a swap moves both ways on shared ranks
@@ -436,60 +496,32 @@ class Passes:
         p = self.g_p[g]
         return len(self.g_members[g]) == 1 and int(self.cnt[p].sum()) == self.d[self.g_e[g]]
 
-    def _eval_same_pass(self, i: int, kind: str, where) -> float | None:
-        """Pass length after moving ``i`` inside its own pass (None when it does not fit)."""
-        g = int(self.where[i])
-        p, e0 = self.g_p[g], self.g_e[g]
-        r0 = self._ranks(e0, self.g_b[g])
-        tab = self.tab
-        load = self.load[p].copy()
-        cnt = self.cnt[p].copy()
-        mem = self.mem[p].copy()
-        load[r0] -= tab.t[e0, i]
-        mem[r0] -= tab.mem[e0, i]
-        if len(self.g_members[g]) == 1:
-            load[r0] -= self.extra[e0]
-            cnt[r0] -= 1
-        if kind == "join":
-            h = int(where)
-            e, r = self.g_e[h], self._ranks(self.g_e[h], self.g_b[h])
-            load[r] += tab.t[e, i]
-            mem[r] += tab.mem[e, i]
-        else:
-            e, b = where
-            r = self._ranks(e, b)
-            if not self.multi and (cnt[r] > 0).any():
-                return None
-            load[r] += self.extra[e] + tab.t[e, i]
-            cnt[r] += 1
-            mem[r] += tab.mem[e, i]
-        if float(mem[r].max()) > self.budget:
-            return None
-        return float((load + self.C * (cnt > 0)).max())
-
     def improve(self, deadline: float, clock: Effort, cancel=None, max_iter: int = 100_000) -> int:
         """Local search (module docstring, step 2) until nothing improves or the ``clock`` (charged
         for every move weighed) passes ``deadline``; returns the number of moves made."""
         self.clock = clock
         moves = 0
         for it in range(max_iter):
-            if it % 8 == 0:
-                if clock.past(deadline):
-                    break
-                if cancel is not None:
-                    cancel()
-            if self._improve_once():
+            if clock.past(deadline):
+                break
+            if cancel is not None and it % 8 == 0:
+                cancel()
+            if self._improve_once(deadline):
                 moves += 1
                 continue
+            if clock.past(deadline):
+                break
             if self._eject_lightest(deadline):
                 moves += 1
                 continue
             break
         return moves
 
-    def _improve_once(self) -> bool:
+    def _improve_once(self, deadline: float = math.inf) -> bool:
         order = sorted(self.passes(), key=lambda p: -self.pass_len(p))
         for p in order:
+            if self.clock is not None and self.clock.past(deadline):
+                return False
             if self.pass_len(p) <= self.comm * (1 + _EPS):
                 break  # FSDP's collectives set these passes' length: shorter compute gains nothing
             rl = self.rank_loads(p)
@@ -503,7 +535,9 @@ class Passes:
                     e = self.g_e[g]
                     cands.extend((float(self.tab.t[e, i]), i) for i in self.g_members[g])
             cands.sort(reverse=True)
-            for _, i in cands:
+            for k, (_, i) in enumerate(cands):
+                if k % 8 == 7 and self.clock is not None and self.clock.past(deadline):
+                    return False
                 mv = self.best_move(i)
                 if mv is not None and mv[0] < -_EPS * max(1.0, top):
                     delta, kind, where, q = mv
@@ -535,10 +569,11 @@ class Passes:
             for q in trial.passes():
                 if q == src:
                     continue
-                for kind, where, L_new in trial._targets(i, q, trial.rank_loads(q)):
-                    delta = trial._cost_of(L_new) - trial.pass_cost(q)
+                mv = trial._place(i, q, trial.rank_loads(q))
+                if mv is not None:
+                    delta = trial._cost_of(mv[2]) - trial.pass_cost(q)
                     if best is None or delta < best[0]:
-                        best = (delta, kind, where, q)
+                        best = (delta, mv[0], mv[1], q)
             if best is None:
                 return False
             trial.apply(i, best[1], best[2], best[3])
@@ -549,11 +584,118 @@ class Passes:
 
 
 # ------------------------------------------------------------------------------------------------
+# filling passes: list scheduling over every pass at once
+# ------------------------------------------------------------------------------------------------
+
+
+def fill_cost(tab, M: int) -> float:
+    """The effort ``fill_passes`` charges for M passes, at most (reference seconds)."""
+    n = int(tab.n_gpus)
+    degs = np.unique(tab.deg)
+    F = M * int((n // degs).sum())
+    per = (4 * F + 6 * tab.s.size + 5 * n * degs.size) * ELEMENT_S + (6 + 0.5 * degs.size) * STEP_S
+    return float(tab.s.size * per)
+
+
+def fill_passes(tab, cost: CostModel, M: int, floors, clock: Effort, *, multi: bool, order=None) -> "Passes | None":
+    """List scheduling of the whole step into ``M`` passes: sequences one by one (``order``; default
+    slowest alone first) each go where the step grows least, counting the GPU-time it adds over N
+    besides: ``max(0, new length - allowance) + GPU-time / N``, the allowance of a pass being the
+    larger of its length so far and its floor (``floors[q]``, at least ``max(C, comm)``). A sequence
+    may join a group with memory room (at the group's degree and split) or open a group of any shape
+    that holds it on a free aligned block (with ``multi``: on any block with memory room, stacked).
+    So the pass the longest sequence opens fills up to its length before the others grow, each
+    sequence at the cheapest degree that fits there. Charged to ``clock``. None when a sequence fits
+    nowhere."""
+    ps = Passes(tab, cost, multi=multi)
+    for _ in range(M):
+        ps.new_pass()
+    n, C, B = ps.n, ps.C, ps.budget
+    degs = np.unique(tab.deg)
+    nbs = n // degs
+    off = np.concatenate([[0], np.cumsum(M * nbs)])  # level v's blocks of pass q: off[v] + q * nbs[v] + b
+    F = int(off[-1])
+    f_load = np.zeros(F)  # per block: the largest rank load without C, its largest activations, idle ranks
+    f_mem = np.zeros(F)
+    f_idle = np.concatenate([np.tile(np.full(nbs[v], float(degs[v])), M) for v in range(degs.size)])
+    f_busy = np.zeros(F, dtype=bool)
+    f_pass = np.concatenate([np.repeat(np.arange(M), nbs[v]) for v in range(degs.size)])
+    lv_of_row = np.searchsorted(degs, tab.deg)
+    floor = np.maximum(np.asarray(floors, dtype=np.float64), max(C, ps.comm))
+    cap_g = int(tab.s.size)
+    g_flat = np.zeros(cap_g, dtype=np.int64)  # per group: its block's index in the flat arrays, row, id
+    g_row = np.zeros(cap_g, dtype=np.int64)
+    g_id = np.zeros(cap_g, dtype=np.int64)
+    n_g = 0
+    if order is None:
+        order = np.lexsort((-tab.s, -tab.best_single))
+    for i in order:
+        i = int(i)
+        clock.tick(elements=4 * F + 6 * n_g + 5 * n * degs.size, steps=6 + 0.5 * int(tab.ok[:, i].sum()))
+        rl_pass = np.array([float(ps.rank_loads(q).max()) if ps.cnt[q].any() else 0.0 for q in range(M)])
+        cap = np.maximum(rl_pass, floor)
+        best = None
+        # joins
+        if n_g:
+            gf, ge = g_flat[:n_g], g_row[:n_g]
+            ok = tab.ok[ge, i] & (f_mem[gf] + tab.mem[ge, i] <= B)
+            if ok.any():
+                new = f_load[gf] + C + tab.t[ge, i]
+                over = np.maximum(0.0, new - cap[f_pass[gf]])
+                score = np.where(ok, over + tab.deg[ge] * tab.t[ge, i] / n, np.inf)
+                k = int(np.argmin(score + 1e-12 * new))
+                key = (float(score[k]), float(new[k] - cap[f_pass[gf[k]]]))
+                if best is None or key < best[0]:
+                    best = (key, "join", k)
+        # new groups
+        for e in np.flatnonzero(tab.ok[:, i]):
+            v = int(lv_of_row[e])
+            d = int(degs[v])
+            sl = slice(int(off[v]), int(off[v + 1]))
+            t, m = float(tab.t[e, i]), float(tab.mem[e, i])
+            room = (f_mem[sl] + m <= B) if multi else ~f_busy[sl]
+            if not room.any():
+                continue
+            new = f_load[sl] + C + ps.extra[e] + t
+            over = np.maximum(0.0, new - cap[f_pass[sl]])
+            score = np.where(room, over + (d * (ps.extra[e] + t) + C * f_idle[sl]) / n, np.inf)
+            k = int(np.argmin(score + 1e-12 * new))
+            key = (float(score[k]), float(new[k] - cap[f_pass[sl][k]]))
+            if best is None or key < best[0]:
+                best = (key, "new", (int(e), int(off[v]) + k))
+        if best is None:
+            return None
+        _, kind, where = best
+        if kind == "join":
+            g = int(g_id[where])
+            ps._insert(i, g)
+            q = ps.g_p[g]
+        else:
+            e, f = where
+            v = int(lv_of_row[e])
+            q, b = divmod(f - int(off[v]), int(nbs[v]))
+            g = ps.add_group(q, e, b, [i])
+            g_id[n_g], g_flat[n_g], g_row[n_g] = g, f, e
+            n_g += 1
+        # the pass's blocks at every level again
+        load, mem, busy = ps.load[q], ps.mem[q], ps.cnt[q] > 0
+        for v in range(degs.size):
+            d, nb = int(degs[v]), int(nbs[v])
+            a = int(off[v]) + q * nb
+            f_load[a:a + nb] = load[: nb * d].reshape(nb, d).max(axis=1)
+            f_mem[a:a + nb] = mem[: nb * d].reshape(nb, d).max(axis=1)
+            bb = busy[: nb * d].reshape(nb, d)
+            f_busy[a:a + nb] = bb.any(axis=1)
+            f_idle[a:a + nb] = d - bb.sum(axis=1)
+    return ps
+
+
+# ------------------------------------------------------------------------------------------------
 # splitting a batch into passes
 # ------------------------------------------------------------------------------------------------
 
 
-def split_passes(tab, M: int, rule: str) -> list[np.ndarray] | None:
+def split_passes(tab, M: int, rule: str, clock: Effort | None = None) -> list[np.ndarray] | None:
     """Sequence indices of each of ``M`` passes by ``rule``: ``consecutive`` (FlexSP's: sorted by
     length, M consecutive chunks of about equal tokens), ``work`` (longest-processing-time on each
     sequence's least GPU-time, into the pass with the least work among those with memory room) or
@@ -570,6 +712,8 @@ def split_passes(tab, M: int, rule: str) -> list[np.ndarray] | None:
         if any(float(share[q].sum()) > cap * (1 + 1e-9) for q in parts):
             return None
         return [q for q in parts if q.size]
+    if clock is not None:
+        clock.tick(elements=4 * M * s.size, steps=0.2 * s.size)  # a few numpy calls per sequence
     key = tab.best_work if rule == "work" else share
     work = np.zeros(M)
     memw = np.zeros(M)
@@ -737,6 +881,9 @@ def _plan_pass(tab, idx: np.ndarray, deadline: float, clock: Effort):
     per-micro-step heuristic and (for passes of at most ``LAYOUT_MAX_SEQS`` sequences) the fixed
     layouts of ``_layout_pass``, refined by moves and swaps until the ``clock`` passes ``deadline``;
     None when they do not fit one pass."""
+    # what the per-micro-step heuristic does beyond its own charges grows with the cluster (measured:
+    # about 1.2 us per sequence and 64 GPUs at 1024 GPUs, where the two differed by 1.9 times)
+    clock.tick(elements=10 * idx.size * tab.n_gpus, steps=0)
     starts = (heuristic_step(tab, idx, tab.n_gpus, clock),
               _layout_pass(tab, idx, clock) if idx.size <= LAYOUT_MAX_SEQS else None)
     found = [refine(g, tab, tab.n_gpus, deadline, clock) for g in starts if g is not None]
@@ -798,17 +945,49 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
                   for ms in p.micro_steps]
         cands.append(_Cand(Passes.from_passes(tab, cost, groups, multi=False), p.planner))
     lap("baselines")
-    # 1. splits
-    opts.report(0.1, "flexsp (lockstep): splitting the batch into passes")
     M0 = min_micro_steps(tab)
     tried = []
+    # 1. the whole step filled at once (``fill_passes``), with floors and again with its own lengths
+    opts.report(0.08, "flexsp (lockstep): filling passes")
+    fill_end = t0 + FILL_SHARE * limit
+    for M in range(M0, M0 + FILL_EXTRA + 1):
+        rest = max(0.0, float(tab.best_work.sum()) / tab.n_gpus + M * float(cost.call_overhead_ms())
+                   - float(tab.best_single.max()))
+        level = rest / (M - 1) if M > 1 else 0.0
+        floors_list = [[theta * level] * M for theta in FILL_FLOORS]
+        best_fill, floors = None, None
+        for k in range(len(floors_list) + FILL_ROUNDS):
+            if clock.past(fill_end) or clock.now() + fill_cost(tab, M) > fill_end:
+                break  # (a fill that would overrun its share does not start)
+            opts.check_cancel()
+            if k < len(floors_list):
+                floors = floors_list[k]
+            elif k == len(floors_list):
+                floors = best_fill[1]  # the best start's own lengths, then each round's
+            ps = fill_passes(tab, cost, M, floors, clock, multi=multi)
+            if ps is None:
+                break
+            ms = ps.step_ms()
+            tried.append({"passes": M, "rule": f"fill:{k}", "ms": ms})
+            cands.append(_Cand(ps, f"fill:{M}:{k}"))
+            lens = sorted((ps.pass_len(q) for q in range(M)), reverse=True)
+            if best_fill is None or ms < best_fill[0]:
+                best_fill = (ms, lens)
+            if k >= len(floors_list):
+                if np.allclose(lens, floors):
+                    break  # its own lengths again: nothing new to find
+                floors = lens
+    lap("fill")
+    # 2. splits
+    opts.report(0.1, "flexsp (lockstep): splitting the batch into passes")
     construct_end = t0 + CONSTRUCT_SHARE * limit
+    n_split = len(cands)
     for M in range(M0, M0 + EXTRA_PASSES + 1):
         for rule in ("consecutive", "work", "memory"):
-            if cands[len(baselines):] and clock.past(construct_end):
+            if len(cands) > n_split and clock.past(construct_end):
                 break
             opts.check_cancel()
-            parts = split_passes(tab, M, rule)
+            parts = split_passes(tab, M, rule, clock)
             if parts is None:
                 continue
             planned = []
@@ -828,7 +1007,7 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
     cands.sort(key=lambda c: c.ms)
     best = cands[0]
     moves = 0
-    # 2. local search and pair re-splits on the best start of each pass count (a count above the
+    # 3. local search and pair re-splits on the best start of each pass count (a count above the
     # memory minimum often starts ahead, and the minimum often ends ahead)
     opts.report(0.4, "flexsp (lockstep): local search")
     improve_end = clock.now() + IMPROVE_SHARE * clock.left(deadline)
@@ -854,7 +1033,7 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
         if ps.step_ms() < best.ms * (1 - 1e-12):
             best = _Cand(ps, c.source + ("+local-search+pairs" if n_pairs else "+local-search"))
     lap("local_search")
-    # 3. CP-SAT on the longest passes (one-micro-step model, warm-started from the pass's groups)
+    # 4. CP-SAT on the longest passes (one-micro-step model, warm-started from the pass's groups)
     cp_calls = []
     if cpsat and not clock.past(deadline - 0.05):
         opts.report(0.6, "flexsp (lockstep): CP-SAT on the longest passes")
@@ -866,6 +1045,8 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
             left = clock.left(cp_end) / max(1, len(order) - k)
             if left < 0.05 or ps.pass_len(p) <= ps.comm:
                 break
+            if (ps.cnt[p] > 1).any():
+                continue  # stacked groups: the one-micro-step model has one group per rank
             gs = ps.groups(p)
             idx = np.array(sorted(i for g in gs for i in ps.g_members[g]), dtype=np.int64)
             heur = [(ps.g_e[g], list(ps.g_members[g])) for g in gs]
@@ -885,7 +1066,7 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
         if improved and ps.step_ms() < best.ms * (1 - 1e-12):
             best = _Cand(ps, best.source + "+cp-sat")
         lap("cp_sat")
-    # 4. stacked groups (multi) and what effort is left
+    # 5. stacked groups (multi) and what effort is left
     final = best.passes.copy()
     if multi:
         final.multi = True
