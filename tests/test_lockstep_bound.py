@@ -112,6 +112,10 @@ def _check(cases):
         assert pb <= stacked * (1 + 1e-9), (s.tolist(), pb, stacked)
         pu = lockstep_pass_bound_ms(s, cost, stacked - cost.step_end_ms())
         assert pu <= stacked * (1 + 1e-9), (s.tolist(), pu, stacked)
+        # stopped by its work cap after the first programme, it keeps only what that proved
+        detail: dict = {}
+        pw = lockstep_pass_bound_ms(s, cost, work=1.0, detail=detail)
+        assert detail["programmes"] == 1 and pw <= stacked * (1 + 1e-9), (s.tolist(), pw, stacked)
         older = max(lockstep_lower_bound_ms(s, cost), lockstep_packing_bound_ms(s, cost))
         out.append((stacked / max(pb, pu), max(pb, pu) > older * (1 + 1e-6)))
     return out
