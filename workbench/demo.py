@@ -138,7 +138,7 @@ def _machine_profile(store: Path, say: Callable[[str], None]):
         say(f"demo: reusing this machine's profile {found.run.id} (measured for {TRAIN_NPROC} processes)")
         return found, None
     say(f"demo: measuring this machine first: a quick profile of {TRAIN_NPROC} processes, kept in {store} for later "
-        f"runs (about 20 s on 2 cores)")
+        f"runs (about 30 s on 2 cores)")
     last = [None, 0.0]
 
     def progress(frac: float, msg: str) -> None:
