@@ -1,8 +1,11 @@
 import dataclasses
+import itertools
+import math
 import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,3 +120,43 @@ def set_partitions(items):
         for j in range(len(p)):
             yield p[:j] + [[first] + p[j]] + p[j + 1:]
         yield [[first]] + p
+
+
+def exhaustive_lockstep_ms(s, cost, *, multi):
+    """The least step (ms) over every lockstep plan: every partition of the sequences into groups,
+    every shape (degree and split) and aligned block for each group, every partition of the groups
+    into passes; a pass lasts max(largest rank load, comm) + overhead, a rank's load being the packed
+    call's constant once plus, per group it serves, the group's extra and its sequences' times, and
+    its activations in a pass fit the budget. Without ``multi`` a rank serves at most one group per
+    pass. Plus the step's end."""
+    n = cost.cluster.num_gpus
+    C, comm, ovh = cost.call_overhead_ms(), cost.pass_comm_ms(), cost.pass_overhead_ms()
+    B = cost.memory_budget_gb * (1 + 1e-9)
+    places = [(d, cp, b) for d, cp in cost.shapes if d <= n for b in range(n // d)]
+    best = math.inf
+    for groups in set_partitions(list(range(len(s)))):
+        for choice in itertools.product(places, repeat=len(groups)):
+            info = []
+            for members, (d, cp, b) in zip(groups, choice):
+                t = float(cost.time(s[members], d, cp).sum())
+                m = float(cost.memory(s[members], d, cp).sum())
+                info.append((d, b, cost.group_extra_ms(d, cp) + t, m))
+            if any(m > B for *_, m in info):
+                continue
+            for passes in set_partitions(list(range(len(info)))):
+                total = 0.0
+                for ks in passes:
+                    load, cnt, mem = np.zeros(n), np.zeros(n), np.zeros(n)
+                    for k in ks:
+                        d, b, t, m = info[k]
+                        load[b * d:(b + 1) * d] += t
+                        cnt[b * d:(b + 1) * d] += 1
+                        mem[b * d:(b + 1) * d] += m
+                    if (mem > B).any() or (not multi and (cnt > 1).any()):
+                        total = math.inf
+                        break
+                    total += max(float((load + C * (cnt > 0)).max()), comm) + ovh
+                    if total >= best:
+                        break
+                best = min(best, total)
+    return best + cost.step_end_ms()

@@ -3,8 +3,6 @@ planner against an exhaustive search over every lockstep plan of small instances
 
 from __future__ import annotations
 
-import itertools
-import math
 
 import numpy as np
 import pytest
@@ -18,7 +16,7 @@ from workbench.solve.options import PlanOptions
 from workbench.solve.plan import pass_loads
 from workbench.specs import ClusterSpec, load_profile
 from workbench.solve.effort import Effort
-from conftest import set_partitions
+from conftest import exhaustive_lockstep_ms
 
 PROFILE = load_profile("a100-40g-flexsp")
 
@@ -26,43 +24,6 @@ PROFILE = load_profile("a100-40g-flexsp")
 def _cost(n, mem, model="1b", degrees=()):
     return CostModel(PROFILE, get_model(model), ClusterSpec(num_gpus=n, gpus_per_node=n, gpu_memory_gb=mem,
                                                             degrees=degrees))
-
-
-def _exhaustive(s, cost, *, multi):
-    """The least step (ms) over every lockstep plan: every partition of the sequences into groups,
-    every degree and aligned block for each group, every partition of the groups into passes; a pass
-    lasts max(largest rank load, comm) + overhead, a rank's load being the packed call's constant
-    once plus, per group it serves, the group's extras and its sequences' times. Without ``multi`` a
-    rank serves at most one group per pass. A rank's activations in a pass fit the budget."""
-    n = cost.cluster.num_gpus
-    C, comm, ovh = cost.call_overhead_ms(), cost.pass_comm_ms(), cost.pass_overhead_ms()
-    B = cost.memory_budget_gb * (1 + 1e-9)
-    places = [(d, b) for d in cost.degrees for b in range(n // d)]
-    best = math.inf
-    for groups in set_partitions(list(range(len(s)))):
-        for choice in itertools.product(places, repeat=len(groups)):
-            info = []
-            for members, (d, b) in zip(groups, choice):
-                t = float(cost.time(s[members], d).sum())
-                m = float(cost.memory(s[members], d).sum())
-                info.append((d, b, cost.group_extra_ms(d) + t, m))
-            if any(m > B for *_, m in info):
-                continue
-            for passes in set_partitions(list(range(len(info)))):
-                total = 0.0
-                for ks in passes:
-                    load, cnt, mem = np.zeros(n), np.zeros(n), np.zeros(n)
-                    for k in ks:
-                        d, b, t, m = info[k]
-                        load[b * d:(b + 1) * d] += t
-                        cnt[b * d:(b + 1) * d] += 1
-                        mem[b * d:(b + 1) * d] += m
-                    if (mem > B).any() or (not multi and (cnt > 1).any()):
-                        total = math.inf
-                        break
-                    total += max(float((load + C * (cnt > 0)).max()), comm) + ovh
-                best = min(best, total)
-    return best + cost.grad_sync_ms()
 
 
 def _instances(count, seed):
@@ -140,8 +101,8 @@ def test_lower_bound_and_planner_against_every_lockstep_plan():
     checked = multi_gain = 0
     single_at_opt = 0
     for s, cost in _instances(10, seed=3):
-        single = _exhaustive(s, cost, multi=False)
-        multi = _exhaustive(s, cost, multi=True)
+        single = exhaustive_lockstep_ms(s, cost, multi=False)
+        multi = exhaustive_lockstep_ms(s, cost, multi=True)
         assert multi <= single * (1 + 1e-12)
         lb = lower_bound_ms(s, cost)
         assert lb <= multi * (1 + 1e-9), (s.tolist(), lb, multi)
@@ -202,8 +163,8 @@ def test_packing_bound_holds_for_every_lockstep_plan():
 
     tighter = 0
     for s, cost in _instances(8, seed=7):
-        single = _exhaustive(s, cost, multi=False)
-        multi = _exhaustive(s, cost, multi=True)
+        single = exhaustive_lockstep_ms(s, cost, multi=False)
+        multi = exhaustive_lockstep_ms(s, cost, multi=True)
         pb_single = lockstep_packing_bound_ms(s, cost, multi=False)
         pb_multi = lockstep_packing_bound_ms(s, cost, multi=True)
         assert pb_multi <= multi * (1 + 1e-9), (s.tolist(), pb_multi, multi)

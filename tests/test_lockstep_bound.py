@@ -5,7 +5,6 @@ than the packed call, and against a case worked by hand."""
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import numpy as np
@@ -15,7 +14,7 @@ from workbench.cost import CostModel
 from workbench.models import get_model
 from workbench.solve.bound import lockstep_lower_bound_ms, lockstep_packing_bound_ms, lockstep_pass_bound_ms
 from workbench.specs import ClusterSpec, load_profile
-from conftest import set_partitions
+from conftest import exhaustive_lockstep_ms
 
 PROFILE = load_profile("a100-40g-flexsp")
 
@@ -49,46 +48,6 @@ class _Tweaked(CostModel):
         return self._ovh
 
 
-def _exhaustive(s, cost, *, multi):
-    """The least step (ms) over every lockstep plan: every partition of the sequences into groups,
-    every shape (degree and split) and aligned block for each group, every partition of the groups
-    into passes; a pass lasts max(largest rank load, comm) + overhead, a rank's load being the packed
-    call's constant once plus, per group it serves, the group's extra and its sequences' times, and
-    its activations in a pass fit the budget. Without ``multi`` a rank serves at most one group per
-    pass. Plus the step's end."""
-    n = cost.cluster.num_gpus
-    C, comm, ovh = cost.call_overhead_ms(), cost.pass_comm_ms(), cost.pass_overhead_ms()
-    B = cost.memory_budget_gb * (1 + 1e-9)
-    places = [(d, cp, b) for d, cp in cost.shapes if d <= n for b in range(n // d)]
-    best = math.inf
-    for groups in set_partitions(list(range(len(s)))):
-        for choice in itertools.product(places, repeat=len(groups)):
-            info = []
-            for members, (d, cp, b) in zip(groups, choice):
-                t = float(cost.time(s[members], d, cp).sum())
-                m = float(cost.memory(s[members], d, cp).sum())
-                info.append((d, b, cost.group_extra_ms(d, cp) + t, m))
-            if any(m > B for *_, m in info):
-                continue
-            for passes in set_partitions(list(range(len(info)))):
-                total = 0.0
-                for ks in passes:
-                    load, cnt, mem = np.zeros(n), np.zeros(n), np.zeros(n)
-                    for k in ks:
-                        d, b, t, m = info[k]
-                        load[b * d:(b + 1) * d] += t
-                        cnt[b * d:(b + 1) * d] += 1
-                        mem[b * d:(b + 1) * d] += m
-                    if (mem > B).any() or (not multi and (cnt > 1).any()):
-                        total = math.inf
-                        break
-                    total += max(float((load + C * (cnt > 0)).max()), comm) + ovh
-                    if total >= best:
-                        break
-                best = min(best, total)
-    return best + cost.step_end_ms()
-
-
 def _draw(cost, rng, k_max):
     """Lengths of 2 to ``k_max`` sequences between a tenth and 1.6 times what one GPU holds, each
     held by some group."""
@@ -105,8 +64,8 @@ def _check(cases):
     time as ``upper_ms``. Returns per case (optimum / bound, whether it beats both older lockstep bounds)."""
     out = []
     for s, cost in cases:
-        stacked = _exhaustive(s, cost, multi=True)
-        single = _exhaustive(s, cost, multi=False)
+        stacked = exhaustive_lockstep_ms(s, cost, multi=True)
+        single = exhaustive_lockstep_ms(s, cost, multi=False)
         assert stacked <= single * (1 + 1e-12)
         pb = lockstep_pass_bound_ms(s, cost)
         assert pb <= stacked * (1 + 1e-9), (s.tolist(), pb, stacked)
@@ -163,6 +122,6 @@ def test_one_sequence_per_pass_by_hand():
     s = np.array([x, x - 7, x - 13])
     hand = sum(max(cost.call_overhead_ms() + float(cost.time(s[i:i + 1], 1)[0]), cost.pass_comm_ms())
                + cost.pass_overhead_ms() for i in range(3)) + cost.step_end_ms()
-    assert _exhaustive(s, cost, multi=True) == pytest.approx(hand, rel=1e-9)
+    assert exhaustive_lockstep_ms(s, cost, multi=True) == pytest.approx(hand, rel=1e-9)
     assert lockstep_pass_bound_ms(s, cost) == pytest.approx(hand, rel=1e-5)
     assert lockstep_lower_bound_ms(s, cost) < hand * 0.9
