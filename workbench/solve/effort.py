@@ -108,8 +108,9 @@ class Effort:
         return math.inf if self.capped_at is not None else self.spent
 
     def past(self, deadline: float) -> bool:
-        """Whether the clock is past ``deadline`` (always, once the cap has passed)."""
-        return self.now() > deadline
+        """Whether the clock is past ``deadline`` (always, once the cap has passed: deadlines taken
+        from ``now()`` after it are infinite too, and inf > inf is false)."""
+        return self.now() > deadline or self.capped_at is not None
 
     def left(self, deadline: float | None = None) -> float:
         """Effort left before ``deadline`` (default: the budget's end), at least 0."""
