@@ -299,6 +299,28 @@ def test_solver_a_newer_request_cancels_a_running_solve():
     assert panel.solves == 1
 
 
+def test_solver_threaded_shows_plans_first_then_the_pass_bound():
+    """A threaded lockstep solve draws its plans with the quick bounds, then the lockstep pass bound
+    when it is ready: the step bound the synchronous path reports, below the fastest plan."""
+    from widgets import SolverPanel
+    from workbench.solve.bound import packing_bound_ms, step_bound_ms
+
+    panel = SolverPanel(Scenario(**SMALL), auto=False, debounce=0.0)
+    panel.request_solve()
+    assert panel.wait_idle(120)
+    res = panel.result
+    cost = res.scenario.cost()
+    assert cost.execution == "lockstep"
+    fastest = min(p.makespan_ms for p in res.values())
+    quick = res.packing_bound_ms
+    assert quick >= packing_bound_ms(res.batch.lengths, cost, upper_ms=fastest - cost.step_end_ms()) * (1 - 1e-9)
+    assert panel.wait_idle(120, bound=True)
+    assert res.pass_bound_pending is False and "on its way" not in panel.status.value
+    full = step_bound_ms(res.batch.lengths, cost, res.values())
+    assert res.packing_bound_ms == pytest.approx(full) and quick * (1 - 1e-9) <= full <= fastest * (1 + 1e-9)
+    assert panel.planner_table()[0]["packing_gap"] == pytest.approx(res[panel.planner_table()[0]["planner"]].makespan_ms / full - 1)
+
+
 # ------------------------------------------------------------------------------------------------
 # Lengths panel
 # ------------------------------------------------------------------------------------------------

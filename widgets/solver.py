@@ -44,7 +44,9 @@ def _ctx_label(n: int) -> str:
 class SolveResult(dict):
     """Plans of one solve by planner name (``Plan`` objects), with ``errors`` (planner: one line),
     ``scenario``, ``batch`` (lengths), ``seconds`` and ``packing_bound_ms`` (the step's
-    ``workbench.solve.bound.step_bound_ms`` given these plans; None without plans)."""
+    ``workbench.solve.bound.step_bound_ms`` given these plans; None without plans). A threaded solve
+    of a lockstep step shows its plans first and adds the lockstep pass bound when it is ready
+    (``pass_bound_pending`` until then: it takes seconds on thousands of sequences)."""
 
     def __init__(self, plans: dict, errors: dict, scenario: Scenario, batch, seconds: float, generation: int,
                  packing_bound_ms: float | None = None) -> None:
@@ -55,6 +57,7 @@ class SolveResult(dict):
         self.seconds = seconds
         self.generation = generation
         self.packing_bound_ms = packing_bound_ms
+        self.pass_bound_pending = False
 
 
 class SolverPanel(ScenarioSource, Panel):
@@ -88,6 +91,9 @@ class SolverPanel(ScenarioSource, Panel):
         self._build()
         self._worker = LatestWorker(self._job, done=self._apply, failed=self._fail, debounce=debounce,
                                     name="solver-panel")
+        # the lockstep pass bound of the plans shown, after them (a newer solve cancels it)
+        self._bounds = LatestWorker(self._bound_job, done=self._apply_bound, failed=self._fail_bound, debounce=0.0,
+                                    name="solver-panel-bound")
         self._load_controls(self._base)
         if auto:
             self.request_solve(debounce=False)  # the first plan, drawn when ready
@@ -441,7 +447,7 @@ class SolverPanel(ScenarioSource, Panel):
     def _batch(self, sc: Scenario):
         return sc.batches(1, start=int(self.w_batch_index.value))[0]
 
-    def _job(self, sc: Scenario, planners: list[str], generation: int, *, cancel) -> SolveResult:
+    def _job(self, sc: Scenario, planners: list[str], generation: int, passes: bool = True, *, cancel) -> SolveResult:
         t0 = time.perf_counter()
         # the user's text is tokenised once (into the token cache) before its lengths are planned
         sc.token_cache(progress=lambda f, m: self._progress(0.0, f"{m} ({100 * f:.0f}%)"), say=self._note)
@@ -470,8 +476,36 @@ class SolverPanel(ScenarioSource, Panel):
             from workbench.solve.bound import step_bound_ms
 
             self._progress(1.0 - 1e-6, "packing bound: how fast any plan of whole groups could be")
-            bound = step_bound_ms(batch.lengths, sc.cost(), plans.values())
-        return SolveResult(plans, errors, sc, batch, time.perf_counter() - t0, generation, bound)
+            bound = step_bound_ms(batch.lengths, sc.cost(), plans.values(), passes=passes)
+        res = SolveResult(plans, errors, sc, batch, time.perf_counter() - t0, generation, bound)
+        res.pass_bound_pending = bool(plans) and not passes and sc.cost().execution == "lockstep"
+        return res
+
+    def _bound_job(self, res: SolveResult, *, cancel) -> tuple:
+        from workbench.solve import Cancelled
+        from workbench.solve.bound import step_bound_ms
+
+        def check() -> None:
+            if cancel.is_set():
+                raise Cancelled("superseded by a newer request")
+
+        return res, step_bound_ms(res.batch.lengths, res.scenario.cost(), res.values(), cancel=check)
+
+    def _apply_bound(self, out: tuple) -> None:
+        res, bound = out
+        with self._lock:
+            if self.result is not res:
+                return
+            res.packing_bound_ms = max(res.packing_bound_ms or 0.0, float(bound))
+            res.pass_bound_pending = False
+            self._status_line(res)
+            self._draw_planners()
+
+    def _fail_bound(self, e: BaseException) -> None:
+        from workbench.solve import Cancelled
+
+        if not isinstance(e, Cancelled):
+            self.status.value = note_html(f"the lockstep pass bound failed: {one_line(e)}", "warn")
 
     def _note(self, msg: str) -> None:
         self.status.value = note_html(msg, "warn")
@@ -499,19 +533,25 @@ class SolverPanel(ScenarioSource, Panel):
         try:
             gen = self._worker.generation + 1
             self.status.value = note_html(f"solving (request #{gen})...", "busy")
-            return self._worker.submit(sc, self._planners_for(sc), gen)
+            self._bounds.cancel()
+            return self._worker.submit(sc, self._planners_for(sc), gen, False)
         finally:
             self._worker.debounce = old
 
     def cancel(self) -> None:
         """Cancel the solve that is running or pending (the plans shown stay)."""
         self._worker.cancel()
+        self._bounds.cancel()
         self.status.value = note_html("cancelled", "warn")
         self.progress.value = 0
 
-    def wait_idle(self, timeout: float = 60.0) -> bool:
-        """Wait until no solve is pending or running; False on timeout."""
-        return self._worker.wait_idle(timeout)
+    def wait_idle(self, timeout: float = 60.0, *, bound: bool = False) -> bool:
+        """Wait until no solve is pending or running (with ``bound``, also until the lockstep pass
+        bound of the plans shown is in); False on timeout."""
+        end = time.monotonic() + timeout
+        if not self._worker.wait_idle(timeout):
+            return False
+        return self._bounds.wait_idle(max(0.0, end - time.monotonic())) if bound else True
 
     @property
     def busy(self) -> bool:
@@ -523,6 +563,7 @@ class SolverPanel(ScenarioSource, Panel):
         the planners that could not plan). Cancels a background solve first. Raises ValueError
         when the controls do not describe a valid scenario."""
         self._worker.cancel()
+        self._bounds.cancel()
         self._worker.wait_idle(120)
         sc = self._controls_scenario()
         sc.cost()
@@ -572,16 +613,25 @@ class SolverPanel(ScenarioSource, Panel):
                 self._mark(next(iter(res.errors.values()), None))
                 return
             self._mark(None)
-            p = res[chosen]
-            pb = res.packing_bound_ms
-            packing = (f", packing bound {pb / 1e3:.3f}s (gap {100 * (p.makespan_ms / pb - 1):.1f}%)"
-                       if pb and pb > p.lower_bound_ms * (1 + 1e-9) else "")
-            self.status.value = note_html(
-                f"plan #{self.solves}: {chosen} {p.makespan_ms / 1e3:.3f}s per step, lower bound "
-                f"{p.lower_bound_ms / 1e3:.3f}s (gap {100 * p.gap:.1f}%){packing}, {len(p.micro_steps)} "
-                f"{'lockstep pass(es) (ZeRO-3)' if p.execution == 'lockstep' else 'micro-step(s), barrier-free'}, "
-                f"{len(res)} planner(s) in {res.seconds:.1f}s", "ok")
+            self._status_line(res)
             self._draw_all()
+            if res.pass_bound_pending:
+                self._bounds.submit(res)
+
+    def _status_line(self, res: SolveResult) -> None:
+        sc = res.scenario
+        chosen = sc.planner if sc.planner in res else next(iter(res))
+        p = res[chosen]
+        pb = res.packing_bound_ms
+        packing = (f", packing bound {pb / 1e3:.3f}s (gap {100 * (p.makespan_ms / pb - 1):.1f}%)"
+                   if pb and pb > p.lower_bound_ms * (1 + 1e-9) else "")
+        if res.pass_bound_pending:
+            packing += ", the lockstep pass bound on its way"
+        self.status.value = note_html(
+            f"plan #{self.solves}: {chosen} {p.makespan_ms / 1e3:.3f}s per step, lower bound "
+            f"{p.lower_bound_ms / 1e3:.3f}s (gap {100 * p.gap:.1f}%){packing}, {len(p.micro_steps)} "
+            f"{'lockstep pass(es) (ZeRO-3)' if p.execution == 'lockstep' else 'micro-step(s), barrier-free'}, "
+            f"{len(res)} planner(s) in {res.seconds:.1f}s", "ok")
 
     def _draw_timeline(self, plan: dict) -> None:
         from workbench.report.plans import timeline_figure
@@ -591,16 +641,24 @@ class SolverPanel(ScenarioSource, Panel):
             set_figure(self.fig_timeline, fig)
 
     def _draw_all(self) -> None:
-        from workbench.report.plans import planner_rows, planners_figure, work_figure
+        from workbench.report.plans import work_figure
 
         res = self.result
         if res is None or not res:
             return
         self._draw_timeline(res[self.w_show.value].to_dict())
+        self._draw_planners()
+        set_figure(self.fig_work, work_figure({k: v.to_dict() for k, v in res.items()}, res.scenario.cost()))
+        self._draw_memory(reset_group=True)
+
+    def _draw_planners(self) -> None:
+        """The planners figure and table (they carry the step bound)."""
+        from workbench.report.plans import planner_rows, planners_figure
+
+        res = self.result
         dicts = {k: v.to_dict() for k, v in res.items()}
         set_figure(self.fig_planners, planners_figure(dicts, title=f"Every planner on batch #{int(self.w_batch_index.value)}",
                                                       packing_bound_ms=res.packing_bound_ms))
-        set_figure(self.fig_work, work_figure(dicts, res.scenario.cost()))
         rows = planner_rows(dicts, res.packing_bound_ms)
         for r in rows:
             r["_style"] = "font-weight:600" if r["planner"] == self.w_show.value else ""
@@ -613,7 +671,6 @@ class SolverPanel(ScenarioSource, Panel):
             ("groups", "groups", "d"), ("degrees", "degrees", lambda v: ",".join(map(str, v))),
             ("splits", "splits (u x cp)", lambda v: ", ".join(v)),
             ("imbalance", "imbalance", ".3f"), ("solve_seconds", "solve (s)", ".2f"), ("status", "status", None)])
-        self._draw_memory(reset_group=True)
 
     def _on_show(self, change) -> None:
         if self._quiet or self.result is None or change["new"] not in self.result:

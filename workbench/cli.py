@@ -291,7 +291,11 @@ def cmd_plan(args) -> int:
     from workbench.solve.ahead import plan_lengths
     from workbench.solve.bound import step_bound_ms
 
-    pb = step_bound_ms(plan_lengths(plan), sc.cost(), [plan])
+    lengths = plan_lengths(plan)
+    if plan.execution == "lockstep" and len(lengths) > 1000:
+        print(f"# the lockstep pass bound over {len(lengths):,} sequences (a linear programme: seconds)...",
+              file=sys.stderr, flush=True)
+    pb = step_bound_ms(lengths, sc.cost(), [plan])
     if pb > plan.lower_bound_ms * (1 + 1e-9):
         print(f"  packing bound {pb:,.1f} ms (gap {plan.makespan_ms / pb - 1:.1%}): no plan is faster, each sequence counted whole")
     if plan.reason:

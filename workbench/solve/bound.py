@@ -430,18 +430,20 @@ def _groups_lp(lp, u, cnt, allowed, degs, t, mem, per_group, B) -> _GroupsLP:
     return out
 
 
-def step_bound_ms(lengths, cost, plans=()) -> float:
+def step_bound_ms(lengths, cost, plans=(), *, passes: bool = True, cancel=None) -> float:
     """The tightest lower bound on one step this package knows: the largest of ``lower_bound_ms``,
     the packing bound and, for a lockstep cost model, the pass bound (``lockstep_pass_bound_ms``), the
     last two restricted by the fastest of ``plans`` (Plans of these lengths over ``cost``; their compute
     time is ``upper_ms``). What the Solver panel, ``workbench plan`` and ``bench/solver.py`` report
-    beside the plans."""
+    beside the plans. ``passes=False`` leaves the pass bound out (the panel shows the rest at once and
+    the pass bound when it is ready: it takes seconds on thousands of sequences); ``cancel``, a
+    callable, is called between the pass bound's programmes (it raises to stop)."""
     weak = float(lower_bound_ms(lengths, cost))
     makespans = [float(p.makespan_ms) for p in plans]
     upper = min(makespans) - float(cost.step_end_ms()) if makespans else None
     out = max(weak, packing_bound_ms(lengths, cost, upper_ms=upper))
-    if cost.execution == "lockstep":
-        out = max(out, lockstep_pass_bound_ms(lengths, cost, upper_ms=upper))
+    if passes and cost.execution == "lockstep":
+        out = max(out, lockstep_pass_bound_ms(lengths, cost, upper_ms=upper, cancel=cancel))
     return out
 
 
@@ -482,7 +484,7 @@ and 133 s, and 1.1% lower (the pass counts not reached)."""
 
 
 def lockstep_pass_bound_ms(lengths, cost, upper_ms: float | None = None, *, detail: dict | None = None,
-                           work: float | None = PASS_WORK) -> float:
+                           work: float | None = PASS_WORK, cancel=None) -> float:
     """A lower bound on every lockstep plan (one group or several per rank in a pass) that sees how a
     step is cut into passes, in ms with the step's end (gradient sync and optimizer) included.
     ``upper_ms``: some plan's compute time (its makespan less the step's end; larger restricts less).
@@ -520,7 +522,8 @@ def lockstep_pass_bound_ms(lengths, cost, upper_ms: float | None = None, *, deta
     limit (``PASS_NODES``) and gives its proven bound; ``integral=False`` solves the linear programme
     on GLOP (weaker where a fraction of a long pass would do). Shares a cheaper one of the same length
     dominates in every demand are left out. ``work`` caps the programmes' summed size (``PASS_WORK``;
-    None: no cap); where it stops the search, the bound keeps what is proven so far. ``detail``, when
+    None: no cap); where it stops the search, the bound keeps what is proven so far. ``cancel``, a
+    callable, is called before each programme is solved (it raises to stop). ``detail``, when
     given, gets the value per M, the sizes, the programmes solved, the work spent, whether the cap
     stopped it (``stopped``), and the best programme's passes per class (``passes``: ``[(count, summed
     length ms, floor ms)]``)."""
@@ -743,6 +746,8 @@ def lockstep_pass_bound_ms(lengths, cost, upper_ms: float | None = None, *, deta
             nodes += 1
             for v in range(V):
                 above[v].SetBounds(lo[v], up[v])
+            if cancel is not None:
+                cancel()
             status = lp.Solve()
             solves[0] += 1
             spent[0] += lp.NumVariables() + lp.NumConstraints()
