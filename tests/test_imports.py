@@ -21,10 +21,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("workbench", "widgets")
 
-# Breaks of the rules that other work is removing; each line as the check prints it. Any other
-# break fails the test, and each entry here is a strict expected failure of
-# test_known_break_is_gone: when it is fixed that test fails until the entry is deleted.
-KNOWN: set[str] = set()  # none today: every circle, private import and second doctor is gone
+# No break of the rules is tolerated: every circle, private import and second doctor is gone (the
+# list of known breaks that other work was removing went with the last of them).
 
 
 def _private(name: str) -> bool:
@@ -166,17 +164,12 @@ def graph() -> _Graph:
 
 
 def _problems(graph: _Graph) -> set[str]:
-    """Every break of the rules, one line each (the lines KNOWN holds)."""
+    """Every break of the rules, one line each."""
     out = {_circle_line(c) for c in graph.circles()} | graph.private
     doctors = sorted(m for m in graph.mods if m.rpartition(".")[2] == "doctor")
     if len(doctors) != 1:
         out.add(f"{len(doctors)} doctor modules: {', '.join(doctors)}")
     return out
-
-
-def _known(line: str) -> bool:
-    """Whether ``line`` is a known break (listed in ``KNOWN``)."""
-    return line in KNOWN
 
 
 def test_the_check_reads_the_packages(graph):
@@ -187,26 +180,20 @@ def test_the_check_reads_the_packages(graph):
 
 
 def test_no_import_circles(graph):
-    new = [_circle_line(c) for c in graph.circles() if not _known(_circle_line(c))]
+    new = [_circle_line(c) for c in graph.circles()]
     assert not new, ("modules that import each other (imports inside functions count); move what one needs "
                      "to where it belongs by DESIGN.md's dependency direction:\n" + "\n".join(new))
 
 
 def test_no_private_names_of_other_modules(graph):
-    new = sorted(line for line in graph.private if not _known(line))
+    new = sorted(graph.private)
     assert not new, ("another module's underscore names used; make a shared helper public in the module that "
                      "owns it:\n" + "\n".join(new))
 
 
 def test_one_module_named_doctor(graph):
-    new = [line for line in _problems(graph) if "doctor modules" in line and not _known(line)]
+    new = [line for line in _problems(graph) if "doctor modules" in line]
     assert not new, "\n".join(new)
-
-
-@pytest.mark.parametrize("line", sorted(KNOWN))
-@pytest.mark.xfail(strict=True, reason="a known break that other work is removing; delete it from KNOWN when fixed")
-def test_known_break_is_gone(graph, line):
-    assert line not in _problems(graph), f"still there: {line}"
 
 
 def test_the_rules_catch_a_circle_and_a_private_import(tmp_path):
