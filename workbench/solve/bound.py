@@ -317,6 +317,17 @@ def packing_bound_ms(lengths, cost, upper_ms: float | None = None) -> float:
     return max(0.0, float(T.solution_value()) * (1 - 1e-7)) + grad
 
 
+def _lockstep_setting(s: np.ndarray, cost) -> tuple:
+    """What both lockstep bounds read of the cost model, after checking every length fits some
+    group: the GPUs, the shapes that fit them, the activation budget, and the packed call's constant
+    C, FSDP's per-pass collectives, the pass overhead and ``P = max(C, comm)``."""
+    cost.check_feasible(s)
+    n = int(cost.cluster.num_gpus)
+    C, comm, ovh = float(cost.call_overhead_ms()), float(cost.pass_comm_ms()), float(cost.pass_overhead_ms())
+    return (n, [(int(d), int(cp)) for d, cp in cost.shapes if d <= n], float(cost.memory_budget_gb),
+            (C, comm, ovh, max(C, comm)))
+
+
 def lockstep_packing_bound_ms(lengths, cost, upper_ms: float | None = None, *, multi: bool = True) -> float:
     """The packing lower bound for lockstep plans (module docstring), in ms, the step's end (gradient
     sync and optimizer) included. ``upper_ms``: some plan's compute time (its makespan less the
@@ -330,13 +341,8 @@ def lockstep_packing_bound_ms(lengths, cost, upper_ms: float | None = None, *, m
     end = float(cost.step_end_ms())
     if s.size == 0:
         return end
-    cost.check_feasible(s)
-    n = int(cost.cluster.num_gpus)
-    shapes = [(int(d), int(cp)) for d, cp in cost.shapes if d <= n]
+    n, shapes, B, (C, comm, ovh, P) = _lockstep_setting(s, cost)
     degs = [d for d, _ in shapes]
-    B = float(cost.memory_budget_gb)
-    C, comm, ovh = float(cost.call_overhead_ms()), float(cost.pass_comm_ms()), float(cost.pass_overhead_ms())
-    P = max(C, comm)
     u, cnt = np.unique(s, return_counts=True)
     t = np.stack([cost.time(u, d, cp) for d, cp in shapes])
     mem = np.stack([cost.memory(u, d, cp) for d, cp in shapes])
@@ -533,12 +539,7 @@ def lockstep_pass_bound_ms(lengths, cost, upper_ms: float | None = None, *, deta
     end = float(cost.step_end_ms())
     if s.size == 0:
         return end
-    cost.check_feasible(s)
-    n = int(cost.cluster.num_gpus)
-    shapes = [(int(d), int(cp)) for d, cp in cost.shapes if d <= n]
-    B = float(cost.memory_budget_gb)
-    C, comm, ovh = float(cost.call_overhead_ms()), float(cost.pass_comm_ms()), float(cost.pass_overhead_ms())
-    P = max(C, comm)
+    n, shapes, B, (C, comm, ovh, P) = _lockstep_setting(s, cost)
     u, cnt = np.unique(s, return_counts=True)
     deg = np.array([d for d, _ in shapes], dtype=np.float64)
     t = np.stack([cost.time(u, d, cp) for d, cp in shapes])
