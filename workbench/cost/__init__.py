@@ -537,7 +537,7 @@ class CostModel:
         best, best_key = None, None
         for c in self._cps(degree, None):
             mem = float(self.memory(s, degree, c).sum())
-            t = self.group_overhead_ms(degree, c) + float(self.time(s, degree, c).sum())
+            t = self.group_ms(s, degree, c)
             key = (mem > self.memory_budget_gb * (1 + 1e-9), t if mem <= self.memory_budget_gb * (1 + 1e-9) else mem)
             if best_key is None or key < best_key:
                 best, best_key = c, key
@@ -810,6 +810,12 @@ class CostModel:
             out += self.model.layers * self.split_residual(degree, c)[0]
             return out
         return min(one(c) for c in self._cps(degree, cp))
+
+    def group_ms(self, lengths, degree: int, cp: int | None = None) -> float:
+        """Time (ms) of one group of ``degree`` and split ``(degree/cp) x cp`` running all of
+        ``lengths`` in a micro-step: its fixed overhead plus its sequences' times (``cp`` None: each
+        term its least over the degree's splits, as in ``time`` and ``group_overhead_ms``)."""
+        return self.group_overhead_ms(degree, cp) + float(self.time(lengths, degree, cp).sum())
 
     def group_overhead_ms(self, degree: int, cp: int | None = None) -> float:
         """Fixed time a group pays once per micro-step: the fitted constant c of every layer and the

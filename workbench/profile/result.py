@@ -155,6 +155,12 @@ class ProfileResult:
         return dumps(self.to_dict(), **kw)
 
 
+def _single_residuals(cost, groups: list[dict]) -> dict:
+    """Per pack measured on one rank (degree 1): what the cost model's group time leaves unexplained
+    (measured less predicted, ms), the part of a wider group's residual that is not its own."""
+    return {tuple(g["pack"]): g["ms"] - cost.group_ms(g["pack"], 1) for g in groups if int(g["degree"]) == 1}
+
+
 def fit_sp_overhead(profile: HardwareProfile, world: int, groups: list[dict]) -> tuple[dict, dict, list[dict]]:
     """The extra time of a Ulysses group of each size beyond what the profile's compute and
     collective fits predict, from real micro-steps ``groups`` (``{"degree", "pack", "ms"}``, whole
@@ -177,16 +183,13 @@ def fit_sp_overhead(profile: HardwareProfile, world: int, groups: list[dict]) ->
     base = dataclasses.replace(profile, sp_overhead_ms={}, sp_token_ms={})
     cost = CostModel(base, model, ClusterSpec(num_gpus=world, gpus_per_node=world, gpu_memory_gb=1e6))
 
-    def pred(d: int, pack) -> float:
-        return cost.group_overhead_ms(d) + float(cost.time(pack, d).sum())
-
-    r1 = {tuple(g["pack"]): g["ms"] - pred(1, g["pack"]) for g in groups if g["degree"] == 1}
+    r1 = _single_residuals(cost, groups)
     fixed: dict[int, float] = {}
     per_token: dict[int, float] = {}
     for d in sorted({int(g["degree"]) for g in groups if g["degree"] > 1}):
         gs = [g for g in groups if g["degree"] == d]
         tokens = np.array([float(sum(g["pack"])) for g in gs])
-        res = np.array([g["ms"] - pred(d, g["pack"]) - r1.get(tuple(g["pack"]), 0.0) / d for g in gs])
+        res = np.array([g["ms"] - cost.group_ms(g["pack"], d) - r1.get(tuple(g["pack"]), 0.0) / d for g in gs])
         if len(set(tokens.tolist())) >= 2:
             o, r = nnls(np.stack([np.ones_like(tokens), tokens], axis=1), res)
         else:
@@ -195,7 +198,7 @@ def fit_sp_overhead(profile: HardwareProfile, world: int, groups: list[dict]) ->
     rows = []
     for g in groups:
         d = int(g["degree"])
-        p0 = pred(d, g["pack"])
+        p0 = cost.group_ms(g["pack"], d)
         extra = model.layers * (fixed.get(d, 0.0) + per_token.get(d, 0.0) * sum(g["pack"]))
         rows.append({"degree": d, "cp": 1, "pack": list(g["pack"]), "tokens": int(sum(g["pack"])),
                      "measured_ms": g["ms"], "predicted_ms": p0, "predicted_with_overhead_ms": p0 + extra})
@@ -236,11 +239,7 @@ def fit_cp_overhead(profile: HardwareProfile, world: int, groups: list[dict], *,
     base = dataclasses.replace(profile, cp_overhead_ms={}, cp_token_ms={}, cp_attention_factor={})
     cluster = _cluster(world, 0)
     cost = CostModel(base, model, cluster, strategy="auto")
-
-    def pred(c_model, d: int, c: int, pack) -> float:
-        return c_model.group_overhead_ms(d, c) + float(c_model.time(pack, d, c).sum())
-
-    r1 = {tuple(g["pack"]): g["ms"] - pred(cost, 1, 1, g["pack"]) for g in groups if int(g["degree"]) == 1}
+    r1 = _single_residuals(cost, groups)
     fixed: dict[int, float] = {}
     per_token: dict[int, float] = {}
     factor: dict[int, float] = {}
@@ -248,7 +247,7 @@ def fit_cp_overhead(profile: HardwareProfile, world: int, groups: list[dict], *,
         gs = [g for g in cps if int(g["degree"]) == c and int(g["cp"]) == c]
         tokens = np.array([float(sum(g["pack"])) for g in gs])
         attn = np.array([float(cost.attention_ms(g["pack"], c).sum()) for g in gs])
-        res = np.array([g["ms"] - pred(cost, c, c, g["pack"]) - r1.get(tuple(g["pack"]), 0.0) / c for g in gs])
+        res = np.array([g["ms"] - cost.group_ms(g["pack"], c, c) - r1.get(tuple(g["pack"]), 0.0) / c for g in gs])
         o, r, q = 0.0, 0.0, 0.0
         if attention and len(set(zip(tokens.tolist(), attn.tolist()))) >= 3 and np.any(attn > 0):
             X = np.stack([np.ones_like(tokens), tokens, attn], axis=1)
@@ -265,8 +264,8 @@ def fit_cp_overhead(profile: HardwareProfile, world: int, groups: list[dict], *,
     for g in cps:
         d, c = int(g["degree"]), int(g["cp"])
         rows.append({"degree": d, "cp": c, "split": f"{d // c}x{c}", "pack": list(g["pack"]),
-                     "tokens": int(sum(g["pack"])), "measured_ms": g["ms"], "predicted_ms": pred(cost, d, c, g["pack"]),
-                     "predicted_with_overhead_ms": pred(fitted, d, c, g["pack"])})
+                     "tokens": int(sum(g["pack"])), "measured_ms": g["ms"], "predicted_ms": cost.group_ms(g["pack"], d, c),
+                     "predicted_with_overhead_ms": fitted.group_ms(g["pack"], d, c)})
     return fixed, per_token, rows, factor
 
 
@@ -302,17 +301,13 @@ def fit_split_overhead(profile: HardwareProfile, world: int, groups: list[dict])
     bare = dataclasses.replace(parts, sp_overhead_ms={}, sp_token_ms={}, cp_overhead_ms={}, cp_token_ms={},
                                cp_attention_factor={})
     cost = CostModel(parts, model, cluster, strategy="auto")
-
-    def pred(c_model, d: int, c: int, pack) -> float:
-        return c_model.group_overhead_ms(d, c) + float(c_model.time(pack, d, c).sum())
-
-    r1 = {tuple(g["pack"]): g["ms"] - pred(cost, 1, 1, g["pack"]) for g in groups if int(g["degree"]) == 1}
+    r1 = _single_residuals(cost, groups)
     fixed: dict[str, float] = {}
     per_token: dict[str, float] = {}
     for d, c in sorted({(int(g["degree"]), int(g["cp"])) for g in comp}, key=lambda x: (x[1], x[0])):
         gs = [g for g in comp if int(g["degree"]) == d and int(g["cp"]) == c]
         tokens = np.array([float(sum(g["pack"])) for g in gs])
-        res = np.array([g["ms"] - pred(cost, d, c, g["pack"]) - r1.get(tuple(g["pack"]), 0.0) / d for g in gs])
+        res = np.array([g["ms"] - cost.group_ms(g["pack"], d, c) - r1.get(tuple(g["pack"]), 0.0) / d for g in gs])
         if len(set(tokens.tolist())) >= 2:
             o, r = nnls(np.stack([np.ones_like(tokens), tokens], axis=1), res)
         else:
@@ -326,9 +321,9 @@ def fit_split_overhead(profile: HardwareProfile, world: int, groups: list[dict])
     for g in comp:
         d, c = int(g["degree"]), int(g["cp"])
         rows.append({"degree": d, "cp": c, "split": split_key(d // c, c), "pack": list(g["pack"]),
-                     "tokens": int(sum(g["pack"])), "measured_ms": g["ms"], "predicted_ms": pred(bare_cost, d, c, g["pack"]),
-                     "predicted_parts_ms": pred(cost, d, c, g["pack"]),
-                     "predicted_with_overhead_ms": pred(fitted, d, c, g["pack"])})
+                     "tokens": int(sum(g["pack"])), "measured_ms": g["ms"], "predicted_ms": bare_cost.group_ms(g["pack"], d, c),
+                     "predicted_parts_ms": cost.group_ms(g["pack"], d, c),
+                     "predicted_with_overhead_ms": fitted.group_ms(g["pack"], d, c)})
     return fixed, per_token, rows
 
 
@@ -416,7 +411,7 @@ def fit_micro_step(profile: HardwareProfile, world: int, steps: list[dict], grou
     if not rows:
         for g in groups:
             if int(g["degree"]) == 1:
-                pred = cost.group_overhead_ms(1) + float(cost.time(g["pack"], 1).sum())
+                pred = cost.group_ms(g["pack"], 1)
                 rows.append({"case": "sp micro-step", "degree": 1, "tokens": int(sum(g["pack"])),
                              "measured_ms": float(g["ms"]), "predicted_ms": pred})
     if not rows:

@@ -253,7 +253,7 @@ def group_time(cost: CostModel, lengths: np.ndarray, degree: int, seqs: Sequence
     """Predicted time of one group of split ``(degree/cp) x cp``: its fixed overhead plus its sequences' times."""
     if len(seqs) == 0:
         return 0.0
-    return cost.group_overhead_ms(degree, cp) + float(cost.time(lengths[list(seqs)], degree, cp).sum())
+    return cost.group_ms(lengths[list(seqs)], degree, cp)
 
 
 def group_memory(cost: CostModel, lengths: np.ndarray, degree: int, seqs: Sequence[int], cp: int = 1) -> float:
