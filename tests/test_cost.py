@@ -212,6 +212,33 @@ def _quadratic_cp_profile():
         provenance={"kind": "measured"})
 
 
+def _splits_won_by_brute_force(auto, draws: int = 300) -> set:
+    """Random groups of 2 or 4 GPUs (1-6 sequences up to 600, 4K or 16K tokens): every split that
+    divides the degree, timed and sized by hand (overhead plus sequences, summed memory). The splits
+    ``auto`` keeps hold the fastest one that fits, and ``best_split`` picks it. Returns the splits
+    that won some group of 4."""
+    rng = np.random.default_rng(1)
+    won = set()
+    for _ in range(draws):
+        d = int(rng.choice([2, 4]))
+        n = int(rng.integers(1, 7))
+        seqs = rng.integers(8, int(rng.choice([600, 4000, 16384])), size=n)
+        every = [c for c in range(1, d + 1) if d % c == 0 and auto.split_supported(d // c)]
+
+        def group(c, d=d, seqs=seqs):
+            return (auto.group_overhead_ms(d, c) + float(auto.time(seqs, d, c).sum()),
+                    float(auto.memory(seqs, d, c).sum()))
+        fits = [(group(c)[0], c) for c in every if group(c)[1] <= auto.memory_budget_gb]
+        kept = [group(c)[0] for c in auto.splits(d) if group(c)[1] <= auto.memory_budget_gb]
+        assert bool(fits) == bool(kept)
+        if fits:
+            assert min(kept) == pytest.approx(min(fits)[0], rel=1e-12)
+            assert group(auto.best_split(seqs, d))[0] == pytest.approx(min(fits)[0], rel=1e-12)
+            if d == 4:
+                won.add(min(fits)[1])
+    return won
+
+
 def test_auto_keeps_every_split_a_group_would_choose_with_cp_attention():
     """The same brute force with CP's quadratic extra: a group's best split depends on its sequences'
     lengths, not only on its tokens, and the pruning still loses nothing. The profile is built so that
@@ -232,28 +259,7 @@ def test_auto_keeps_every_split_a_group_would_choose_with_cp_attention():
     # without the factor the same profile drops 2 x 2
     assert CostModel(dataclasses.replace(p, cp_attention_factor={}), get_model("tiny"), cl,
                      strategy="auto").splits(4) == (1, 4)
-    rng = np.random.default_rng(1)
-    chosen = set()
-    for _ in range(300):
-        d = int(rng.choice([2, 4]))
-        n = int(rng.integers(1, 7))
-        hi = int(rng.choice([600, 4000, 16384]))
-        seqs = rng.integers(8, hi, size=n)
-        every = [c for c in range(1, d + 1) if d % c == 0 and auto.split_supported(d // c)]
-
-        def group(c, d=d, seqs=seqs):
-            return (auto.group_overhead_ms(d, c) + float(auto.time(seqs, d, c).sum()),
-                    float(auto.memory(seqs, d, c).sum()))
-        fits = [(group(c)[0], c) for c in every if group(c)[1] <= auto.memory_budget_gb]
-        kept = [group(c)[0] for c in auto.splits(d) if group(c)[1] <= auto.memory_budget_gb]
-        assert bool(fits) == bool(kept)
-        if fits:
-            assert min(kept) == pytest.approx(min(fits)[0], rel=1e-12)
-            c = auto.best_split(seqs, d)
-            assert group(c)[0] == pytest.approx(min(fits)[0], rel=1e-12)
-            if d == 4:
-                chosen.add(min(fits)[1])
-    assert chosen == {1, 2, 4}
+    assert _splits_won_by_brute_force(auto) == {1, 2, 4}
 
 
 def _residual_profile(**split):
@@ -348,25 +354,7 @@ def test_auto_keeps_every_split_a_group_would_choose_with_a_split_residual():
             assert shapes[2, 2]["split_residual_ms"] == pytest.approx(2 * fixed)
             assert shapes[2, 2]["split_residual_ms_per_token"] == pytest.approx(2 * tok)
         assert shapes[1, 4]["split_residual_ms"] is None
-        rng = np.random.default_rng(1)
-        chosen = set()
-        for _ in range(300):
-            d = int(rng.choice([2, 4]))
-            seqs = rng.integers(8, int(rng.choice([600, 4000, 16384])), size=int(rng.integers(1, 7)))
-            every = [c for c in range(1, d + 1) if d % c == 0 and auto.split_supported(d // c)]
-
-            def group(c, d=d, seqs=seqs, auto=auto):
-                return (auto.group_overhead_ms(d, c) + float(auto.time(seqs, d, c).sum()),
-                        float(auto.memory(seqs, d, c).sum()))
-            fits = [(group(c)[0], c) for c in every if group(c)[1] <= auto.memory_budget_gb]
-            kept = [group(c)[0] for c in auto.splits(d) if group(c)[1] <= auto.memory_budget_gb]
-            assert bool(fits) == bool(kept)
-            if fits:
-                assert min(kept) == pytest.approx(min(fits)[0], rel=1e-12)
-                assert group(auto.best_split(seqs, d))[0] == pytest.approx(min(fits)[0], rel=1e-12)
-                if d == 4:
-                    chosen.add(min(fits)[1])
-        assert chosen == chosen_splits
+        assert _splits_won_by_brute_force(auto) == chosen_splits
         # the envelope on the same lines, and a dense (S, r) grid, agree on what is kept
         cands = [(c, auto.group_overhead_ms(4, c), float(auto._split_linear_ms(one, 4, c)[0]),
                   auto.cp_attention_factor(c) / 4, float(auto.memory(one, 4, c)[0])) for c in (1, 2, 4)]

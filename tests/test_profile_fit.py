@@ -24,6 +24,12 @@ from workbench.specs import ClusterSpec, ComputeCurve, HardwareProfile, load_pro
 PACKS = [[64], [256], [1024], [2048], [4096], [64] * 16, [256] * 8, [1024, 512, 256, 128, 64, 64]]
 
 
+
+def _tiny_auto(profile, world: int = 4) -> CostModel:
+    """The tiny model on one node of ``world`` ranks with memory to spare, every split allowed."""
+    return CostModel(profile, get_model("tiny"), ClusterSpec(num_gpus=world, gpus_per_node=world, gpu_memory_gb=1e6),
+                     strategy="auto")
+
 def _t(a, b, c, pack):
     return a * sum(s * s for s in pack) + b * sum(pack) + c
 
@@ -549,7 +555,7 @@ def test_cp_extras_are_the_residual_of_real_cp_micro_steps_by_hand():
     prof = _profile(allgather_gbps={2: 1.0, 4: 0.8}, reduce_scatter_gbps={2: 0.9, 4: 0.7},
                     allgather_latency_ms={2: 0.1, 4: 0.2}, reduce_scatter_latency_ms={2: 0.15, 4: 0.25},
                     all_to_all_latency_ms={2: 0.5, 4: 1.0}, sp_overhead_ms={2: 1.5}, sp_token_ms={2: 1e-4})
-    cost = CostModel(prof, tiny, ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=1e6), strategy="auto")
+    cost = _tiny_auto(prof)
 
     def pred(d, c, pack):
         return cost.group_overhead_ms(d, c) + float(cost.time(pack, d, c).sum())
@@ -605,8 +611,7 @@ def _cp_attention_case(known, noise=0.0, seed=0):
     prof = _profile(forward={"a": 2.7e-6, "b": 0.004, "c": 0.5}, backward={"a": 5.3e-6, "b": 0.008, "c": 1.0},
                     allgather_gbps={2: 1.0, 4: 0.8}, reduce_scatter_gbps={2: 0.5, 4: 0.4},
                     allgather_latency_ms={2: 0.1, 4: 0.2}, reduce_scatter_latency_ms={2: 0.15, 4: 0.25})
-    cost = CostModel(prof, get_model("tiny"), ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=1e6),
-                     strategy="auto")
+    cost = _tiny_auto(prof)
     L = 2
     A = L * (2.7e-6 + 5.3e-6)  # the whole model's a, forward and backward: ms per token pair
     rng = np.random.default_rng(seed)
@@ -666,8 +671,7 @@ def test_cp_attention_factor_under_noise(seed):
 def test_build_result_fits_the_cp_extras_into_the_profile():
     m = _measurements()
     prof0 = build_result(m).profile
-    cost = CostModel(prof0, get_model("tiny"), ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=1e6),
-                     strategy="auto")
+    cost = _tiny_auto(prof0)
     packs = [[512], [1024], [64] * 8]
     m["groups"] = [{"degree": 1, "cp": 1, "pack": p, "ms": cost.group_overhead_ms(1) + float(cost.time(p, 1).sum())}
                    for p in packs]
@@ -707,8 +711,7 @@ def _split_case(known, world=4, noise=0.0, seed=0, packs=CP_PACKS):
                     allgather_latency_ms={2: 0.1, 4: 0.2}, reduce_scatter_latency_ms={2: 0.15, 4: 0.25},
                     sp_overhead_ms={2: 1.5, 4: 2.0}, sp_token_ms={2: 1e-3, 4: 5e-4},
                     cp_overhead_ms={2: 0.8, 4: 1.0}, cp_token_ms={2: 2e-3, 4: 1e-3}, cp_attention_factor={2: 0.3, 4: 0.2})
-    cost = CostModel(prof, get_model("tiny"), ClusterSpec(num_gpus=world, gpus_per_node=world, gpu_memory_gb=1e6),
-                     strategy="auto")
+    cost = _tiny_auto(prof, world)
     L = 2
     rng = np.random.default_rng(seed)
 
@@ -738,9 +741,8 @@ def test_split_residual_is_recovered_from_synthetic_micro_steps():
     for key, (o, r) in known.items():
         assert fixed[key] == pytest.approx(o, abs=1e-9) and per_token[key] == pytest.approx(r, abs=1e-12)
     assert len(rows) == 3 * len(CP_PACKS) and {r["split"] for r in rows} == set(known)
-    bare = CostModel(dataclasses.replace(prof, sp_overhead_ms={}, sp_token_ms={}, cp_overhead_ms={}, cp_token_ms={},
-                                         cp_attention_factor={}), get_model("tiny"),
-                     ClusterSpec(num_gpus=8, gpus_per_node=8, gpu_memory_gb=1e6), strategy="auto")
+    bare = _tiny_auto(dataclasses.replace(prof, sp_overhead_ms={}, sp_token_ms={}, cp_overhead_ms={}, cp_token_ms={},
+                                          cp_attention_factor={}), 8)
     for row in rows:
         d, c, pack = row["degree"], row["cp"], row["pack"]
         o, r = known[row["split"]]
@@ -752,8 +754,7 @@ def test_split_residual_is_recovered_from_synthetic_micro_steps():
         assert row["predicted_with_overhead_ms"] == pytest.approx(
             row["measured_ms"] - (4.0 / d if pack == CP_PACKS[0] else 0.0), rel=1e-9)
     # the profile with the fit: the cost model prices exactly those splits with it
-    fitted = CostModel(dataclasses.replace(prof, split_overhead_ms=fixed, split_token_ms=per_token), get_model("tiny"),
-                       ClusterSpec(num_gpus=8, gpus_per_node=8, gpu_memory_gb=1e6), strategy="auto")
+    fitted = _tiny_auto(dataclasses.replace(prof, split_overhead_ms=fixed, split_token_ms=per_token), 8)
     assert fitted.group_overhead_ms(8, 2) - cost.group_overhead_ms(8, 2) == pytest.approx(2 * 2.0)
     assert fitted.group_overhead_ms(8, 8) == cost.group_overhead_ms(8, 8)
 
@@ -796,8 +797,7 @@ def test_split_residual_under_noise(seed):
 def test_build_result_fits_the_split_residual_into_the_profile():
     m = _measurements()
     prof0 = build_result(m).profile
-    cost = CostModel(prof0, get_model("tiny"), ClusterSpec(num_gpus=4, gpus_per_node=4, gpu_memory_gb=1e6),
-                     strategy="auto")
+    cost = _tiny_auto(prof0)
 
     def pred(d, c, p):
         return cost.group_overhead_ms(d, c) + float(cost.time(p, d, c).sum())
