@@ -598,7 +598,7 @@ def fill_cost(tab, M: int) -> float:
 
 
 def fill_passes(tab, cost: CostModel, M: int, floors, clock: Effort, *, multi: bool, order=None,
-                check_cancel=None) -> "Passes | None":
+                cancel=None) -> "Passes | None":
     """List scheduling of the whole step into ``M`` passes: sequences one by one (``order``; default
     slowest alone first) each go where the step grows least, counting the GPU-time it adds over N
     besides: ``max(0, new length - allowance) + GPU-time / N``, the allowance of a pass being the
@@ -607,8 +607,8 @@ def fill_passes(tab, cost: CostModel, M: int, floors, clock: Effort, *, multi: b
     that holds it on a free aligned block (with ``multi``: on any block with memory room, stacked).
     So the pass the longest sequence opens fills up to its length before the others grow, each
     sequence at the cheapest degree that fits there. Charged to ``clock``. None when a sequence fits
-    nowhere. ``check_cancel`` (PlanOptions.check_cancel) is called every 64 sequences: a fill of
-    thousands of sequences takes seconds."""
+    nowhere. ``cancel`` (PlanOptions.check_cancel, as ``Passes.improve`` takes it) is called every
+    64 sequences: a fill of thousands of sequences takes seconds."""
     ps = Passes(tab, cost, multi=multi)
     for _ in range(M):
         ps.new_pass()
@@ -633,8 +633,8 @@ def fill_passes(tab, cost: CostModel, M: int, floors, clock: Effort, *, multi: b
         order = np.lexsort((-tab.s, -tab.best_single))
     for j, i in enumerate(order):
         i = int(i)
-        if check_cancel is not None and j % 64 == 63:
-            check_cancel()
+        if cancel is not None and j % 64 == 63:
+            cancel()
         clock.tick(elements=4 * F + 6 * n_g + 5 * n * degs.size, steps=6 + 0.5 * int(tab.ok[:, i].sum()))
         rl_pass = np.array([float(ps.rank_loads(q).max()) if ps.cnt[q].any() else 0.0 for q in range(M)])
         cap = np.maximum(rl_pass, floor)
@@ -968,7 +968,7 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
                 floors = floors_list[k]
             elif k == len(floors_list):
                 floors = best_fill[1]  # the best start's own lengths, then each round's
-            ps = fill_passes(tab, cost, M, floors, clock, multi=multi, check_cancel=opts.check_cancel)
+            ps = fill_passes(tab, cost, M, floors, clock, multi=multi, cancel=opts.check_cancel)
             if ps is None:
                 break
             ms = ps.step_ms()
