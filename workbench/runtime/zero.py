@@ -95,6 +95,15 @@ def fsdp_modules(model: nn.Module) -> list[list[nn.Module]]:
     return units
 
 
+def _cpu_mesh():
+    """A device mesh of the whole world on the CPU. FSDP2's default mesh is on the accelerator
+    whenever one exists, so on a machine with one GPU and a gloo world of two (the doctor's 2-rank
+    checks) it moved a CPU model's parameters to cuda:0 while its inputs stayed on the CPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
 def apply_fsdp(model: nn.Module, precision: str, *, mesh=None) -> None:
     """Shard ``model`` with FSDP2: ``fully_shard`` on every unit of :func:`fsdp_modules`, then on the
     root, with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` for bf16; gradients are
@@ -321,5 +330,5 @@ def parallelize(model: nn.Module, *, zero_stage: int, precision: str, recompute:
     if zero_stage == 3:
         if not dist.is_initialized():
             raise ValueError("ZeRO-3 shards over a process group: initialise torch.distributed first")
-        apply_fsdp(model, precision)
+        apply_fsdp(model, precision, mesh=_cpu_mesh() if torch.device(device).type == "cpu" else None)
     return ZeroRuntime(model, zero_stage=zero_stage, precision=precision, recompute=recompute, device=device)
