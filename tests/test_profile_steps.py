@@ -258,6 +258,11 @@ def test_fingerprint_names_the_machine_and_process_count():
     assert c["key"] != a["key"] and not same_machine(a, c)
     with pytest.raises(ValueError, match="cpu or cuda"):
         machine_fingerprint(2, device="tpu")
+    # a CUDA image's package metadata and torch.__version__ differ by the local tag (seen on an H200:
+    # 2.11.0 and 2.11.0+cu130): the same torch; another release is not
+    gpu = {**a, "torch": "2.11.0", "device": "cuda NVIDIA H200", "nproc": 1}
+    assert same_machine(gpu, {**gpu, "torch": "2.11.0+cu130"})
+    assert not same_machine(gpu, {**gpu, "torch": "2.12.0+cu130"})
 
 
 def _cached(root, fp, *, state="done", damage=None, model="tiny", version=None):

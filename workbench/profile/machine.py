@@ -121,9 +121,22 @@ def describe_fingerprint(fp: Mapping[str, Any] | None) -> str:
             f"{n if n is not None else '?'} process{'es' if n != 1 else ''}")
 
 
+def _same(k: str, a: Any, b: Any) -> bool:
+    """One key of two fingerprints alike: torch versions without their local tag (a CUDA image's
+    package metadata says ``2.11.0`` where ``torch.__version__`` says ``2.11.0+cu130``; the device
+    key tells the builds apart)."""
+    if k == "torch" and a and b:
+        return str(a).split("+")[0] == str(b).split("+")[0]
+    return a == b
+
+
+def _differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
+    return [k for k in _KEYS if not _same(k, a.get(k), b.get(k))]
+
+
 def same_machine(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
     """Whether two fingerprints name the same machine and process count."""
-    return bool(a) and bool(b) and all(a.get(k) == b.get(k) for k in _KEYS)
+    return bool(a) and bool(b) and not _differences(a, b)
 
 
 def profile_origin_note(profile, nproc: int, *, device: str = "cpu", fingerprint: Mapping[str, Any] | None = None) -> str | None:
@@ -138,7 +151,7 @@ def profile_origin_note(profile, nproc: int, *, device: str = "cpu", fingerprint
     if theirs is None:
         where = f"a {prov.get('kind') or 'reference'} profile ({prov.get('source') or profile.gpu})"
     else:
-        diff = [k for k in _KEYS if here.get(k) != theirs.get(k)]
+        diff = _differences(here, theirs)
         what = {"cpu": "CPU", "cores": "cores", "torch": "torch version", "device": "device",
                 "nproc": "process count"}
         where = f"measured on {describe_fingerprint(theirs)} (differs in {', '.join(what[k] for k in diff)})"

@@ -71,6 +71,7 @@ import torch.nn.functional as F
 from workbench import runs
 from workbench.models import get_model
 from workbench.profile import ProfileSpec, read_profile_spec
+from workbench.profile.machine import machine_fingerprint
 from workbench.profile.fit import trimmed_median
 from workbench.profile.machine import cpu_name
 from workbench.profile.result import MEASUREMENTS_FILE, RESULT_FILE, build_result
@@ -978,8 +979,8 @@ class Profiler:
                                          f"started and ended; this run's own {self.world} rank(s) count in it"},
                 "seconds": None,
             }
-            if spec.fingerprint:
-                provenance["fingerprint"] = dict(spec.fingerprint)
+            # the machine it was measured on, whoever asked: a run compares its own with it (profile_origin_note)
+            provenance["fingerprint"] = dict(spec.fingerprint or machine_fingerprint(self.world, device=device.type))
             meas = {"model": model.name, "world_size": self.world, "device": device.type, "scope": "model",
                     "compute": compute, "collectives": collectives, "groups": groups, "memory": memory,
                     "head": heads, "steps": steps,
