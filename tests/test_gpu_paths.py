@@ -471,6 +471,13 @@ def test_clock_times_the_gpu_work_not_the_launches(fake_cuda):
     assert clock.intervals() == [12.5, 7.0]
     assert fake_cuda.calls == ["synchronize"]  # one synchronisation, after the last mark
     assert clock.intervals() == []  # the marks were consumed
+    # a step that failed half-way (an out-of-memory after its first mark) leaves nothing behind a reset
+    clock.mark()
+    clock.reset()
+    clock.mark()
+    fake_cuda.launch(2.0)
+    clock.mark()
+    assert clock.intervals() == [2.0]
 
 
 def test_step_stats_reset_the_peak_each_step_and_leave_the_first_out(fake_cuda):

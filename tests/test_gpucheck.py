@@ -238,8 +238,13 @@ def test_cpu_rehearsal_runs_every_part(tmp_path):
             assert sum(c["lengths"]) == c["tokens"]
             assert c["mfu"] == pytest.approx(flops / (c["step_ms"] / 1e3) / (d["peak_tflops"] * 1e12))
             assert c["tokens_per_s"] == pytest.approx(c["tokens"] / c["step_ms"] * 1e3)
-            want = model_states(m, zero_stage=stage, num_ranks=1, precision="fp32", optimizer="adamw").total + \
-                activation_bytes_per_token(m, False) * c["tokens"]
+            # the peak, by hand: at the loss's backward the states (under ZeRO-3 no gradients yet: 4 bytes
+            # per parameter fewer), the activations and two fp32 (tokens, vocab) gradients; the states
+            # with every gradient; at AdamW's step 16 bytes per parameter and its fp32 temporary
+            states = model_states(m, zero_stage=stage, num_ranks=1, precision="fp32", optimizer="adamw").total
+            backward = states - (4 * m.params() if stage == 3 else 0) + \
+                activation_bytes_per_token(m, False) * c["tokens"] + 2 * 4 * m.vocab * c["tokens"]
+            want = max(backward, states, (16 + 4) * m.params())
             assert c["predicted"]["total_bytes"] == pytest.approx(want)
             assert c["measured_states_bytes"] == pytest.approx(c["predicted"]["states_bytes"], rel=0.01)
     # profile: the step error is profile --check's, recomputed here on the runs it left
@@ -248,3 +253,54 @@ def test_cpu_rehearsal_runs_every_part(tmp_path):
     assert d["check"]["step_error"]["median_ape"] == pytest.approx(again["step_error"]["median_ape"])
     md = (out / "report.md").read_text()
     assert "**CPU rehearsal**" in md and "## train-8b" in md and "| step | 5 |" in md
+
+
+def test_the_quick_gpu_profile_times_the_packs_the_run_will_run():
+    """The check's profile covers the run's sizes: every sequence at most max_len, packs up to the
+    run's batch and no larger, each fit pack one length, and enough packs to fit a, b and c."""
+    from workbench.gpucheck import profile_packs
+
+    for max_len, most in ((4096, 16384), (4096, 12288), (512, 2048)):
+        fit, held = profile_packs(max_len, most)
+        assert len(fit) >= 3 and len({tuple(p) for p in fit}) == len(fit)
+        assert max(sum(p) for p in fit) == most and all(sum(p) <= most for p in fit + held)
+        assert {s for p in fit for s in p} == {max_len // 8, max_len // 4, max_len // 2, max_len}
+        assert all(len(set(p)) == 1 for p in fit) and held and all(len(set(p)) > 1 for p in held)
+
+
+def test_an_out_of_memory_is_retried_with_recomputation_on_a_fresh_model(monkeypatch):
+    """A case that runs out of memory half-way is recorded as such and retried once with
+    recomputation; the model it ran on is gone before the next is built (a name still bound to it
+    kept an 8B's states beside the new one on an H200), and the retry's clock holds only its own marks."""
+    import gc
+    import weakref
+
+    import torch
+
+    from workbench.runtime import bench
+
+    built, alive_at_build = [], []
+    real_build = bench._build
+
+    def build(*a, **k):
+        alive_at_build.append([w() is not None for w in built])
+        out = real_build(*a, **k)
+        built.append(weakref.ref(out[0]))
+        if len(built) == 1:  # the first model's first step runs out of memory after its clock started
+            ex = out[3]
+            run = ex.run
+
+            def oom_once(*a, **k):
+                ex.run = run
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (a stand-in)")
+            ex.run = oom_once
+        return out
+
+    monkeypatch.setattr(bench, "_build", build)
+    res = bench.train_bench("tiny", torch.device("cpu"), zero_stage=0, tokens=[256], peak_tflops=None,
+                            rehearsal=True, warmup=1, steps=1)
+    gc.collect()
+    first, retry = res["cases"]
+    assert first["status"] == "oom" and first["recompute"] is False
+    assert retry["status"] == "ok" and retry["recompute"] is True and retry["step_ms"] > 0
+    assert alive_at_build == [[], [False]]  # the first model was freed before the second was built

@@ -53,14 +53,16 @@ from typing import Callable
 __all__ = ["PARTS", "Part", "GpuCheck", "run_check", "format_markdown", "main", "DEFAULT_BUDGET_S"]
 
 PARTS: dict[str, tuple[str, float]] = {
-    "doctor": ("the doctor's checks on the device", 60.0),
+    "doctor": ("the doctor's checks on the device", 45.0),
     "peak": ("peak bf16 matmul rate", 25.0),
-    "attention": ("varlen attention kernels against per-sequence SDPA", 80.0),
-    "train-1b": ("training step, Llama-style 1B, ZeRO-0", 80.0),
-    "train-8b": ("training step, Llama 3 8B, ZeRO-3 at world 1", 105.0),
-    "profile": ("quick GPU profile, a short run planned with it, profile --check", 130.0),
+    "attention": ("varlen attention kernels against per-sequence SDPA", 60.0),
+    "train-1b": ("training step, Llama-style 1B, ZeRO-0", 70.0),
+    "train-8b": ("training step, Llama 3 8B, ZeRO-3 at world 1", 110.0),
+    "profile": ("quick GPU profile, a short run planned with it, profile --check", 170.0),
 }
-"""Every part: its title and its share of the default budget, in seconds."""
+"""Every part: its title and its share of the default budget, in seconds. Measured on an H200
+(2026-11-26, docs/gpu-results.md): doctor 22 s, peak 5, attention 27, train-1b 19, train-8b 27-33,
+profile 121 (its packs at the run's sizes: the quick profile alone 74 s)."""
 DEFAULT_BUDGET_S = sum(s for _, s in PARTS.values())
 GRACE_S = 20.0
 """A part's processes get this long past its share before they are stopped (they stop starting new
@@ -115,6 +117,24 @@ def _nvidia_smi() -> dict | None:
     rows = [ln.split(", ") for ln in p.stdout.strip().splitlines() if ln.strip()]
     return {"gpus": [{"name": r[0], "memory": r[1] if len(r) > 1 else None, "driver": r[2] if len(r) > 2 else None}
                      for r in rows]} if p.returncode == 0 else None
+
+
+def profile_packs(max_len: int, most_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The packs the check's quick profile times: ``(fit, heldout)``, sequences of ``max_len / 8`` to
+    ``max_len`` tokens in packs of a quarter, half and all of ``most_tokens`` (the run's batch, or
+    less where the device would not hold it), and three mixed packs held out.
+
+    The quick profile's own grid (one sequence of 64 tokens up to packs of ``max_len``) measured an
+    H200 where the host, not the GPU, sets the time: a 1B layer took 1.2 ms on 64 tokens and 2.0 ms
+    on 4,096, so the fitted slope came out at a quarter of the device's and a run of 16K-token steps
+    measured 1.54x what the profile predicted. Timed where the run computes, the fit is the device's."""
+    lengths = [max_len // 8, max_len // 4, max_len // 2, max_len]
+    totals = sorted({max(most_tokens // 4, max_len), most_tokens // 2, most_tokens})
+    fit = [list(p) for p in dict.fromkeys(tuple([L] * (t // L)) for t in totals for L in lengths if t >= L)]
+    half, quarter, eighth = max_len // 2, max_len // 4, max_len // 8
+    held = [[max_len, half, quarter, eighth, eighth], [half, half, quarter, quarter, quarter, eighth, eighth],
+            [max_len, half, half, quarter, quarter, eighth, eighth, eighth, eighth]]
+    return fit, [p for p in held if sum(p) <= most_tokens]
 
 
 class GpuCheck:
@@ -317,12 +337,16 @@ class GpuCheck:
         deadline = time.monotonic() + part.budget_s + GRACE_S
         env = _env(1 if self.rehearsal else None)
         part.data = {"model": model, "root": str(root)}
-        # 1. the profile, in the precision a GPU run computes in (workbench profile's default dtype is fp32)
-        # (up to 4,096 tokens: the quick grid's largest packs hold 16 x max_len / 8 tokens, whose activations
-        # the 1B would not hold at the 32,768 a CUDA profile defaults to)
+        # 1. the profile, in the precision a GPU run computes in (workbench profile's default dtype is fp32),
+        # over the packs the run will run (profile_packs)
         max_len = 512 if self.rehearsal else 4096
+        batch_tokens = 2048 if self.rehearsal else 16384
+        big = ((self.env_info.get("gpu") or {}).get("total_memory_bytes") or 0) >= 100 * 2**30
+        fit, held = profile_packs(max_len, batch_tokens if big or self.rehearsal else 12288)
+        part.data["profile_packs"] = {"fit": fit, "heldout": held}
         prof = prepare_profile(nproc=1, model=model, quick=True, root=root, name=f"profile-{stamp}", device=device,
                                dtype="float32" if self.rehearsal else "bfloat16", max_len=max_len,
+                               fit_packs=fit, heldout_packs=held,
                                command="workbench.gpucheck (quick profile, 1 process)")
         part.data["profile_run"] = prof.id
         self.say(f"  | profile: {prof.path}")
@@ -335,7 +359,7 @@ class GpuCheck:
         part.data["profile"] = str(profile_path)
         # 2. a short training run planned with it
         settings = {"steps": 6, "nproc": 1, "device": device, "model": model, "source": "stdlib",
-                    "max_len": max_len, "batch_tokens": 2048 if self.rehearsal else 16384,
+                    "max_len": max_len, "batch_tokens": batch_tokens,
                     "profile": str(profile_path), "zero_stage": 0, "checkpoint_every": 0, "planner": "greedy",
                     "seed": 0}
         run, spec, _ = prepare_train(settings, root=root, name=f"train-{stamp}")

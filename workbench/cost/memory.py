@@ -26,7 +26,8 @@ ZeRO-3 shards every tensor of a unit on its first dimension over the ranks (FSDP
 shard), so a rank holds ``ceil(rows / N)`` rows of each. While a unit computes it is all-gathered in
 the compute dtype, and FSDP prefetches the next one; in backward the unit's unsharded gradient
 waits for its reduce-scatter in fp32. That *working set* (``2 * U * compute bytes + U * 4``, ``U``
-the largest unit) is transient but real at the peak, so it is charged against the budget too.
+the largest unit) is transient but real at the peak, so it is charged against the budget too (at a
+world of one as well: FSDP2 still gathers into unsharded copies, measured on an H200).
 Units are what the runtime wraps: the embedding, each block, and the final norm with the head (one
 unit with the embedding when they are tied).
 
@@ -43,7 +44,7 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["OPTIMIZER_STATE_BYTES", "PRECISIONS", "ModelStates", "parameter_shapes", "fsdp_units",
-           "zero_partition", "model_states", "optimizer_kind"]
+           "zero_partition", "model_states", "optimizer_kind", "loss_backward_bytes_per_token"]
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd-momentum": 4, "sgd": 0}
 """Optimizer state bytes per parameter (fp32): AdamW's two moments, SGD's momentum buffer, none."""
@@ -146,6 +147,10 @@ class ModelStates:
     gradients_after_reduce: float
     """Gradients held after the step's reduce (ZeRO-2 shards them there)."""
     note: str
+    optimizer_step: float = 0.0
+    """Transient while the optimizer steps, beside the parameters, gradients and states (activations
+    are gone by then): AdamW's multi-tensor step (PyTorch's default on CUDA) makes one fp32 temporary
+    the size of the local parameters (``sqrt(exp_avg_sq)``); SGD updates in place."""
 
     @property
     def total(self) -> float:
@@ -164,7 +169,18 @@ class ModelStates:
                 "parameters_bytes": self.parameters, "gradients_bytes": self.gradients,
                 "optimizer_bytes": self.optimizer_states, "working_bytes": self.working,
                 "gradients_after_reduce_bytes": self.gradients_after_reduce, "total_bytes": self.total,
-                "note": self.note}
+                "optimizer_step_bytes": self.optimizer_step, "note": self.note}
+
+
+def loss_backward_bytes_per_token(model) -> float:
+    """Bytes per token the loss's backward holds for a moment beyond what autograd saved: the fp32
+    gradient of the log-probabilities (``nll_loss``'s backward makes it dense, ``(tokens, vocab)``)
+    and the log-softmax's gradient of its input, both alive while the log-softmax backward runs beside
+    its saved output (which ``activation_bytes_per_token`` counts): ``8 x vocab``. Every activation
+    is still held then, so this adds to them at the step's peak: on an H200, a 1B model (vocabulary
+    128,256) at 8K and 16K tokens measured 10.8 x vocab bytes per token above the saved tensors while
+    the runtime still held its bf16 logits through backward (2 x vocab, dropped since)."""
+    return 8.0 * float(model.vocab)
 
 
 def model_states(model, *, zero_stage: int, num_ranks: int, precision: str = "bf16", optimizer: str = "adamw",
@@ -193,11 +209,13 @@ def model_states(model, *, zero_stage: int, num_ranks: int, precision: str = "bf
         # every rank holds a padded 1/N shard of each tensor (rank 0's size is every rank's)
         local = float(sum(_sharded_numel(s, n) for _, s in shapes))
         unit = max(sum(_numel(s) for _, s in u) for u in fsdp_units(model))
-        working = 2.0 * unit * compute_bytes + unit * MASTER_BYTES if n > 1 else 0.0
+        # FSDP2 all-gathers into unsharded copies at a world of one too (in bf16 its casts): the same set
+        working = 2.0 * unit * compute_bytes + unit * MASTER_BYTES
         return ModelStates(zero_stage=3, execution="lockstep", precision=precision, optimizer=optimizer, num_ranks=n,
                            parameters=MASTER_BYTES * local, gradients=MASTER_BYTES * local,
                            optimizer_states=opt_bytes * local, working=working,
                            gradients_after_reduce=MASTER_BYTES * local,
+                           optimizer_step=MASTER_BYTES * local if optimizer == "adamw" else 0.0,
                            note=(f"FSDP2 shards parameters, gradients and optimizer states over {n} ranks; each pass "
                                  f"all-gathers one unit at a time (its working set, {working / 1e9:.2f} GB, is transient)"))
     if zero_stage == 0:
@@ -224,4 +242,5 @@ def model_states(model, *, zero_stage: int, num_ranks: int, precision: str = "bf
                  "gradients until then, so the peak holds them all")
     return ModelStates(zero_stage=zero_stage, execution="free", precision=precision, optimizer=optimizer, num_ranks=n,
                        parameters=MASTER_BYTES * P, gradients=MASTER_BYTES * P, optimizer_states=opt, working=working,
-                       gradients_after_reduce=grads_after, note=note)
+                       gradients_after_reduce=grads_after, note=note,
+                       optimizer_step=MASTER_BYTES * (opt / opt_bytes) if opt_bytes == 8 else 0.0)

@@ -449,16 +449,27 @@ _OPTIMIZERS = {"adamw": ("adamw", 0.0), "sgd-momentum": ("sgd", 0.9), "sgd": ("s
 
 
 def predicted_memory(spec, *, zero_stage: int, precision: str, optimizer: str, recompute: bool, tokens: int) -> dict:
-    """The memory model's peak for one rank of a world of 1: model states as the runtime holds them
-    (``model_states``: parameters, gradients, optimizer states and the working set) plus the
-    activations of ``tokens`` tokens (``activation_bytes_per_token``; autocast under ZeRO 0-2 in bf16)."""
+    """The memory model's peak for one rank of a world of 1, the larger of two moments:
+
+    - the loss's backward: model states as the runtime holds them (``model_states``: parameters,
+      gradients, optimizer states and the working set), the activations of ``tokens`` tokens
+      (``activation_bytes_per_token``; autocast under ZeRO 0-2 in bf16) and the loss backward's two
+      fp32 ``(tokens, vocab)`` gradients (``loss_backward_bytes_per_token``). Under ZeRO-3 a step of
+      one pass has no gradients yet (``ZeroRuntime.zero_grad`` drops them; FSDP2 makes each unit's
+      shard at its reduce-scatter), so they are left out here and the backward's end, when they are
+      all there and the activations gone, is a moment of its own; ZeRO 0-2 zero-fill them at the step's start;
+    - the optimizer's step: parameters, gradients and states plus the step's own temporary."""
     from workbench.cost import activation_bytes_per_token
-    from workbench.cost.memory import model_states
+    from workbench.cost.memory import loss_backward_bytes_per_token, model_states
 
     m = dataclasses.replace(spec, dtype_bytes=2 if precision == "bf16" else 4)
     st = model_states(m, zero_stage=zero_stage, num_ranks=1, precision=precision, optimizer=optimizer)
     act = activation_bytes_per_token(m, recompute, autocast=precision == "bf16" and zero_stage < 3) * tokens
-    return {"states_bytes": st.total, "activation_bytes": act, "total_bytes": st.total + act}
+    loss = loss_backward_bytes_per_token(m) * tokens
+    step = st.states + st.optimizer_step
+    at_loss = st.total + act + loss - (st.gradients if zero_stage == 3 else 0.0)
+    return {"states_bytes": st.states, "working_bytes": st.working, "activation_bytes": act, "loss_backward_bytes": loss,
+            "optimizer_step_bytes": step, "total_bytes": max(at_loss, st.total, step)}
 
 
 def _init_world_of_one(device: torch.device) -> str:
@@ -578,9 +589,11 @@ def train_bench(model_name: str, device: torch.device, *, zero_stage: int, token
         t_case = time.monotonic()
         try:
             if rebuild:
-                if built is not None:
-                    built = None
-                    _free(device)
+                # every name of the old model goes, then a collection (its modules hold reference cycles, and
+                # a failed step's exception held its frames until its handler ended), else it stays allocated
+                # beside the new one: an H200 measured an 8B's peak 30 GiB high after a rebuild
+                built = zero = opt = ex = None
+                _free(device)
                 tb = time.monotonic()
                 built = (rc, *_build(spec, device, zero_stage=zero_stage, precision=precision, recompute=rc,
                                      optimizer=opt_kind))
@@ -588,7 +601,7 @@ def train_bench(model_name: str, device: torch.device, *, zero_stage: int, token
                 res["attention"] = built[5]
                 _say(f"train: {spec.name} built on {device} in {res['build_s']:.1f} s (ZeRO-{zero_stage}, {opt_kind}, "
                      f"recompute {rc})")
-            _, model, zero, opt, ex, _ = built
+            _, _, zero, opt, ex, _ = built  # the model lives in built (and ex) alone
             cost = CostModel(load_profile("cpu-gloo-tiny" if rehearsal else "h100-80g"), spec,
                              ClusterSpec(num_gpus=1, gpus_per_node=1, gpu_memory_gb=1e6, usable_memory_fraction=1.0,
                                          zero_stage=zero_stage), precision=precision, optimizer=opt_kind, recompute=rc)
@@ -597,6 +610,7 @@ def train_bench(model_name: str, device: torch.device, *, zero_stage: int, token
             times, peaks, losses = [], [], []
             for i in range(warmup + steps):
                 mem.start()
+                clock.reset()  # a case that failed half-way (an out-of-memory) left its first mark
                 clock.mark()
                 r = ex.run(plan, seqs)
                 opt.step()
@@ -633,7 +647,8 @@ def train_bench(model_name: str, device: torch.device, *, zero_stage: int, token
                 traceback.print_exc()
             if cuda:
                 case["max_memory_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
-            built = None  # a step that failed half-way may leave FSDP's state mid-pass: build afresh
+            # a step that failed half-way may leave FSDP's state mid-pass: build afresh, the old model freed
+            built = zero = opt = ex = r = None
             _free(device)
             _say(f"train: {spec.name} {T:,} tokens (recompute {rc}): {case['status']}: {case['error']}")
             if oom and not rc:

@@ -45,6 +45,10 @@ class Clock:
         else:
             self._marks.append(time.perf_counter())
 
+    def reset(self) -> None:
+        """Forget the marks so far (a step that failed half-way leaves its first mark behind)."""
+        self._marks = []
+
     def intervals(self) -> list[float]:
         """The ms between consecutive marks (then the marks are cleared). Synchronises the device."""
         marks, self._marks = self._marks, []
