@@ -232,7 +232,7 @@ def _train_step_check(device: torch.device, precision: str, steps: int = 4) -> d
     from workbench.specs import ClusterSpec, load_profile
 
     spec = get_model("tiny")
-    # on a GPU 64K tokens: at 8K the tiny model's activations (67 MiB) were smaller than what CUDA's
+    # on a GPU 96K tokens: at 8K the tiny model's activations (67 MiB) were smaller than what CUDA's
     # libraries allocate for themselves (about 70 MiB more on an H200), so the ratio said nothing
     lengths = [8192, 8192, 4096, 4096] * 4 if device.type == "cuda" else [400, 300, 200, 100]
     cost = CostModel(load_profile("cpu-gloo-tiny"), spec, ClusterSpec(num_gpus=1, gpus_per_node=1, gpu_memory_gb=80.0,
