@@ -515,6 +515,18 @@ def test_cp_grid_measures_every_cp_size_and_the_splits_the_heads_allow():
         ProfileSpec(model="tiny", nproc=2, cp="yes")
 
 
+def test_a_profile_times_the_dtype_runs_on_its_device_compute_in():
+    """Training defaults to bf16 on CUDA and fp32 on CPU; a profile with no dtype follows (an fp32
+    profile of a GPU would predict fp32 matmuls for bf16 runs); one asked for keeps its own."""
+    from workbench.profile import ProfileSpec
+
+    assert ProfileSpec(model="tiny", nproc=1).resolved("cuda")["dtype"] == "bfloat16"
+    assert ProfileSpec(model="tiny", nproc=1).resolved("cpu")["dtype"] == "float32"
+    assert ProfileSpec(model="tiny", nproc=1, dtype="float32").resolved("cuda")["dtype"] == "float32"
+    with pytest.raises(ValueError, match="dtype"):
+        ProfileSpec(model="tiny", nproc=1, dtype="int8")
+
+
 def test_cp_collectives_fill_the_sizes_fsdp_does_not_measure():
     tiny = get_model("tiny")  # 2 layers; K and V of one token: 2 KV heads x 16 x 4 bytes x 2 = 256 bytes
     m = _measurements()

@@ -262,8 +262,10 @@ class ProfileSpec:
     min_sample_ms: float | None = None
     """A timed compute sample repeats the pack until it lasts this long (default 50 ms on CPU, where
     a scheduler tick is milliseconds, 5 ms on CUDA)."""
-    dtype: str = "float32"
-    """Parameter dtype, as the runtime trains (fp32; flash-attn runs its kernel in bf16)."""
+    dtype: str | None = None
+    """Parameter dtype. None: what a run on the device computes in, ``bfloat16`` on CUDA (training
+    there defaults to bf16) and ``float32`` on CPU. (An fp32 profile of a GPU predicts fp32 matmuls
+    for bf16 runs.)"""
     oversubscribe: bool = False
     """Allow more processes than CPU cores (or GPUs)."""
     cp: bool = True
@@ -358,7 +360,7 @@ class ProfileSpec:
             bad("optimizer", "must be adamw or sgd", self.optimizer)
         if self.fingerprint is not None and not isinstance(self.fingerprint, Mapping):
             bad("fingerprint", "must be an object or null", self.fingerprint)
-        if self.dtype not in ("float32", "bfloat16", "float16"):
+        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             bad("dtype", "must be float32, bfloat16 or float16", self.dtype)
         if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
             bad("timeout_s", "must be a positive number of seconds", self.timeout_s)
@@ -388,13 +390,14 @@ class ProfileSpec:
         groups = list(self.group_sizes) or [d for d in (2 ** i for i in range(1, 12)) if d <= self.nproc
                                             and self.nproc % d == 0]
         sp = [d for d in groups if m.heads % d == 0 and (m.kv_heads % d == 0 or d % m.kv_heads == 0)]
-        dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        dtype = self.dtype or ("bfloat16" if dev == "cuda" else "float32")
+        dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
         # the runtime computes in fp32 or bf16; a big model's three copies of its states would not fit
-        run_steps = self.steps and self.dtype != "float16" and m.params() <= 200e6
+        run_steps = self.steps and dtype != "float16" and m.params() <= 200e6
         cp_sizes, cp_splits = cp_grid(groups, sp) if self.cp else ([], [])
         group_packs = [list(p) for p in self.group_packs] or grid["groups"]
         return {
-            "device": dev, "max_len": max_len, "fit_packs": fit, "heldout_packs": held,
+            "device": dev, "dtype": dtype, "max_len": max_len, "fit_packs": fit, "heldout_packs": held,
             "warmup": self.warmup if self.warmup is not None else (1 if self.quick else 2),
             "reps": self.reps if self.reps is not None else (5 if self.quick else 9),
             "trim": float(self.trim), "group_sizes": groups,

@@ -1,7 +1,7 @@
 """``workbench profile``: measure this machine as a run, or check a profile against a training run.
 
     workbench profile [--nproc N] [--model NAME] [--quick] [--out PATH] [--run-root DIR] [--name ID]
-                      [--device auto|cpu|cuda] [--attention auto|varlen|flash|torch] [--max-len N]
+                      [--device auto|cpu|cuda] [--dtype float32|bfloat16] [--attention auto|varlen|flash|torch] [--max-len N]
                       [--group-sizes 2,4] [--oversubscribe] [--detach] [--quiet]
     workbench profile --check RUN [--profile NAME|PATH|RUN] [--skip K] [--json] [--html PATH]
 
@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention", default="auto", choices=list(ATTENTION),
                    help="attention backend timed (default auto: on CUDA torch's varlen kernel, else flash-attn when "
                         "installed, else the PyTorch path)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="parameter dtype timed (default: what runs on the device compute in, bfloat16 on CUDA, "
+                        "float32 on CPU)")
     g.add_argument("--max-len", type=positive_int, default=None, metavar="N",
                    help="longest sequence timed (default 4096 on CPU, 32768 on CUDA, at most the model's)")
     g.add_argument("--reps", type=positive_int, default=None, help="timed samples per pack (default 5 quick, 9 full)")
@@ -272,7 +275,8 @@ def run(args) -> int:
         if getattr(args, flag):
             raise ValueError(f"--{flag} goes with --check RUN")
     nproc = args.nproc or _default_nproc(args.device)
-    opts = {"device": args.device, "attention": args.attention, "max_len": args.max_len, "reps": args.reps,
+    opts = {"device": args.device, "dtype": args.dtype, "attention": args.attention, "max_len": args.max_len,
+            "reps": args.reps,
             "warmup": args.warmup, "oversubscribe": args.oversubscribe, "out": args.out,
             "command": "workbench " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["profile"] else "workbench profile"}
     if args.group_sizes:

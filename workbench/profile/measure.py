@@ -872,7 +872,7 @@ class Profiler:
     def _measure(self, device: torch.device, attn, attn_name: str, res: dict, backend: str) -> int:
         spec = self.spec
         model = get_model(spec.model)
-        dtype = _DTYPES[spec.dtype]
+        dtype = _DTYPES[res["dtype"]]
         t_start = time.perf_counter()
         fit, held = res["fit_packs"], res["heldout_packs"]
         packs = [(p, "fit") for p in fit] + [(p, "heldout") for p in held]
@@ -959,7 +959,7 @@ class Profiler:
                 "host": socket.gethostname(), "device": device.type, "backend": backend,
                 "when": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
                 "command": spec.command, "run_id": self.run_dir.name, "versions": mach["versions"],
-                "attention": attn_name, "dtype": spec.dtype, "world_size": self.world, "threads_per_rank": threads,
+                "attention": attn_name, "dtype": res["dtype"], "world_size": self.world, "threads_per_rank": threads,
                 "timer": "CUDA events" if device.type == "cuda" else "time.perf_counter around synchronised work",
                 "scope": "whole model (embedding, blocks, head, loss) timed, divided by layers",
                 "protocol": f"{res['warmup']} warm-up + {res['reps']} timed samples per pack after a barrier (a sample: "
