@@ -55,8 +55,9 @@ def test_model_state_parts_follow_zero_stages(stage, n):
     else:
         assert 8 * P / n / 1e9 <= got["optimizer"] * (1 + 1e-12) and got["optimizer"] <= 8 * (P / n + largest) / 1e9
     blocks = sc.model_spec().layer_params()
-    if stage == 3:  # two bf16 all-gathered blocks and one fp32 unsharded gradient
-        assert got["working"] == pytest.approx((2 * 2 * blocks + 4 * blocks) / 1e9 if n > 1 else 0.0, rel=1e-9)
+    if stage == 3:  # two bf16 all-gathered blocks and one fp32 unsharded gradient (at a world of one
+        # too: FSDP2 gathers into unsharded copies there, as an H200 measured for the 8B)
+        assert got["working"] == pytest.approx((2 * 2 * blocks + 4 * blocks) / 1e9, rel=1e-9)
     else:  # autocast's bf16 copies of every matmul weight: all but the embedding and the norms
         m = sc.model_spec()
         matmul = P - m.vocab * m.hidden - (2 * m.layers + 1) * m.hidden
