@@ -6,7 +6,7 @@
 # And, once installed:
 #   make lab    JupyterLab on the notebooks (token on, bound to 127.0.0.1; LAB_PORT=8888)
 # On a GPU machine, without any set-up (the machine's own python3 and its CUDA torch; no .venv):
-#   make gpu-check   about 8 minutes on one H100/H200: gpu-check/result.json + report.md (docs/gpu-check.md)
+#   make gpu-check   at most 8 minutes on one H100/H200 (4 on an H200): gpu-check/result.json + report.md (docs/gpu-check.md)
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin

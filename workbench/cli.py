@@ -952,7 +952,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the training step's precision (default bf16 on GPUs that have it, else fp32)")
     q.set_defaults(func=cmd_doctor)
 
-    q = sub.add_parser("gpu-check", help="what one GPU does with the workbench, measured in about 8 minutes: the doctor, "
+    q = sub.add_parser("gpu-check", help="what one GPU does with the workbench, measured in at most 8 minutes: the doctor, "
                                          "peak bf16 rate, varlen attention kernels, 1B and 8B training steps (tokens/s, "
                                          "MFU, peak memory against the memory model), a profile and its check; writes "
                                          "gpu-check/result.json and report.md (without CUDA every part says it needs it)")

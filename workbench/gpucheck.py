@@ -1,4 +1,4 @@
-"""``make gpu-check`` / ``workbench gpu-check``: what one GPU does with this workbench, measured in about 8 minutes.
+"""``make gpu-check`` / ``workbench gpu-check``: what one GPU does with this workbench, measured in at most 8 minutes.
 
     PYTHONPATH=. python3 -m workbench.gpucheck [--parts doctor,peak,...] [--budget-s 480] [--out gpu-check]
 
