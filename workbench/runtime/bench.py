@@ -17,7 +17,7 @@
   on uneven sequences with grouped-query heads, each compared with an fp32 reference; a kernel
   passes when its error is at most twice the bf16 SDPA path's own, plus a small absolute term
   (flash-attn's test rule). Then forward and forward+backward time of each at 4K to 128K tokens,
-  as one sequence and as packed 1K-token documents.
+  as one sequence, as eight sequences and as packed 1K-token documents.
 - ``train``: the runtime's own step (``StepExecutor``, the ZeRO stage asked, bf16) on packed
   batches of growing size: tokens/s, MFU (model FLOPs with the causal attention term,
   ``ModelSpec.flops_per_token``, against the ``peak`` rate), and the allocator's peak
@@ -331,8 +331,10 @@ def _causal_flops(lengths, heads: int, head_dim: int) -> float:
 
 def attention_timing(kernels, device: torch.device, *, heads: int, kv_heads: int, head_dim: int, tokens: list[int],
                      doc_len: int, dtype=torch.bfloat16, reps: int = 3, deadline=None, out: _Out | None = None) -> list[dict]:
-    """Forward and forward+backward ms of every kernel at each token count, as one sequence and as
-    packed ``doc_len``-token documents (CUDA events; one warm-up, the median of ``reps``)."""
+    """Forward and forward+backward ms of every kernel at each token count, as one sequence, as eight
+    sequences and as packed ``doc_len``-token documents (CUDA events; one warm-up, the median of
+    ``reps``). On an H200 per-sequence SDPA beat ``varlen_attn`` 1.6x on one long sequence and lost
+    1.4-1.7x on 1K-token documents: eight sequences show where between them the kernels cross."""
     from workbench.runtime.timing import Clock
 
     deadline = deadline or _Deadline(None)
@@ -340,9 +342,10 @@ def attention_timing(kernels, device: torch.device, *, heads: int, kv_heads: int
     rows: list[dict] = []
     last = {}  # shape -> seconds the previous (smaller) case took, to estimate the next
     for T in tokens:
-        for shape in ("one sequence", f"{doc_len:,}-token documents"):
-            lengths = [T] if shape == "one sequence" else [doc_len] * max(1, T // doc_len)
-            growth = 4.0 if shape == "one sequence" else 2.0
+        for shape in ("one sequence", "eight sequences", f"{doc_len:,}-token documents"):
+            lengths = {"one sequence": [T], "eight sequences": [max(1, T // 8)] * 8}.get(
+                shape, [doc_len] * max(1, T // doc_len))
+            growth = 4.0 if shape != f"{doc_len:,}-token documents" else 2.0
             est = last.get(shape, 0.0) * growth * 1.2
             if not deadline.allows(est + 2):
                 rows.append({"tokens": T, "shape": shape, "status": "skip",
