@@ -831,3 +831,32 @@ def test_build_result_fits_the_split_residual_into_the_profile():
     # without composite micro-steps the profile has none (2 ranks; profiles measured before them)
     m["groups"] = m["groups"][:len(CP_PACKS)]
     assert build_result(m).profile.split_overhead_ms == {} and "split_overhead" not in build_result(m).profile.provenance
+
+
+def test_without_real_steps_the_optimizer_is_timed_alone():
+    """A profile whose real steps are skipped (a model over 200M parameters, or steps off) times the
+    optimizer's step alone on fp32 tensors of the model's shapes, blocks first, up to a cap, and the
+    profile predicts that step per parameter (none before: a 1B's AdamW step, 31 ms of a 16K-token
+    step on an H200, was missing from every prediction)."""
+    import math
+
+    import torch
+
+    from workbench.cost.memory import parameter_shapes
+    from workbench.profile.measure import measure_optimizer
+
+    tiny = get_model("tiny")
+    blocks = [s for n, s in parameter_shapes(tiny) if not n.startswith(("embed.", "head."))]
+    cap = sum(math.prod(s) for s in blocks[:3])  # exactly the first three of the blocks' tensors
+    got = measure_optimizer(tiny, optimizer="adamw", device=torch.device("cpu"), max_params=cap, reps=3)
+    assert got["params"] == cap and got["ms"] > 0
+    assert got["ms_per_mparam"] == pytest.approx(got["ms"] / cap * 1e6)
+    whole = measure_optimizer(tiny, optimizer="sgd", device=torch.device("cpu"), max_params=1e12, reps=1)
+    assert whole["params"] == sum(math.prod(s) for _, s in parameter_shapes(tiny))
+    # the profile takes it where no real step says otherwise
+    m = _measurements()
+    m["optimizer"] = {"optimizer": "adamw", "params": 2_000_000, "ms": 3.0, "ms_per_mparam": 1.5, "reps": 5}
+    prof = build_result(m).profile
+    assert prof.optimizer_ms_per_mparam == 1.5 and prof.sharded_optimizer_ms_per_mparam is None
+    assert "timed alone" in prof.provenance["optimizer"]
+    assert build_result(_measurements()).profile.optimizer_ms_per_mparam is None

@@ -172,6 +172,11 @@ def test_four_ranks_measure_cp_sub_groups_of_every_size_and_a_2x2_split(tmp_path
     assert set(prof.cp_attention_factor) == {2, 4}
     assert set(prof.split_overhead_ms) == {"2x2"} and set(prof.split_token_ms) == {"2x2"}
     assert "split_overhead" in prof.provenance and prof.provenance["profiler_version"] == PROFILER_VERSION
+    # no real steps: the optimizer's step was timed alone, on rank 0
+    assert prof.optimizer_ms_per_mparam == pytest.approx(meas["optimizer"]["ms_per_mparam"])
+    from workbench.models import get_model
+
+    assert meas["optimizer"]["params"] == get_model("tiny").params()  # all of it: under the cap
     rows = [g for g in res.groups if g["cp"] > 1]
     assert sorted({g["split"] for g in rows}) == ["1x2", "1x4", "2x2"] and len(rows) == 9
     assert all(g["predicted_with_overhead_ms"] >= g["predicted_ms"] for g in rows)

@@ -643,7 +643,14 @@ def build_result(measurements: Mapping[str, Any], *, run_id: str | None = None) 
                                  f"reduce-scatters (pass_comm_overlap {profile.pass_comm_overlap:g}) and the same work "
                                  f"as free micro-steps, fitted as a fixed cost plus a share of that work")
     plain, sharded = fit_optimizer(steps)
-    if plain is not None or sharded is not None:
+    alone = measurements.get("optimizer") or {}
+    if plain is None and alone.get("ms_per_mparam"):
+        plain = float(alone["ms_per_mparam"])
+        prov["optimizer"] = (f"optimizer_ms_per_mparam (ZeRO-0 replicas): the {alone.get('optimizer', 'adamw')} step "
+                             f"timed alone on fp32 tensors of the model's shapes ({alone['params'] / 1e6:,.0f}M "
+                             f"parameters, {alone['ms']:.2f} ms), the real steps being skipped")
+        profile = dataclasses.replace(profile, optimizer_ms_per_mparam=plain)
+    elif plain is not None or sharded is not None:
         profile = dataclasses.replace(profile, optimizer_ms_per_mparam=plain, sharded_optimizer_ms_per_mparam=sharded)
         opt = next((c.get("optimizer") for c in steps if c.get("optimizer")), "adamw")
         prov["optimizer"] = (f"optimizer_ms_per_mparam (ZeRO-0 replicas) and sharded_optimizer_ms_per_mparam (ZeRO-3 "
