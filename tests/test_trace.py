@@ -263,6 +263,13 @@ def test_torch_profile_writes_a_readable_trace_per_rank(traced_run):
     assert not list(run_dir.glob("torch-trace-step1-*")) and not list(run_dir.glob("torch-trace-step3-*"))
     assert all("torch_trace" not in r for r in rows if r["step"] != 1)
     assert "torch.profiler recorded step 2 (every rank)" in (run_dir / runs.LOG_FILE).read_text()
+    # profile --check leaves that step out (the profiler's own overhead is not the model's) and says so:
+    # of the 3 steps the first is start-up, the second traced, the third compared
+    from workbench.profile import check_fidelity
+
+    res = check_fidelity("cpu-gloo-tiny", run_dir)
+    assert [r["step"] for r in res["steps"]] == [2] and res["skipped_steps"] == 2
+    assert any("left out step(s) 1: recorded under torch.profiler" in n for n in res["notes"])
 
 
 @pytest.mark.slow

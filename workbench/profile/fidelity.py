@@ -166,6 +166,12 @@ def check_fidelity(profile_or_path, train_run, *, skip: int = 1, root: str | Pat
         raise ValueError(f"run {run.id} has no step with both a plan and measurements yet ({st.state}); "
                          f"check a run that has trained")
     used = steps_all[skip:] if len(steps_all) > skip else steps_all
+    # a step recorded under torch.profiler (train --torch-profile) pays the profiler's own overhead
+    traced = [s for s in used if any(r.get("torch_trace") for r in by_step[s].values())]
+    if len(traced) < len(used):
+        used = [s for s in used if s not in traced]
+    else:
+        traced = []
     step_rows, group_rows, pass_rows = [], [], []
     execution = None
     # planning ahead on the ranks' own CPU cores: while step s trains, the worker solves step s+1's
@@ -250,6 +256,9 @@ def check_fidelity(profile_or_path, train_run, *, skip: int = 1, root: str | Pat
     notes = []
     if len(steps_all) > skip:
         notes.append(f"left out the first {skip} step(s) (start-up)")
+    if traced:
+        notes.append(f"left out step(s) {', '.join(map(str, traced))}: recorded under torch.profiler "
+                     f"(--torch-profile), whose own overhead is not the model's")
     if st.state not in ("done",):
         notes.append(f"the run is {st.state}; figures cover the steps it has measured")
     if model.name != prof.model:
