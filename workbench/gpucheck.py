@@ -557,13 +557,14 @@ def format_markdown(result: dict) -> str:
                       + (f" (datasheet {d['datasheet_tflops']:,.0f})" if d.get("datasheet_tflops") else "")
                       + "; model FLOPs = sum over sequences of s x flops_per_token(s) (causal attention included).", "",
                       "| tokens | recompute | status | ms/step | tokens/s | TFLOPs | MFU | peak GiB | predicted GiB | "
-                      "peak/predicted |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+                      "peak/predicted | predicted peak at |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
             for c in d.get("cases") or []:
                 pr = (c.get("predicted") or {}).get("total_bytes")
                 lines.append(f"| {c['tokens']:,} | {c.get('recompute', '-')} | {c.get('status')} | {_f(c.get('step_ms'))} | "
                              f"{_f(c.get('tokens_per_s'), ',.0f')} | {_f(c.get('model_tflops'))} | "
                              f"{_f(100 * c['mfu'], '.1f') + '%' if c.get('mfu') else '-'} | {_gib(c.get('peak_bytes'))} | "
-                             f"{_gib(pr)} | {_f(c.get('peak_over_predicted'), '.2f')} |"
+                             f"{_gib(pr)} | {_f(c.get('peak_over_predicted'), '.2f')} | "
+                             f"{(c.get('predicted') or {}).get('peak_at') or '-'} |"
                              + (f" {c.get('reason') or c.get('error')}" if c.get("status") != "ok" else ""))
         elif p["name"] == "profile":
             if d.get("check_table"):

@@ -471,8 +471,10 @@ def predicted_memory(spec, *, zero_stage: int, precision: str, optimizer: str, r
     loss = loss_backward_bytes_per_token(m) * tokens
     step = st.states + st.optimizer_step
     at_loss = st.total + act + loss - (st.gradients if zero_stage == 3 else 0.0)
+    moments = {"the loss's backward": at_loss, "the backward's end": st.total, "the optimizer's step": step}
+    peak_at = max(moments, key=moments.get)
     return {"states_bytes": st.states, "working_bytes": st.working, "activation_bytes": act, "loss_backward_bytes": loss,
-            "optimizer_step_bytes": step, "total_bytes": max(at_loss, st.total, step)}
+            "optimizer_step_bytes": step, "total_bytes": moments[peak_at], "peak_at": peak_at}
 
 
 def _init_world_of_one(device: torch.device) -> str:
