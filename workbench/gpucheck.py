@@ -337,16 +337,15 @@ class GpuCheck:
         deadline = time.monotonic() + part.budget_s + GRACE_S
         env = _env(1 if self.rehearsal else None)
         part.data = {"model": model, "root": str(root)}
-        # 1. the profile, in the precision a GPU run computes in (workbench profile's default dtype is fp32),
-        # over the packs the run will run (profile_packs)
+        # 1. the profile, in the precision the run computes in (a profile's default: bf16 on CUDA, fp32 on
+        # CPU), over the packs the run will run (profile_packs)
         max_len = 512 if self.rehearsal else 4096
         batch_tokens = 2048 if self.rehearsal else 16384
         big = ((self.env_info.get("gpu") or {}).get("total_memory_bytes") or 0) >= 100 * 2**30
         fit, held = profile_packs(max_len, batch_tokens if big or self.rehearsal else 12288)
         part.data["profile_packs"] = {"fit": fit, "heldout": held}
         prof = prepare_profile(nproc=1, model=model, quick=True, root=root, name=f"profile-{stamp}", device=device,
-                               dtype="float32" if self.rehearsal else "bfloat16", max_len=max_len,
-                               fit_packs=fit, heldout_packs=held,
+                               max_len=max_len, fit_packs=fit, heldout_packs=held,
                                command="workbench.gpucheck (quick profile, 1 process)")
         part.data["profile_run"] = prof.id
         self.say(f"  | profile: {prof.path}")

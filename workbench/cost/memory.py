@@ -183,6 +183,11 @@ def loss_backward_bytes_per_token(model) -> float:
     return 8.0 * float(model.vocab)
 
 
+def _step_temporary(optimizer: str, stepped: float) -> float:
+    """``ModelStates.optimizer_step`` for a rank whose optimizer steps ``stepped`` parameters."""
+    return MASTER_BYTES * stepped if optimizer == "adamw" else 0.0
+
+
 def model_states(model, *, zero_stage: int, num_ranks: int, precision: str = "bf16", optimizer: str = "adamw",
                  rank: int | None = None) -> ModelStates:
     """Model states per GPU of ``model`` (a ModelSpec) as the runtime holds them (module docstring).
@@ -215,17 +220,17 @@ def model_states(model, *, zero_stage: int, num_ranks: int, precision: str = "bf
                            parameters=MASTER_BYTES * local, gradients=MASTER_BYTES * local,
                            optimizer_states=opt_bytes * local, working=working,
                            gradients_after_reduce=MASTER_BYTES * local,
-                           optimizer_step=MASTER_BYTES * local if optimizer == "adamw" else 0.0,
+                           optimizer_step=_step_temporary(optimizer, local),
                            note=(f"FSDP2 shards parameters, gradients and optimizer states over {n} ranks; each pass "
                                  f"all-gathers one unit at a time (its working set, {working / 1e9:.2f} GB, is transient)"))
     if zero_stage == 0:
-        opt = opt_bytes * P
+        stepped = P  # the parameters this rank's optimizer steps
         note = "full replicas: parameters, gradients and optimizer states on every rank"
     else:
         owned = zero_partition(numels, n)
-        mine = float(owned[rank] if rank is not None else max(owned))
-        opt = opt_bytes * mine
+        stepped = float(owned[rank] if rank is not None else max(owned))
         note = f"optimizer states sharded over {n} ranks (whole parameters per rank)"
+    opt = opt_bytes * stepped
     grads_after = MASTER_BYTES * P
     working = 0.0
     if precision == "bf16":
@@ -242,5 +247,4 @@ def model_states(model, *, zero_stage: int, num_ranks: int, precision: str = "bf
                  "gradients until then, so the peak holds them all")
     return ModelStates(zero_stage=zero_stage, execution="free", precision=precision, optimizer=optimizer, num_ranks=n,
                        parameters=MASTER_BYTES * P, gradients=MASTER_BYTES * P, optimizer_states=opt, working=working,
-                       gradients_after_reduce=grads_after, note=note,
-                       optimizer_step=MASTER_BYTES * (opt / opt_bytes) if opt_bytes == 8 else 0.0)
+                       gradients_after_reduce=grads_after, note=note, optimizer_step=_step_temporary(optimizer, stepped))

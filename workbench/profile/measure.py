@@ -71,9 +71,8 @@ import torch.nn.functional as F
 from workbench import runs
 from workbench.models import get_model
 from workbench.profile import ProfileSpec, read_profile_spec
-from workbench.profile.machine import machine_fingerprint
 from workbench.profile.fit import trimmed_median
-from workbench.profile.machine import cpu_name
+from workbench.profile.machine import cpu_name, machine_fingerprint
 from workbench.profile.result import MEASUREMENTS_FILE, RESULT_FILE, build_result
 from workbench.specs import ModelSpec
 from workbench.util import write_json_atomic
@@ -647,10 +646,12 @@ def measure_optimizer(spec: ModelSpec, *, optimizer: str = "adamw", device: torc
     ``steps`` off), which would otherwise predict no optimizer time (31 ms of a 1B's 16K-token step
     on an H200). Returns ``{"optimizer", "params", "ms", "ms_per_mparam", "reps"}`` (the median)."""
     from workbench.cost.memory import parameter_shapes
+    from workbench.runtime.zero import optimizer_class
 
     dev = torch.device(device)
-    shapes = [s for name, s in parameter_shapes(spec) if not name.startswith(("embed.", "head."))] + \
-        [s for name, s in parameter_shapes(spec) if name.startswith(("embed.", "head."))]
+    named = parameter_shapes(spec)
+    outside = ("embed.", "head.")
+    shapes = [s for name, s in named if not name.startswith(outside)] + [s for name, s in named if name.startswith(outside)]
     gen = torch.Generator(device=dev).manual_seed(0)
     params, n = [], 0
     for shape in shapes:
@@ -660,12 +661,8 @@ def measure_optimizer(spec: ModelSpec, *, optimizer: str = "adamw", device: torc
         p.grad = torch.randn(shape, device=dev, dtype=torch.float32, generator=gen) * 1e-3
         params.append(p)
         n += math.prod(shape)
-    if optimizer == "adamw":
-        opt = torch.optim.AdamW(params, lr=1e-4)
-    elif optimizer == "sgd":
-        opt = torch.optim.SGD(params, lr=1e-4)
-    else:
-        raise ValueError(f"unknown optimizer {optimizer!r}; choose sgd or adamw")
+    cls, kw = optimizer_class(optimizer, lr=1e-4)  # the runtime's own (ZeroRuntime.make_optimizer)
+    opt = cls(params, **kw)
     clock = Clock(dev)
     times = []
     for r in range(warmup + reps):

@@ -452,15 +452,15 @@ _OPTIMIZERS = {"adamw": ("adamw", 0.0), "sgd-momentum": ("sgd", 0.9), "sgd": ("s
 
 
 def predicted_memory(spec, *, zero_stage: int, precision: str, optimizer: str, recompute: bool, tokens: int) -> dict:
-    """The memory model's peak for one rank of a world of 1, the larger of two moments:
+    """The memory model's peak for one rank of a world of 1, the largest of three moments (``peak_at``):
 
     - the loss's backward: model states as the runtime holds them (``model_states``: parameters,
       gradients, optimizer states and the working set), the activations of ``tokens`` tokens
       (``activation_bytes_per_token``; autocast under ZeRO 0-2 in bf16) and the loss backward's two
       fp32 ``(tokens, vocab)`` gradients (``loss_backward_bytes_per_token``). Under ZeRO-3 a step of
       one pass has no gradients yet (``ZeroRuntime.zero_grad`` drops them; FSDP2 makes each unit's
-      shard at its reduce-scatter), so they are left out here and the backward's end, when they are
-      all there and the activations gone, is a moment of its own; ZeRO 0-2 zero-fill them at the step's start;
+      shard at its reduce-scatter), so they are left out here; ZeRO 0-2 zero-fill them at the step's start;
+    - the backward's end: the model states with every gradient, the activations gone;
     - the optimizer's step: parameters, gradients and states plus the step's own temporary."""
     from workbench.cost import activation_bytes_per_token
     from workbench.cost.memory import loss_backward_bytes_per_token, model_states

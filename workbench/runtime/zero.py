@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["PRECISIONS", "ZERO_STAGES", "default_precision", "compute_dtype", "apply_recompute", "fsdp_modules",
-           "apply_fsdp", "storage_bytes", "ZeroRuntime", "parallelize"]
+           "apply_fsdp", "storage_bytes", "optimizer_class", "ZeroRuntime", "parallelize"]
 
 PRECISIONS = ("fp32", "bf16")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -93,6 +93,16 @@ def fsdp_modules(model: nn.Module) -> list[list[nn.Module]]:
     units += [[b] for b in model.blocks]
     units.append([model.norm, model.head, model.embed] if tied else [model.norm, model.head])
     return units
+
+
+def optimizer_class(name: str, *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> tuple[type, dict]:
+    """The torch.optim class and keywords of optimizer ``name`` (``sgd`` or ``adamw``), as the
+    runtime steps it. Raises ValueError for an unknown name."""
+    if name == "sgd":
+        return torch.optim.SGD, dict(lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW, dict(lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}; choose sgd or adamw")
 
 
 def _cpu_mesh():
@@ -185,12 +195,7 @@ class ZeroRuntime:
         """The stage's optimizer over this rank's parameters: ``sgd`` or ``adamw`` (torch.optim),
         wrapped in ``ZeroRedundancyOptimizer`` under ZeRO 1-2 (sharded states). Raises ValueError
         for an unknown name."""
-        if name == "sgd":
-            cls, kw = torch.optim.SGD, dict(lr=lr, momentum=momentum, weight_decay=weight_decay)
-        elif name == "adamw":
-            cls, kw = torch.optim.AdamW, dict(lr=lr, weight_decay=weight_decay)
-        else:
-            raise ValueError(f"unknown optimizer {name!r}; choose sgd or adamw")
+        cls, kw = optimizer_class(name, lr=lr, momentum=momentum, weight_decay=weight_decay)
         if self.zero_stage in (1, 2) and self.world_size > 1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
