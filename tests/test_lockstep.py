@@ -176,3 +176,79 @@ def test_packing_bound_holds_for_every_lockstep_plan():
         assert lower_bound_ms(s, cost) <= sb * (1 + 1e-12) and sb <= multi * (1 + 1e-9)
         tighter += pb_single > lower_bound_ms(s, cost) * (1 + 1e-6)
     assert tighter >= 1
+
+
+def _slower_splits_that_fit(p, s, cost) -> list[str]:
+    """Groups of a lockstep plan for which another split of their degree (a shape of the cost model)
+    runs their sequences faster and fits their ranks' memory in that pass, recomputed from the cost
+    model alone (``cost.time``, ``cost.memory``, ``cost.group_overhead_ms``)."""
+    budget = cost.memory_budget_gb
+    found = []
+    for k, ms in enumerate(p.micro_steps):
+        mem = np.zeros(cost.cluster.num_gpus)
+        for g in ms.groups:
+            mem[list(g.ranks)] += float(cost.memory(s[list(g.sequences)], g.degree, g.cp).sum())
+        for g in ms.groups:
+            seqs = s[list(g.sequences)]
+            own = float(cost.time(seqs, g.degree, g.cp).sum()) + cost.group_overhead_ms(g.degree, g.cp)
+            held = float(cost.memory(seqs, g.degree, g.cp).sum())
+            for d, c in cost.shapes:
+                if d != g.degree or c == g.cp:
+                    continue
+                m = cost.memory(seqs, d, c)
+                if (m > budget).any() or mem[list(g.ranks)].max() - held + float(m.sum()) > budget * (1 + 1e-9):
+                    continue
+                t = float(cost.time(seqs, d, c).sum()) + cost.group_overhead_ms(d, c)
+                if t < own * (1 - 1e-9):
+                    found.append(f"pass {k}: {g.split} on ranks {g.ranks[0]}-{g.ranks[-1]} takes {own:.3f} ms, "
+                                 f"{d // c}x{c} {t:.3f}")
+    return found
+
+
+def test_auto_groups_run_their_fastest_split_that_fits(monkeypatch):
+    """Under ``--strategy auto`` every group of a lockstep plan runs the fastest split of its degree
+    that holds its sequences in its ranks' memory, off the step's critical path too (the local search
+    moves sequences and left groups on the split they opened with). The instance is one where that
+    happened: two groups of this 32-GPU wikipedia step were on a slower split."""
+    from workbench.scenario import Scenario
+
+    sc = Scenario(model="llama3-8b-1m", profile="h100-80g", gpu_memory_gb=80, num_gpus=32, zero_stage=3,
+                  recompute=True, strategy="auto", source="wikipedia", samples=20_000, seed=1, max_len=262_144,
+                  policy="clip", batch_tokens=500_000)
+    cost = sc.cost()
+    s = np.asarray(list(sc.batches(2))[1].lengths, dtype=np.int64)
+    p = run_planner("flexsp", s, cost, effort=0.3, seed=0)
+    validate(p, s, cost.cluster, cost)
+    assert _slower_splits_that_fit(p, s, cost) == []
+    assert p.stats["groups_resplit"] >= 1
+    # without the re-split the same search leaves groups on slower splits (the check sees them)
+    monkeypatch.setattr(Passes, "resplit", lambda self: 0)
+    q = run_planner("flexsp", s, cost, effort=0.3, seed=0)
+    assert _slower_splits_that_fit(q, s, cost)
+    assert p.makespan_ms <= q.makespan_ms * (1 + 1e-12)
+
+
+def test_resplit_moves_a_group_to_its_fastest_split_and_keeps_the_books():
+    """``Passes.resplit`` on a hand-built pass: one group of eight long sequences on the slowest split
+    of degree 8 goes to the fastest that fits (found here by trying every split), the loads and
+    activations stay consistent (``check``) and the pass gets no longer."""
+    from workbench.scenario import Scenario
+
+    cost = Scenario(model="llama3-8b-1m", profile="h100-80g", gpu_memory_gb=80, num_gpus=8, zero_stage=3,
+                    recompute=True, strategy="auto").cost()
+    s = np.array([40_000, 30_000, 20_000, 9_000, 5_000, 4_000, 3_000, 1_000], dtype=np.int64)
+    tab = Table(s, cost)
+    rows = [e for e in range(len(tab.deg)) if tab.deg[e] == 8 and tab.ok[e].all()]
+    assert len(rows) >= 2
+    times = {e: cost.group_overhead_ms(8, int(tab.cp[e])) + float(cost.time(s, 8, int(tab.cp[e])).sum()) for e in rows}
+    fits = [e for e in rows if float(cost.memory(s, 8, int(tab.cp[e])).sum()) <= cost.memory_budget_gb]
+    slowest, fastest = max(rows, key=times.get), min(fits, key=times.get)
+    ps = Passes.from_passes(tab, cost, [[(slowest, 0, list(range(s.size)))]], multi=False)
+    before = ps.step_ms()
+    assert slowest != fastest
+    assert ps.resplit() == 1
+    ps.check()
+    assert ps.g_e[0] == fastest
+    assert ps.pass_len(0) == pytest.approx(times[fastest])  # a rank's load: the group's overhead and its sequences
+    assert ps.step_ms() < before
+    assert ps.resplit() == 0
