@@ -417,8 +417,9 @@ def _saved_bytes(tiny, length: int, mode: str, *, recompute: bool, block: int | 
     sh = make_shard([torch.randint(0, tiny.vocab, (length,), generator=torch.Generator().manual_seed(length))], 1, 0)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
-            logits = model(sh.tokens, sh.positions, sh.cu_seqlens, sh.max_seqlen, _flash_saves)
-        torch.nn.functional.cross_entropy(logits.float(), sh.labels, ignore_index=IGNORE, reduction="sum")
+            # the loss as the step executor computes it: from the model's head (chunked under recomputation)
+            model(sh.tokens, sh.positions, sh.cu_seqlens, sh.max_seqlen, _flash_saves, labels=sh.labels,
+                  ignore_index=IGNORE)
     return sum(seen.values())
 
 
@@ -451,12 +452,13 @@ def test_activation_formula_recompute_keeps_far_less_for_a_large_model():
     m = get_model("7b")
     full, rc = activation_bytes_per_token(m), activation_bytes_per_token(m, True)
     # by hand, bf16: per block 2 (6h + 2kv + 4ffn) + 8h + 4 heads + 8; outside: ids and targets,
-    # rotary tables, final norm, fp32 log-softmax
+    # rotary tables, final norm, fp32 log-softmax (with recomputation the chunked loss's fp32
+    # log-sum-exp instead: 4 bytes, not 4 vocab)
     h, f = m.hidden, m.ffn
     per_block = 2 * (6 * h + 2 * h + 4 * f) + 8 * h + 4 * m.heads + 8
-    outside = 16 + 2 * m.head_dim + (4 * h + 4 * h + 4) + 4 * m.vocab
-    assert full == m.layers * per_block + outside
-    assert rc == m.layers * 2 * h + per_block + outside
+    outside = 16 + 2 * m.head_dim + (4 * h + 4 * h + 4)
+    assert full == m.layers * per_block + outside + 4 * m.vocab
+    assert rc == m.layers * 2 * h + per_block + outside + 4
 
 
 def test_autocast_weight_copies_are_the_free_stages_bf16_working_set(tiny):

@@ -151,6 +151,10 @@ def _optimizer_state(zero, model) -> dict:
     return out
 
 
+LOSS_CHUNK = 5
+"""Tokens per chunk of the chunked loss in the recomputation cases."""
+
+
 def _run_stage(registry, spec, plan, seqs, *, stage, precision, optimizer="sgd", seed=3, recompute=False, dtype=None):
     """One step of ``plan`` under ``stage``: returns ({name: full updated tensor}, StepResult,
     ZeroRuntime, {name: optimizer state held here})."""
@@ -163,6 +167,12 @@ def _run_stage(registry, spec, plan, seqs, *, stage, precision, optimizer="sgd",
 
     model = Transformer(spec, seed=seed).to(dtype or torch.float32)
     zero = parallelize(model, zero_stage=stage, precision=precision, recompute=recompute)
+    if recompute:
+        # the chunked loss in chunks of a few tokens (the tiny model's vocabulary fits a rank's tokens
+        # in one): the recomputed logits, the kept log-sum-exp and the summed weight gradient across
+        # chunks are what the single-process reference (the loss from whole logits) checks
+        assert model.head.loss_chunk is not None
+        model.head.loss_chunk = LOSS_CHUNK
     opt = zero.make_optimizer(optimizer, lr=LR if optimizer == "sgd" else 1e-2,
                               weight_decay=0.0 if optimizer == "sgd" else 0.1)
     ex = StepExecutor(model, registry, torch_varlen_attention, zero=zero)

@@ -122,7 +122,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workbench.cost.memory import PRECISIONS, fsdp_units, model_states
+from workbench.cost.memory import PRECISIONS, fsdp_units, loss_transient_bytes, model_states
 from workbench.specs import ClusterSpec, ComputeCurve, HardwareProfile, ModelSpec, split_key
 
 __all__ = ["CostModel", "STRATEGIES", "DEFAULT_STRATEGY", "InfeasibleError", "EXECUTIONS", "strategy_problem"]
@@ -283,7 +283,10 @@ def activation_bytes_per_token(model: ModelSpec, recompute: bool = False, *, aut
     (RMSNorm keeps both its normed input, for its weight's gradient, and its output, the next
     matmul's input: a fused norm kernel would keep less.) With full recomputation each block keeps
     only its input (the residual stream: c, or 4 under autocast, bytes x h), plus one block's
-    working set while it is recomputed; the outside terms stay."""
+    working set while it is recomputed; the outside terms stay, but for the log-softmax: the loss
+    is computed in chunks with the logits recomputed in backward (``workbench.runtime.loss``), which
+    keeps one fp32 log-sum-exp a token (4 bytes, not 4 vocab). What the loss holds for a moment is
+    ``workbench.cost.memory.loss_transient_bytes``."""
     h, q, kv, f, H, V = model.hidden, model.q_dim, model.kv_dim, model.ffn, model.heads, model.vocab
     c = model.dtype_bytes
     if autocast:
@@ -295,7 +298,7 @@ def activation_bytes_per_token(model: ModelSpec, recompute: bool = False, *, aut
         resid = c
         outside = 16 + 2 * c * (model.head_dim // 2) + (4 * h + 2 * c * h + 4) + 4 * V
     if recompute:
-        return model.layers * resid * h + per_layer + outside
+        return model.layers * resid * h + per_layer + outside - 4 * V + 4
     return model.layers * per_layer + outside
 
 
@@ -360,7 +363,12 @@ class CostModel:
         self.states = model_states(model, zero_stage=cluster.zero_stage, num_ranks=cluster.num_gpus,
                                    precision=precision, optimizer=optimizer)
         self.model_states_gb = self.states.total / 1e9
-        self.memory_budget_gb = cluster.usable_memory_gb - self.model_states_gb
+        # the chunked loss's transient under recomputation (a constant: one chunk of logits and the
+        # head gradient's fp32 accumulator) is held with every activation; without recomputation the
+        # whole logits' backward is not charged (docs/zero.md)
+        self.loss_working_gb = (loss_transient_bytes(model, 1 << 62, recompute=True) / 1e9 if self.recompute
+                                else 0.0)
+        self.memory_budget_gb = cluster.usable_memory_gb - self.model_states_gb - self.loss_working_gb
         if self.memory_budget_gb <= 0:
             hint = ("more GPUs or GPUs with more memory" if cluster.zero_stage == 3 else
                     "ZeRO-3 (--zero-stage 3, lockstep passes), more GPUs or GPUs with more memory")
@@ -396,6 +404,10 @@ class CostModel:
         short_len = fwd.short_len or bwd.short_len  # the profiler fits both with one threshold
         A_short = passes_f * sf + sb if short_len else None
         head = float(p.head_ms_per_token or 0.0)  # embedding, final norm, head and loss, per token
+        if self.recompute:
+            # the chunked loss runs the head's matmul once more in backward: about a third of what
+            # the head's forward and backward take
+            head *= 4.0 / 3.0
         if ref is not m:
             # scale by FLOPs: quadratic (attention) and linear (dense) parts separately
             A *= _quadratic_coeff(m) / _quadratic_coeff(ref)
@@ -1072,6 +1084,7 @@ class CostModel:
             "precision": self.precision,
             "optimizer": self.optimizer,
             "model_states_gb": self.model_states_gb,
+            "loss_working_gb": self.loss_working_gb,
             "model_states": self.states.to_dict(),
             "call_overhead_ms": self.call_overhead_ms(),
             "pass_comm_ms": self.pass_comm_ms(),

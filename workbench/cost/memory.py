@@ -44,7 +44,8 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["OPTIMIZER_STATE_BYTES", "PRECISIONS", "ModelStates", "parameter_shapes", "fsdp_units",
-           "zero_partition", "model_states", "optimizer_kind", "loss_backward_bytes_per_token"]
+           "zero_partition", "model_states", "optimizer_kind", "loss_backward_bytes_per_token",
+           "loss_transient_bytes", "loss_chunk_tokens", "LOSS_CHUNK_BYTES", "LOSS_BYTES_PER_LOGIT"]
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd-momentum": 4, "sgd": 0}
 """Optimizer state bytes per parameter (fp32): AdamW's two moments, SGD's momentum buffer, none."""
@@ -181,6 +182,34 @@ def loss_backward_bytes_per_token(model) -> float:
     128,256) at 8K and 16K tokens measured 10.8 x vocab bytes per token above the saved tensors while
     the runtime still held its bf16 logits through backward (2 x vocab, dropped since)."""
     return 8.0 * float(model.vocab)
+
+
+LOSS_CHUNK_BYTES = 1 << 30
+"""Under recomputation the runtime computes the loss in chunks of tokens (``workbench.runtime.loss``):
+what one chunk's transient tensors may take."""
+
+LOSS_BYTES_PER_LOGIT = 12
+"""A chunk's bytes per logit at most: the logits in bf16 (2), upcast to fp32 (4), the fp32 softmax or
+its gradient (4) and 2 to spare for a temporary (fp32 logits need fewer)."""
+
+
+def loss_chunk_tokens(vocab: int, budget_bytes: int = LOSS_CHUNK_BYTES) -> int:
+    """Tokens per chunk of the chunked loss for a vocabulary of ``vocab``: as many as keep a chunk
+    within ``budget_bytes`` (at least 64)."""
+    return max(64, int(budget_bytes) // (LOSS_BYTES_PER_LOGIT * max(1, int(vocab))))
+
+
+def loss_transient_bytes(model, tokens: int, *, recompute: bool) -> float:
+    """Bytes the loss holds for a moment beyond what autograd saved, on a rank with ``tokens`` tokens,
+    while every activation is still held (the step's peak): from whole logits (no recomputation)
+    ``loss_backward_bytes_per_token`` a token; chunked (recomputation) one chunk's logits and, in a
+    precision below fp32 (``model.dtype_bytes``), the fp32 accumulator of the head weight's gradient
+    (``vocab x hidden x 4``): a constant."""
+    if not recompute:
+        return loss_backward_bytes_per_token(model) * float(tokens)
+    chunk = min(int(tokens), loss_chunk_tokens(model.vocab))
+    acc = 4.0 * model.vocab * model.hidden if model.dtype_bytes < 4 else 0.0
+    return float(LOSS_BYTES_PER_LOGIT) * chunk * model.vocab + acc
 
 
 def _step_temporary(optimizer: str, stepped: float) -> float:

@@ -59,17 +59,25 @@ def model_state_parts(cost, rank: int | None = None) -> dict[str, float]:
     rank), or of ``rank`` (ZeRO 1-2 differ per rank)."""
     st = _states(cost, rank)
     return {"parameters": st.parameters / 1e9, "gradients": st.gradients / 1e9,
-            "optimizer": st.optimizer_states / 1e9, "working": st.working / 1e9}
+            "optimizer": st.optimizer_states / 1e9, "working": st.working / 1e9 + _loss_gb(cost)}
+
+
+def _loss_gb(cost) -> float:
+    """The chunked loss's transient under recomputation (``CostModel.loss_working_gb``), GB."""
+    return float(getattr(cost, "loss_working_gb", 0.0))
 
 
 def working_label(cost) -> str:
     """What the working set is under ``cost``'s stage and precision (empty when there is none)."""
     st = cost.states
-    if not st.working:
-        return ""
-    if st.zero_stage == 3:
-        return "all-gathered FSDP units and the unsharded gradient awaiting its reduce-scatter (ZeRO-3)"
-    return "autocast's bf16 copies of the matmul weights, kept for backward"
+    parts = []
+    if st.working and st.zero_stage == 3:
+        parts.append("all-gathered FSDP units and the unsharded gradient awaiting its reduce-scatter (ZeRO-3)")
+    elif st.working:
+        parts.append("autocast's bf16 copies of the matmul weights, kept for backward")
+    if _loss_gb(cost):
+        parts.append("the chunked loss's logits and head gradient (recomputation)")
+    return "; ".join(parts)
 
 
 def gpu_memory_breakdown(cost, lengths: Sequence[int] = (), degree: int = 1, cp: int | None = None) -> dict:
@@ -144,9 +152,10 @@ def rank_activations(plan: Mapping[str, Any], cost) -> list[float]:
 
 
 def rank_memory(plan: Mapping[str, Any], cost) -> list[float]:
-    """Predicted peak memory (GB) of every rank in a plan: its model states and working set plus
-    the largest activations it holds at once (:func:`rank_activations`)."""
-    return [_states(cost, r).total / 1e9 + a for r, a in enumerate(rank_activations(plan, cost))]
+    """Predicted peak memory (GB) of every rank in a plan: its model states and working set (the
+    chunked loss's under recomputation too) plus the largest activations it holds at once
+    (:func:`rank_activations`)."""
+    return [_states(cost, r).total / 1e9 + _loss_gb(cost) + a for r, a in enumerate(rank_activations(plan, cost))]
 
 
 def predicted_model_states(cost) -> list[float]:

@@ -456,19 +456,20 @@ def predicted_memory(spec, *, zero_stage: int, precision: str, optimizer: str, r
 
     - the loss's backward: model states as the runtime holds them (``model_states``: parameters,
       gradients, optimizer states and the working set), the activations of ``tokens`` tokens
-      (``activation_bytes_per_token``; autocast under ZeRO 0-2 in bf16) and the loss backward's two
-      fp32 ``(tokens, vocab)`` gradients (``loss_backward_bytes_per_token``). Under ZeRO-3 a step of
+      (``activation_bytes_per_token``; autocast under ZeRO 0-2 in bf16) and what the loss holds for a
+      moment (``loss_transient_bytes``: the whole logits' two fp32 ``(tokens, vocab)`` gradients, or
+      under recomputation one chunk's logits and the head gradient's accumulator). Under ZeRO-3 a step of
       one pass has no gradients yet (``ZeroRuntime.zero_grad`` drops them; FSDP2 makes each unit's
       shard at its reduce-scatter), so they are left out here; ZeRO 0-2 zero-fill them at the step's start;
     - the backward's end: the model states with every gradient, the activations gone;
     - the optimizer's step: parameters, gradients and states plus the step's own temporary."""
     from workbench.cost import activation_bytes_per_token
-    from workbench.cost.memory import loss_backward_bytes_per_token, model_states
+    from workbench.cost.memory import loss_transient_bytes, model_states
 
     m = dataclasses.replace(spec, dtype_bytes=2 if precision == "bf16" else 4)
     st = model_states(m, zero_stage=zero_stage, num_ranks=1, precision=precision, optimizer=optimizer)
     act = activation_bytes_per_token(m, recompute, autocast=precision == "bf16" and zero_stage < 3) * tokens
-    loss = loss_backward_bytes_per_token(m) * tokens
+    loss = loss_transient_bytes(m, tokens, recompute=recompute)
     step = st.states + st.optimizer_step
     at_loss = st.total + act + loss - (st.gradients if zero_stage == 3 else 0.0)
     moments = {"the loss's backward": at_loss, "the backward's end": st.total, "the optimizer's step": step}

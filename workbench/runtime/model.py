@@ -27,9 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workbench.runtime.loss import chunked_cross_entropy
 from workbench.specs import ModelSpec, RopeScaling
 
-__all__ = ["RMSNorm", "rope_inv_freq", "rotary_cos_sin", "apply_rotary", "Attention", "MLP", "Block", "Transformer",
+__all__ = ["RMSNorm", "rope_inv_freq", "rotary_cos_sin", "apply_rotary", "Attention", "MLP", "Block", "Head", "Transformer",
            "AttentionFn", "ROPE_BASE"]
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
@@ -148,10 +149,36 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))  # (T, C)
 
 
+class Head(nn.Linear):
+    """The output head (``nn.Linear(hidden, vocab, bias=False)``, its weight ``head.weight``), which
+    also computes the loss when given the labels: ``forward(x)`` returns logits ``(T, vocab)``;
+    ``forward(x, labels)`` the summed cross-entropy of the targets that are not ``ignore_index``
+    (fp32 at least), from whole logits upcast to fp32 or, with ``loss_chunk`` set (recomputation
+    sets it), chunk by chunk with the logits recomputed in backward (``workbench.runtime.loss``).
+    Called as a module either way, so FSDP's hooks gather and release its weight around it."""
+
+    loss_chunk: int | None = None
+    """Tokens per chunk of the chunked loss; None: the loss from whole logits."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, ignore_index: int = -100) -> torch.Tensor:
+        if labels is None:
+            return F.linear(x, self.weight)  # (T, vocab)
+        if self.loss_chunk is None:
+            logits = F.linear(x, self.weight)  # (T, vocab)
+            return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels,
+                                   ignore_index=ignore_index, reduction="sum")
+        dev = x.device.type
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        return chunked_cross_entropy(x.to(dt), self.weight.to(dt), labels, chunk=self.loss_chunk,
+                                     ignore_index=ignore_index)
+
+
 class Transformer(nn.Module):
     """The decoder: embedding, ``spec.layers`` blocks, final norm, output head.
 
-    ``forward(tokens, positions, cu_seqlens, max_seqlen, attn)`` returns logits ``(T, vocab)``.
+    ``forward(tokens, positions, cu_seqlens, max_seqlen, attn)`` returns logits ``(T, vocab)``;
+    with ``labels`` ``(T,)`` (``ignore_index`` where there is no target) the summed token loss
+    instead (``Head``: chunked under recomputation, so no ``(T, vocab)`` tensor is kept).
     Weights are initialised from ``seed`` (normal, std 0.02; output projections of each block
     scaled by 1/sqrt(2*layers) as in GPT-2; biases zero), independent of the global RNG, so every
     rank builds the same replica. Pretrained weights come in through ``workbench.runtime.weights``.
@@ -163,7 +190,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(spec.vocab, spec.hidden)
         self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.layers))
         self.norm = RMSNorm(spec.hidden, spec.norm_eps)
-        self.head = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        self.head = Head(spec.hidden, spec.vocab, bias=False)
         if spec.tied_embeddings:
             self.head.weight = self.embed.weight
         if init:  # init=False: built on the meta device and initialised where it will live (the GPU check)
@@ -184,7 +211,8 @@ class Transformer(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_seqlen: int, attn: AttentionFn) -> torch.Tensor:
+                max_seqlen: int, attn: AttentionFn, labels: torch.Tensor | None = None,
+                ignore_index: int = -100) -> torch.Tensor:
         x = self.embed(tokens)  # (T, C)
         spec = self.spec
         dev = x.device.type
@@ -194,7 +222,9 @@ class Transformer(nn.Module):
                                   scaling=spec.rope_scaling)  # (T, hd/2) each
         for block in self.blocks:
             x = block(x, cos, sin, cu_seqlens, max_seqlen, attn)  # (T, C)
-        return self.head(self.norm(x))  # (T, vocab)
+        if labels is None:
+            return self.head(self.norm(x))  # (T, vocab)
+        return self.head(self.norm(x), labels, ignore_index)  # () summed loss
 
     def num_params(self) -> int:
         """Distinct parameters (a tied head counted once)."""

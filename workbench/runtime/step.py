@@ -421,12 +421,11 @@ class StepExecutor:
         token loss."""
         dev = self.device
         with self.zero.autocast():
-            logits = self.model(sh.tokens.to(dev), sh.positions.to(dev), sh.cu_seqlens.to(dev), sh.max_seqlen,
-                                attn)  # (T_loc, vocab)
-        loss = F.cross_entropy(_upcast(logits), sh.labels.to(dev), ignore_index=IGNORE, reduction="sum")
-        # the logits are not needed past the loss (the log-softmax keeps its own output): holding them
-        # through backward would cost 2-4 bytes x vocab per token at the step's peak (measured on an H200)
-        del logits
+            # the summed token loss from the model's head (in fp32; chunked under recomputation): the
+            # logits do not outlive it, where holding them through backward would cost 2-4 bytes x
+            # vocab per token at the step's peak (measured on an H200)
+            loss = self.model(sh.tokens.to(dev), sh.positions.to(dev), sh.cu_seqlens.to(dev), sh.max_seqlen, attn,
+                              labels=sh.labels.to(dev), ignore_index=IGNORE)
         # every rank of a group runs backward, even one whose slices hold no target: the backward of
         # the all-to-alls (and under ZeRO-3 FSDP's reduce-scatters) is collective too
         (loss / n_targets).backward()

@@ -67,8 +67,14 @@ def compute_dtype(precision: str) -> torch.dtype:
 
 def apply_recompute(model: nn.Module) -> None:
     """Run every block of ``model.blocks`` under non-reentrant activation checkpointing: only the
-    block's inputs are kept for backward, its activations are recomputed there. Idempotent."""
+    block's inputs are kept for backward, its activations are recomputed there; and the loss in
+    chunks, the head's logits recomputed there too (``Head.loss_chunk``; ``workbench.runtime.loss``),
+    so that no ``(tokens, vocab)`` tensor is kept or built whole. Idempotent."""
     from torch.utils.checkpoint import checkpoint
+
+    from workbench.cost.memory import loss_chunk_tokens
+
+    model.head.loss_chunk = loss_chunk_tokens(model.head.weight.shape[0])
 
     for block in model.blocks:
         if getattr(block, "_workbench_recompute", False):
