@@ -337,3 +337,32 @@ print(run.path)
         launch.stop(run)
     assert final.state == "stopped"
     assert launch.attach(run) is None
+
+
+def test_a_rank_killed_by_a_signal_is_the_cause_over_its_peers_errors(tmp_path):
+    """torchrun's first failure is the earliest by timestamp, and a peer that failed on a collective
+    after the kill wrote its error file with a time (whole seconds) that can come before torchrun's
+    notice of the killed rank: the status names the killed rank (the race a loaded machine showed
+    in test_sigkill_of_a_rank_fails_the_run_and_leaves_nothing[1]). The failures are torch's own
+    ProcessFailure records, as torchrun makes them."""
+    import json
+    import time
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from workbench.launch.supervisor import _failure_fields
+
+    err = tmp_path / "rank0_error.json"
+    err.write_text(json.dumps({"message": {"message": "RuntimeError: Connection closed by peer",
+                                           "extraInfo": {"py_callstack": "", "timestamp": int(time.time()) - 5}}}))
+    peer = ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file=str(err))
+    killed = ProcessFailure(local_rank=1, pid=101, exitcode=-signal.SIGKILL, error_file="<N/A>")
+    e = ChildFailedError("train", {0: peer, 1: killed})
+    assert e.get_first_failure()[0] == 0  # what torchrun alone would report
+    out = _failure_fields(tmp_path, 0, e)
+    assert out["failing_rank"] == 1 and out["signal"] == "SIGKILL", out
+    assert out["error"].startswith("rank 1 killed by SIGKILL")
+    assert out["exit_codes"] == {"0": 1, "1": -signal.SIGKILL}
+    # a run whose only failures are errors keeps torchrun's first
+    other = ProcessFailure(local_rank=1, pid=101, exitcode=2, error_file="<N/A>")
+    assert _failure_fields(tmp_path, 0, ChildFailedError("train", {0: peer, 1: other}))["failing_rank"] == 0
