@@ -35,9 +35,21 @@ def test_loss_and_gradients_equal_cross_entropy_on_whole_logits(chunk):
     assert torch.allclose(cw, gw, rtol=1e-10, atol=1e-12)
 
 
-def test_gradcheck():
+def test_gradients_against_finite_differences():
+    """Central differences of the loss in fp64, on every entry of a small x and weight."""
     x, w, labels = _case(T=9, h=3, V=5, ignored=(2,))
-    assert torch.autograd.gradcheck(lambda a, b: chunked_cross_entropy(a, b, labels, chunk=4), (x, w))
+    out = chunked_cross_entropy(x, w, labels, chunk=4)
+    gx, gw = torch.autograd.grad(out, (x, w))
+    eps = 1e-6
+    for t, g in ((x, gx), (w, gw)):
+        for k in range(t.numel()):
+            with torch.no_grad():
+                t.view(-1)[k] += eps
+                up = chunked_cross_entropy(x, w, labels, chunk=4).item()
+                t.view(-1)[k] -= 2 * eps
+                down = chunked_cross_entropy(x, w, labels, chunk=4).item()
+                t.view(-1)[k] += eps
+            assert g.view(-1)[k].item() == pytest.approx((up - down) / (2 * eps), abs=1e-7)
 
 
 def test_all_targets_ignored_gives_zero_loss_and_zero_gradients():
@@ -64,8 +76,9 @@ def test_bf16_follows_the_plain_upcast_loss():
 
 
 def test_saved_tensors_hold_no_logits():
-    """What autograd keeps is x, the weight, the labels and one value per token: nothing of size
-    tokens x vocab (the plain loss keeps its (T, V) log-softmax)."""
+    """What autograd keeps is the two gradients, made in the forward: ``dx`` (tokens x hidden) and
+    the weight's (vocab x hidden), nothing of size tokens x vocab (the plain loss keeps its (T, V)
+    log-softmax); under ``torch.no_grad`` no gradient is made, and a backward would say so."""
     x, w, labels = _case(T=40, h=4, V=300)
     sizes = []
 
@@ -75,27 +88,38 @@ def test_saved_tensors_hold_no_logits():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         chunked_cross_entropy(x, w, labels, chunk=8)
-    assert sorted(sizes) == sorted([40 * 4, 300 * 4, 40, 40])
+    assert sorted(sizes) == sorted([40 * 4, 300 * 4])
     sizes.clear()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         F.cross_entropy(x @ w.t(), labels, reduction="sum")
     assert max(sizes) == 40 * 300  # the reference does keep them
+    with torch.no_grad():
+        out = chunked_cross_entropy(x, w, labels, chunk=8)
+    assert out.item() == pytest.approx(F.cross_entropy(x @ w.t(), labels, reduction="sum").item(), rel=1e-12)
+
+
+def test_a_second_backward_is_refused():
+    x, w, labels = _case()
+    out = chunked_cross_entropy(x, w, labels, chunk=8)
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        out.backward()
 
 
 def test_chunk_size_and_transient():
     """A chunk of Llama 3's vocabulary stays within 1 GiB at 12 bytes a logit; the transient is that
-    chunk plus, in bf16, the fp32 accumulator of the head's gradient, or without recomputation the
-    whole logits' two fp32 gradients (8 x vocab a token)."""
+    chunk plus the head weight's gradient in fp32 and, in bf16, its bf16 cast; without
+    recomputation the whole logits' two fp32 gradients (8 x vocab a token)."""
     import dataclasses
 
     assert loss_chunk_tokens(128_256) == 697 and 12 * 697 * 128_256 <= 2**30 < 12 * 698 * 128_256
     assert loss_chunk_tokens(10**9) == 64  # never below 64 tokens
     m = dataclasses.replace(get_model("llama3-8b"), dtype_bytes=2)
     assert (m.vocab, m.hidden) == (128_256, 4096)
-    assert loss_transient_bytes(m, 100_000, recompute=True) == 12 * 697 * 128_256 + 4 * 128_256 * 4096
-    assert loss_transient_bytes(m, 10, recompute=True) == 12 * 10 * 128_256 + 4 * 128_256 * 4096
+    assert loss_transient_bytes(m, 100_000, recompute=True) == 12 * 697 * 128_256 + 6 * 128_256 * 4096
+    assert loss_transient_bytes(m, 10, recompute=True) == 12 * 10 * 128_256 + 6 * 128_256 * 4096
     m32 = dataclasses.replace(m, dtype_bytes=4)
-    assert loss_transient_bytes(m32, 10, recompute=True) == 12 * 10 * 128_256
+    assert loss_transient_bytes(m32, 10, recompute=True) == 12 * 10 * 128_256 + 4 * 128_256 * 4096
     assert loss_transient_bytes(m, 1000, recompute=False) == 8 * 128_256 * 1000
 
 
@@ -111,8 +135,8 @@ def test_bad_input_says_what_is_wrong():
 
 def test_no_tensor_of_all_tokens_by_vocab_is_built():
     """Every tensor the chunked loss creates, forward and backward, is at most one chunk of logits
-    (recorded under a dispatch mode that sees every operator's outputs); the plain loss builds the
-    whole (tokens, vocab) logits."""
+    (recorded under a dispatch mode that sees every operator's outputs; the weight's gradient is
+    smaller here); the plain loss builds the whole (tokens, vocab) logits."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Largest(TorchDispatchMode):

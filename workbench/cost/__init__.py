@@ -284,8 +284,9 @@ def activation_bytes_per_token(model: ModelSpec, recompute: bool = False, *, aut
     matmul's input: a fused norm kernel would keep less.) With full recomputation each block keeps
     only its input (the residual stream: c, or 4 under autocast, bytes x h), plus one block's
     working set while it is recomputed; the outside terms stay, but for the log-softmax: the loss
-    is computed in chunks with the logits recomputed in backward (``workbench.runtime.loss``), which
-    keeps one fp32 log-sum-exp a token (4 bytes, not 4 vocab). What the loss holds for a moment is
+    is computed in chunks with its gradients made in the forward (``workbench.runtime.loss``), which
+    keeps the gradient of the head's input in place of that input, and neither the 4 vocab bytes of
+    the log-softmax nor the targets (8). What the loss holds besides is
     ``workbench.cost.memory.loss_transient_bytes``."""
     h, q, kv, f, H, V = model.hidden, model.q_dim, model.kv_dim, model.ffn, model.heads, model.vocab
     c = model.dtype_bytes
@@ -298,7 +299,9 @@ def activation_bytes_per_token(model: ModelSpec, recompute: bool = False, *, aut
         resid = c
         outside = 16 + 2 * c * (model.head_dim // 2) + (4 * h + 2 * c * h + 4) + 4 * V
     if recompute:
-        return model.layers * resid * h + per_layer + outside - 4 * V + 4
+        # the chunked loss keeps the gradient of the head's input where the head kept its input (the
+        # same bytes), and neither the log-softmax nor the targets
+        return model.layers * resid * h + per_layer + outside - 4 * V - 8
     return model.layers * per_layer + outside
 
 
@@ -404,10 +407,6 @@ class CostModel:
         short_len = fwd.short_len or bwd.short_len  # the profiler fits both with one threshold
         A_short = passes_f * sf + sb if short_len else None
         head = float(p.head_ms_per_token or 0.0)  # embedding, final norm, head and loss, per token
-        if self.recompute:
-            # the chunked loss runs the head's matmul once more in backward: about a third of what
-            # the head's forward and backward take
-            head *= 4.0 / 3.0
         if ref is not m:
             # scale by FLOPs: quadratic (attention) and linear (dense) parts separately
             A *= _quadratic_coeff(m) / _quadratic_coeff(ref)

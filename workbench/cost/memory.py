@@ -202,14 +202,15 @@ def loss_chunk_tokens(vocab: int, budget_bytes: int = LOSS_CHUNK_BYTES) -> int:
 def loss_transient_bytes(model, tokens: int, *, recompute: bool) -> float:
     """Bytes the loss holds for a moment beyond what autograd saved, on a rank with ``tokens`` tokens,
     while every activation is still held (the step's peak): from whole logits (no recomputation)
-    ``loss_backward_bytes_per_token`` a token; chunked (recomputation) one chunk's logits and, in a
-    precision below fp32 (``model.dtype_bytes``), the fp32 accumulator of the head weight's gradient
-    (``vocab x hidden x 4``): a constant."""
+    ``loss_backward_bytes_per_token`` a token; chunked (recomputation: ``workbench.runtime.loss``)
+    one chunk's logits (``LOSS_BYTES_PER_LOGIT`` a logit) and the head weight's gradient, made in the
+    forward: fp32, plus its cast to the compute dtype in a lower precision (``model.dtype_bytes``).
+    A constant, but for ranks with fewer tokens than a chunk."""
     if not recompute:
         return loss_backward_bytes_per_token(model) * float(tokens)
     chunk = min(int(tokens), loss_chunk_tokens(model.vocab))
-    acc = 4.0 * model.vocab * model.hidden if model.dtype_bytes < 4 else 0.0
-    return float(LOSS_BYTES_PER_LOGIT) * chunk * model.vocab + acc
+    grad = (4.0 + (model.dtype_bytes if model.dtype_bytes < 4 else 0)) * model.vocab * model.hidden
+    return float(LOSS_BYTES_PER_LOGIT) * chunk * model.vocab + grad
 
 
 def _step_temporary(optimizer: str, stepped: float) -> float:
