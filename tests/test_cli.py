@@ -21,6 +21,17 @@ def test_cost_json_shape_and_figures():
     assert big["feasible"] is True
 
 
+def test_cost_says_what_the_chunked_loss_takes_from_the_budget():
+    # Llama 3's head under recomputation: one 697-token chunk of logits at 12 bytes a logit and the
+    # head's gradient in fp32 and bf16, 128,256 x 4,096 x 6 bytes (4.22 GB); none without it
+    loss = (12 * 697 * 128_256 + 6 * 128_256 * 4096) / 1e9
+    args = ("cost", "--model", "llama3-8b", "--profile", "h100-80g", "--gpus", "64", "--lengths", "8192")
+    assert f"(after {loss:.2f} GB for the chunked loss)" in run_cli(*args, "--recompute").stdout
+    assert "chunked loss" not in run_cli(*args).stdout
+    out = json.loads(run_cli(*args, "--recompute", "--json").stdout)
+    assert out["loss_working_gb"] == pytest.approx(loss)
+
+
 def test_lengths_json_by_hand():
     out = json.loads(run_cli("lengths", "100,200,300,10000", "--json").stdout)
     assert out["count"] == 4 and out["tokens"] == 10600 and out["max"] == 10000
