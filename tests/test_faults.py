@@ -363,6 +363,10 @@ def test_a_rank_killed_by_a_signal_is_the_cause_over_its_peers_errors(tmp_path):
     assert out["failing_rank"] == 1 and out["signal"] == "SIGKILL", out
     assert out["error"].startswith("rank 1 killed by SIGKILL")
     assert out["exit_codes"] == {"0": 1, "1": -signal.SIGKILL}
+    # torchrun's own SIGTERM to the ranks left (and a user's stop) names no cause: torchrun's first stays
+    stopped = ProcessFailure(local_rank=1, pid=101, exitcode=-signal.SIGTERM, error_file="<N/A>")
+    e = ChildFailedError("train", {0: peer, 1: stopped})
+    assert _failure_fields(tmp_path, 0, e)["failing_rank"] == e.get_first_failure()[0]
     # a run whose only failures are errors keeps torchrun's first
     other = ProcessFailure(local_rank=1, pid=101, exitcode=2, error_file="<N/A>")
     assert _failure_fields(tmp_path, 0, ChildFailedError("train", {0: peer, 1: other}))["failing_rank"] == 0

@@ -208,24 +208,31 @@ def _slower_splits_that_fit(p, s, cost) -> list[str]:
 def test_auto_groups_run_their_fastest_split_that_fits(monkeypatch):
     """Under ``--strategy auto`` every group of a lockstep plan runs the fastest split of its degree
     that holds its sequences in its ranks' memory, off the step's critical path too (the local search
-    moves sequences and left groups on the split they opened with). The instance is one where that
-    happened: two groups of this 32-GPU wikipedia step were on a slower split."""
+    moves sequences and left groups on the split they opened with), whichever planner's plan wins.
+    Over Llama-3-8B steps on 16 and 32 H100s; on those where the re-split moved a group, the same
+    search without it leaves groups on slower splits (the check sees them)."""
     from workbench.scenario import Scenario
 
-    sc = Scenario(model="llama3-8b-1m", profile="h100-80g", gpu_memory_gb=80, num_gpus=32, zero_stage=3,
-                  recompute=True, strategy="auto", source="wikipedia", samples=20_000, seed=1, max_len=262_144,
-                  policy="clip", batch_tokens=500_000)
-    cost = sc.cost()
-    s = np.asarray(list(sc.batches(2))[1].lengths, dtype=np.int64)
-    p = run_planner("flexsp", s, cost, effort=0.3, seed=0)
-    validate(p, s, cost.cluster, cost)
-    assert _slower_splits_that_fit(p, s, cost) == []
-    assert p.stats["groups_resplit"] >= 1
-    # without the re-split the same search leaves groups on slower splits (the check sees them)
-    monkeypatch.setattr(Passes, "resplit", lambda self: 0)
-    q = run_planner("flexsp", s, cost, effort=0.3, seed=0)
-    assert _slower_splits_that_fit(q, s, cost)
-    assert p.makespan_ms <= q.makespan_ms * (1 + 1e-12)
+    moved = 0
+    for fam, gpus, tokens, k in (("wikipedia", 32, 500_000, 0), ("wikipedia", 32, 800_000, 0),
+                                 ("commoncrawl", 32, 500_000, 0), ("commoncrawl", 32, 500_000, 1),
+                                 ("commoncrawl", 16, 300_000, 1)):
+        sc = Scenario(model="llama3-8b-1m", profile="h100-80g", gpu_memory_gb=80, num_gpus=gpus, zero_stage=3,
+                      recompute=True, strategy="auto", source=fam, samples=20_000, seed=1, max_len=262_144,
+                      policy="clip", batch_tokens=tokens)
+        cost = sc.cost()
+        s = np.asarray(list(sc.batches(k + 1))[k].lengths, dtype=np.int64)
+        p = run_planner("flexsp", s, cost, effort=0.3, seed=0)
+        validate(p, s, cost.cluster, cost)
+        assert _slower_splits_that_fit(p, s, cost) == [], (fam, gpus, tokens, k, p.stats["source"])
+        if p.stats.get("groups_resplit", 0) >= 1:
+            moved += 1
+            with monkeypatch.context() as m:
+                m.setattr(Passes, "resplit", lambda self: 0)
+                q = run_planner("flexsp", s, cost, effort=0.3, seed=0)
+            assert _slower_splits_that_fit(q, s, cost), (fam, gpus, tokens, k)
+            assert p.makespan_ms <= q.makespan_ms * (1 + 1e-12)
+    assert moved >= 1
 
 
 def test_resplit_moves_a_group_to_its_fastest_split_and_keeps_the_books():

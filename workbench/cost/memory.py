@@ -45,7 +45,8 @@ from dataclasses import dataclass
 
 __all__ = ["OPTIMIZER_STATE_BYTES", "PRECISIONS", "ModelStates", "parameter_shapes", "fsdp_units",
            "zero_partition", "model_states", "optimizer_kind", "loss_backward_bytes_per_token",
-           "loss_transient_bytes", "loss_chunk_tokens", "LOSS_CHUNK_BYTES", "LOSS_BYTES_PER_LOGIT"]
+           "loss_transient_bytes", "loss_chunk_tokens", "LOSS_CHUNK_BYTES", "LOSS_BYTES_PER_LOGIT",
+           "LOSS_BYTES_PER_LOGIT_FP32"]
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd-momentum": 4, "sgd": 0}
 """Optimizer state bytes per parameter (fp32): AdamW's two moments, SGD's momentum buffer, none."""
@@ -189,8 +190,12 @@ LOSS_CHUNK_BYTES = 1 << 30
 what one chunk's transient tensors may take."""
 
 LOSS_BYTES_PER_LOGIT = 12
-"""A chunk's bytes per logit at most: the logits in bf16 (2), upcast to fp32 (4), the fp32 softmax or
-its gradient (4) and 2 to spare for a temporary (fp32 logits need fewer)."""
+"""A chunk's bytes per logit at most: the logits in bf16 (2), upcast to fp32 (4), a fp32 temporary
+(4) and the gradient cast back to bf16 (2). In fp32 there are no casts: ``LOSS_BYTES_PER_LOGIT_FP32``."""
+
+LOSS_BYTES_PER_LOGIT_FP32 = 8
+"""A fp32 chunk's bytes per logit: the logits (4, turned into the softmax in place) and one temporary
+(4); ``bench/loss.py`` measured 7."""
 
 
 def loss_chunk_tokens(vocab: int, budget_bytes: int = LOSS_CHUNK_BYTES) -> int:
@@ -203,14 +208,16 @@ def loss_transient_bytes(model, tokens: int, *, recompute: bool) -> float:
     """Bytes the loss holds for a moment beyond what autograd saved, on a rank with ``tokens`` tokens,
     while every activation is still held (the step's peak): from whole logits (no recomputation)
     ``loss_backward_bytes_per_token`` a token; chunked (recomputation: ``workbench.runtime.loss``)
-    one chunk's logits (``LOSS_BYTES_PER_LOGIT`` a logit) and the head weight's gradient, made in the
+    one chunk's logits (``LOSS_BYTES_PER_LOGIT`` a logit, ``LOSS_BYTES_PER_LOGIT_FP32`` in fp32) and
+    the head weight's gradient, made in the
     forward: fp32, plus its cast to the compute dtype in a lower precision (``model.dtype_bytes``).
     A constant, but for ranks with fewer tokens than a chunk."""
     if not recompute:
         return loss_backward_bytes_per_token(model) * float(tokens)
     chunk = min(int(tokens), loss_chunk_tokens(model.vocab))
-    grad = (4.0 + (model.dtype_bytes if model.dtype_bytes < 4 else 0)) * model.vocab * model.hidden
-    return float(LOSS_BYTES_PER_LOGIT) * chunk * model.vocab + grad
+    low = model.dtype_bytes < 4
+    grad = (4.0 + (model.dtype_bytes if low else 0)) * model.vocab * model.hidden
+    return float(LOSS_BYTES_PER_LOGIT if low else LOSS_BYTES_PER_LOGIT_FP32) * chunk * model.vocab + grad
 
 
 def _step_temporary(optimizer: str, stepped: float) -> float:

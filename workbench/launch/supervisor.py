@@ -330,10 +330,14 @@ def _failure_fields(run_dir: Path, attempt: int, e) -> dict:
         rank, first = e.get_first_failure()
     except Exception:  # noqa: BLE001
         rank, first = (min(failures), failures[min(failures)]) if failures else (None, None)
-    killed = sorted((r for r, f in failures.items() if int(f.exitcode) < 0), key=lambda r: (failures[r].timestamp, r))
+    # a rank killed by a signal from outside (SIGKILL, a crash's SIGSEGV; not the SIGTERM or SIGINT
+    # torchrun and a user's stop send to every rank) is the cause: its peers fail after it, on a
+    # collective that lost a member, and their error files can carry an earlier time than torchrun's
+    # notice of the kill
+    killed = sorted((r for r, f in failures.items()
+                     if int(f.exitcode) < 0 and -int(f.exitcode) not in (signal.SIGTERM, signal.SIGINT)),
+                    key=lambda r: (failures[r].timestamp, r))
     if killed and (first is None or int(first.exitcode) >= 0):
-        # a rank killed by a signal is the cause: its peers fail after it, on a collective that lost a
-        # member, and their error files can carry an earlier time than torchrun's notice of the kill
         rank, first = killed[0], failures[killed[0]]
     out: dict = {"exit_codes": exit_codes}
     if first is None:
