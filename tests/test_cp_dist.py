@@ -367,6 +367,9 @@ def _step_cases():
     cases += [("lockstep_z3", "tiny", 3, "fp32", False, lockstep), ("lockstep_z3_kv1", "tiny-kv1", 3, "fp32", False, lockstep)]
     cases += [("mixed_z0_recompute", "tiny", 0, "fp32", True, mixed), ("lockstep_z3_recompute", "tiny", 3, "fp32", True, lockstep)]
     cases += [("mixed_z0_bf16", "tiny", 0, "bf16", False, mixed), ("lockstep_z3_bf16", "tiny", 3, "bf16", False, lockstep)]
+    # the chunked loss under autocast (ZeRO 0) and under FSDP2's bf16 casts (ZeRO-3): the paths a GPU runs
+    cases += [("mixed_z0_bf16_recompute", "tiny", 0, "bf16", True, mixed),
+              ("lockstep_z3_bf16_recompute", "tiny", 3, "bf16", True, lockstep)]
     return cases
 
 
@@ -579,7 +582,8 @@ def test_collectives_in_order_with_their_sizes(cp_results, case):
 
 
 STEP_KEYS = ["4x1", "2x2", "1x4", "4x1_kv1", "2x2_kv1", "1x4_kv1", "mixed_z0", "mixed_z1", "mixed_z2", "lockstep_z3",
-             "lockstep_z3_kv1", "mixed_z0_recompute", "lockstep_z3_recompute", "mixed_z0_bf16", "lockstep_z3_bf16"]
+             "lockstep_z3_kv1", "mixed_z0_recompute", "lockstep_z3_recompute", "mixed_z0_bf16", "lockstep_z3_bf16",
+             "mixed_z0_bf16_recompute", "lockstep_z3_bf16_recompute"]
 
 
 @pytest.mark.slow
