@@ -122,7 +122,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workbench.cost.memory import PRECISIONS, fsdp_units, loss_transient_bytes, model_states
+from workbench.cost.memory import PRECISIONS, fsdp_units, loss_chunk_tokens, loss_transient_bytes, model_states
 from workbench.specs import ClusterSpec, ComputeCurve, HardwareProfile, ModelSpec, split_key
 
 __all__ = ["CostModel", "STRATEGIES", "DEFAULT_STRATEGY", "InfeasibleError", "EXECUTIONS", "strategy_problem"]
@@ -366,11 +366,11 @@ class CostModel:
         self.states = model_states(model, zero_stage=cluster.zero_stage, num_ranks=cluster.num_gpus,
                                    precision=precision, optimizer=optimizer)
         self.model_states_gb = self.states.total / 1e9
-        # the chunked loss's transient under recomputation (a constant: one chunk of logits and the
-        # head gradient's fp32 accumulator) is held with every activation; without recomputation the
-        # whole logits' backward is not charged (docs/zero.md)
-        self.loss_working_gb = (loss_transient_bytes(model, 1 << 62, recompute=True) / 1e9 if self.recompute
-                                else 0.0)
+        # the chunked loss's transient under recomputation (a constant: one whole chunk of logits and
+        # the head's gradient) is held with every activation; without recomputation the whole
+        # logits' backward is not charged (docs/zero.md)
+        self.loss_working_gb = (loss_transient_bytes(model, loss_chunk_tokens(model.vocab), recompute=True) / 1e9
+                                if self.recompute else 0.0)
         self.memory_budget_gb = cluster.usable_memory_gb - self.model_states_gb - self.loss_working_gb
         if self.memory_budget_gb <= 0:
             hint = ("more GPUs or GPUs with more memory" if cluster.zero_stage == 3 else

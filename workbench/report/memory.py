@@ -59,12 +59,7 @@ def model_state_parts(cost, rank: int | None = None) -> dict[str, float]:
     rank), or of ``rank`` (ZeRO 1-2 differ per rank)."""
     st = _states(cost, rank)
     return {"parameters": st.parameters / 1e9, "gradients": st.gradients / 1e9,
-            "optimizer": st.optimizer_states / 1e9, "working": st.working / 1e9 + _loss_gb(cost)}
-
-
-def _loss_gb(cost) -> float:
-    """The chunked loss's transient under recomputation (``CostModel.loss_working_gb``), GB."""
-    return float(getattr(cost, "loss_working_gb", 0.0))
+            "optimizer": st.optimizer_states / 1e9, "working": st.working / 1e9 + cost.loss_working_gb}
 
 
 def working_label(cost) -> str:
@@ -75,7 +70,7 @@ def working_label(cost) -> str:
         parts.append("all-gathered FSDP units and the unsharded gradient awaiting its reduce-scatter (ZeRO-3)")
     elif st.working:
         parts.append("autocast's bf16 copies of the matmul weights, kept for backward")
-    if _loss_gb(cost):
+    if cost.loss_working_gb:
         parts.append("the chunked loss's logits and head gradient (recomputation)")
     return "; ".join(parts)
 
@@ -155,7 +150,7 @@ def rank_memory(plan: Mapping[str, Any], cost) -> list[float]:
     """Predicted peak memory (GB) of every rank in a plan: its model states and working set (the
     chunked loss's under recomputation too) plus the largest activations it holds at once
     (:func:`rank_activations`)."""
-    return [_states(cost, r).total / 1e9 + _loss_gb(cost) + a for r, a in enumerate(rank_activations(plan, cost))]
+    return [_states(cost, r).total / 1e9 + cost.loss_working_gb + a for r, a in enumerate(rank_activations(plan, cost))]
 
 
 def predicted_model_states(cost) -> list[float]:

@@ -154,7 +154,7 @@ class Head(nn.Linear):
     also computes the loss when given the labels: ``forward(x)`` returns logits ``(T, vocab)``;
     ``forward(x, labels)`` the summed cross-entropy of the targets that are not ``ignore_index``
     (fp32 at least), from whole logits upcast to fp32 or, with ``loss_chunk`` set (recomputation
-    sets it), chunk by chunk with the logits recomputed in backward (``workbench.runtime.loss``).
+    sets it), chunk by chunk with its gradients made in the forward (``workbench.runtime.loss``).
     Called as a module either way, so FSDP's hooks gather and release its weight around it."""
 
     loss_chunk: int | None = None

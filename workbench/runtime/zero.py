@@ -68,7 +68,7 @@ def compute_dtype(precision: str) -> torch.dtype:
 def apply_recompute(model: nn.Module) -> None:
     """Run every block of ``model.blocks`` under non-reentrant activation checkpointing: only the
     block's inputs are kept for backward, its activations are recomputed there; and the loss in
-    chunks, the head's logits recomputed there too (``Head.loss_chunk``; ``workbench.runtime.loss``),
+    chunks with its gradients made in the forward (``Head.loss_chunk``; ``workbench.runtime.loss``),
     so that no ``(tokens, vocab)`` tensor is kept or built whole. Idempotent."""
     from torch.utils.checkpoint import checkpoint
 
