@@ -192,6 +192,14 @@ def test_solver_zero_control_changes_memory_and_timeline_together():
     assert "gradient sync (all ranks)" in names and "waiting for the pass to end" not in names
     assert "micro-step(s), barrier-free" in panel.status.value
     assert f"model states {s2:.2f} GB under ZeRO-2" in panel.data_line.value
+    assert "chunked loss" not in panel.data_line.value
+    # with recomputation the budget line says what the chunked loss takes: Llama 3's 128,256-token head
+    # (1B: hidden 2,048), one 697-token chunk at 12 bytes a logit and its gradient at 6 bytes a weight
+    panel.set(recompute=True)
+    res_rc = panel.solve(["greedy"])
+    loss = (12 * 697 * 128_256 + 6 * 128_256 * 2048) / 1e9
+    assert res_rc.scenario.cost().memory_budget_gb == pytest.approx(sc2.cost().memory_budget_gb - loss)
+    assert f"the chunked loss {loss:.2f} GB under recomputation" in panel.data_line.value
 
 
 def test_solver_reports_the_packing_bound_of_the_step(solved):

@@ -600,13 +600,16 @@ class SolverPanel(ScenarioSource, Panel):
             s = res.batch.lengths
             ls = sc.lengths_set()
             rep = ls.policy_report
+            cost = sc.cost()
+            loss = (f"; the chunked loss {cost.loss_working_gb:.2f} GB under recomputation" if cost.loss_working_gb
+                    else "")
             self.data_line.value = (
                 f"<span style='color:#555'>batch #{int(self.w_batch_index.value)} of <b>{sc.source}</b>: "
                 f"{len(s):,} sequences, {int(sum(s)):,} tokens, longest {int(max(s)):,}; "
                 f"{rep.describe() if rep is not None else 'no max context applied'}. "
-                f"Activation budget {sc.cost().memory_budget_gb:.2f} GB per GPU (model states "
-                f"{sc.cost().model_states_gb:.2f} GB under ZeRO-{sc.zero_stage}, "
-                f"{'lockstep passes' if sc.cost().execution == 'lockstep' else 'barrier-free micro-steps'}).</span>")
+                f"Activation budget {cost.memory_budget_gb:.2f} GB per GPU (model states "
+                f"{cost.model_states_gb:.2f} GB under ZeRO-{sc.zero_stage}, "
+                f"{'lockstep passes' if cost.execution == 'lockstep' else 'barrier-free micro-steps'}{loss}).</span>")
             if chosen is None:
                 self.status.value = note_html("no planner could plan this batch: " +
                                               "; ".join(f"{k}: {v}" for k, v in res.errors.items()), "error")
