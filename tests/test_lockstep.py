@@ -259,3 +259,66 @@ def test_resplit_moves_a_group_to_its_fastest_split_and_keeps_the_books():
     assert ps.pass_len(0) == pytest.approx(times[fastest])  # a rank's load: the group's overhead and its sequences
     assert ps.step_ms() < before
     assert ps.resplit() == 0
+
+
+def _priced_fill_case():
+    """A 7B step on 16 A100-40G (ZeRO-3, every split allowed) whose fastest splits hold too many
+    activations for the fewest passes: a fill that takes them runs out of memory."""
+    from workbench.scenario import Scenario
+    from workbench.solve.microstep import min_micro_steps
+
+    sc = Scenario(model="7b", profile="a100-40g-flexsp", num_gpus=16, zero_stage=3, source="commoncrawl",
+                  samples=20_000, batch_tokens=250_000, seed=0)
+    cost = sc.cost()
+    s = np.asarray(list(sc.batches(2))[1].lengths, dtype=np.int64)
+    tab = Table(s, cost)
+    return s, cost, tab, min_micro_steps(tab)
+
+
+def test_a_fill_that_prices_wasted_activations_holds_the_step_in_the_fewest_passes():
+    """``fill_passes`` at the fewest passes the activations allow: taking each place's fastest split
+    it finds no room for some sequence (context-parallel splits hold up to 1.9x the activations);
+    with the activations beyond each sequence's least share priced it holds the whole step. The
+    plan it gives is checked by ``validate`` and each rank's activations per pass recomputed from
+    ``cost.memory`` against the budget."""
+    from workbench.solve.lockstep import fill_passes
+
+    s, cost, tab, M = _priced_fill_case()
+    assert fill_passes(tab, cost, M, [0.0] * M, Effort(1e9), multi=True) is None
+    level = 1000.0
+    ps = fill_passes(tab, cost, M, [0.0] * M, Effort(1e9), multi=True, mem_price=3.0 * level / tab.budget)
+    assert ps is not None and len(ps.passes()) == M
+    ps.check()
+    micro, blocks = ps.assignment()
+    plan = build_plan("fill", micro, s, cost, blocks=blocks)
+    validate(plan, s, cost.cluster, cost)
+    assert sorted(i for ms in plan.micro_steps for g in ms.groups for i in g.sequences) == list(range(s.size))
+    for ms in plan.micro_steps:
+        act = np.zeros(cost.cluster.num_gpus)
+        for g in ms.groups:
+            act[list(g.ranks)] += float(cost.memory(s[list(g.sequences)], g.degree, g.cp).sum())
+        assert act.max() <= cost.memory_budget_gb * (1 + 1e-9)
+
+
+def test_the_fill_price_trades_a_faster_split_for_fewer_activations_by_hand():
+    """One 145K-token sequence in one pass on 64 A100-40G (7B) whose floor leaves room: unpriced, it
+    opens the group whose GPU-time (its degree times the packed call's constant, the group's extra
+    and its time) is least, a context-parallel split; priced high, a group that holds no more
+    activations than its least share (over every shape that fits)."""
+    from workbench.solve.lockstep import fill_passes
+
+    from workbench.scenario import Scenario
+
+    cost = Scenario(model="7b", profile="a100-40g-flexsp", num_gpus=64, zero_stage=3).cost()
+    s = np.array([145_000], dtype=np.int64)
+    tab = Table(s, cost)
+    ps0 = Passes(tab, cost, multi=True)
+    rows = [e for e in range(len(tab.deg)) if tab.ok[e, 0]]
+    gpu_time = {e: tab.deg[e] * (ps0.C + ps0.extra[e] + tab.t[e, 0]) for e in rows}
+    held = {e: tab.deg[e] * tab.mem[e, 0] for e in rows}
+    fastest, leanest = min(rows, key=gpu_time.get), min(held.values())
+    assert held[fastest] > leanest * 1.1  # the fastest split gathers K/V: a real trade
+    for price, want in ((0.0, lambda e: e == fastest), (1e6, lambda e: held[e] <= leanest * (1 + 1e-9))):
+        ps = fill_passes(tab, cost, 1, [1e9], Effort(1e9), multi=True, mem_price=price)
+        (g,) = ps.groups()
+        assert want(ps.g_e[g]), (price, tab.shape(ps.g_e[g]))

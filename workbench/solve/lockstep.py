@@ -81,6 +81,14 @@ FILL_SHARE = 0.35
 """Share of the time limit the filled starts (``fill_passes``) may take (none starts that would
 overrun it)."""
 
+FILL_PRICES = (0.0, 3.0, 10.0, 30.0)
+"""A fill that finds no room for a sequence is tried again with the activations each place holds
+beyond the sequence's least share (``fill_passes``' ``mem_price``) priced at these many pass levels
+per budget, one after the other until one holds the step; the count's later fills start at the price
+that held. Context-parallel splits run faster and hold more: with 7B on A100-40G, 1.18x, 1.42x and
+1.91x the activations at c = 2, 4 and 8 (the gathered K/V), so a fill of the fewest passes that takes
+the fastest split everywhere runs out of memory a third of the way through (docs/solver.md)."""
+
 FILL_EXTRA = 1
 """Filled starts are tried with up to this many passes above the memory minimum ..."""
 
@@ -630,13 +638,15 @@ def fill_cost(tab, M: int) -> float:
 
 
 def fill_passes(tab, cost: CostModel, M: int, floors, clock: Effort, *, multi: bool, order=None,
-                cancel=None) -> "Passes | None":
+                cancel=None, mem_price: float = 0.0) -> "Passes | None":
     """List scheduling of the whole step into ``M`` passes: sequences one by one (``order``; default
     slowest alone first) each go where the step grows least, counting the GPU-time it adds over N
     besides: ``max(0, new length - allowance) + GPU-time / N``, the allowance of a pass being the
     larger of its length so far and its floor (``floors[q]``, at least ``max(C, comm)``). A sequence
     may join a group with memory room (at the group's degree and split) or open a group of any shape
     that holds it on a free aligned block (with ``multi``: on any block with memory room, stacked).
+    ``mem_price`` (ms of GPU-time per GB) adds the activations a place holds beyond the sequence's
+    least share (``tab.share``: a context-parallel split's gathered K/V, say), priced, to its GPU-time.
     So the pass the longest sequence opens fills up to its length before the others grow, each
     sequence at the cheapest degree that fits there. Charged to ``clock``. None when a sequence fits
     nowhere. ``cancel`` (PlanOptions.check_cancel, as ``Passes.improve`` takes it) is called every
@@ -678,7 +688,8 @@ def fill_passes(tab, cost: CostModel, M: int, floors, clock: Effort, *, multi: b
             if ok.any():
                 new = f_load[gf] + C + tab.t[ge, i]
                 over = np.maximum(0.0, new - cap[f_pass[gf]])
-                score = np.where(ok, over + tab.deg[ge] * tab.t[ge, i] / n, np.inf)
+                waste = mem_price * (tab.deg[ge] * tab.mem[ge, i] - tab.share[i])
+                score = np.where(ok, over + (tab.deg[ge] * tab.t[ge, i] + waste) / n, np.inf)
                 k = int(np.argmin(score + 1e-12 * new))
                 key = (float(score[k]), float(new[k] - cap[f_pass[gf[k]]]))
                 if best is None or key < best[0]:
@@ -694,7 +705,8 @@ def fill_passes(tab, cost: CostModel, M: int, floors, clock: Effort, *, multi: b
                 continue
             new = f_load[sl] + C + ps.extra[e] + t
             over = np.maximum(0.0, new - cap[f_pass[sl]])
-            score = np.where(room, over + (d * (ps.extra[e] + t) + C * f_idle[sl]) / n, np.inf)
+            waste = mem_price * (d * m - float(tab.share[i]))
+            score = np.where(room, over + (d * (ps.extra[e] + t) + C * f_idle[sl] + waste) / n, np.inf)
             k = int(np.argmin(score + 1e-12 * new))
             key = (float(score[k]), float(new[k] - cap[f_pass[sl][k]]))
             if best is None or key < best[0]:
@@ -991,7 +1003,7 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
                    - float(tab.best_single.max()))
         level = rest / (M - 1) if M > 1 else 0.0
         floors_list = [[theta * level] * M for theta in FILL_FLOORS]
-        best_fill, floors = None, None
+        best_fill, floors, price = None, None, 0
         for k in range(len(floors_list) + FILL_ROUNDS):
             if clock.past(fill_end) or clock.now() + fill_cost(tab, M) > fill_end:
                 break  # (a fill that would overrun its share does not start)
@@ -1000,11 +1012,19 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
                 floors = floors_list[k]
             elif k == len(floors_list):
                 floors = best_fill[1]  # the best start's own lengths, then each round's
-            ps = fill_passes(tab, cost, M, floors, clock, multi=multi, cancel=opts.check_cancel)
+            ps = None
+            for j in (range(price, len(FILL_PRICES)) if best_fill is None else (price,)):
+                if j > price and (clock.past(fill_end) or clock.now() + fill_cost(tab, M) > fill_end):
+                    break
+                ps = fill_passes(tab, cost, M, floors, clock, multi=multi, cancel=opts.check_cancel,
+                                 mem_price=FILL_PRICES[j] * level / tab.budget)
+                if ps is not None:
+                    price = j  # the next fills of this count start at the price that held
+                    break
             if ps is None:
                 break
             ms = ps.step_ms()
-            tried.append({"passes": M, "rule": f"fill:{k}", "ms": ms})
+            tried.append({"passes": M, "rule": f"fill:{k}", "ms": ms, "price": FILL_PRICES[price]})
             cands.append(_Cand(ps, f"fill:{M}:{k}"))
             lens = sorted((ps.pass_len(q) for q in range(M)), reverse=True)
             if best_fill is None or ms < best_fill[0]:
