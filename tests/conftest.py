@@ -50,9 +50,17 @@ def free_cost(model="7b", n=8, *, mem=40.0, per_node=None, degrees=(), profile="
         budget *= activation_bytes_per_token(mb, rc, autocast=True) / activation_bytes_per_token(mb, rc)
     states = model_states(m, zero_stage=2, num_ranks=n, precision=precision,
                           optimizer=kw.get("optimizer", "adamw")).total / 1e9
+    prof = load_profile(profile) if isinstance(profile, str) else profile
     cl = ClusterSpec(num_gpus=n, gpus_per_node=per, gpu_memory_gb=(budget + states) / 0.7, degrees=degrees,
                      zero_stage=2)
-    return CostModel(load_profile(profile) if isinstance(profile, str) else profile, m, cl, **kw)
+    probe = CostModel(prof, m, cl, **kw)
+    if probe.loss_bytes_per_token:
+        # the whole logits' backward, charged with every token without recomputation (a model the
+        # profile has no figure for): the same tokens again
+        budget *= probe.memory_bytes_per_token / probe.activation_bytes_per_token
+        cl = ClusterSpec(num_gpus=n, gpus_per_node=per, gpu_memory_gb=(budget + states) / 0.7, degrees=degrees,
+                         zero_stage=2)
+    return CostModel(prof, m, cl, **kw)
 
 
 @pytest.fixture

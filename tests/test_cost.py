@@ -104,9 +104,11 @@ def test_context_parallel_split_by_hand():
     assert cost.cp_comm_ms([s], d, c)[0] == pytest.approx(cp, rel=1e-12)
     assert cost.comm_ms([s], d, c)[0] == pytest.approx(uly + cp, rel=1e-12)
     assert cost.time([s], d, c)[0] == pytest.approx(cost.compute_ms([s], d)[0] + uly + cp, rel=1e-12)
-    # memory: the local share as Ulysses, plus the gathered K/V CP keeps for every layer's backward
-    # beyond its own share (1 - 1/(2c) of the sequence's) and the layer's gathered K/V while it runs
-    local = cost.activation_bytes_per_token * s / d
+    # memory: the local share as Ulysses (its activations and, without recomputation, the whole
+    # logits' backward: two fp32 gradients of 128,256 logits a token), plus the gathered K/V CP keeps
+    # for every layer's backward beyond its own share (1 - 1/(2c) of the sequence's) and the layer's
+    # gathered K/V while it runs
+    local = (cost.activation_bytes_per_token + 2 * 4 * 128_256) * s / d
     extra = (layers * (1 - 1 / (2 * c)) + 1) * s * 2 * 2 * 128
     assert cost.memory([s], d, c)[0] == pytest.approx((local + extra) / 1e9, rel=1e-12)
     # with recomputation one layer's K/V is kept (the block being recomputed), and every forward
@@ -475,3 +477,23 @@ def test_recomputation_charges_the_chunked_loss_once_not_per_token():
     assert b["working_gb"] == pytest.approx(rc.states.working / 1e9 + loss)
     assert "chunked loss" in b["working_label"]
     assert b["total_gb"] == pytest.approx(b["model_states_gb"] + b["working_gb"] + b["activations_gb"])
+
+
+def test_the_whole_logits_loss_is_charged_with_every_token_without_recomputation():
+    """Without recomputation a rank holds, at its step's peak, the whole logits' backward: 8 bytes a
+    logit (two fp32 gradients, ``tests/test_loss.py`` measures them) on top of its activations. The
+    planner charges them per token where the activations come from the formula; a profile's measured
+    figure (a forward's peak: logits, their fp32 copy and the log-softmax) and the chunked loss under
+    recomputation (its constant, ``loss_working_gb``) are not charged again."""
+    plain, rc = _llama3("auto"), _llama3("auto", recompute=True)
+    assert plain.loss_bytes_per_token == 8 * 128_256 and rc.loss_bytes_per_token == 0.0
+    assert plain.memory_bytes_per_token == plain.activation_bytes_per_token + 8 * 128_256
+    s = np.array([10_000, 64_000])
+    assert plain.memory(s, 8, 1) == pytest.approx((plain.activation_bytes_per_token + 8 * 128_256) * s / 8 / 1e9,
+                                                  rel=1e-12)
+    assert plain.tokens_per_gpu() == pytest.approx(plain.memory_budget_gb * 1e9 / (plain.activation_bytes_per_token
+                                                                                  + 8 * 128_256))
+    measured = CostModel(load_profile("a100-40g-flexsp"), get_model("7b"), ClusterSpec(num_gpus=64, gpus_per_node=8,
+                                                                                       gpu_memory_gb=40))
+    assert measured.loss_bytes_per_token == 0.0
+    assert measured.memory([8192], 2)[0] == pytest.approx(4.48e6 * 8192 / 2 / 1e9)

@@ -79,10 +79,11 @@ def test_pass_times_by_hand():
 
 def test_validate_refuses_what_a_lockstep_run_cannot_do():
     cost = _cost(4, 24.0)
-    s = np.array([3000, 2900, 600])
+    s = np.array([3000, 2000, 400])
     B = cost.memory_budget_gb
     # each group fits alone, but rank 0 would hold both in one pass
-    assert cost.memory([3000], 2)[0] < B < cost.memory([3000], 2)[0] + cost.memory([2900], 1)[0]
+    assert cost.memory([3000], 2)[0] < B and cost.memory([2000, 400], 1).sum() < B
+    assert B < cost.memory([3000], 2)[0] + cost.memory([2000], 1)[0]
     over = build_plan("hand", [[(2, [0]), (1, [1, 2])]], s, cost, blocks=[[0, 0]])
     with pytest.raises(PlanError, match="rank 0 holds .* over its groups"):
         validate(over, s, cost.cluster, cost)

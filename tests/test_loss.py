@@ -160,3 +160,46 @@ def test_no_tensor_of_all_tokens_by_vocab_is_built():
     with Largest() as seen:
         F.cross_entropy(x @ w.t(), labels, reduction="sum").backward()
     assert seen.numel == T * V
+
+
+def test_the_whole_logits_loss_holds_what_the_memory_model_charges():
+    """Without recomputation the loss comes from whole logits: at its backward's peak it holds the
+    log-softmax it saved (the activation formula's ``4 x vocab`` a token) and two fp32 ``(tokens,
+    vocab)`` gradients (``loss_backward_bytes_per_token``, ``8 x vocab``, which the planner charges
+    with every token: ``CostModel.loss_bytes_per_token``). Measured as the peak of the storages its
+    operators made, each counted until freed; the input's and the weight's gradients (``(T + V) h``
+    floats) are all that is left over."""
+    import dataclasses
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from workbench.cost.memory import loss_backward_bytes_per_token
+
+    class LiveBytes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live, self.now, self.peak = {}, 0, 0
+
+        def _free(self, key):
+            self.now -= self.live.pop(key, 0)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor):
+                    st = t.untyped_storage()
+                    if st.data_ptr() and st.data_ptr() not in self.live:
+                        self.live[st.data_ptr()] = st.nbytes()
+                        self.now += st.nbytes()
+                        self.peak = max(self.peak, self.now)
+                        weakref.finalize(st, self._free, st.data_ptr())
+            return out
+
+    T, h, V = 512, 4, 3000
+    x, w, labels = _case(T=T, h=h, V=V, dtype=torch.float32, ignored=())
+    with LiveBytes() as live:
+        F.cross_entropy(F.linear(x, w), labels, reduction="sum").backward()
+    model = dataclasses.replace(get_model("tiny"), vocab=V)
+    charged = (4 * V + loss_backward_bytes_per_token(model)) * T
+    assert charged <= live.peak <= charged + 4 * (T + V) * h + 4 * T + 64

@@ -193,6 +193,9 @@ def test_solver_zero_control_changes_memory_and_timeline_together():
     assert "micro-step(s), barrier-free" in panel.status.value
     assert f"model states {s2:.2f} GB under ZeRO-2" in panel.data_line.value
     assert "chunked loss" not in panel.data_line.value
+    # without recomputation the whole logits' backward goes with the tokens (1B on a100-40g-flexsp, whose
+    # measured figure is 7B's: the formula's, two fp32 gradients of 128,256 logits a token)
+    assert f"the whole logits' backward {8 * 128_256 / 1e6:.2f} MB a token" in panel.data_line.value
     # with recomputation the budget line says what the chunked loss takes: Llama 3's 128,256-token head
     # (1B: hidden 2,048), one 697-token chunk at 12 bytes a logit and its gradient at 6 bytes a weight
     panel.set(recompute=True)

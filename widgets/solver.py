@@ -602,7 +602,8 @@ class SolverPanel(ScenarioSource, Panel):
             rep = ls.policy_report
             cost = sc.cost()
             loss = (f"; the chunked loss {cost.loss_working_gb:.2f} GB under recomputation" if cost.loss_working_gb
-                    else "")
+                    else f"; the whole logits' backward {cost.loss_bytes_per_token / 1e6:.2f} MB a token with the "
+                         f"activations" if cost.loss_bytes_per_token else "")
             self.data_line.value = (
                 f"<span style='color:#555'>batch #{int(self.w_batch_index.value)} of <b>{sc.source}</b>: "
                 f"{len(s):,} sequences, {int(sum(s)):,} tokens, longest {int(max(s)):,}; "

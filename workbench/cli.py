@@ -251,7 +251,9 @@ def cmd_cost(args) -> int:
     print(f"{cost.model.name} on {cost.profile.name} ({cost.strategy}: Ulysses up to {table['ulysses_limit']} by "
           f"{cost.model.heads} query / {cost.model.kv_heads} KV heads), budget {table['memory_budget_gb']:.2f} GB/GPU "
           f"for activations" + (f" (after {cost.loss_working_gb:.2f} GB for the chunked loss)" if cost.loss_working_gb
-                                else "") + f", group overhead {cost.group_overhead_ms(1):.1f} ms")
+                                else f" (with the whole logits' backward, {cost.loss_bytes_per_token / 1e6:.2f} MB a "
+                                     f"token)" if cost.loss_bytes_per_token else "")
+          + f", group overhead {cost.group_overhead_ms(1):.1f} ms")
     print(f"{'length':>9} {'degree':>6} {'u x cp':>7} {'time_ms':>11} {'ulysses_ms':>10} {'cp_ms':>9} {'memory_gb':>10} fits")
     def num(r, k, w):
         return f"{r[k]:{w}.1f}" if r[k] is not None else f"{'-':>{w}}"

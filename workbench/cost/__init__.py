@@ -122,7 +122,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workbench.cost.memory import PRECISIONS, fsdp_units, loss_chunk_tokens, loss_transient_bytes, model_states
+from workbench.cost.memory import (PRECISIONS, fsdp_units, loss_backward_bytes_per_token, loss_chunk_tokens,
+                                   loss_transient_bytes, model_states)
 from workbench.specs import ClusterSpec, ComputeCurve, HardwareProfile, ModelSpec, split_key
 
 __all__ = ["CostModel", "STRATEGIES", "DEFAULT_STRATEGY", "InfeasibleError", "EXECUTIONS", "strategy_problem"]
@@ -311,6 +312,7 @@ class _Fit:
     B: float  # ms per token: the blocks, and the embedding, head and loss when measured apart
     C: float  # ms per packed call (group and micro-step), the micro-step's fixed cost included
     act_bytes: float  # per token, whole model
+    formula: bool = True  # act_bytes from the formula (no measured or published figure for the model)
     A_short: float | None = None  # ms per token^2 of sequences under short_len (None: A for all)
     short_len: int | None = None
 
@@ -366,11 +368,19 @@ class CostModel:
         self.states = model_states(model, zero_stage=cluster.zero_stage, num_ranks=cluster.num_gpus,
                                    precision=precision, optimizer=optimizer)
         self.model_states_gb = self.states.total / 1e9
-        # the chunked loss's transient under recomputation (a constant: one whole chunk of logits and
-        # the head's gradient) is held with every activation; without recomputation the whole
-        # logits' backward is not charged (docs/zero.md)
+        # what the loss holds for a moment is held with every activation, at the step's peak: under
+        # recomputation the chunked loss's constant (one whole chunk of logits and the head's
+        # gradient); without it the whole logits' backward, two fp32 (tokens, vocab) gradients, so a
+        # token's share goes with its activations (docs/zero.md)
         self.loss_working_gb = (loss_transient_bytes(model, loss_chunk_tokens(model.vocab), recompute=True) / 1e9
                                 if self.recompute else 0.0)
+        self.loss_bytes_per_token = (loss_backward_bytes_per_token(model) if not self.recompute and self._fit.formula
+                                     else 0.0)
+        """Bytes per token the loss holds for a moment beyond the saved activations, charged with them
+        (``memory``): without recomputation the whole logits' backward (``8 x vocab``) where the
+        activations come from the formula (a profile's measured figure is a forward's peak, which
+        already holds the logits, their fp32 copy and the log-softmax: within ``2 x vocab`` of the
+        backward's); with recomputation 0 (the chunked loss's transient is ``loss_working_gb``)."""
         self.memory_budget_gb = cluster.usable_memory_gb - self.model_states_gb - self.loss_working_gb
         if self.memory_budget_gb <= 0:
             hint = ("more GPUs or GPUs with more memory" if cluster.zero_stage == 3 else
@@ -432,7 +442,8 @@ class CostModel:
             act = act_mb * 1e6 * mine / activation_bytes_per_token(native, False)
         else:
             act = mine
-        return _Fit(A=A, B=B, C=C, act_bytes=act, A_short=A_short, short_len=short_len)
+        return _Fit(A=A, B=B, C=C, act_bytes=act, A_short=A_short, short_len=short_len,
+                    formula=not (act_mb is not None and p.model == m.name))
 
     # ---- degrees and splits ----------------------------------------------------------------
     def split_supported(self, ulysses: int) -> bool:
@@ -772,7 +783,7 @@ class CostModel:
         """Activation memory (GB per GPU) of each sequence on a group of ``degree`` and split ``cp``
         (None: its least over the degree's splits)."""
         s = np.asarray(lengths, dtype=np.float64)
-        local = self._fit.act_bytes * s / degree / 1e9
+        local = self.memory_bytes_per_token * s / degree / 1e9
         return local + self._least(lambda c: self.cp_memory_gb(s, degree, c), degree, cp)
 
     def work(self, lengths, degree: int, cp: int | None = None) -> np.ndarray:
@@ -839,11 +850,18 @@ class CostModel:
 
     @property
     def activation_bytes_per_token(self) -> float:
+        """Bytes per token kept for backward (whole model)."""
         return self._fit.act_bytes
+
+    @property
+    def memory_bytes_per_token(self) -> float:
+        """Bytes per token a rank's budget is charged: the activations and the loss's transient share
+        (``loss_bytes_per_token``)."""
+        return self._fit.act_bytes + self.loss_bytes_per_token
 
     def tokens_per_gpu(self) -> float:
         """How many tokens of activations one GPU holds within the budget."""
-        return self.memory_budget_gb * 1e9 / self._fit.act_bytes
+        return self.memory_budget_gb * 1e9 / self.memory_bytes_per_token
 
     # ---- collectives over all ranks ----------------------------------------------------------------
     def _bus(self, kind: str, nbytes: float, n: int) -> float:
@@ -1043,7 +1061,7 @@ class CostModel:
                 show = self.splits(d) if cps is None else [c for c in cps if int(d) % c == 0]
                 for c in show:
                     ok = d <= self.cluster.num_gpus and self.split_supported(int(d) // c)
-                    mem = float(self._fit.act_bytes * s / d / 1e9 + self.cp_memory_gb([s], d, c)[0])
+                    mem = float(self.memory_bytes_per_token * s / d / 1e9 + self.cp_memory_gb([s], d, c)[0])
                     split_rows.append({
                         "length": int(s), "degree": int(d), "ulysses": int(d) // c, "cp": int(c),
                         "time_ms": float(self.time([s], d, c)[0]) if ok else None,
@@ -1084,6 +1102,7 @@ class CostModel:
             "optimizer": self.optimizer,
             "model_states_gb": self.model_states_gb,
             "loss_working_gb": self.loss_working_gb,
+            "loss_bytes_per_token": self.loss_bytes_per_token,
             "model_states": self.states.to_dict(),
             "call_overhead_ms": self.call_overhead_ms(),
             "pass_comm_ms": self.pass_comm_ms(),

@@ -82,7 +82,8 @@ def gpu_memory_breakdown(cost, lengths: Sequence[int] = (), degree: int = 1, cp:
     Returns plain data: ``parameters_gb``, ``gradients_gb``, ``optimizer_gb``, ``model_states_gb``
     (the three: what a run counts from tensor storage), ``working_gb`` (the transient working set,
     ``working_label`` says what it is), ``activations_gb`` (the group's sequences, each
-    ``cost.memory(s, degree, cp)``: with context parallelism its gathered K/V too), ``total_gb``,
+    ``cost.memory(s, degree, cp)``: with context parallelism its gathered K/V too, without recomputation
+    the whole logits' backward, ``cost.loss_bytes_per_token`` a token), ``total_gb``,
     ``usable_gb`` (GPU memory x fraction), ``gpu_memory_gb``, ``reserve_gb`` (what is not planned),
     ``activation_budget_gb`` (usable less model states and working set), ``headroom_gb`` (usable less
     total; negative: over budget), ``fits``, ``degree``, ``cp``, ``sequences``, ``tokens``,
