@@ -22,44 +22,17 @@ import dataclasses
 import statistics
 import sys
 import time
-import weakref
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from workbench.cost.memory import loss_chunk_tokens, loss_transient_bytes  # noqa: E402
 from workbench.models import get_model  # noqa: E402
+from workbench.runtime.live import LiveBytes  # noqa: E402
 from workbench.runtime.loss import chunked_cross_entropy  # noqa: E402
-
-
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of the storages the operators inside made, each counted until it is freed."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.now = 0
-        self.peak = 0
-
-    def _free(self, key: int) -> None:
-        self.now -= self.live.pop(key, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                key = st.data_ptr()
-                if key and key not in self.live:
-                    self.live[key] = st.nbytes()
-                    self.now += st.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(st, self._free, key)
-        return out
 
 
 def _inputs(T: int, h: int, V: int):

@@ -170,31 +170,9 @@ def test_the_whole_logits_loss_holds_what_the_memory_model_charges():
     operators made, each counted until freed; the input's and the weight's gradients (``(T + V) h``
     floats) are all that is left over."""
     import dataclasses
-    import weakref
-
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from workbench.cost.memory import loss_backward_bytes_per_token
-
-    class LiveBytes(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.live, self.now, self.peak = {}, 0, 0
-
-        def _free(self, key):
-            self.now -= self.live.pop(key, 0)
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in (out if isinstance(out, (tuple, list)) else (out,)):
-                if isinstance(t, torch.Tensor):
-                    st = t.untyped_storage()
-                    if st.data_ptr() and st.data_ptr() not in self.live:
-                        self.live[st.data_ptr()] = st.nbytes()
-                        self.now += st.nbytes()
-                        self.peak = max(self.peak, self.now)
-                        weakref.finalize(st, self._free, st.data_ptr())
-            return out
+    from workbench.runtime.live import LiveBytes
 
     T, h, V = 512, 4, 3000
     x, w, labels = _case(T=T, h=h, V=V, dtype=torch.float32, ignored=())
