@@ -87,7 +87,13 @@ beyond the sequence's least share (``fill_passes``' ``mem_price``) priced at the
 per budget, one after the other until one holds the step; the count's later fills start at the price
 that held. Context-parallel splits run faster and hold more: with 7B on A100-40G, 1.18x, 1.42x and
 1.91x the activations at c = 2, 4 and 8 (the gathered K/V), so a fill of the fewest passes that takes
-the fastest split everywhere runs out of memory a third of the way through (docs/solver.md)."""
+the fastest split everywhere runs out of memory a third of the way through (docs/solver.md). Only ..."""
+
+FILL_PRICED_MAX = 4
+"""... for counts of at most this many passes: there one pass more costs a quarter of the step or
+more, and a priced fill that holds the fewest passes pays (64 GPUs x 1M tokens: 3-4 passes). Above
+it (github's and byted's 5-15 passes at 64 GPUs x 512 sequences) the priced fills only took effort
+from the splits that gave the better starts: steps up to 10.5% longer."""
 
 FILL_EXTRA = 1
 """Filled starts are tried with up to this many passes above the memory minimum ..."""
@@ -1013,7 +1019,8 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
             elif k == len(floors_list):
                 floors = best_fill[1]  # the best start's own lengths, then each round's
             ps = None
-            for j in (range(price, len(FILL_PRICES)) if best_fill is None else (price,)):
+            ladder = range(price, len(FILL_PRICES) if M <= FILL_PRICED_MAX else 1)
+            for j in (ladder if best_fill is None else (price,)):
                 if j > price and (clock.past(fill_end) or clock.now() + fill_cost(tab, M) > fill_end):
                     break
                 ps = fill_passes(tab, cost, M, floors, clock, multi=multi, cancel=opts.check_cancel,
