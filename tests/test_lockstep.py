@@ -323,3 +323,21 @@ def test_the_fill_price_trades_a_faster_split_for_fewer_activations_by_hand():
         ps = fill_passes(tab, cost, 1, [1e9], Effort(1e9), multi=True, mem_price=price)
         (g,) = ps.groups()
         assert want(ps.g_e[g]), (price, tab.shape(ps.g_e[g]))
+
+
+def test_a_fill_stops_when_the_activations_left_cannot_hold_the_sequences_left():
+    """A fill of fewer passes than the activations need (their least shares over every rank's budget,
+    counted here by hand) stops before it places a sequence, charging no effort for one; the fewest
+    passes that can hold them place every sequence."""
+    from workbench.solve.lockstep import fill_passes
+
+    s, cost, tab, M = _priced_fill_case()
+    n, B = cost.cluster.num_gpus, tab.budget
+    least = float(sum(min(tab.deg[e] * tab.mem[e, i] for e in range(len(tab.deg)) if tab.ok[e, i])
+                      for i in range(s.size)))
+    assert (M - 1) * n * B < least <= M * n * B
+    clock = Effort(1e9)
+    assert fill_passes(tab, cost, M - 1, [0.0] * (M - 1), clock, multi=True) is None
+    assert clock.spent == 0.0
+    ps = fill_passes(tab, cost, M, [0.0] * M, Effort(1e9), multi=True, mem_price=3000.0 / B)
+    assert ps is not None and sorted(i for g in ps.groups() for i in ps.g_members[g]) == list(range(s.size))

@@ -82,9 +82,9 @@ FILL_SHARE = 0.35
 overrun it)."""
 
 FILL_PRICES = (0.0, 3.0, 10.0, 30.0)
-"""A fill that finds no room for a sequence is tried again with the activations each place holds
-beyond the sequence's least share (``fill_passes``' ``mem_price``) priced at these many pass levels
-per budget, one after the other until one holds the step; the count's later fills start at the price
+"""Where no pass count's fill holds the step, the fills are tried again with the activations each
+place holds beyond the sequence's least share (``fill_passes``' ``mem_price``) priced at these many
+pass levels per budget, one after the other until one holds; the count's later fills at the price
 that held. Context-parallel splits run faster and hold more: with 7B on A100-40G, 1.18x, 1.42x and
 1.91x the activations at c = 2, 4 and 8 (the gathered K/V), so a fill of the fewest passes that takes
 the fastest split everywhere runs out of memory a third of the way through (docs/solver.md). Only ..."""
@@ -653,6 +653,8 @@ def fill_passes(tab, cost: CostModel, M: int, floors, clock: Effort, *, multi: b
     that holds it on a free aligned block (with ``multi``: on any block with memory room, stacked).
     ``mem_price`` (ms of GPU-time per GB) adds the activations a place holds beyond the sequence's
     least share (``tab.share``: a context-parallel split's gathered K/V, say), priced, to its GPU-time.
+    A fill stops (None) as soon as the activations left over all ranks and passes are fewer than the
+    least shares of the sequences left: no placement could hold them.
     So the pass the longest sequence opens fills up to its length before the others grow, each
     sequence at the cheapest degree that fits there. Charged to ``clock``. None when a sequence fits
     nowhere. ``cancel`` (PlanOptions.check_cancel, as ``Passes.improve`` takes it) is called every
@@ -679,10 +681,15 @@ def fill_passes(tab, cost: CostModel, M: int, floors, clock: Effort, *, multi: b
     n_g = 0
     if order is None:
         order = np.lexsort((-tab.s, -tab.best_single))
+    # activations left on all ranks and passes, and the least the sequences still to place need: once
+    # the first is below the second, no placement can hold them all
+    free, need = float(M * n * B), float(tab.share[np.asarray(order, dtype=np.int64)].sum())
     for j, i in enumerate(order):
         i = int(i)
         if cancel is not None and j % 64 == 63:
             cancel()
+        if free < need * (1 - 1e-9):
+            return None
         clock.tick(elements=4 * F + 6 * n_g + 5 * n * degs.size, steps=6 + 0.5 * int(tab.ok[:, i].sum()))
         rl_pass = np.array([float(ps.rank_loads(q).max()) if ps.cnt[q].any() else 0.0 for q in range(M)])
         cap = np.maximum(rl_pass, floor)
@@ -720,12 +727,15 @@ def fill_passes(tab, cost: CostModel, M: int, floors, clock: Effort, *, multi: b
         if best is None:
             return None
         _, kind, where = best
+        need -= float(tab.share[i])
         if kind == "join":
             g = int(g_id[where])
+            free -= float(tab.deg[g_row[where]] * tab.mem[g_row[where], i])
             ps._insert(i, g)
             q = ps.g_p[g]
         else:
             e, f = where
+            free -= float(tab.deg[e] * tab.mem[e, i])
             v = int(lv_of_row[e])
             q, b = divmod(f - int(off[v]), int(nbs[v]))
             g = ps.add_group(q, e, b, [i])
@@ -1004,12 +1014,16 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
     # 1. the whole step filled at once (``fill_passes``), with floors and again with its own lengths
     opts.report(0.08, "flexsp (lockstep): filling passes")
     fill_end = t0 + FILL_SHARE * limit
-    for M in range(M0, M0 + FILL_EXTRA + 1):
+
+    def fill_count(M: int, prices) -> bool:
+        """The filled starts of M passes: the first at each of ``prices`` (indices into
+        ``FILL_PRICES``) in turn until one holds, the others at the price that held, ending at the
+        first that does not hold; whether any held."""
         rest = max(0.0, float(tab.best_work.sum()) / tab.n_gpus + M * float(cost.call_overhead_ms())
                    - float(tab.best_single.max()))
         level = rest / (M - 1) if M > 1 else 0.0
         floors_list = [[theta * level] * M for theta in FILL_FLOORS]
-        best_fill, floors, price = None, None, 0
+        best_fill, floors, price = None, None, prices[0]
         for k in range(len(floors_list) + FILL_ROUNDS):
             if clock.past(fill_end) or clock.now() + fill_cost(tab, M) > fill_end:
                 break  # (a fill that would overrun its share does not start)
@@ -1019,14 +1033,13 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
             elif k == len(floors_list):
                 floors = best_fill[1]  # the best start's own lengths, then each round's
             ps = None
-            ladder = range(price, len(FILL_PRICES) if M <= FILL_PRICED_MAX else 1)
-            for j in (ladder if best_fill is None else (price,)):
-                if j > price and (clock.past(fill_end) or clock.now() + fill_cost(tab, M) > fill_end):
+            for j in (prices if best_fill is None else (price,)):
+                if j != prices[0] and (clock.past(fill_end) or clock.now() + fill_cost(tab, M) > fill_end):
                     break
                 ps = fill_passes(tab, cost, M, floors, clock, multi=multi, cancel=opts.check_cancel,
                                  mem_price=FILL_PRICES[j] * level / tab.budget)
                 if ps is not None:
-                    price = j  # the next fills of this count start at the price that held
+                    price = j  # the count's later fills at the price that held
                     break
             if ps is None:
                 break
@@ -1040,6 +1053,16 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
                 if np.allclose(lens, floors):
                     break  # its own lengths again: nothing new to find
                 floors = lens
+        return best_fill is not None
+
+    # every count unpriced; where none holds, the counts of at most FILL_PRICED_MAX passes again, up
+    # the price ladder
+    counts = range(M0, M0 + FILL_EXTRA + 1)
+    held = [fill_count(M, (0,)) for M in counts]
+    if not any(held):
+        for M in counts:
+            if M <= FILL_PRICED_MAX:
+                fill_count(M, tuple(range(1, len(FILL_PRICES))))
     lap("fill")
     # 2. splits
     opts.report(0.1, "flexsp (lockstep): splitting the batch into passes")
