@@ -435,15 +435,15 @@ class CostModel:
         # bf16 under ZeRO 0-2 is autocast over the fp32 replica; under ZeRO-3 FSDP2 casts the weights
         autocast = self.precision == "bf16" and self.cluster.zero_stage < 3
         mine = activation_bytes_per_token(m, self.recompute, autocast=autocast)
-        if act_mb is not None and p.model == m.name:
+        measured = act_mb is not None and p.model == m.name
+        if measured:
             # measured in the model's own precision, without recomputation (the profile's attention
             # may keep more than the formula's flash-style one): scaled by the formula's ratio
             native = dataclasses.replace(m, dtype_bytes=self._native_bytes)
             act = act_mb * 1e6 * mine / activation_bytes_per_token(native, False)
         else:
             act = mine
-        return _Fit(A=A, B=B, C=C, act_bytes=act, A_short=A_short, short_len=short_len,
-                    formula=not (act_mb is not None and p.model == m.name))
+        return _Fit(A=A, B=B, C=C, act_bytes=act, A_short=A_short, short_len=short_len, formula=not measured)
 
     # ---- degrees and splits ----------------------------------------------------------------
     def split_supported(self, ulysses: int) -> bool:
