@@ -125,3 +125,44 @@ def test_one_sequence_per_pass_by_hand():
     assert exhaustive_lockstep_ms(s, cost, multi=True) == pytest.approx(hand, rel=1e-9)
     assert lockstep_pass_bound_ms(s, cost) == pytest.approx(hand, rel=1e-5)
     assert lockstep_lower_bound_ms(s, cost) < hand * 0.9
+
+
+def test_pass_bound_stays_below_a_real_plan_where_glop_restarts_badly():
+    """A batch where GLOP, restarted from the last node's basis, called a feasible node of the
+    one-pass programme infeasible, and the pass bound came out 15% above a valid plan (6,124 against
+    5,304 ms): bench/strategies.py's 7B/A100 wikipedia step 2 under ``auto``. The reference is the
+    plan itself, validated independently: no lower bound may exceed it."""
+    from workbench.scenario import Scenario
+    from workbench.solve import run_planner
+    from workbench.solve.plan import validate
+
+    sc = Scenario(num_gpus=64, zero_stage=3, recompute=True, source="wikipedia", samples=200_000, seed=0,
+                  policy="clip", strategy="auto", model="7b", profile="a100-40g-flexsp", max_len=262_144,
+                  batch_tokens=1_000_000)
+    s = np.asarray(sc.batches(3)[2].lengths, dtype=np.int64)
+    cost = sc.cost()
+    p = run_planner("flexsp", s, cost, effort=1.0, seed=0)
+    validate(p, s, cost.cluster, cost)
+    assert len(p.micro_steps) == 1  # the one-pass programme is the one that failed
+    detail: dict = {}
+    bound = lockstep_pass_bound_ms(s, cost, p.makespan_ms - cost.step_end_ms(), detail=detail)
+    assert bound <= p.makespan_ms * (1 + 1e-9)
+    assert detail["per_passes"].get(1) is not None  # the one-pass programme holds the plan
+
+
+def test_step_bound_leaves_out_a_part_above_a_plan(monkeypatch):
+    """A part of the step bound that comes out above a plan of the batch is no bound: it is left out
+    with a warning, and the step bound is the largest of the other parts (recomputed here)."""
+    import workbench.solve.bound as bound
+    from workbench.solve import run_planner
+
+    cost = _cost(4, 24)
+    s = np.array([3000, 2000, 1500, 900, 400])
+    p = run_planner("flexsp", s, cost, effort=0.2, seed=0)
+    upper = p.makespan_ms - cost.step_end_ms()
+    others = max(bound.lower_bound_ms(s, cost), bound.packing_bound_ms(s, cost, upper_ms=upper))
+    assert bound.step_bound_ms(s, cost, [p]) <= p.makespan_ms * (1 + 1e-9)
+    monkeypatch.setattr(bound, "lockstep_pass_bound_ms", lambda *a, **k: p.makespan_ms * 1.2)
+    with pytest.warns(RuntimeWarning, match="lockstep pass bound .* above a plan"):
+        got = bound.step_bound_ms(s, cost, [p])
+    assert got == pytest.approx(others, rel=1e-12)
