@@ -341,3 +341,25 @@ def test_a_fill_stops_when_the_activations_left_cannot_hold_the_sequences_left()
     assert clock.spent == 0.0
     ps = fill_passes(tab, cost, M, [0.0] * M, Effort(1e9), multi=True, mem_price=3000.0 / B)
     assert ps is not None and sorted(i for g in ps.groups() for i in ps.g_members[g]) == list(range(s.size))
+
+
+def test_a_step_that_fits_one_pass_fills_each_floor_once():
+    """A fill is a function of its floors and price: filled twice with the same ones it gives the
+    same passes (checked here). So the planner never fills a pass count twice with the same floors
+    (a one-pass step's floors are all zero: three identical fills before, whose effort the search
+    after them lost)."""
+    from workbench.solve.lockstep import fill_passes
+
+    cost = _cost(8, 40.0)
+    rng = np.random.default_rng(3)
+    s = np.sort(rng.integers(128, 3000, size=24))[::-1].copy()  # ~36K tokens: 8 GPUs hold 55K
+    p = plan_lockstep(s, cost, PlanOptions(seed=0, effort=2.0))
+    assert p.stats["min_passes"] == 1
+    fills = [t for t in p.stats["tried"] if t["rule"].startswith("fill")]
+    assert len(fills) >= 2  # the zero floors, and the best fill's own length
+    keys = [(t["passes"], tuple(t["floors"]), t["price"]) for t in fills]
+    assert len(set(keys)) == len(keys), keys
+    tab = Table(s, cost)
+    a = fill_passes(tab, cost, 1, [0.0], Effort(1e9), multi=True)
+    b = fill_passes(tab, cost, 1, [0.0], Effort(1e9), multi=True)
+    assert a is not None and b is not None and a.assignment() == b.assignment()

@@ -1024,6 +1024,7 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
         level = rest / (M - 1) if M > 1 else 0.0
         floors_list = [[theta * level] * M for theta in FILL_FLOORS]
         best_fill, floors, price = None, None, prices[0]
+        seen = set()
         for k in range(len(floors_list) + FILL_ROUNDS):
             if clock.past(fill_end) or clock.now() + fill_cost(tab, M) > fill_end:
                 break  # (a fill that would overrun its share does not start)
@@ -1032,6 +1033,11 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
                 floors = floors_list[k]
             elif k == len(floors_list):
                 floors = best_fill[1]  # the best start's own lengths, then each round's
+            if tuple(floors) in seen:
+                # the same floors at the same price: the same fill (one pass, or a longest sequence
+                # that outlasts the level: every share of a zero level is zero)
+                continue
+            seen.add(tuple(floors))
             ps = None
             for j in (prices if best_fill is None else (price,)):
                 if j != prices[0] and (clock.past(fill_end) or clock.now() + fill_cost(tab, M) > fill_end):
@@ -1044,7 +1050,8 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
             if ps is None:
                 break
             ms = ps.step_ms()
-            tried.append({"passes": M, "rule": f"fill:{k}", "ms": ms, "price": FILL_PRICES[price]})
+            tried.append({"passes": M, "rule": f"fill:{k}", "ms": ms, "price": FILL_PRICES[price],
+                          "floors": [round(float(f), 3) for f in floors]})
             cands.append(_Cand(ps, f"fill:{M}:{k}"))
             lens = sorted((ps.pass_len(q) for q in range(M)), reverse=True)
             if best_fill is None or ms < best_fill[0]:
