@@ -110,7 +110,7 @@ def print_tables(out: dict) -> None:
         print("|---|---:|---:|---:|---:|---:|---|---|---|" + ("---:|" if bounds else ""))
         for r in rows:
             ob = r.get("auto_over_bound")
-            tail = f" {float(np.median(ob)):.3f} ({max(ob):.3f}) |" if bounds and ob else (" |" if bounds else "")
+            tail = f" {float(np.median(ob)):.3f} ({max(ob):.3f}) |" if ob else ""
             cant = (f"{r['ulysses_cannot_run']} (longest {r['ulysses_cannot_run_max']:,})" if r["ulysses_cannot_run"]
                     else "none")
             sp = ", ".join(f"{k}: {v}" for k, v in sorted(r["auto_splits"].items(), key=lambda kv: -kv[1]))
