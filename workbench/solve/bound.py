@@ -632,17 +632,14 @@ def lockstep_pass_bound_ms(lengths, cost, upper_ms: float | None = None, *, deta
         stop = int(np.argmin(ok)) if not ok.all() else ok.size
         if stop:
             bands[int(e), int(j)] = lost[:stop]
-    # shares dominated by another of the same length (no more of any demand, no higher class, no band,
-    # and no longer alone: a programme whose passes are too short for the other (``build``'s lmax) is
-    # too short for this one)
+    # shares dominated by another of the same length (no more of any demand, no higher class, no band)
     keep = allowed.copy()
     for j in range(J):
         es = np.flatnonzero(allowed[:, j])
         for e in es:
             for f in es:
                 if f != e and keep[f, j] and (e, j) not in bands and (f, j) not in bands \
-                        and kappa[f, j] <= kappa[e, j] and single[f, j] <= single[e, j] * (1 + 1e-12) \
-                        and (dem[:, f, j] <= dem[:, e, j] * (1 + 1e-12)).all() \
+                        and kappa[f, j] <= kappa[e, j] and (dem[:, f, j] <= dem[:, e, j] * (1 + 1e-12)).all() \
                         and (kappa[f, j] < kappa[e, j] or (dem[:, f, j] < dem[:, e, j]).any() or f < e):
                     keep[e, j] = False
                     break
@@ -684,7 +681,10 @@ def lockstep_pass_bound_ms(lengths, cost, upper_ms: float | None = None, *, deta
         held = np.zeros(J, dtype=bool)
         for e, j in np.argwhere(keep):
             e, j = int(e), int(j)
-            if single[e, j] > lmax * (1 + 1e-9):
+            if g[int(kappa[e, j])] > lmax * (1 + 1e-9):
+                # no pass of this programme reaches its class (judged by the class, as the shares
+                # are placed: a share that dominates it is in its class or below, so never left out
+                # where it is kept)
                 continue
             held[j] = True
             d = dem[:, e, j]
