@@ -24,6 +24,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -279,6 +280,36 @@ def test_heartbeats_name_the_node_that_went_away():
     assert watches[0].diagnose(wait=1.0) == "node 1 (b, ranks 2-3) stopped answering (its processes are gone)"
     store.down = True  # the store lives on node 0: its loss names node 0
     assert watches[2].diagnose(wait=0.1).startswith("node 0 (a) is gone: the rendezvous store")
+    for w in watches.values():
+        w.stop()
+
+
+def test_a_node_whose_ranks_die_one_after_another_is_named_whole():
+    """Node 1's agent killed: rank 2 dies at once, rank 3 seconds later (as in a loaded CI run). The
+    diagnosis watches on while part of a node is still, so the line names the whole node; a rank that
+    goes on beating is left out ("part of node 1") once the extra windows are over."""
+    from workbench.runtime.peers import PeerWatch
+
+    store = FakeStore()
+    members = {0: (0, "a"), 1: (0, "a"), 2: (1, "b"), 3: (1, "b")}
+    watches = {r: PeerWatch(store, r, members, interval=0.05) for r in members}
+    for w in watches.values():
+        w.start()
+    time.sleep(0.2)
+    watches[2].stop()
+    threading.Timer(0.8, watches[3].stop).start()  # outlives the first 0.5 s window
+    t0 = time.monotonic()
+    line = watches[0].diagnose(wait=0.5)
+    assert line == "node 1 (b, ranks 2-3) stopped answering (its processes are gone)", line
+    assert time.monotonic() - t0 < 0.5 * 4 + 0.5  # the first window and at most three more
+    watches[3]._stop.clear()
+    watches[3].start()  # rank 3 beats again: only rank 2 of node 1 is still
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    line = watches[0].diagnose(wait=0.3, settle=2)
+    took = time.monotonic() - t0
+    assert line == "part of node 1 (b, rank 2) stopped answering (its processes are gone)", line
+    assert 0.3 * 3 <= took < 0.3 * 3 + 0.5  # the extra windows were watched, and no more
     for w in watches.values():
         w.stop()
 

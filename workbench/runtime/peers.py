@@ -6,7 +6,8 @@ closed by peer") or, when the peer's machine vanished without closing its socket
 until the collective timeout. Neither names the node. :class:`PeerWatch` keeps a counter per rank
 in torchrun's store (node 0 hosts it) that a thread of every rank advances once a second; after a
 failure a rank reads the counters twice, a few seconds apart, and the ranks whose counters stood
-still (and that did not say they ended) are gone: it names their node and host. When the store
+still (and that did not say they ended) are gone: it names their node and host (while only part of
+a node is still, it watches a few windows more: a node's ranks die one after another). When the store
 itself stops answering, node 0 (which hosts it) is the one gone. The watch thread can also end its
 rank when a peer has been silent for ``stall_s`` seconds, instead of waiting in a collective until
 the timeout.
@@ -125,24 +126,41 @@ class PeerWatch:
             parts.append(what if whole else what.replace(f"node {n} (", f"part of node {n} ("))
         return f"{' and '.join(parts)} {how}"
 
-    def diagnose(self, wait: float = 3.0) -> str | None:
+    def diagnose(self, wait: float = 3.0, settle: int = 3) -> str | None:
         """After a failed collective: which ranks are gone (their counters stood still for ``wait``
         seconds and they did not say they ended), as one line naming their nodes; the store's own
-        loss names node 0; None when every peer is alive."""
+        loss names node 0; None when every peer is alive. Where the gone ranks are part of a node, up
+        to ``settle`` more windows are watched: a node's processes die one after another when its
+        agent or machine goes (a rank can outlive its killed agent by seconds), and the line names
+        the ranks still gone at the end."""
         if self.store_lost:
             return self._store_gone()
         try:
-            before = self.counters()
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline:
-                time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
-            after = self.counters()
-            ended = self.ended()
+            gone = self._still(wait)
+            for _ in range(settle):
+                if not gone or not self._part_of_a_node(gone):
+                    break
+                gone = self._still(wait)
         except Exception as e:  # noqa: BLE001
             self.store_lost = str(e).splitlines()[0] if str(e) else type(e).__name__
             return self._store_gone()
-        gone = [r for r in self.members if r != self.rank and after.get(r) == before.get(r) and r not in ended]
         return self.describe(gone) if gone else None
+
+    def _still(self, wait: float) -> list[int]:
+        """The other ranks whose counters stand still over ``wait`` seconds and that did not say they ended."""
+        before = self.counters()
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+        after = self.counters()
+        ended = self.ended()
+        return [r for r in self.members if r != self.rank and after.get(r) == before.get(r) and r not in ended]
+
+    def _part_of_a_node(self, ranks: Sequence[int]) -> bool:
+        """Whether ``ranks`` hold some but not all of a node's other ranks."""
+        nodes = {self.members[r][0] for r in ranks}
+        mine = set(ranks)
+        return any(not {r for r, (m, _) in self.members.items() if m == n and r != self.rank} <= mine for n in nodes)
 
 
 def store_from_env(timeout_s: float = 10.0):
