@@ -502,7 +502,7 @@ and 133 s, and 1.1% lower (the pass counts not reached)."""
 
 
 def lockstep_pass_bound_ms(lengths, cost, upper_ms: float | None = None, *, detail: dict | None = None,
-                           work: float | None = PASS_WORK, cancel=None) -> float:
+                           work: float | None = PASS_WORK, cancel=None, branch: int = 0) -> float:
     """A lower bound on every lockstep plan (one group or several per rank in a pass) that sees how a
     step is cut into passes, in ms with the step's end (gradient sync and optimizer) included.
     ``upper_ms``: some plan's compute time (its makespan less the step's end; larger restricts less).
@@ -544,7 +544,64 @@ def lockstep_pass_bound_ms(lengths, cost, upper_ms: float | None = None, *, deta
     callable, is called before each programme is solved (it raises to stop). ``detail``, when
     given, gets the value per M, the sizes, the programmes solved, the work spent, whether the cap
     stopped it (``stopped``), and the best programme's passes per class (``passes``: ``[(count, summed
-    length ms, floor ms)]``)."""
+    length ms, floor ms)]``).
+
+    ``branch``: the programme lets a long sequence sit partly at one degree and partly at another (a
+    fraction of a long pass at its wide degree, the rest in a shorter pass at a wider one), so with
+    ``branch`` > 0 the bound also branches on the shape of each of the ``branch`` longest lengths that
+    one sequence alone has (best first: the least value's node is opened next; a child's value is at
+    least its parent's) and takes the least value over the open nodes (every plan places that sequence
+    at one shape). Each node is a whole pass bound at ``work``; ``detail`` then also gets ``branches``
+    (``[({length: (degree, cp)}, value)]``, every node solved) and the least open node's own detail."""
+    if branch > 0:
+        return _branched_pass_bound(lengths, cost, upper_ms, detail, work, cancel, int(branch))
+    return _pass_bound(lengths, cost, upper_ms, detail, work, cancel, {})
+
+
+def _branched_pass_bound(lengths, cost, upper_ms, detail, work, cancel, branch: int) -> float:
+    """``lockstep_pass_bound_ms`` with ``branch`` (its docstring): best-first over the shapes of the
+    longest lengths held by one sequence each."""
+    s = np.asarray(lengths, dtype=np.int64)
+    if s.size == 0:
+        return float(cost.step_end_ms())
+    u, cnt = np.unique(s, return_counts=True)
+    singles = [int(x) for x in u[::-1] if cnt[u == x][0] == 1][:branch]
+    n, shapes, B, (C, _, ovh, _) = _lockstep_setting(s, cost)
+    L = np.asarray(singles, dtype=np.int64)
+    ok = np.stack([cost.memory(L, d, cp) <= B for d, cp in shapes]) if singles else None
+    if singles and upper_ms is not None:
+        # a shape whose single-group time is above upper_ms is no plan's within it (as in the programme)
+        single = np.stack([C + float(cost.group_extra_ms(d, cp)) + cost.time(L, d, cp) for d, cp in shapes])
+        ok &= single <= (float(upper_ms) - ovh) * (1 + 1e-9)
+    nodes = []
+
+    def solve(only: dict) -> tuple[float, dict]:
+        d: dict = {}
+        v = _pass_bound(s, cost, upper_ms, d, work, cancel, only)
+        nodes.append(({x: shapes[e] for x, e in only.items()}, v))
+        return v, d
+
+    root, root_d = solve({})
+    heap = [(root, 0, {}, root_d)]
+    tie = 1
+    while heap and len(heap[0][2]) < len(singles):
+        v, _, only, _d = heapq.heappop(heap)
+        k = len(only)
+        for e in np.flatnonzero(ok[:, k]):
+            child = {**only, singles[k]: int(e)}
+            cv, cd = solve(child)
+            heapq.heappush(heap, (max(v, cv), tie, child, cd))
+            tie += 1
+    best, _, _, best_d = heap[0] if heap else (math.inf, 0, {}, {})
+    if detail is not None:
+        detail.update(best_d)
+        detail["branches"] = nodes
+    return best if math.isfinite(best) else float(cost.step_end_ms())  # (no branch holds: claim nothing)
+
+
+def _pass_bound(lengths, cost, upper_ms, detail, work, cancel, only: dict) -> float:
+    """The pass bound (``lockstep_pass_bound_ms``) with the lengths in ``only`` (each one sequence's)
+    held to one shape each: ``{length: index into the shapes}``."""
     from ortools.linear_solver import pywraplp
 
     s = np.asarray(lengths, dtype=np.int64)
@@ -556,6 +613,10 @@ def lockstep_pass_bound_ms(lengths, cost, upper_ms: float | None = None, *, deta
     deg = np.array([d for d, _ in shapes], dtype=np.float64)
     t = np.stack([cost.time(u, d, cp) for d, cp in shapes])
     mem = np.stack([cost.memory(u, d, cp) for d, cp in shapes])
+    for L, e in only.items():  # a branch: that sequence at that shape alone (the others over the budget)
+        j = int(np.searchsorted(u, L))
+        other = np.arange(len(shapes)) != e
+        mem[other, j] = np.maximum(mem[other, j], 2.0 * B + 1.0)
     extra = np.array([float(cost.group_extra_ms(d, cp)) for d, cp in shapes])
     act = float((cost.memory(u, 1) * cnt).sum())
     fits = mem <= B
@@ -829,6 +890,6 @@ def lockstep_pass_bound_ms(lengths, cost, upper_ms: float | None = None, *, deta
                        "bands": len(bands), "shares": int(keep.sum()), "programmes": solves[0],
                        "work": spent[0], "stopped": stopped, "passes": best_passes})
     if not math.isfinite(best):
-        return end
+        return math.inf if only else end  # a branch no plan takes; unbranched, claim nothing
     # the solvers' optimum is a floating-point vertex: step back by their tolerance so it stays a bound
     return max(0.0, best * (1 - 1e-6)) + end
