@@ -260,14 +260,17 @@ class FakeStore:
         return all(k in self.kv for k in keys)
 
 
-def test_heartbeats_name_the_node_that_went_away():
+def _two_nodes(store):
+    """Watches of four ranks, two on node 0 (host a) and two on node 1 (host b), beating every 50 ms."""
     from workbench.runtime.peers import PeerWatch
 
-    store = FakeStore()
     members = {0: (0, "a"), 1: (0, "a"), 2: (1, "b"), 3: (1, "b")}
-    watches = {r: PeerWatch(store, r, members, interval=0.05) for r in members}
-    for w in watches.values():
-        w.start()
+    return {r: PeerWatch(store, r, members, interval=0.05).start() for r in members}
+
+
+def test_heartbeats_name_the_node_that_went_away():
+    store = FakeStore()
+    watches = _two_nodes(store)
     time.sleep(0.3)
     assert watches[0].diagnose(wait=1.0) is None  # everybody beats (20 beats in the window)
     watches[2].stop()
@@ -288,13 +291,7 @@ def test_a_node_whose_ranks_die_one_after_another_is_named_whole():
     """Node 1's agent killed: rank 2 dies at once, rank 3 seconds later (as in a loaded CI run). The
     diagnosis watches on while part of a node is still, so the line names the whole node; a rank that
     goes on beating is left out ("part of node 1") once the extra windows are over."""
-    from workbench.runtime.peers import PeerWatch
-
-    store = FakeStore()
-    members = {0: (0, "a"), 1: (0, "a"), 2: (1, "b"), 3: (1, "b")}
-    watches = {r: PeerWatch(store, r, members, interval=0.05) for r in members}
-    for w in watches.values():
-        w.start()
+    watches = _two_nodes(FakeStore())
     time.sleep(0.2)
     watches[2].stop()
     threading.Timer(0.8, watches[3].stop).start()  # outlives the first 0.5 s window
