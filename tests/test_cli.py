@@ -74,6 +74,18 @@ def test_plan_text_reports_the_packing_bound_by_hand():
     assert pb == pytest.approx(hand, abs=0.1) and lb < hand - 1.0
 
 
+def test_plan_says_on_stderr_before_a_long_pass_bound():
+    """The lockstep pass bound takes seconds from a few hundred sequences up (20 s over 673 Llama-3-8B
+    sequences on 64 H100s): over 256 sequences the text report says so on stderr before it starts;
+    over fewer it says nothing, and stdout holds the report alone either way."""
+    args = ("plan", "--lengths", "wikipedia", "--gpus", "8", "--zero-stage", "3")
+    many = run_cli(*args, "--batch-size", "300")
+    few = run_cli(*args, "--batch-size", "200")
+    assert "# the lockstep pass bound over 300 sequences" in many.stderr, many.stderr
+    assert "lockstep pass bound" not in few.stderr, few.stderr
+    assert "lockstep pass bound over" not in many.stdout and "300 sequences" in many.stdout
+
+
 def test_simulate_json_shape():
     out = json.loads(run_cli("simulate", "--lengths", "wikipedia", "--samples", "20000", "--batch-tokens", "400000",
                              "--gpus", "64", "--planners", "static-max,best-static,greedy", "--steps", "2",
