@@ -437,21 +437,24 @@ def _groups_lp(lp, u, cnt, allowed, degs, t, mem, per_group, B) -> _GroupsLP:
     return out
 
 
-def step_bound_ms(lengths, cost, plans=(), *, passes: bool = True, cancel=None) -> float:
+def step_bound_ms(lengths, cost, plans=(), *, passes: bool = True, cancel=None, branch: int = 0) -> float:
     """The tightest lower bound on one step this package knows: the largest of ``lower_bound_ms``,
     the packing bound and, for a lockstep cost model, the pass bound (``lockstep_pass_bound_ms``), the
     last two restricted by the fastest of ``plans`` (Plans of these lengths over ``cost``; their compute
     time is ``upper_ms``). What the Solver panel, ``workbench plan`` and ``bench/solver.py`` report
     beside the plans. ``passes=False`` leaves the pass bound out (the panel shows the rest at once and
     the pass bound when it is ready: it takes seconds on thousands of sequences); ``cancel``, a
-    callable, is called between the pass bound's programmes (it raises to stop). A part that comes
-    out above the fastest of ``plans`` cannot be a bound: it is left out, with a RuntimeWarning."""
+    callable, is called between the pass bound's programmes (it raises to stop); ``branch``, the pass
+    bound's branching on the longest sequences' shapes (``lockstep_pass_bound_ms``; one pass bound per
+    shape, so seconds more). A part that comes out above the fastest of ``plans`` cannot be a bound:
+    it is left out, with a RuntimeWarning."""
     makespans = [float(p.makespan_ms) for p in plans]
     upper = min(makespans) - float(cost.step_end_ms()) if makespans else None
     parts = {"lower bound": float(lower_bound_ms(lengths, cost)),
              "packing bound": packing_bound_ms(lengths, cost, upper_ms=upper)}
     if passes and cost.execution == "lockstep":
-        parts["lockstep pass bound"] = lockstep_pass_bound_ms(lengths, cost, upper_ms=upper, cancel=cancel)
+        parts["lockstep pass bound"] = lockstep_pass_bound_ms(lengths, cost, upper_ms=upper, cancel=cancel,
+                                                              branch=branch)
     out = 0.0
     for name, value in parts.items():
         if makespans and value > min(makespans) * (1 + 1e-6):
