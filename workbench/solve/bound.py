@@ -568,7 +568,7 @@ def _branched_pass_bound(lengths, cost, upper_ms, detail, work, cancel, branch: 
     if s.size == 0:
         return float(cost.step_end_ms())
     u, cnt = np.unique(s, return_counts=True)
-    singles = [int(x) for x in u[::-1] if cnt[u == x][0] == 1][:branch]
+    singles = [int(x) for x in u[cnt == 1][::-1][:branch]]  # the longest lengths one sequence has
     n, shapes, B, (C, _, ovh, _) = _lockstep_setting(s, cost)
     L = np.asarray(singles, dtype=np.int64)
     ok = np.stack([cost.memory(L, d, cp) <= B for d, cp in shapes]) if singles else None
@@ -588,7 +588,7 @@ def _branched_pass_bound(lengths, cost, upper_ms, detail, work, cancel, branch: 
     heap = [(root, 0, {}, root_d)]
     tie = 1
     while heap and len(heap[0][2]) < len(singles):
-        v, _, only, _d = heapq.heappop(heap)
+        v, _, only, _ = heapq.heappop(heap)
         k = len(only)
         for e in np.flatnonzero(ok[:, k]):
             child = {**only, singles[k]: int(e)}
