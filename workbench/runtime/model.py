@@ -10,7 +10,9 @@ The model knows nothing about distribution: attention is a callable handed to ``
 ``attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> out`` on packed tensors
 ``(total_tokens, heads, head_dim)`` (the flash-attn varlen convention; the model passes its one pack's
 boundaries as both), so the same module runs single-process attention, Ulysses sequence parallelism
-or context parallelism without knowing which.
+or context parallelism without knowing which. The same holds for how a block runs its MLP: an
+optional ``mlp_fn(mlp, x) -> y`` (the plain call when None), by which the runtime tiles some rows
+(``workbench.runtime.offload``).
 
 Inputs are packed: token ids ``(T,)`` of several sequences back to back, their true position ids
 ``(T,)`` (a rank holding the middle slice of a sequence passes that slice's positions), and
@@ -31,12 +33,16 @@ from workbench.runtime.loss import chunked_cross_entropy
 from workbench.specs import ModelSpec, RopeScaling
 
 __all__ = ["RMSNorm", "rope_inv_freq", "rotary_cos_sin", "apply_rotary", "Attention", "MLP", "Block", "Head", "Transformer",
-           "AttentionFn", "ROPE_BASE"]
+           "AttentionFn", "MLPFn", "ROPE_BASE"]
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 """``attn(q (Tq, H, hd), k (Tk, KV, hd), v (Tk, KV, hd), cu_seqlens_q (n+1,), cu_seqlens_k (n+1,) int32,
 max_seqlen_q, max_seqlen_k) -> (Tq, H, hd)``, causal within each packed segment (bottom-right aligned
 where a segment has fewer queries than keys; the model's own call has as many)."""
+
+MLPFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+"""``mlp_fn(mlp, x (T, C)) -> (T, C)``: how a block runs its ``MLP`` module on the normed rows; the
+same function of every row as ``mlp(x)``, computed another way (in tiles of tokens, say)."""
 
 ROPE_BASE = 10000.0
 
@@ -144,9 +150,10 @@ class Block(nn.Module):
         self.mlp = MLP(spec)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_seqlen: int, attn: AttentionFn) -> torch.Tensor:
+                max_seqlen: int, attn: AttentionFn, mlp_fn: MLPFn | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, cu_seqlens, max_seqlen, attn)  # (T, C)
-        return x + self.mlp(self.mlp_norm(x))  # (T, C)
+        h = self.mlp_norm(x)  # (T, C)
+        return x + (self.mlp(h) if mlp_fn is None else mlp_fn(self.mlp, h))  # (T, C)
 
 
 class Head(nn.Linear):
@@ -178,7 +185,8 @@ class Transformer(nn.Module):
 
     ``forward(tokens, positions, cu_seqlens, max_seqlen, attn)`` returns logits ``(T, vocab)``;
     with ``labels`` ``(T,)`` (``ignore_index`` where there is no target) the summed token loss
-    instead (``Head``: chunked under recomputation, so no ``(T, vocab)`` tensor is kept).
+    instead (``Head``: chunked under recomputation, so no ``(T, vocab)`` tensor is kept);
+    ``mlp_fn`` (``MLPFn``) is handed to every block.
     Weights are initialised from ``seed`` (normal, std 0.02; output projections of each block
     scaled by 1/sqrt(2*layers) as in GPT-2; biases zero), independent of the global RNG, so every
     rank builds the same replica. Pretrained weights come in through ``workbench.runtime.weights``.
@@ -212,7 +220,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
                 max_seqlen: int, attn: AttentionFn, labels: torch.Tensor | None = None,
-                ignore_index: int = -100) -> torch.Tensor:
+                ignore_index: int = -100, mlp_fn: MLPFn | None = None) -> torch.Tensor:
         x = self.embed(tokens)  # (T, C)
         spec = self.spec
         dev = x.device.type
@@ -221,7 +229,7 @@ class Transformer(nn.Module):
         cos, sin = rotary_cos_sin(positions, spec.head_dim, spec.rope_theta, dtype=rot,
                                   scaling=spec.rope_scaling)  # (T, hd/2) each
         for block in self.blocks:
-            x = block(x, cos, sin, cu_seqlens, max_seqlen, attn)  # (T, C)
+            x = block(x, cos, sin, cu_seqlens, max_seqlen, attn, mlp_fn)  # (T, C)
         if labels is None:
             return self.head(self.norm(x))  # (T, vocab)
         return self.head(self.norm(x), labels, ignore_index)  # () summed loss

@@ -1,0 +1,421 @@
+"""Block inputs parked in host memory and the MLP in tiles of tokens: what a token keeps on the
+device under recomputation, made smaller (MEMO; ALST, Arctic Long Sequence Training).
+
+Under ``--recompute`` every block runs under non-reentrant checkpointing
+(``workbench.runtime.zero.apply_recompute``), so per token the device keeps every block's input
+(``layers x hidden x bytes``) and, while one block is recomputed and differentiated, that block's
+working set, of which the SwiGLU MLP's intermediates (gate, up, silu(gate), their product: ``4 x
+ffn`` a token) are the largest part. Two levers remove most of it, for the rows (tokens) of the
+groups whose plan says ``offload="inputs"``:
+
+- **Tiled MLP** (:func:`tiled_mlp`, ALST's TiledMLP idea): ``down(silu(gate(x)) * up(x))`` is
+  computed ``tile`` tokens at a time without a graph, keeping only ``x``; its backward recomputes
+  each tile with the graph and back-propagates it before the next, accumulating the weights'
+  gradients (in fp32 at least). Every token's arithmetic is that of the plain MLP (the same casts
+  autocast would make), so values and gradients are the plain ones up to the order of the weight
+  gradients' sums. The intermediates of one tile exist at a time, never of the whole sequence.
+- **Offload** (:class:`OffloadPass`): a ``saved_tensors_hooks`` pair around each block's
+  checkpointed forward sees what the checkpoint saves of its inputs and moves the block input
+  ``x`` (the big ``(T, hidden)`` tensor; rotary tables and ``cu_seqlens`` are shared by every block
+  and stay) to host memory as the block's forward ends: on CUDA into pinned memory by a
+  ``non_blocking`` copy on a side stream, so the copy overlaps the next blocks' compute. In
+  backward the recomputation of block ``i`` asks for its input; the copy back of block ``i - 1``'s
+  input is started then, so it runs while block ``i`` is recomputed and differentiated, and the
+  compute stream waits on a copy's event only when it needs that tensor (the wait is measured with
+  CUDA events: :attr:`OffloadPass.wait_ms`). The last block's input is never offloaded: backward
+  needs it first. So at any time at most two blocks' inputs are on the device: ``(layers - 2) x
+  hidden x bytes`` a token fewer than without (``workbench.cost.offload`` prices both levers).
+
+On CPU "host memory" is the same memory, but the pass still copies (into buffers made outside any
+``workbench.runtime.live.LiveBytes`` count, and back into counted tensors), so a CPU test measures
+what the device would keep outside the offload buffers.
+
+Wiring, keeping the model plain: :func:`apply_offload` (after ``apply_recompute``, before
+``fully_shard``; ``zero.parallelize`` does it whenever it recomputes) wraps every block's forward so
+that, while an :class:`OffloadPass` is active on the model (:func:`offloading`, a context around one
+forward and its backward), the block's checkpointed call runs inside that pass's hooks. The tiling
+is handed to the model as attention is, as a callable: ``model(..., mlp_fn=op.mlp)``, carried into
+every block (and through the checkpoint into its recomputation). A lockstep pass packs several
+groups' rows back to back; the pass is built from the row segments and each lever applies only to
+its ``offload`` rows. Nothing here communicates: every rank runs the same collectives with or
+without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+
+from workbench.cost.offload import OFFLOAD_LEVELS, mlp_tile_tokens
+
+__all__ = ["OFFLOAD_LEVELS", "tiled_mlp", "RowMLP", "OffloadPass", "apply_offload", "offloading", "offload_pass"]
+
+
+# ---- the tiled MLP --------------------------------------------------------------------------------
+
+def _swiglu(xg: torch.Tensor, xu: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` with gate's and up's inputs given apart (the same rows): the
+    backward then has their two gradients apart, as autocast's two casts of ``x`` do."""
+    return F.linear(F.silu(F.linear(xg, wg)) * F.linear(xu, wu), wd)  # (t, C)
+
+
+class _TiledMLP(torch.autograd.Function):
+    """The SwiGLU tile by tile: the forward keeps only the input (in the dtype the matmuls read it
+    in) and the weights, which it does not copy; the backward recomputes a tile with its graph,
+    back-propagates it and drops it before the next."""
+
+    @staticmethod
+    def forward(ctx, x, wg, wu, wd, tile: int):
+        dev = x.device.type
+        # autocast's casts made explicitly (and remembered for the backward, which runs outside
+        # autocast): the weights once for all tiles, where autocast would cast them for every tile
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        with torch.autocast(dev, enabled=False):
+            # what is kept is x as the matmuls read it: under autocast its bf16 copy (2 bytes a value;
+            # the plain MLP keeps two, gate's and up's)
+            xs = _cast(x, dt)  # (T, C)
+            ws = [_cast(w, dt) for w in (wg, wu, wd)]
+            T = x.shape[0]
+            out = None
+            for a in range(0, T, tile):
+                xt = xs[a:a + tile]  # (t, C)
+                y = _swiglu(xt, xt, *ws)  # (t, C)
+                if out is None:
+                    out = y.new_empty((T, y.shape[1]))
+                out[a:a + tile] = y
+        ctx.cast, ctx.tile, ctx.x_dtype = dt, tile, x.dtype
+        ctx.save_for_backward(xs, wg, wu, wd)
+        return out
+
+    @staticmethod
+    def backward(ctx, gy):
+        xs, wg, wu, wd = ctx.saved_tensors
+        dt, tile = ctx.cast, ctx.tile
+        need_x, *need_w = ctx.needs_input_grad[:4]
+        weights = (wg, wu, wd)
+        gx = torch.empty(xs.shape, dtype=ctx.x_dtype, device=xs.device) if need_x else None
+        acc = [torch.zeros(w.shape, dtype=torch.promote_types(w.dtype, torch.float32), device=w.device) if n else None
+               for w, n in zip(weights, need_w)]
+        with torch.enable_grad(), torch.autocast(xs.device.type, enabled=False):
+            leaves = [w.detach().requires_grad_(n) for w, n in zip(weights, need_w)]
+            ws = [_cast(w, dt) for w in leaves]  # (the casts' backward is not run: gradients are taken at ws)
+            for a in range(0, xs.shape[0], tile):
+                xg = xs[a:a + tile].detach().requires_grad_(need_x)  # (t, C) gate's input
+                xu = xs[a:a + tile].detach().requires_grad_(need_x)  # (t, C) up's input, the same rows
+                y = _swiglu(xg, xu, *ws)  # (t, C), with its graph: one tile's intermediates
+                wanted = ([xg, xu] if need_x else []) + [w for w, n in zip(ws, need_w) if n]
+                grads = list(torch.autograd.grad(y, wanted, gy[a:a + tile]))
+                if need_x:  # each converted to x's dtype, then summed, as autocast's casts' backward and autograd do
+                    gx[a:a + tile] = grads.pop(0).to(ctx.x_dtype) + grads.pop(0).to(ctx.x_dtype)
+                for k, n in enumerate(need_w):
+                    if n:
+                        acc[k] += grads.pop(0)
+                del y, grads, wanted
+        gw = [g.to(w.dtype) if g is not None else None for g, w in zip(acc, weights)]
+        return gx, *gw, None
+
+
+def _cast(t: torch.Tensor, dt: torch.dtype | None) -> torch.Tensor:
+    """As autocast casts a matmul's operands: floating fp32 tensors to ``dt``, others as they are."""
+    return t.to(dt) if dt is not None and t.dtype == torch.float32 else t
+
+
+def tiled_mlp(mlp: nn.Module, x: torch.Tensor, tile: int) -> torch.Tensor:
+    """``mlp(x)`` for the model's SwiGLU ``MLP`` (``gate``, ``up``, ``down`` without biases),
+    computed ``tile`` tokens at a time (module docstring): ``(T, C) -> (T, C)``, the same values and
+    gradients. It uses the weights the module holds at the call, so under FSDP2 it must run inside
+    the module's unit (the block's forward, or its recomputation in backward), where they are the
+    all-gathered ones. Raises ValueError for a tile below 1 or an MLP with biases."""
+    if int(tile) < 1:
+        raise ValueError(f"tiled_mlp: tile must be at least 1 token, got {tile}")
+    if any(getattr(mlp, n).bias is not None for n in ("gate", "up", "down")):
+        raise ValueError("tiled_mlp: the MLP's projections have biases; the tiled MLP computes the bias-free SwiGLU")
+    if x.shape[0] == 0:
+        return mlp(x)
+    return _TiledMLP.apply(x, mlp.gate.weight, mlp.up.weight, mlp.down.weight, int(tile))
+
+
+def _merge(segments: Sequence[tuple[int, int, bool]]) -> list[tuple[int, int, bool]]:
+    """Adjacent segments of the same kind joined, empty ones dropped."""
+    out: list[tuple[int, int, bool]] = []
+    for lo, hi, on in segments:
+        if hi <= lo:
+            continue
+        if out and out[-1][2] == bool(on) and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi, bool(on))
+        else:
+            out.append((int(lo), int(hi), bool(on)))
+    return out
+
+
+class RowMLP:
+    """A block's ``mlp_fn`` (``workbench.runtime.model.Block``): the rows of ``segments`` marked
+    ``True`` through :func:`tiled_mlp` in tiles of ``tile`` tokens, the others through the plain
+    MLP, the outputs concatenated in row order. ``segments`` are ``(start, stop, tiled)`` and cover
+    the model's input rows."""
+
+    def __init__(self, segments: Sequence[tuple[int, int, bool]], tile: int) -> None:
+        if int(tile) < 1:
+            raise ValueError(f"RowMLP: tile must be at least 1 token, got {tile}")
+        self.segments = _merge(segments)
+        self.tile = int(tile)
+
+    def __call__(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not any(on for _, _, on in self.segments):
+            return mlp(x)
+        if len(self.segments) == 1:
+            return tiled_mlp(mlp, x, self.tile)
+        # a lockstep pass with tiled and plain groups: each part its way (the plain part keeps its
+        # intermediates, as it would alone)
+        return torch.cat([tiled_mlp(mlp, x[lo:hi], self.tile) if on else mlp(x[lo:hi]) for lo, hi, on in self.segments])
+
+
+# ---- block inputs in host memory -------------------------------------------------------------------
+
+class _Kept:
+    """What the pack hook returns for a block input it leaves on the device (the last block's): the
+    tensor, and the layer, so that its unpack can start the copy back of the layer before it."""
+
+    __slots__ = ("layer", "tensor")
+
+    def __init__(self, layer: int, tensor: torch.Tensor) -> None:
+        self.layer, self.tensor = layer, tensor
+
+
+class _Parked:
+    """One block input between its forward and its recomputation: the offloaded rows in ``host``
+    (one buffer, the row ranges back to back), the other rows in ``kept`` on the device; once its
+    copy back is started, ``fetched`` (the device tensor being filled) and ``event`` (CUDA: its
+    copy's completion)."""
+
+    __slots__ = ("layer", "shape", "dtype", "device", "host", "kept", "fetched", "event")
+
+    def __init__(self, layer: int, x: torch.Tensor) -> None:
+        self.layer, self.shape, self.dtype, self.device = layer, tuple(x.shape), x.dtype, x.device
+        self.host: torch.Tensor | None = None
+        self.kept: torch.Tensor | None = None
+        self.fetched: torch.Tensor | None = None
+        self.event = None
+
+
+class OffloadPass:
+    """One forward and backward's offload of block inputs and tiling of the MLP, on the rows of
+    ``segments`` (``(start, stop, offload)``, covering the pass's rows; ``offload`` True for the rows
+    of ``"inputs"`` groups). ``layers``: the model's blocks (the last one's input stays on the
+    device); ``tile``: the MLP's tile in tokens (``workbench.cost.offload.mlp_tile_tokens``).
+
+    Use with :func:`offloading` around the forward and backward, passing :attr:`mlp` to the model
+    as ``mlp_fn``. After it: :attr:`wait_ms`, the time the compute stream waited for copies back
+    (CUDA; 0 on CPU, where the copies are synchronous), and :attr:`peak_host_bytes`, the host
+    memory the offloaded inputs took at most."""
+
+    def __init__(self, segments: Sequence[tuple[int, int, bool]], *, layers: int, tile: int) -> None:
+        self.segments = _merge(segments)
+        self.layers = int(layers)
+        self.mlp = RowMLP(self.segments, tile)
+        """The model's ``mlp_fn`` for this pass."""
+        self.off = [(lo, hi) for lo, hi, on in self.segments if on]
+        self.keep = [(lo, hi) for lo, hi, on in self.segments if not on]
+        self.rows = self.segments[-1][1] if self.segments else 0
+        self.wait_ms = 0.0
+        self.host_bytes = 0
+        self.peak_host_bytes = 0
+        self._parked: dict[int, _Parked | _Kept] = {}
+        self._waits: list = []  # CUDA: (event before, event after) each wait of the compute stream
+        self._streams: dict = {}  # CUDA: the side stream of the copies per device (``offloading`` lends the model's)
+
+    @property
+    def active(self) -> bool:
+        """Whether any row is offloaded (and tiled)."""
+        return bool(self.off)
+
+    # the hooks around one block's checkpointed call
+    @contextlib.contextmanager
+    def block_inputs(self, layer: int, x: torch.Tensor) -> Iterator[None]:
+        """The pack/unpack hooks for block ``layer`` whose input is ``x``: inside, what the
+        checkpoint saves of ``x`` goes to host memory (unless ``layer`` is the last)."""
+        if not self.off or x.shape[0] != self.rows:
+            yield  # nothing of this pass's rows (or not the rows it was built for: left alone)
+            return
+
+        def pack(t: torch.Tensor):
+            if t is x or (t.data_ptr() == x.data_ptr() and t.shape == x.shape and t.dtype == x.dtype):
+                return self._pack(layer, t)
+            return t  # rotary tables, cu_seqlens: shared by every block, small
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+            yield
+
+    def _pack(self, layer: int, x: torch.Tensor):
+        if layer == self.layers - 1:
+            kept = _Kept(layer, x)
+            self._parked[layer] = kept
+            return kept
+        p = _Parked(layer, x)
+        xd = x.detach()
+        n = sum(hi - lo for lo, hi in self.off)
+        cuda = x.device.type == "cuda"
+        # host buffers are not device memory: made (and filled) where LiveBytes does not count
+        with _disable_current_modes():
+            host = torch.empty((n,) + tuple(x.shape[1:]), dtype=x.dtype, device="cpu", pin_memory=cuda)
+            if cuda:
+                stream = self._copy_stream(x.device)
+                stream.wait_stream(torch.cuda.current_stream(x.device))  # x is computed
+                with torch.cuda.stream(stream):
+                    self._copy_rows_out(host, xd, non_blocking=True)
+                # the allocator must not hand x's memory to the compute stream before the copy read it
+                x.record_stream(stream)
+            else:
+                self._copy_rows_out(host, xd, non_blocking=False)
+        p.host = host
+        if self.keep:  # device memory, counted: the rows of groups that do not offload
+            p.kept = torch.cat([xd[lo:hi] for lo, hi in self.keep])
+        self.host_bytes += host.untyped_storage().nbytes()
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+        self._parked[layer] = p
+        return p
+
+    def _copy_rows_out(self, host: torch.Tensor, xd: torch.Tensor, *, non_blocking: bool) -> None:
+        o = 0
+        for lo, hi in self.off:
+            host[o:o + hi - lo].copy_(xd[lo:hi], non_blocking=non_blocking)
+            o += hi - lo
+
+    def _fetch(self, p: _Parked) -> None:
+        """Start the copy back of ``p`` (CUDA: on the side stream; CPU: done at once)."""
+        if p.fetched is not None or p.host is None:
+            return
+        if p.device.type == "cuda":
+            stream = self._copy_stream(p.device)
+            with torch.cuda.stream(stream):
+                dev = torch.empty(p.shape, dtype=p.dtype, device=p.device)  # (T, C)
+                self._copy_rows_in(dev, p.host, non_blocking=True)
+            p.event = torch.cuda.Event()
+            p.event.record(stream)
+        else:
+            dev = torch.empty(p.shape, dtype=p.dtype, device=p.device)  # counted: device memory again
+            self._copy_rows_in(dev, p.host, non_blocking=False)
+        p.fetched = dev
+
+    def _copy_rows_in(self, dev: torch.Tensor, host: torch.Tensor, *, non_blocking: bool) -> None:
+        o = 0
+        for lo, hi in self.off:
+            dev[lo:hi].copy_(host[o:o + hi - lo], non_blocking=non_blocking)
+            o += hi - lo
+
+    def _unpack(self, obj):
+        if isinstance(obj, _Kept):
+            self._prefetch(obj.layer - 1)
+            return obj.tensor
+        if not isinstance(obj, _Parked):
+            return obj
+        self._fetch(obj)  # (normally started one layer ahead)
+        self._prefetch(obj.layer - 1)  # the next block backward needs, copied while this one runs
+        dev = obj.fetched
+        if obj.device.type == "cuda":
+            cur = torch.cuda.current_stream(obj.device)
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record(cur)
+            cur.wait_event(obj.event)
+            after.record(cur)
+            self._waits.append((before, after))
+            dev.record_stream(cur)  # made on the side stream, used and freed on this one
+        if obj.kept is not None:
+            for (lo, hi), part in zip(self.keep, obj.kept.split([hi - lo for lo, hi in self.keep])):
+                dev[lo:hi].copy_(part)
+        # the device tensor now belongs to the recomputation; the host copy stays until the pass ends
+        # (a second unpack, as a retained graph would make, copies it back again)
+        obj.fetched, obj.event, obj.kept = None, None, None
+        return dev
+
+    def _prefetch(self, layer: int) -> None:
+        p = self._parked.get(layer)
+        if isinstance(p, _Parked):
+            self._fetch(p)
+
+    def _copy_stream(self, device: torch.device):
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def finish(self) -> None:
+        """End of the pass: the waits summed into :attr:`wait_ms` (synchronising their events) and
+        every host buffer released."""
+        if self._waits:
+            for before, after in self._waits:
+                after.synchronize()
+                self.wait_ms += before.elapsed_time(after)
+            self._waits.clear()
+        self._parked.clear()
+        self.host_bytes = 0
+
+
+class _Slot:
+    """The model's place for the active pass (one per model, made by :func:`apply_offload`), and
+    its CUDA side streams, kept across passes."""
+
+    def __init__(self) -> None:
+        self.active: OffloadPass | None = None
+        self.streams: dict = {}
+
+
+def apply_offload(model: nn.Module) -> None:
+    """Make every block of ``model.blocks`` run its checkpointed forward inside the hooks of the
+    :class:`OffloadPass` active on the model (:func:`offloading`), and plainly when none is. Apply
+    after ``apply_recompute`` (the hooks go around the checkpoint) and before ``fully_shard``, as
+    ``zero.parallelize`` does. Idempotent. Raises ValueError when a block does not recompute:
+    offloaded inputs are the checkpointed ones."""
+    if getattr(model, "_workbench_offload", None) is not None:
+        return
+    if not all(getattr(b, "_workbench_recompute", False) for b in model.blocks):
+        raise ValueError("offloading block inputs needs recomputation: apply_recompute first (--recompute)")
+    slot = _Slot()
+    for i, block in enumerate(model.blocks):
+        inner = block.forward  # the checkpointing forward
+
+        def forward(x, *args, _inner=inner, _layer=i, **kwargs):
+            op = slot.active
+            if op is None:
+                return _inner(x, *args, **kwargs)
+            with op.block_inputs(_layer, x):
+                return _inner(x, *args, **kwargs)
+
+        block.forward = forward  # an instance attribute, as apply_recompute's: names and state dicts unchanged
+    model._workbench_offload = slot
+
+
+@contextlib.contextmanager
+def offloading(model: nn.Module, op: OffloadPass) -> Iterator[OffloadPass]:
+    """``op`` active on ``model`` for what runs inside (one forward and its backward): its blocks'
+    inputs offloaded. On exit ``op.finish()``. Raises ValueError when ``model`` has no
+    :func:`apply_offload` and ``op`` offloads something, or another pass is already active."""
+    slot = getattr(model, "_workbench_offload", None)
+    if slot is None:
+        if op.active:
+            raise ValueError("this model does not offload block inputs: it runs without recomputation "
+                             "(zero.parallelize(recompute=True) applies offloading)")
+        yield op
+        return
+    if slot.active is not None:
+        raise ValueError("an offload pass is already active on this model")
+    op._streams = slot.streams  # one side stream per device for the model's life, made at its first copy
+    slot.active = op
+    try:
+        yield op
+    finally:
+        slot.active = None
+        op.finish()
+
+
+def offload_pass(segments: Sequence[tuple[int, int, bool]], model: nn.Module) -> OffloadPass | None:
+    """The :class:`OffloadPass` of a forward over rows ``segments`` (``(start, stop, offload)``) of
+    ``model`` (its ``spec`` gives the layers and the MLP's tile, ``workbench.cost.offload``), or None
+    when no row offloads."""
+    if not any(on for _, _, on in segments):
+        return None
+    return OffloadPass(segments, layers=len(model.blocks), tile=mlp_tile_tokens(model.spec))
