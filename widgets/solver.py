@@ -271,7 +271,7 @@ class SolverPanel(ScenarioSource, Panel):
             self.w_gpus.value = sc.num_gpus
             self.w_per_node.value = sc.gpus_per_node
             self.w_memory.value = float(sc.gpu_memory_gb if sc.gpu_memory_gb is not None else self._profile_memory(sc))
-            self.w_fraction.value = float(sc.memory_fraction)
+            self.w_fraction.value = sc.resolved_memory_fraction()
             self.w_zero.value = sc.zero_stage
             self._set_max_len_options(sc)
             self.w_batch.value = int(sc.batch_tokens or 0) if sc.batch_tokens else self.w_batch.value or 1_000_000

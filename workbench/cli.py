@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from workbench.cost.offload import OFFLOAD_CHOICES
 from workbench.scenario import DEFAULT_PLANNERS, DEFAULT_STRATEGY, STRATEGIES, Scenario
 from workbench.solve.effort import DEFAULT_EFFORT
 from workbench.simulate import summary_table
@@ -31,7 +32,7 @@ _FLAGS = {"num_gpus": "--gpus", "gpus_per_node": "--gpus-per-node", "gpu_memory_
           "time_limit": "--time-limit", "effort": "--effort", "samples": "--samples", "seed": "--seed", "policy": "--policy",
           "model": "--model", "profile": "--profile", "planner": "--planner", "degrees": "--degrees",
           "precision": "--precision", "optimizer": "--optimizer", "tokenizer": "--tokenizer", "column": "--column",
-          "init": "--init"}
+          "init": "--init", "offload": "--offload", "host_memory_gb": "--host-memory"}
 
 
 class CliError(Exception):
@@ -84,8 +85,14 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="G", help="GPUs per node (default 8)")
     p.add_argument("--gpu-memory", type=positive_float, default=None, metavar="GB",
                    help="memory per GPU in GB (default: the profile's GPU)")
-    p.add_argument("--memory-fraction", type=float, default=0.7,
-                   help="share of GPU memory plans may fill (default 0.7, as FlexSP's 28 of 40 GB)")
+    p.add_argument("--memory-fraction", type=float, default=None,
+                   help="share of GPU memory plans may fill (default: the profile's, 0.9 on h100-80g where the memory "
+                        "model was measured; else 0.7, as FlexSP's 28 of 40 GB)")
+    p.add_argument("--offload", default=None, choices=list(OFFLOAD_CHOICES),
+                   help="block inputs to host memory and the MLP in token tiles (needs --recompute): none, inputs (every "
+                        "group), auto (the default: a group offloads only when it does not fit the GPU otherwise)")
+    p.add_argument("--host-memory", type=positive_float, default=None, metavar="GB",
+                   help="host memory per node for offloaded activations (default: the profile's)")
     p.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3],
                    help="ZeRO stage (default 3: lockstep passes; 0-2: free micro-steps, replicated parameters)")
     p.add_argument("--precision", default=None, choices=["bf16", "fp32"],
@@ -132,7 +139,8 @@ def scenario_from_args(args, **extra) -> Scenario:
         raise CliError(f"--gpus must be at least 1, got {args.gpus}")
     fields = dict(model=args.model, profile=args.profile, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node,
                   gpu_memory_gb=args.gpu_memory, memory_fraction=args.memory_fraction, zero_stage=args.zero_stage,
-                  strategy=args.strategy, recompute=args.recompute, precision=args.precision, optimizer=args.optimizer)
+                  strategy=args.strategy, recompute=args.recompute, precision=args.precision, optimizer=args.optimizer,
+                  offload=args.offload, host_memory_gb=args.host_memory)
     if hasattr(args, "policy"):
         fields.update(source=getattr(args, "source", None) or args.lengths, samples=args.samples, seed=args.seed,
                       column=args.column, tokenizer=args.tokenizer, max_len=args.max_len, policy=args.policy)
@@ -304,6 +312,7 @@ def cmd_plan(args) -> int:
         print(f"  packing bound {pb:,.1f} ms (gap {plan.makespan_ms / pb - 1:.1%}): no plan is faster, each sequence counted whole")
     if plan.reason:
         print(f"  {plan.reason}")
+    _offload_lines(sc, plan)
     for m, ms in enumerate(plan.micro_steps):
         by_shape: dict[tuple[int, int], list] = {}
         for g in ms.groups:
@@ -315,6 +324,30 @@ def cmd_plan(args) -> int:
         else:
             print(f"  micro-step {m}: {desc}")
     return 0
+
+
+def _offload_lines(sc: Scenario, plan) -> None:
+    """What ``workbench plan`` says of memory: the longest single sequence the cluster holds without
+    offload and with it, and, for the group that needs most, its memory by part on the GPU and in
+    host memory."""
+    cost = sc.cost()
+    plain = sc.replace(offload="none").cost().longest_sequence()
+    if cost.can_offload:
+        print(f"  longest sequence this cluster holds: {plain:,} tokens without offload, {cost.longest_sequence():,} with "
+              f"(block inputs in host memory: {cost.host_budget_gb:,.0f} GB per GPU, {cost.host_link_gbps:g} GB/s each)")
+    else:
+        print(f"  longest sequence this cluster holds: {plain:,} tokens (no offload: {cost.offload_note})")
+    groups = [g for ms in plan.micro_steps for g in ms.groups]
+    if not groups:
+        return
+    g = max(groups, key=lambda g: (g.memory_gb, g.host_gb))
+    parts = cost.memory_breakdown(g.lengths, g.degree, g.cp, g.offload)
+    gpu = ", ".join(f"{k} {v:,.1f}" for k, v in parts["gpu"].items() if v > 0.05)
+    offloaded = [x for x in groups if x.offload != "none"]
+    print(f"  memory of the fullest group (degree {g.degree}, {g.split}, offload {g.offload}), GB per GPU: {gpu} "
+          f"of {sc.cluster().gpu_memory_gb:g}; host {parts['host']['block inputs']:,.1f}")
+    if offloaded:
+        print(f"  {len(offloaded)} group(s) offload their block inputs to host memory and run the MLP in tiles")
 
 
 def _progress_printer(enabled: bool):

@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from workbench.cost import DEFAULT_STRATEGY, STRATEGIES, strategy_problem
+from workbench.cost.offload import DEFAULT_OFFLOAD, OFFLOAD_CHOICES
 from workbench.solve.effort import DEFAULT_EFFORT
 
 __all__ = ["Scenario", "DEFAULT_PLANNERS", "STRATEGIES", "DEFAULT_STRATEGY", "POLICIES", "default_max_len"]
@@ -88,8 +89,10 @@ class Scenario:
     """GPUs per node; groups up to this size never straddle nodes (capped at ``num_gpus``)."""
     gpu_memory_gb: float | None = None
     """Memory per GPU in GB; None: the profile's GPU."""
-    memory_fraction: float = 0.7
-    """Share of GPU memory plans may fill (FlexSP ran 28 of 40 GB: 0.7)."""
+    memory_fraction: float | None = None
+    """Share of GPU memory plans may fill; None: the profile's (``HardwareProfile.memory_fraction``:
+    0.9 on h100-80g, where the memory model was measured within a few percent), else 0.7 (FlexSP's
+    28 of 40 GB)."""
     zero_stage: int = 3
     """ZeRO stage of the model states (0-3). ZeRO-3 plans run in lockstep passes, ZeRO 0-2 free."""
     precision: str | None = None
@@ -106,6 +109,13 @@ class Scenario:
     older name) or ``auto`` (each group the fastest split ``u x cp`` that fits)."""
     recompute: bool = False
     """Full activation recomputation (less memory, more time)."""
+    offload: str = DEFAULT_OFFLOAD
+    """Which offload levels plans may use (``workbench.cost.offload``): ``none``, ``inputs`` (every
+    group's block inputs in host memory, its MLP in token tiles) or ``auto`` (a group offloads only
+    when its activations do not fit the GPU otherwise). Needs ``recompute``; ``auto`` without it plans
+    as ``none``."""
+    host_memory_gb: float | None = None
+    """Host memory per node in GB, where offloaded activations live; None: the profile's."""
 
     # ---- the data ------------------------------------------------------------------------------
     source: str = "wikipedia"
@@ -156,7 +166,13 @@ class Scenario:
         _check_int("num_gpus", self.num_gpus, 1)
         _check_int("gpus_per_node", self.gpus_per_node, 1)
         _check_num("gpu_memory_gb", self.gpu_memory_gb, 0.0, optional=True)
-        _check_num("memory_fraction", self.memory_fraction, 0.0, 1.0)
+        _check_num("memory_fraction", self.memory_fraction, 0.0, 1.0, optional=True)
+        _check_num("host_memory_gb", self.host_memory_gb, 0.0, optional=True)
+        if self.offload not in OFFLOAD_CHOICES:
+            _fail("offload", self.offload, f"must be one of {', '.join(OFFLOAD_CHOICES)}")
+        if self.offload == "inputs" and self.recompute is False:
+            _fail("offload", self.offload, "needs recompute (the offloaded tensors are the checkpointed block inputs); "
+                                           "set recompute, or use auto")
         if self.zero_stage not in (0, 1, 2, 3) or isinstance(self.zero_stage, bool):
             _fail("zero_stage", self.zero_stage, "must be 0, 1, 2 or 3")
         from workbench.cost.memory import OPTIMIZER_STATE_BYTES, PRECISIONS
@@ -261,8 +277,15 @@ class Scenario:
         degrees = self.degrees or aligned_degrees(self.num_gpus, per)
         mem = self.gpu_memory_gb if self.gpu_memory_gb is not None else self.profile_spec().gpu_memory_gb
         return ClusterSpec(num_gpus=self.num_gpus, gpus_per_node=per, gpu_memory_gb=float(mem),
-                           usable_memory_fraction=float(self.memory_fraction), degrees=degrees,
-                           zero_stage=self.zero_stage)
+                           usable_memory_fraction=self.resolved_memory_fraction(), degrees=degrees,
+                           zero_stage=self.zero_stage, host_memory_gb=self.host_memory_gb)
+
+    def resolved_memory_fraction(self) -> float:
+        """``memory_fraction``, or the profile's, or 0.7."""
+        if self.memory_fraction is not None:
+            return float(self.memory_fraction)
+        own = self.profile_spec().memory_fraction
+        return float(own) if own is not None else 0.7
 
     def cost(self):
         """The CostModel the planners use. Raises ValueError when the model states alone do not fit
@@ -272,7 +295,7 @@ class Scenario:
     def _cost_key(self) -> tuple:
         return (self.model, _model_mtime(self.model), self.profile, _mtime(self.profile), self.num_gpus,
                 self.gpus_per_node, self.gpu_memory_gb, self.memory_fraction, self.zero_stage, self.degrees, self.strategy,
-                self.recompute, self.precision, self.optimizer)
+                self.recompute, self.precision, self.optimizer, self.offload, self.host_memory_gb)
 
     def resolved_max_len(self) -> int | None:
         """The max context applied to the data: ``max_len``, or None for an explicit list, or the
@@ -434,12 +457,12 @@ def _cost(key: tuple):
     from workbench.cost import CostModel
 
     (model, _model_mt, profile, mtime, num_gpus, per, mem, frac, zero, degrees, strategy, recompute, precision,
-     optimizer) = key
+     optimizer, offload, host) = key
     sc = Scenario(model=model, profile=profile, num_gpus=num_gpus, gpus_per_node=per, gpu_memory_gb=mem,
                   memory_fraction=frac, zero_stage=zero, degrees=degrees, strategy=strategy, recompute=recompute,
-                  precision=precision, optimizer=optimizer)
+                  precision=precision, optimizer=optimizer, offload=offload, host_memory_gb=host)
     return CostModel(sc.profile_spec(), sc.model_spec(), sc.cluster(), strategy=strategy, recompute=recompute,
-                     precision=precision, optimizer=optimizer)
+                     precision=precision, optimizer=optimizer, offload=offload)
 
 
 @functools.lru_cache(maxsize=16)

@@ -333,9 +333,15 @@ class ClusterSpec(_JsonMixin):
     zero_stage: int = 3
     """ZeRO stage of the model states sharding over all ranks (0, 1, 2 or 3). It fixes how a step
     executes (``execution``): ZeRO-3 in lockstep passes, ZeRO 0-2 barrier-free."""
+    host_memory_gb: float | None = None
+    """Host memory of one node in GB, where offloaded activations live (``workbench.cost.offload``);
+    None: the profile's."""
 
     def __post_init__(self) -> None:
         _positive_int("ClusterSpec", "num_gpus", self.num_gpus)
+        _require(self.host_memory_gb is None or (isinstance(self.host_memory_gb, (int, float))
+                                                 and not isinstance(self.host_memory_gb, bool) and self.host_memory_gb > 0),
+                 f"ClusterSpec.host_memory_gb must be a positive number of GB per node or null, got {self.host_memory_gb!r}")
         _positive_int("ClusterSpec", "gpus_per_node", self.gpus_per_node)
         _require(
             self.num_gpus % self.gpus_per_node == 0 or self.num_gpus < self.gpus_per_node,
@@ -628,6 +634,20 @@ class HardwareProfile(_JsonMixin):
     inter_node_allreduce_gbps: dict = field(default_factory=dict, metadata={"from_json": _bw_table})
     """Bus bandwidth (GB/s) of all-reduce, all-gather and reduce-scatter over ranks of several
     nodes, by group size; empty: the entries of each table above ``gpus_per_node``."""
+    host_link_gbps: float | None = None
+    """Pinned host-device copy bandwidth of one GPU copying alone (GB/s, the slower of the two
+    directions): what offloaded activations move over (``workbench.cost.offload``). None: unknown,
+    so plans do not offload."""
+    host_link_node_gbps: float | None = None
+    """The same for all of a node's GPUs copying at once, in total (GB/s): the host side (root
+    complex, memory channels) they share. None: each GPU gets ``host_link_gbps``."""
+    host_memory_gb: float | None = None
+    """Host memory of one node (GB), where offloaded activations live. None: unknown (a cluster may
+    give it: ``ClusterSpec.host_memory_gb``)."""
+    memory_fraction: float | None = None
+    """The share of GPU memory plans fill by default on this device, from how well the memory model
+    predicted measured peaks here (0.9 where it was within a few percent); None: 0.7 (FlexSP's 28 of
+    40 GB, kept for its published setting)."""
     provenance: dict = field(default_factory=dict)
     """Where the figures come from: ``{"kind": "measured"|"reference"|"estimate", "source": ..., ...}``."""
 
@@ -656,13 +676,15 @@ class HardwareProfile(_JsonMixin):
             _require(self.activation_mb_per_token > 0,
                      f"HardwareProfile {self.name}: activation_mb_per_token must be > 0 or null")
         for n in ("head_ms_per_token", "micro_step_ms", "optimizer_ms_per_mparam", "sharded_optimizer_ms_per_mparam",
-                  "pass_comm_overlap"):
+                  "pass_comm_overlap", "host_link_gbps", "host_link_node_gbps", "host_memory_gb"):
             v = getattr(self, n)
             _require(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0),
                      f"HardwareProfile {self.name}: {n} must be a finite number >= 0 or null, got {v!r}")
         _require(self.pass_comm_overlap is None or self.pass_comm_overlap <= 1,
                  f"HardwareProfile {self.name}: pass_comm_overlap is a share from 0 to 1, got {self.pass_comm_overlap!r}")
         _require(self.gpu_memory_gb > 0, f"HardwareProfile {self.name}: gpu_memory_gb must be > 0")
+        _require(self.memory_fraction is None or (isinstance(self.memory_fraction, (int, float)) and 0 < self.memory_fraction <= 1),
+                 f"HardwareProfile {self.name}: memory_fraction is a share in (0, 1] or null, got {self.memory_fraction!r}")
         kind = self.provenance.get("kind") if isinstance(self.provenance, Mapping) else None
         _require(kind in ("measured", "reference", "estimate"),
                  f"HardwareProfile {self.name}: provenance.kind must be 'measured', 'reference' or 'estimate', "

@@ -122,6 +122,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from workbench.cost import offload as _off
 from workbench.cost.memory import (PRECISIONS, fsdp_units, loss_backward_bytes_per_token, loss_chunk_tokens,
                                    loss_transient_bytes, model_states)
 from workbench.specs import ClusterSpec, ComputeCurve, HardwareProfile, ModelSpec, split_key
@@ -315,6 +316,8 @@ class _Fit:
     formula: bool = True  # act_bytes from the formula (no measured or published figure for the model)
     A_short: float | None = None  # ms per token^2 of sequences under short_len (None: A for all)
     short_len: int | None = None
+    A_fwd: float = 0.0  # one forward's share of A (ms per token^2; A_short's forward share ignored: only
+    B_fwd: float = 0.0  # long sequences offload) and the blocks' part of one forward's B (ms per token)
 
     def quadratic(self, s: np.ndarray) -> np.ndarray:
         """The attention part of each sequence's time, ``A * s^2`` (``A_short`` below ``short_len``)."""
@@ -343,8 +346,9 @@ class CostModel:
         recompute: bool = False,
         precision: str | None = None,
         optimizer: str = "adamw",
+        offload: str = "none",
     ) -> None:
-        problem = strategy_problem(strategy)
+        problem = strategy_problem(strategy) or _off.offload_problem(offload, bool(recompute))
         if problem is not None:
             raise ValueError(problem)
         strategy = "cp" if strategy == "ring" else strategy
@@ -390,6 +394,7 @@ class CostModel:
                 f"and optimizer states (ZeRO-{cluster.zero_stage}, {precision}, {optimizer}, over {cluster.num_gpus} "
                 f"GPUs) but only {cluster.usable_memory_gb:.1f} GB are usable; use {hint}"
             )
+        self._init_offload(offload)
         self._shapes = self._choose_shapes(cluster.degrees)
         self.degrees = tuple(sorted({d for d, _ in self._shapes}))
         if not self.degrees:
@@ -443,7 +448,14 @@ class CostModel:
             act = act_mb * 1e6 * mine / activation_bytes_per_token(native, False)
         else:
             act = mine
-        return _Fit(A=A, B=B, C=C, act_bytes=act, A_short=A_short, short_len=short_len, formula=not measured)
+        A_fwd, B_fwd = af, bf
+        if ref is not m:
+            A_fwd *= _quadratic_coeff(m) / _quadratic_coeff(ref)
+            B_fwd *= _linear_coeff(m) / _linear_coeff(ref)
+        if self.execution == "lockstep" and p.pass_compute_factor:
+            A_fwd, B_fwd = A_fwd * f, B_fwd * f
+        return _Fit(A=A, B=B, C=C, act_bytes=act, A_short=A_short, short_len=short_len, formula=not measured,
+                    A_fwd=A_fwd, B_fwd=B_fwd)
 
     # ---- degrees and splits ----------------------------------------------------------------
     def split_supported(self, ulysses: int) -> bool:
@@ -506,9 +518,12 @@ class CostModel:
         out = []
         one = np.ones(1)
         B = float(self.memory_budget_gb)
+        # memory per token at the level that keeps least (offloaded groups hold more tokens): every
+        # group size a split reaches is inside the rectangle, so the kept splits stay a superset
+        least = "inputs" if self._offload_ok else "none"
         for d in degrees:
             cands = [(int(c), float(self.group_overhead_ms(d, c)), float(self._split_linear_ms(one, d, c)[0]),
-                      self.cp_attention_factor(c) / int(d), float(self.memory(one, d, c)[0]))
+                      self.cp_attention_factor(c) / int(d), float(self.gpu_memory(one, d, c, least)[0]))
                      for c in self._allowed_splits(d)]
             if not cands:
                 continue
@@ -761,10 +776,17 @@ class CostModel:
     def time(self, lengths, degree: int, cp: int | None = None) -> np.ndarray:
         """Time (ms) of each sequence on a group of ``degree`` and split ``(degree/cp) x cp``: compute
         plus communication (plus the measured SP and CP extras per token, CP's extra attention and a
-        composite split's measured residual per token, when the profile has them).
+        composite split's measured residual per token, when the profile has them), plus what offload
+        adds where the sequence is planned offloaded (``offloaded``, ``offload_ms``).
         ``cp`` None: each sequence on its fastest split of the degree (no group is faster). The
         group's fixed cost per micro-step is ``group_overhead_ms``, not included."""
-        return self.compute_ms(lengths, degree) + self._least(lambda c: self._split_ms(lengths, degree, c), degree, cp)
+        s = np.asarray(lengths, dtype=np.float64)
+        extra = self.offload_ms(s, degree) if self._offload_ok else None
+
+        def one(c: int) -> np.ndarray:
+            t = self._split_ms(s, degree, c)
+            return t if extra is None else t + np.where(self.offloaded(s, degree, c), extra, 0.0)
+        return self.compute_ms(s, degree) + self._least(one, degree, cp)
 
     def cp_memory_gb(self, lengths, degree: int, cp: int) -> np.ndarray:
         """What CP keeps per GPU beyond the local activations (GB per sequence; 0 for ``cp = 1``): the
@@ -780,11 +802,187 @@ class CostModel:
         return (kept * per_layer * (1 - 1 / (2 * c)) + per_layer) / 1e9
 
     def memory(self, lengths, degree: int, cp: int | None = None) -> np.ndarray:
-        """Activation memory (GB per GPU) of each sequence on a group of ``degree`` and split ``cp``
-        (None: its least over the degree's splits)."""
+        """Activation memory (GB per GPU) each sequence is charged against ``memory_budget_gb`` on a
+        group of ``degree`` and split ``cp`` (None: its least over the degree's splits): what it keeps
+        on the GPU, or, where it is planned offloaded (``offloaded``), the larger of that (with the
+        tiled MLP's working set, ``tile_gb``) and its host bytes as a share of the host budget scaled
+        to the GPU's (``memory_budget_gb / host_budget_gb``), so that a group within the budget fits
+        both the GPU and the host. Under ``auto`` a sequence not offloaded is charged at least its host
+        share too, as its group may offload (``group_offload``)."""
         s = np.asarray(lengths, dtype=np.float64)
-        local = self.memory_bytes_per_token * s / degree / 1e9
-        return local + self._least(lambda c: self.cp_memory_gb(s, degree, c), degree, cp)
+        return self._least(lambda c: self._planned_memory(s, degree, c), degree, cp)
+
+    # ---- offload (workbench.cost.offload) -----------------------------------------------------------
+    def _init_offload(self, offload: str) -> None:
+        """The host budget and link, and whether plans may offload (``offload_note`` says why not)."""
+        p, m, cl = self.profile, self.model, self.cluster
+        self.offload = offload
+        autocast = self.precision == "bf16" and cl.zero_stage < 3
+        per_node = min(cl.gpus_per_node, cl.num_gpus)
+        host = cl.host_memory_gb if cl.host_memory_gb is not None else p.host_memory_gb
+        self.host_memory_gb = float(host) if host else None
+        """Host memory of one node (GB): the cluster's, else the profile's; None: unknown."""
+        self.host_budget_gb = float(host) * _off.HOST_MEMORY_FRACTION / per_node if host else 0.0
+        """Host memory per GPU plans may fill with offloaded activations (GB)."""
+        self.host_link_gbps = _off.host_link_gbps(p.host_link_gbps, p.host_link_node_gbps, per_node)
+        """Host-device bandwidth of one GPU while all of its node's GPUs copy (GB/s; 0: unknown)."""
+        note = ""
+        if not self.recompute:
+            note = "offload needs --recompute (it moves the checkpointed block inputs)"
+        elif offload == "none":
+            note = "offload is off (--offload none)"
+        elif not self.host_link_gbps:
+            note = f"profile {p.name} has no host link figure (host_link_gbps): measure it with workbench profile"
+        elif not self.host_budget_gb:
+            note = "the host memory per node is unknown: give --host-memory GB"
+        if offload == "inputs" and note:
+            raise ValueError(f"--offload inputs: {note}")
+        self.offload_note = note
+        """Why plans of this cost model cannot offload ('' when they can)."""
+        self._offload_ok = not note
+        self._plain_limit: int | None = None
+        self._saved_bytes = _off.offload_saved_bytes_per_token(m, autocast=autocast)
+        self._host_bytes = _off.host_bytes_per_token(m, autocast=autocast)
+        self._resid_bytes = _off.residual_bytes(m, autocast=autocast)
+        self.tile_gb = _off.tile_working_bytes(m, autocast=autocast) / 1e9 if self._offload_ok else 0.0
+        """GPU memory the tiled MLP's tile holds at its peak (GB), charged once per offloaded sequence."""
+
+    @property
+    def can_offload(self) -> bool:
+        """Whether plans of this cost model may offload (``offload_note`` says why not)."""
+        return self._offload_ok
+
+    def gpu_memory(self, lengths, degree: int, cp: int, level: str = "none") -> np.ndarray:
+        """GPU memory (GB per GPU) of each sequence at offload ``level`` on split ``(degree/cp) x cp``,
+        without the tiled MLP's per-group working set (``tile_gb``)."""
+        s = np.asarray(lengths, dtype=np.float64)
+        d = int(degree)
+        per_token = self.memory_bytes_per_token
+        if level == "inputs":
+            per_token = max(0.0, per_token - self._saved_bytes)
+        return per_token * s / d / 1e9 + self.cp_memory_gb(s, d, int(cp))
+
+    def host_memory(self, lengths, degree: int, level: str = "inputs") -> np.ndarray:
+        """Host memory (GB per GPU of the group) of each sequence at offload ``level``: every block's
+        input of its ``s / degree`` tokens under ``inputs``, nothing under ``none``."""
+        s = np.asarray(lengths, dtype=np.float64)
+        if level != "inputs":
+            return np.zeros_like(s)
+        return self._host_bytes * s / int(degree) / 1e9
+
+    def offloaded(self, lengths, degree: int, cp: int) -> np.ndarray:
+        """Which sequences plans offload on split ``(degree/cp) x cp`` (bool per sequence): none unless
+        offload is possible (``can_offload``); all under ``inputs``; under ``auto`` those longer than
+        any group holds without offload (``plain_limit``). So under ``auto`` a batch that fits without
+        offload is planned exactly as without it: letting shorter sequences offload to run on fewer
+        GPUs made heuristic planners (static-max, greedy, min-degree) take smaller degrees and longer
+        steps (docs/offload.md)."""
+        s = np.asarray(lengths, dtype=np.float64)
+        if not self._offload_ok:
+            return np.zeros(s.shape, dtype=bool)
+        if self.offload == "inputs":
+            return np.ones(s.shape, dtype=bool)
+        return s > self.plain_limit
+
+    @property
+    def plain_limit(self) -> int:
+        """The longest sequence some shape holds alone without offload (tokens; bisection, cached)."""
+        if self._plain_limit is None:
+            def fits(n: int) -> bool:
+                x = np.array([float(n)])
+                return any(self.gpu_memory(x, d, c, "none")[0] <= self.memory_budget_gb for d, c in self._shapes)
+            lo, hi = 0, 1 << 36
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+            self._plain_limit = lo
+        return self._plain_limit
+
+    def _planned_memory(self, s: np.ndarray, degree: int, cp: int) -> np.ndarray:
+        none = self.gpu_memory(s, degree, cp, "none")
+        if not self._offload_ok:
+            return none
+        host = self.host_memory(s, degree) * (self.memory_budget_gb / self.host_budget_gb)
+        inputs = np.maximum(self.gpu_memory(s, degree, cp, "inputs") + self.tile_gb, host)
+        if self.offload == "inputs":
+            return inputs
+        return np.where(s > self.plain_limit, inputs, np.maximum(none, host))
+
+    def offload_ms(self, lengths, degree: int) -> np.ndarray:
+        """What level ``inputs`` adds to each sequence's time on a group of ``degree`` (ms): the
+        copies' exposed part (``workbench.cost.offload.exposed_copy_ms``: a layer's input of ``s /
+        degree`` tokens each way over ``host_link_gbps``, under the next layer's forward and under
+        the layer's recomputation and backward) and the tiled MLP's extra forward (the MLP's share of
+        a forward's per-token block time). Infinite where the link is unknown."""
+        s = np.asarray(lengths, dtype=np.float64)
+        d, L, f = int(degree), self.model.layers, self._fit
+        if not self.host_link_gbps:
+            return np.full(s.shape, np.inf)
+        copy = (s / d) * self.model.hidden * self._resid_bytes / (self.host_link_gbps * 1e9) * 1e3
+        forward = (f.A_fwd * s * s + f.B_fwd * s) / d / L
+        backward = np.maximum(0.0, self.compute_ms(s, d) / L - forward)
+        tile = f.B_fwd * _off.mlp_flop_share(self.model) * s / d
+        return _off.exposed_copy_ms(copy, forward, backward, L) + tile
+
+    def group_offload(self, lengths, degree: int, cp: int) -> str:
+        """The offload level of a group running ``lengths`` on split ``(degree/cp) x cp``: ``none``
+        unless plans may offload; ``inputs`` under ``--offload inputs``; under ``auto`` ``inputs`` only
+        when the group's activations do not fit the GPU without it."""
+        if not self._offload_ok:
+            return "none"
+        if self.offload == "inputs":
+            return "inputs"
+        need = float(self.gpu_memory(lengths, degree, cp, "none").sum())
+        return "inputs" if need > self.memory_budget_gb * (1 + 1e-9) else "none"
+
+    def group_at(self, lengths, degree: int, cp: int, level: str) -> tuple[float, float, float]:
+        """``(time_ms, gpu_gb, host_gb)`` of one group running ``lengths`` on split ``(degree/cp) x cp``
+        at offload ``level``: its overhead and sequences' times (plus ``offload_ms`` of every sequence
+        under ``inputs``), its GPU memory per GPU (plus one tile's working set under ``inputs``) and
+        its host memory per GPU."""
+        s = np.asarray(lengths, dtype=np.float64)
+        if s.size == 0:
+            return 0.0, 0.0, 0.0
+        d, c = int(degree), int(cp)
+        t = self.group_overhead_ms(d, c) + float((self.compute_ms(s, d) + self._split_ms(s, d, c)).sum())
+        gpu = float(self.gpu_memory(s, d, c, level).sum())
+        if level == "inputs":
+            t += float(self.offload_ms(s, d).sum())
+            gpu += self.tile_gb
+        return t, gpu, float(self.host_memory(s, d, level).sum())
+
+    def memory_breakdown(self, lengths, degree: int, cp: int, level: str) -> dict:
+        """Per-GPU memory of one group at offload ``level`` by part (GB): ``gpu`` (``model states``,
+        ``loss working set``, ``block inputs``: what recomputation keeps of them on the GPU,
+        ``layer working set`` (one layer's while it is recomputed, the loss's share per token and CP's
+        gathered K/V), ``MLP tile``, ``unplanned reserve``: the share of the GPU plans leave free) and
+        ``host`` (``block inputs``: the offloaded ones, per GPU of the group)."""
+        s = np.asarray(lengths, dtype=np.float64)
+        d, c = int(degree), int(cp)
+        act = float(self.gpu_memory(s, d, c, level).sum())
+        layers = self.model.layers
+        kept_layers = layers if level == "none" else min(2, layers)
+        inputs = float(kept_layers * self.model.hidden * self._resid_bytes * s.sum() / d / 1e9) if self.recompute else 0.0
+        inputs = min(inputs, act)
+        return {"gpu": {"model states": self.model_states_gb, "loss working set": self.loss_working_gb,
+                        "block inputs": inputs, "layer working set": act - inputs,
+                        "MLP tile": self.tile_gb if level == "inputs" else 0.0,
+                        "unplanned reserve": self.cluster.gpu_memory_gb - self.cluster.usable_memory_gb},
+                "host": {"block inputs": float(self.host_memory(s, d, level).sum())}}
+
+    def longest_sequence(self, limit: int = 1 << 36) -> int:
+        """The longest single sequence (tokens) some group of this cost model holds, up to ``limit``
+        and the model's max context aside: bisection on ``min_degree`` (memory grows with length)."""
+        lo, hi = 0, int(limit)
+        if self.min_degree([hi])[0] > 0:
+            return hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.min_degree([mid])[0] > 0:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def work(self, lengths, degree: int, cp: int | None = None) -> np.ndarray:
         """GPU-time (ms x GPUs) of each sequence on ``degree``: ``degree * time``."""
@@ -1015,7 +1213,9 @@ class CostModel:
         d_need = math.ceil(need_total / self.memory_budget_gb)
         d_pow2 = 1 << max(0, (d_need - 1).bit_length())
         gpus = self.cluster.num_gpus
-        msg = (f"sequence {index} ({length:,} tokens) needs {need_total:,.1f} GB of activations, so degree "
+        kept = (f" even with its block inputs in host memory ({self.host_budget_gb:,.0f} GB per GPU)"
+                if self._offload_ok else "")
+        msg = (f"sequence {index} ({length:,} tokens) needs {need_total:,.1f} GB of activations{kept}, so degree "
                f"{d_pow2} on {self.cluster.gpu_memory_gb:g} GB GPUs ({self.memory_budget_gb:.1f} GB per GPU for "
                f"activations)")
         if d_pow2 > gpus:
@@ -1024,7 +1224,13 @@ class CostModel:
             msg += f"; {self.degree_limit_reason(d_pow2)}"
         else:
             msg += f"; candidate degrees are {list(self.degrees)}"
-        return msg + ". Lower --max-len, add GPUs, or use --recompute"
+        if not self.recompute:
+            return msg + ". Lower --max-len, add GPUs, or use --recompute (and --offload auto)"
+        if not self._offload_ok and self.offload != "none":
+            return msg + f". Lower --max-len or add GPUs ({self.offload_note})"
+        if not self._offload_ok:
+            return msg + ". Lower --max-len, add GPUs, or allow offload (--offload auto)"
+        return msg + ". Lower --max-len or add GPUs"
 
     # ---- reporting ----------------------------------------------------------------------------------
     def table(self, lengths, degrees=None, cps=None) -> dict:
@@ -1055,13 +1261,16 @@ class CostModel:
                 if supported:
                     c = self.best_split([s], d)
                     mem = float(self.memory([s], d, c)[0])
+                    off = bool(self.offloaded([s], d, c)[0])
                     row.update(time_ms=float(self.time([s], d, c)[0]), memory_gb=mem, ulysses=int(d) // c, cp=c,
-                               feasible=bool(mem <= self.memory_budget_gb))
+                               feasible=bool(mem <= self.memory_budget_gb), offload="inputs" if off else "none",
+                               host_gb=float(self.host_memory([s], d, "inputs" if off else "none")[0]))
                 rows.append(row)
                 show = self.splits(d) if cps is None else [c for c in cps if int(d) % c == 0]
                 for c in show:
                     ok = d <= self.cluster.num_gpus and self.split_supported(int(d) // c)
-                    mem = float(self.memory_bytes_per_token * s / d / 1e9 + self.cp_memory_gb([s], d, c)[0])
+                    mem = float(self._planned_memory(np.array([float(s)]), d, c)[0])
+                    off = bool(self.offloaded([s], d, c)[0])
                     split_rows.append({
                         "length": int(s), "degree": int(d), "ulysses": int(d) // c, "cp": int(c),
                         "time_ms": float(self.time([s], d, c)[0]) if ok else None,
@@ -1070,6 +1279,8 @@ class CostModel:
                         "memory_gb": mem, "group_overhead_ms": self.group_overhead_ms(d, c) if ok else None,
                         "feasible": bool(ok and mem <= self.memory_budget_gb),
                         "in_strategy": bool((int(d), int(c)) in self._shapes),
+                        "offload": "inputs" if off else "none",
+                        "host_gb": float(self.host_memory([s], d, "inputs" if off else "none")[0]),
                     })
         shapes = []
         for d, c in self._shapes:
@@ -1094,6 +1305,10 @@ class CostModel:
             "shapes": shapes,
             "group_overhead_ms": {str(d): self.group_overhead_ms(d) for d in degrees if self.degree_supported(d)},
             "memory_budget_gb": self.memory_budget_gb,
+            "offload": self.offload,
+            "offload_note": self.offload_note,
+            "host_budget_gb": self.host_budget_gb,
+            "host_link_gbps": self.host_link_gbps,
             "grad_sync_ms": self.grad_sync_ms(),
             "optimizer_ms": self.optimizer_ms(),
             "execution": self.execution,

@@ -33,6 +33,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from workbench.cost import CostModel
+from workbench.cost.offload import OFFLOAD_LEVELS
 from workbench.solve.bound import lower_bound_ms
 
 __all__ = [
@@ -76,11 +77,20 @@ class Group:
     scattered, all-to-all) over ``ulysses`` consecutive ranks inside context parallelism (tokens
     kept, K/V all-gathered) over ``cp`` ranks. 1: Ulysses over the whole group (plans written
     before splits existed)."""
+    offload: str = "none"
+    """The group's offload level (``workbench.cost.offload``): ``none``, or ``inputs`` (its block inputs
+    in host memory between forward and backward, its MLP in token tiles). Plans written before
+    offload existed have none."""
+    host_gb: float = 0.0
+    """Predicted host memory per GPU of the group's offloaded activations (GB)."""
 
     def __post_init__(self) -> None:
         if self.cp < 1 or self.degree % self.cp:
             raise PlanError(f"group at ranks {list(self.ranks)[:1]}..: context-parallel size {self.cp} does not divide "
                             f"its degree {self.degree} (a group of degree d runs as ulysses x cp = d)")
+        if self.offload not in OFFLOAD_LEVELS:
+            raise PlanError(f"group at ranks {list(self.ranks)[:1]}..: offload {self.offload!r} is not one of "
+                            f"{', '.join(OFFLOAD_LEVELS)}")
 
     @property
     def ulysses(self) -> int:
@@ -95,7 +105,7 @@ class Group:
     def to_dict(self) -> dict:
         return {"degree": self.degree, "ulysses": self.ulysses, "cp": self.cp, "ranks": list(self.ranks),
                 "sequences": list(self.sequences), "lengths": list(self.lengths), "time_ms": self.time_ms,
-                "memory_gb": self.memory_gb}
+                "memory_gb": self.memory_gb, "offload": self.offload, "host_gb": self.host_gb}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -239,7 +249,8 @@ def _group_from_dict(g: Mapping[str, Any]) -> Group:
                         f"(ulysses x cp must be the degree)")
     return Group(degree=degree, cp=cp, ranks=tuple(int(r) for r in g["ranks"]),
                  sequences=tuple(int(i) for i in g["sequences"]), lengths=tuple(int(x) for x in g["lengths"]),
-                 time_ms=float(g["time_ms"]), memory_gb=float(g["memory_gb"]))
+                 time_ms=float(g["time_ms"]), memory_gb=float(g["memory_gb"]),
+                 offload=str(g.get("offload") or "none"), host_gb=float(g.get("host_gb") or 0.0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -314,9 +325,17 @@ def build_plan(
     m_of: dict[tuple[int, int], np.ndarray] = {}
 
     def _group_time(d: int, seqs, c: int) -> float:
+        if cost.can_offload:
+            return _group_at(d, seqs, c)[1]
         if (d, c) not in t_of:
             t_of[d, c] = cost.time(lengths, d, c)
         return cost.group_overhead_ms(d, c) + float(t_of[d, c][list(seqs)].sum())
+
+    def _group_at(d: int, seqs, c: int) -> tuple[str, float, float, float]:
+        """``(offload level, time, GPU memory, host memory)`` of a group at the level it needs."""
+        s = lengths[list(seqs)]
+        level = cost.group_offload(s, d, c)
+        return (level, *cost.group_at(s, d, c, level))
 
     def _group_memory(d: int, seqs, c: int) -> float:
         if (d, c) not in m_of:
@@ -363,9 +382,10 @@ def build_plan(
             if not lockstep:
                 start = ready[lo:hi].max()
                 ready[lo:hi] = start + t
+            level, _, gpu, host = _group_at(d, s, c) if cost.can_offload else ("none", t, _group_memory(d, s, c), 0.0)
             placed.append(Group(degree=d, cp=c, ranks=tuple(range(lo, hi)), sequences=tuple(int(i) for i in s),
-                                lengths=tuple(int(lengths[i]) for i in s), time_ms=t,
-                                memory_gb=_group_memory(d, s, c)))
+                                lengths=tuple(int(lengths[i]) for i in s), time_ms=t, memory_gb=gpu,
+                                offload=level, host_gb=host))
         placed.sort(key=lambda g: (g.ranks[0], -g.degree))
         if not placed:
             continue

@@ -1,0 +1,184 @@
+"""Offload in the cost model and the planners, against hand counts and brute force
+(``workbench.cost.offload``; the runtime's side is tests/test_offload.py)."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from workbench.cost import CostModel
+from workbench.cost.offload import exposed_copy_ms, host_link_gbps, mlp_flop_share, offload_saved_bytes_per_token
+from workbench.models import get_model
+from workbench.scenario import Scenario
+from workbench.solve.plan import plan_from_dict, validate
+from workbench.specs import ClusterSpec, load_profile
+
+LLAMA = get_model("llama3-8b")
+
+
+def _cost(offload="auto", *, gpus=8, frac=0.9, host=None, recompute=True, profile="h100-80g", zero=3):
+    cl = ClusterSpec(num_gpus=gpus, gpus_per_node=min(8, gpus), gpu_memory_gb=80.0, usable_memory_fraction=frac,
+                     zero_stage=zero, host_memory_gb=host)
+    return CostModel(load_profile(profile), LLAMA, cl, strategy="auto", recompute=recompute, offload=offload)
+
+
+def test_saved_and_host_bytes_by_hand():
+    # Llama-3-8B in bf16 (FSDP2 casts: the residual stream is bf16): 32 layers x 4096 x 2 bytes of block
+    # inputs per token, of which two layers stay on the GPU; the MLP's gate, up, silu and product, 4 x 14336 x 2
+    assert offload_saved_bytes_per_token(LLAMA) == 30 * 4096 * 2 + 4 * 14336 * 2
+    c = _cost()
+    s = np.array([1_000_000.0])
+    for d, cp in ((8, 1), (8, 8)):
+        none = c.gpu_memory(s, d, cp, "none")[0]
+        assert c.gpu_memory(s, d, cp, "inputs")[0] == pytest.approx(none - (30 * 8192 + 8 * 14336) * 1e6 / d / 1e9)
+    assert c.host_memory(s, 8)[0] == pytest.approx(32 * 8192 * 1e6 / 8 / 1e9)
+    # host: 2 TB per node, 80% of it, over 8 GPUs; the link: 200 GB/s for the node shared by 8 (below 50 each)
+    assert c.host_budget_gb == pytest.approx(2048 * 0.8 / 8)
+    assert c.host_link_gbps == pytest.approx(25.0)
+    assert host_link_gbps(50.0, 200.0, 2) == 50.0 and host_link_gbps(None, 200.0, 4) == 50.0
+
+
+def test_offload_time_by_hand():
+    c = _cost()
+    f = c._fit
+    L, h = LLAMA.layers, LLAMA.hidden
+    for s, d in ((2048.0, 8), (2_000_000.0, 8)):
+        copy = (s / d) * h * 2 / 25e9 * 1e3  # one layer's input of s/d tokens, bf16, at 25 GB/s
+        fwd = (f.A_fwd * s * s + f.B_fwd * s) / d / L
+        bwd = c.compute_ms([s], d)[0] / L - fwd
+        exposed = L * (max(0.0, copy - fwd) + max(0.0, copy - bwd))
+        tile = f.B_fwd * mlp_flop_share(LLAMA) * s / d
+        assert c.offload_ms([s], d)[0] == pytest.approx(exposed + tile, rel=1e-9)
+    # attention grows as s^2, the copy as s: the copy's share of a layer's forward falls with the length
+    assert exposed_copy_ms([1.0], [5.0], [5.0], 32)[0] == 0.0
+    assert exposed_copy_ms([3.0], [1.0], [2.0], 2)[0] == pytest.approx(2 * (2.0 + 1.0))
+    s = np.array([2048.0, 2_000_000.0])
+    fwd = (f.A_fwd * s * s + f.B_fwd * s) / 8 / L
+    copy = (s / 8) * h * 2 / 25e9 * 1e3
+    assert copy[1] / fwd[1] < copy[0] / fwd[0] / 10
+
+
+def test_auto_offloads_only_what_does_not_fit():
+    c = _cost("auto")
+    budget = c.memory_budget_gb
+    s = np.array([8192.0, 600_000.0, 2_000_000.0])
+    off = c.offloaded(s, 8, 1)
+    assert off.tolist() == [False, False, True]
+    none = c.gpu_memory(s, 8, 1, "none")
+    assert none[1] <= budget < none[2]
+    # what a sequence is charged: as before where it fits; offloaded, its GPU share with the tile (its
+    # host share is lower here)
+    mem = c.memory(s, 8, 1)
+    assert mem[0] == pytest.approx(none[0]) and mem[1] == pytest.approx(none[1])
+    assert mem[2] == pytest.approx(c.gpu_memory(s[2:], 8, 1, "inputs")[0] + c.tile_gb)
+    t_none = _cost("none").time(s, 8, 1)
+    assert c.time(s, 8, 1)[:2] == pytest.approx(t_none[:2])
+    assert c.time(s, 8, 1)[2] == pytest.approx(t_none[2] + c.offload_ms(s[2:], 8)[0])
+
+
+def test_longest_sequence_is_the_edge_by_brute_force():
+    for c in (_cost("none"), _cost("auto"), _cost("auto", frac=0.7)):
+        n = c.longest_sequence()
+        assert c.min_degree([n])[0] > 0 and c.min_degree([n + 1])[0] == 0
+    plain, off = _cost("none").longest_sequence(), _cost("auto").longest_sequence()
+    assert off > 3 * plain  # one node of 8 H100s: about 0.77M tokens without, 2.7M with
+
+
+def test_small_host_memory_limits_what_offloads_by_brute_force():
+    """Every planned group fits the GPU and the host; with a host of 64 GB per node the host binds."""
+    small = _cost("auto", host=64.0)
+    big = _cost("auto")
+    assert small.longest_sequence() < big.longest_sequence()
+    n = small.longest_sequence()
+    g_host = small.host_memory([n], 8)[0]
+    assert g_host <= small.host_budget_gb * (1 + 1e-9)
+    sc = Scenario(model="llama3-8b", profile="h100-80g", num_gpus=8, recompute=True, host_memory_gb=64.0,
+                  source=f"{n},{n // 4}", planner="greedy")
+    plan = sc.plan()
+    for ms in plan.micro_steps:
+        for g in ms.groups:
+            assert g.memory_gb <= small.memory_budget_gb * (1 + 1e-9)
+            assert g.host_gb <= small.host_budget_gb * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("planner", ["greedy", "flexsp", "two-stage", "static-max"])
+def test_a_plan_that_fits_without_offload_does_not_change(planner):
+    kw = dict(model="llama3-8b", profile="h100-80g", num_gpus=16, recompute=True, source="github",
+              batch_tokens=400_000, planner=planner, seed=3)
+    off = Scenario(offload="auto", **kw).plan().to_dict(measured=False)
+    none = Scenario(offload="none", **kw).plan().to_dict(measured=False)
+    assert json.dumps(off, sort_keys=True) == json.dumps(none, sort_keys=True)
+    assert all(g["offload"] == "none" for m in off["micro_steps"] for g in m["groups"])
+
+
+def test_a_group_that_needs_offload_gets_it_and_its_costs():
+    sc = Scenario(model="llama3-8b", profile="h100-80g", num_gpus=8, recompute=True, source="2000000,4096",
+                  planner="flexsp")
+    plan = sc.plan()
+    c = sc.cost()
+    groups = [g for m in plan.micro_steps for g in m.groups]
+    big = next(g for g in groups if 2_000_000 in g.lengths)
+    assert big.offload == "inputs"
+    t, gpu, host = c.group_at(big.lengths, big.degree, big.cp, "inputs")
+    assert (big.time_ms, big.memory_gb, big.host_gb) == pytest.approx((t, gpu, host))
+    assert big.memory_gb <= c.memory_budget_gb and big.host_gb > 0
+    validate(plan, [2_000_000, 4096], c.cluster, c)
+    # and the same batch without offload cannot be planned at all
+    with pytest.raises(ValueError, match="2,000,000 tokens"):
+        sc.replace(offload="none").plan()
+
+
+def test_plans_written_before_offload_read_as_none():
+    sc = Scenario(model="7b", num_gpus=8, source="8192,4096,1024", planner="greedy")
+    d = sc.plan().to_dict()
+    for m in d["micro_steps"]:
+        for g in m["groups"]:
+            del g["offload"], g["host_gb"]
+    back = plan_from_dict(d)
+    assert all(g.offload == "none" and g.host_gb == 0.0 for m in back.micro_steps for g in m.groups)
+    bad = json.loads(json.dumps(d))
+    bad["micro_steps"][0]["groups"][0]["offload"] = "everything"
+    with pytest.raises(ValueError, match="offload 'everything' is not one of none, inputs"):
+        plan_from_dict(bad)
+
+
+def test_offload_needs_recompute_and_a_host():
+    with pytest.raises(ValueError, match="needs recomputation"):
+        _cost("inputs", recompute=False)
+    with pytest.raises(ValueError, match="no host link figure"):
+        _cost("inputs", profile="cpu-gloo-tiny")
+    # auto without recomputation, or without figures, plans as none and says why
+    assert not _cost("auto", recompute=False).can_offload
+    assert "host_link_gbps" in _cost("auto", profile="cpu-gloo-tiny").offload_note
+    prof = dataclasses.replace(load_profile("h100-80g"), host_memory_gb=None)
+    cl = ClusterSpec(num_gpus=8, gpu_memory_gb=80.0)
+    assert "--host-memory" in CostModel(prof, LLAMA, cl, recompute=True, offload="auto").offload_note
+
+
+def test_profile_memory_fraction_is_the_default():
+    assert Scenario(profile="h100-80g", model="llama3-8b").cluster().usable_memory_fraction == 0.9
+    assert Scenario().cluster().usable_memory_fraction == 0.7  # FlexSP's published setting
+    assert Scenario(profile="h100-80g", model="llama3-8b", memory_fraction=0.7).cluster().usable_memory_fraction == 0.7
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["plan", "--lengths", "1000,2000", "--offload", "inputs"], "needs recomput"),
+    (["plan", "--lengths", "1000,2000", "--offload", "swapall"], "invalid choice: 'swapall'"),
+    (["plan", "--lengths", "1000,2000", "--host-memory", "-4"], "--host-memory"),
+])
+def test_offload_flags_on_bad_input_are_one_line(args, needle):
+    p = run_cli(*args, check=False)
+    assert p.returncode == 2, p.stderr
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) <= 2 and needle in p.stderr, p.stderr  # argparse prints its usage line first
+    assert "Traceback" not in p.stderr
+
+
+def test_plan_text_says_the_longest_sequence_with_and_without_offload():
+    p = run_cli("plan", "--lengths", "2000000", "--gpus", "8", "--model", "llama3-8b", "--profile", "h100-80g",
+                "--recompute", "--planner", "greedy")
+    plain, off = _cost("none").longest_sequence(), _cost("auto").longest_sequence()
+    assert f"{plain:,} tokens without offload, {off:,} with" in p.stdout
+    assert "offload inputs" in p.stdout and "host " in p.stdout
