@@ -182,3 +182,17 @@ def test_plan_text_says_the_longest_sequence_with_and_without_offload():
     plain, off = _cost("none").longest_sequence(), _cost("auto").longest_sequence()
     assert f"{plain:,} tokens without offload, {off:,} with" in p.stdout
     assert "offload inputs" in p.stdout and "host " in p.stdout
+
+
+def test_the_memory_view_shows_an_offloaded_group_at_its_level():
+    from workbench.report.memory import plan_memory
+
+    sc = Scenario(model="llama3-8b", profile="h100-80g", num_gpus=8, recompute=True, source="2000000,4096",
+                  planner="greedy")
+    plan = sc.plan().to_dict()
+    rows = plan_memory(plan, sc.cost())
+    groups = [g for m in plan["micro_steps"] for g in m["groups"]]
+    for row, g in zip(rows, groups):
+        assert row["activations_gb"] == pytest.approx(g["memory_gb"]) and row["host_gb"] == pytest.approx(g["host_gb"])
+        assert ("host memory" in row["label"]) == (g["offload"] == "inputs")
+    assert any(g["offload"] == "inputs" for g in groups)
