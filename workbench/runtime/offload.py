@@ -243,13 +243,24 @@ class OffloadPass:
             yield  # nothing of this pass's rows (or not the rows it was built for: left alone)
             return
 
+        # the hooks outlive the call (autograd keeps them with what they saved), so they must not hold
+        # x itself: that would keep every block's input on the device, the very thing moved away
+        target = [x]
+
         def pack(t: torch.Tensor):
-            if t is x or (t.data_ptr() == x.data_ptr() and t.shape == x.shape and t.dtype == x.dtype):
+            x = target[0] if target else None
+            if x is not None and (t is x or (t.data_ptr() == x.data_ptr() and t.shape == x.shape
+                                             and t.dtype == x.dtype)):
+                target.clear()  # one input per block call
                 return self._pack(layer, t)
             return t  # rotary tables, cu_seqlens: shared by every block, small
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
-            yield
+        del x
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+                yield
+        finally:
+            target.clear()
 
     def _pack(self, layer: int, x: torch.Tensor):
         if layer == self.layers - 1:
@@ -303,13 +314,17 @@ class OffloadPass:
         p.fetched = dev
 
     def _copy_rows_in(self, dev: torch.Tensor, host: torch.Tensor, *, non_blocking: bool) -> None:
-        o = 0
-        for lo, hi in self.off:
-            dev[lo:hi].copy_(host[o:o + hi - lo], non_blocking=non_blocking)
-            o += hi - lo
+        with _disable_current_modes():  # views of the host buffer: not device memory, not counted
+            parts, o = [], 0
+            for lo, hi in self.off:
+                parts.append(host[o:o + hi - lo])
+                o += hi - lo
+        for (lo, hi), part in zip(self.off, parts):
+            dev[lo:hi].copy_(part, non_blocking=non_blocking)
 
     def _unpack(self, obj):
         if isinstance(obj, _Kept):
+            self._parked.pop(obj.layer, None)  # the checkpoint holds it until the block's backward ends
             self._prefetch(obj.layer - 1)
             return obj.tensor
         if not isinstance(obj, _Parked):
