@@ -406,7 +406,7 @@ _TRAIN_SETTINGS = ("model", "source", "samples", "column", "tokenizer", "init", 
                    "effort", "time_limit", "profile", "gpu_memory_gb", "attention", "steps", "seed", "optimizer", "lr",
                    "weight_decay", "momentum", "grad_clip", "checkpoint_every", "plan_ahead", "timeout_s", "device",
                    "nproc", "nnodes", "zero_stage", "precision", "recompute", "memory_fraction", "degrees",
-                   "strategy", "torch_profile")
+                   "strategy", "torch_profile", "offload", "host_memory_gb")
 
 
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -467,6 +467,12 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--strategy", default=None, type=_strategy, metavar="|".join(STRATEGIES[:3]) + "|cp:C",
                    help=f"how each group splits its attention (default {DEFAULT_STRATEGY}): ulysses (heads), cp "
                         f"(context parallelism; ring is its older name), auto (each group its fastest split u x cp)")
+    g.add_argument("--offload", default=None, choices=list(OFFLOAD_CHOICES),
+                   help="which offload levels plans may use (default auto: a group offloads its block inputs only "
+                        "when no group holds its sequence without; needs --recompute). The runtime refuses a plan "
+                        "that offloads until it executes offload (docs/offload.md)")
+    g.add_argument("--host-memory", dest="host_memory_gb", type=positive_float, default=None, metavar="GB",
+                   help="host memory per node for offloaded activations (default: the profile's)")
     g.add_argument("--attention", default=None, choices=ATTENTION, help="attention backend (default auto)")
     g.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
                    help="how model states are held, planned and run (default 3: FSDP2, lockstep passes; 0-2 keep "

@@ -252,6 +252,11 @@ def check_plan(plan: Plan, lengths: Sequence[int], world_size: int, degrees: Seq
                                     f"(the Ulysses size must divide the query heads and divide or be a multiple of "
                                     f"the KV heads); plan with --strategy auto, which splits such groups with "
                                     f"context parallelism")
+            if getattr(g, "offload", "none") != "none":
+                # the planner may offload a group (workbench.cost.offload); until the step executor applies
+                # it to the group's rows, a plan that says so is refused rather than run differently
+                raise PlanError(f"micro-step {m}: group at ranks {list(g.ranks)} offloads its block inputs to host "
+                                f"memory ({g.offload}), which this runtime does not execute yet; plan with --offload none")
             if used & set(g.ranks) and not lockstep:
                 raise PlanError(f"micro-step {m}: rank(s) {sorted(used & set(g.ranks))} are in two groups")
             used |= set(g.ranks)
