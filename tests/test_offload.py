@@ -270,5 +270,76 @@ def test_what_a_step_keeps_falls_by_the_offloaded_inputs_and_the_mlp_intermediat
     assert formula <= drop <= formula + 2 * spec.ffn * 4
 
 
+# ---- the step executor and check_plan ------------------------------------------------------------
+
+def _plan(micro, lengths, *, world=1, stage=0, recompute=True, blocks=None):
+    from workbench.cost import CostModel
+    from workbench.cost.memory import optimizer_kind
+    from workbench.solve.plan import build_plan
+    from workbench.specs import ClusterSpec, load_profile
+
+    cost = CostModel(load_profile("cpu-gloo-tiny"), get_model("tiny"),
+                     ClusterSpec(num_gpus=world, gpus_per_node=world, gpu_memory_gb=4.0, zero_stage=stage),
+                     precision="fp32", recompute=recompute, optimizer=optimizer_kind("sgd", 0.0))
+    return build_plan("hand", micro, lengths, cost, blocks=blocks)
+
+
+def _with_offload(plan, level_of):
+    """``plan`` with group ``k`` of micro-step ``m`` at offload ``level_of(m, k)``."""
+    steps = tuple(dataclasses.replace(ms, groups=tuple(dataclasses.replace(g, offload=level_of(m, k))
+                                                       for k, g in enumerate(ms.groups)))
+                  for m, ms in enumerate(plan.micro_steps))
+    return dataclasses.replace(plan, micro_steps=steps)
+
+
+def test_the_executor_offloads_the_groups_that_say_so():
+    """World size 1, ZeRO-0 with recomputation, float64: a plan of three micro-steps, the first and
+    the last offloading, gives the gradients of the same plan without offload (1e-10); the records
+    say which group offloaded and that no copy was waited for (CPU)."""
+    from workbench.runtime.attention import torch_varlen_attention
+    from workbench.runtime.groups import GroupRegistry
+    from workbench.runtime.model import Transformer
+    from workbench.runtime.step import StepExecutor
+    from workbench.runtime.zero import parallelize
+
+    spec = _spec(layers=4)
+    lengths = [40, 9, 23, 17]
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, spec.vocab, (n,), generator=g) for n in lengths]
+    plain = _plan([[(1, [0, 1])], [(1, [2])], [(1, [3])]], lengths)
+    offl = _with_offload(plain, lambda m, k: "inputs" if m != 1 else "none")
+    grads, records = [], []
+    for plan in (plain, offl):
+        model = Transformer(spec, seed=2).double()
+        zero = parallelize(model, zero_stage=0, precision="fp32", recompute=True)
+        res = StepExecutor(model, GroupRegistry(1, [1]), torch_varlen_attention, zero=zero).run(plan, seqs)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        records.append(res.records)
+    for n, gr in grads[0].items():
+        torch.testing.assert_close(grads[1][n], gr, rtol=1e-10, atol=1e-10, msg=n)
+    assert [r.groups[0]["offload"] for r in records[1]] == ["inputs", "none", "inputs"]
+    assert all(r.offload_wait_ms == 0.0 and "offload_wait_ms" in r.to_dict() for r in records[1])
+
+
+def test_check_plan_refuses_offload_without_recomputation_and_unknown_levels():
+    from workbench.runtime.step import check_plan
+    from workbench.solve.plan import PlanError
+
+    lengths = [30, 7]
+    plan = _with_offload(_plan([[(1, [0])], [(1, [1])]], lengths, recompute=False),
+                         lambda m, k: "inputs" if m == 1 else "none")
+    with pytest.raises(PlanError, match=r"^micro-step 1: group at ranks \[0\] offloads its block inputs, which needs "
+                                        r"--recompute [^\n]*$"):
+        check_plan(plan, lengths, 1)  # the plan's own recompute (none)
+    with pytest.raises(PlanError, match="which needs --recompute"):
+        check_plan(plan, lengths, 1, recompute=False)  # the run's
+    check_plan(dataclasses.replace(plan, recompute=True), lengths, 1, recompute=True)
+    odd = _plan([[(1, [0, 1])]], lengths)
+    object.__setattr__(odd.micro_steps[0].groups[0], "offload", "everything")  # what no Group would accept
+    with pytest.raises(PlanError, match=r"^micro-step 0: group at ranks \[0\] has offload 'everything', which is not "
+                                        r"one of none, inputs[^\n]*$"):
+        check_plan(odd, lengths, 1)
+
+
 if __name__ == "__main__":
     sys.exit(0)

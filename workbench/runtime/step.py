@@ -31,10 +31,16 @@ How micro-steps run depends on the plan's ``execution``, which must be the run's
   ranks ever wait on each other's collectives in opposite orders. A rank with no group in a pass
   runs an *empty pass*: one token with no target, so every FSDP hook fires and every parameter gets
   a (zero) gradient exactly as on a busy rank, and the reduce-scatters match.
+
+A group whose plan says ``offload="inputs"`` (recomputation only) has its rows' checkpointed block
+inputs moved to host memory and its rows' MLP run in token tiles (``workbench.runtime.offload``);
+in a lockstep pass only that group's rows of the packed input. Offload is local: it changes what a
+rank keeps, never which collectives it runs or in what order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
@@ -46,6 +52,7 @@ import torch.nn.functional as F
 from workbench.runtime.cp import CPAttention, CPLayout, group_layout
 from workbench.runtime.groups import GroupRegistry
 from workbench.runtime.model import Transformer
+from workbench.runtime.offload import OFFLOAD_LEVELS, OffloadPass, offload_pass, offloading
 from workbench.runtime.ulysses import ShardLayout, UlyssesAttention, shard_layout
 from workbench.runtime.zero import ZeroRuntime
 from workbench.solve.plan import Group, Plan, PlanError
@@ -175,6 +182,11 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
 
 
+def _offload(g: Group) -> str:
+    """A group's offload level: ``none`` for groups of plans written before offload existed."""
+    return getattr(g, "offload", "none")
+
+
 def _stage_name(execution: str) -> str:
     return "ZeRO-3" if execution == "lockstep" else "ZeRO 0-2"
 
@@ -194,8 +206,9 @@ def check_plan(plan: Plan, lengths: Sequence[int], world_size: int, degrees: Seq
     (the process groups it made; without ``shapes``, Ulysses-only groups of ``degrees``), a cp that
     divides its degree, no rank twice in a micro-step under free execution (a lockstep pass may give
     a rank several groups), every sequence once with its length, no sequence longer than
-    ``max_context``, and (given ``heads``/``kv_heads``) every group's Ulysses size usable with the
-    model's heads. Raises PlanError saying, in one line, what does not match and how to fix it."""
+    ``max_context``, (given ``heads``/``kv_heads``) every group's Ulysses size usable with the
+    model's heads, and every group's ``offload`` a known level, ``inputs`` only with recomputation
+    (the run's, else the plan's). Raises PlanError saying, in one line, what does not match and how to fix it."""
     if zero_stage is not None:
         run_exec = "lockstep" if zero_stage == 3 else "free"
         if plan.execution != run_exec:
@@ -212,6 +225,7 @@ def check_plan(plan: Plan, lengths: Sequence[int], world_size: int, degrees: Seq
                         f"{'recomputes' if recompute else 'does not recompute'}; plan with"
                         f"{'' if recompute else 'out'} --recompute")
     lockstep = plan.execution == "lockstep"
+    runs_recompute = bool(plan.recompute if recompute is None else recompute)
     if plan.num_gpus != world_size:
         raise PlanError(f"the plan is for {plan.num_gpus} ranks but this run has {world_size} (the world size); "
                         f"plan for --nproc x --nnodes = {world_size} GPUs")
@@ -252,11 +266,14 @@ def check_plan(plan: Plan, lengths: Sequence[int], world_size: int, degrees: Seq
                                     f"(the Ulysses size must divide the query heads and divide or be a multiple of "
                                     f"the KV heads); plan with --strategy auto, which splits such groups with "
                                     f"context parallelism")
-            if getattr(g, "offload", "none") != "none":
-                # the planner may offload a group (workbench.cost.offload); until the step executor applies
-                # it to the group's rows, a plan that says so is refused rather than run differently
-                raise PlanError(f"micro-step {m}: group at ranks {list(g.ranks)} offloads its block inputs to host "
-                                f"memory ({g.offload}), which this runtime does not execute yet; plan with --offload none")
+            off = _offload(g)
+            if off not in OFFLOAD_LEVELS:
+                raise PlanError(f"micro-step {m}: group at ranks {list(g.ranks)} has offload {off!r}, which is not one "
+                                f"of {', '.join(OFFLOAD_LEVELS)}; plan with this runtime's version of the planner")
+            if off == "inputs" and not runs_recompute:
+                raise PlanError(f"micro-step {m}: group at ranks {list(g.ranks)} offloads its block inputs, which needs "
+                                f"--recompute (the offloaded tensors are the checkpointed block inputs); run with "
+                                f"--recompute or plan with --offload none")
             if used & set(g.ranks) and not lockstep:
                 raise PlanError(f"micro-step {m}: rank(s) {sorted(used & set(g.ranks))} are in two groups")
             used |= set(g.ranks)
@@ -302,14 +319,17 @@ class MicroStepRecord:
     measured_ms: float
     peak_memory_mb: float
     groups: list[dict] = field(default_factory=list)
-    """Every group the rank served, in order: ``{degree, cp, ranks, sequences}`` (lockstep passes may
-    hold several)."""
+    """Every group the rank served, in order: ``{degree, cp, ranks, sequences, offload}`` (lockstep
+    passes may hold several)."""
     pass_ms: float | None = None
     """Lockstep: the plan's predicted duration of the whole pass (its slowest rank, or FSDP's
     collectives, plus the pass overhead); None under free execution."""
     start_ms: float | None = None
     """When the micro-step (pass) began on this rank, in ms from the start of the rank's step
     (``StepResult.start_time``); None in records written before it was kept."""
+    offload_wait_ms: float = 0.0
+    """Time the compute waited for offloaded block inputs to come back from host memory (CUDA
+    events; 0 without offload, and on CPU, where the copies are synchronous)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -421,21 +441,35 @@ class StepExecutor:
                           records=records, predicted_ms=float(plan.makespan_ms), execution=plan.execution,
                           start_time=start_time)
 
-    def _forward_backward(self, sh: LocalShard, attn: Callable, n_targets: int) -> float:
-        """One forward (in the stage's precision) and backward of a packed shard; returns the summed
-        token loss."""
+    def _forward_backward(self, sh: LocalShard, attn: Callable, n_targets: int,
+                          offload: OffloadPass | None = None) -> float:
+        """One forward (in the stage's precision) and backward of a packed shard, with ``offload``'s
+        rows offloaded and tiled (``workbench.runtime.offload``; local: the collectives are the same
+        with or without it); returns the summed token loss."""
         dev = self.device
-        with self.zero.autocast():
-            # the summed token loss from the model's head (in fp32; chunked under recomputation): the
-            # logits do not outlive it, where holding them through backward would cost 2-4 bytes x
-            # vocab per token at the step's peak (measured on an H200)
-            loss = self.model(sh.tokens.to(dev), sh.positions.to(dev), sh.cu_seqlens.to(dev), sh.max_seqlen, attn,
-                              labels=sh.labels.to(dev), ignore_index=IGNORE)
-        # every rank of a group runs backward, even one whose slices hold no target: the backward of
-        # the all-to-alls (and under ZeRO-3 FSDP's reduce-scatters) is collective too
-        (loss / n_targets).backward()
+        with offloading(self.model, offload) if offload is not None else contextlib.nullcontext():
+            with self.zero.autocast():
+                # the summed token loss from the model's head (in fp32; chunked under recomputation): the
+                # logits do not outlive it, where holding them through backward would cost 2-4 bytes x
+                # vocab per token at the step's peak (measured on an H200)
+                loss = self.model(sh.tokens.to(dev), sh.positions.to(dev), sh.cu_seqlens.to(dev), sh.max_seqlen,
+                                  attn, labels=sh.labels.to(dev), ignore_index=IGNORE,
+                                  mlp_fn=offload.mlp if offload is not None else None)
+            # every rank of a group runs backward, even one whose slices hold no target: the backward of
+            # the all-to-alls (and under ZeRO-3 FSDP's reduce-scatters) is collective too
+            (loss / n_targets).backward()
         self._sync()
         return float(loss.detach())
+
+    def _offload_pass(self, groups: Sequence[Group], shards: Sequence[LocalShard]) -> OffloadPass | None:
+        """The offload of a forward over ``shards`` packed back to back, each group's rows as its
+        ``offload`` says; None when no group offloads."""
+        segments, lo = [], 0
+        for g, part in zip(groups, shards):
+            hi = lo + int(part.tokens.numel())
+            segments.append((lo, hi, _offload(g) == "inputs"))
+            lo = hi
+        return offload_pass(segments, self.model)
 
     def _group_attention(self, g: Group, sh: LocalShard) -> Callable:
         if g.degree == 1:
@@ -463,15 +497,17 @@ class StepExecutor:
                                                start_ms=(t0 - t_step) * 1e3))
                 continue
             sh = make_shard([sequences[i] for i in g.sequences], g.degree, g.ranks.index(self.rank), g.cp)
-            lv = self._forward_backward(sh, self._group_attention(g, sh), n_targets)
+            op = self._offload_pass([g], [sh])
+            lv = self._forward_backward(sh, self._group_attention(g, sh), n_targets, op)
             loss_sum += lv
             records.append(MicroStepRecord(
                 micro_step=m, degree=g.degree, ranks=list(g.ranks), sequences=list(g.sequences),
                 tokens=sh.real_tokens, padded_tokens=int(sh.tokens.numel()), targets=sh.targets,
                 loss=lv / sh.targets if sh.targets else None, predicted_ms=float(g.time_ms),
                 measured_ms=(time.perf_counter() - t0) * 1e3, peak_memory_mb=peak_memory_mb(dev),
-                groups=[{"degree": g.degree, "cp": g.cp, "ranks": list(g.ranks), "sequences": list(g.sequences)}],
-                start_ms=(t0 - t_step) * 1e3))
+                groups=[{"degree": g.degree, "cp": g.cp, "ranks": list(g.ranks), "sequences": list(g.sequences),
+                         "offload": _offload(g)}],
+                start_ms=(t0 - t_step) * 1e3, offload_wait_ms=op.wait_ms if op is not None else 0.0))
         return records, loss_sum
 
     def _run_lockstep(self, plan: Plan, sequences, n_targets: int, t_step: float) -> tuple[list[MicroStepRecord], float]:
@@ -483,6 +519,7 @@ class StepExecutor:
                 torch.cuda.reset_peak_memory_stats(dev)
             t0 = time.perf_counter()
             mine = _my_groups(ms, self.rank)  # in the pass's order: one global order for every rank
+            op = None
             if not mine:
                 sh, attn = _empty_shard(), self.attn
             else:
@@ -498,7 +535,8 @@ class StepExecutor:
                         segments.append((lo, hi, self._group_attention(g, part), part.cu_seqlens, part.max_seqlen))
                         lo = hi
                     attn = PassAttention(segments)
-            lv = self._forward_backward(sh, attn, n_targets)
+                op = self._offload_pass(mine, shards)
+            lv = self._forward_backward(sh, attn, n_targets, op)
             loss_sum += lv
             load = sum(float(g.time_ms) for g in mine) - float(plan.shared_overhead_ms) * max(0, len(mine) - 1)
             first = mine[0] if mine else None
@@ -508,7 +546,8 @@ class StepExecutor:
                 padded_tokens=int(sh.tokens.numel()) if mine else 0, targets=sh.targets,
                 loss=lv / sh.targets if sh.targets else None, predicted_ms=load if mine else 0.0,
                 measured_ms=(time.perf_counter() - t0) * 1e3, peak_memory_mb=peak_memory_mb(dev),
-                groups=[{"degree": g.degree, "cp": g.cp, "ranks": list(g.ranks), "sequences": list(g.sequences)}
-                        for g in mine],
-                pass_ms=None if ms.time_ms is None else float(ms.time_ms), start_ms=(t0 - t_step) * 1e3))
+                groups=[{"degree": g.degree, "cp": g.cp, "ranks": list(g.ranks), "sequences": list(g.sequences),
+                         "offload": _offload(g)} for g in mine],
+                pass_ms=None if ms.time_ms is None else float(ms.time_ms), start_ms=(t0 - t_step) * 1e3,
+                offload_wait_ms=op.wait_ms if op is not None else 0.0))
         return records, loss_sum

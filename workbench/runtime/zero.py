@@ -31,7 +31,8 @@ and optimizer states). The backward runs outside autocast, as autocast's documen
 
 **Recomputation.** Every block's forward runs under ``torch.utils.checkpoint`` (non-reentrant),
 set on the block *instance* before ``fully_shard`` so that parameter names, state dicts and FSDP
-units stay those of the plain model.
+units stay those of the plain model; around it the hooks that move the checkpointed inputs of the
+groups a plan says offload to host memory (``workbench.runtime.offload.apply_offload``).
 
 What each stage holds is ``workbench.cost.memory.model_states``; :meth:`ZeroRuntime.state_bytes`
 counts it from tensor storage so a run can check the model.
@@ -331,13 +332,18 @@ class ZeroRuntime:
 def parallelize(model: nn.Module, *, zero_stage: int, precision: str, recompute: bool = False,
                 device: torch.device | str = "cpu") -> ZeroRuntime:
     """Apply a ZeRO stage to ``model`` (already on ``device``, identical on every rank): recompute
-    first when asked, then FSDP2 under ZeRO-3. Returns the :class:`ZeroRuntime`. Raises ValueError
+    first when asked (with the hooks that offload block inputs, ``workbench.runtime.offload``), then
+    FSDP2 under ZeRO-3. Returns the :class:`ZeroRuntime`. Raises ValueError
     for an unknown stage or precision, or ZeRO-3 without an initialised process group."""
     if zero_stage not in ZERO_STAGES or isinstance(zero_stage, bool):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     compute_dtype(precision)
     if recompute:
         apply_recompute(model)
+        # what a plan's offload "inputs" needs (workbench.runtime.offload): inert until a pass is active
+        from workbench.runtime.offload import apply_offload
+
+        apply_offload(model)
     if zero_stage == 3:
         if not dist.is_initialized():
             raise ValueError("ZeRO-3 shards over a process group: initialise torch.distributed first")
