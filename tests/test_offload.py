@@ -341,5 +341,122 @@ def test_check_plan_refuses_offload_without_recomputation_and_unknown_levels():
         check_plan(odd, lengths, 1)
 
 
+# ---- 4 gloo ranks: one torchrun launch ------------------------------------------------------------
+
+WORLD = 4
+DIST_TIMEOUT_S = 60
+RUN_TIMEOUT_S = 600
+FP32_RTOL = 1e-5
+LR = 0.5
+DIST_LENGTHS = [300, 33, 6, 150, 41, 7, 90, 19]
+
+
+def _dist_plan(stage: int):
+    """Pass/micro-step 0: a 2x2 group (Ulysses 2 x CP 2) over all four ranks, offloading. Then groups
+    of degree 2 (ranks 0-1, offloading), 1 (rank 2, not) and 1 (rank 3, offloading); under ZeRO-3 one
+    more degree-1 group on rank 0 that does not offload, packed in rank 0's pass after its
+    offloading degree-2 group (the offload applies to the first segment of the pass only). The
+    300-token sequence gives each rank of the 2x2 group 75 rows and the 150 one rank 3 150: more
+    than one MLP tile (``mlp_tile_tokens`` = 64)."""
+    if stage == 3:
+        micro = [[(4, [0, 2], 2)], [(2, [1, 5]), (1, [4]), (1, [3]), (1, [6, 7])]]
+        blocks = [[0], [0, 0, 2, 3]]
+        levels = [["inputs"], ["inputs", "none", "none", "inputs"]]
+    else:
+        micro = [[(4, [0, 2], 2)], [(2, [1, 4, 5]), (1, [3]), (1, [6, 7])]]
+        blocks = [[0], [0, 2, 3]]
+        levels = [["inputs"], ["inputs", "none", "inputs"]]
+    plan = _plan(micro, DIST_LENGTHS, world=WORLD, stage=stage, blocks=blocks)
+    return plan, _with_offload(plan, lambda m, k: levels[m][k])
+
+
+def _dist_step(registry, plan, seqs, stage):
+    """One SGD step of ``plan`` under ``stage`` (fp32, recomputation): ({name: full updated tensor},
+    StepResult)."""
+    from workbench.runtime.attention import torch_varlen_attention
+    from workbench.runtime.model import Transformer
+    from workbench.runtime.step import StepExecutor
+    from workbench.runtime.zero import parallelize
+
+    model = Transformer(get_model("tiny"), seed=3)
+    zero = parallelize(model, zero_stage=stage, precision="fp32", recompute=True)
+    opt = zero.make_optimizer("sgd", lr=LR)
+    res = StepExecutor(model, registry, torch_varlen_attention, zero=zero).run(plan, seqs)
+    opt.step()
+    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+    return full, res
+
+
+def _check_offload_steps(registry, rank) -> dict:
+    from workbench.runtime.model import Transformer
+
+    spec = get_model("tiny")
+    g = torch.Generator().manual_seed(11)
+    seqs = [torch.randint(0, spec.vocab, (n,), generator=g) for n in DIST_LENGTHS]
+    init = {n: p.detach().clone() for n, p in Transformer(spec, seed=3).named_parameters()}
+    out = {}
+    for stage in (0, 3):
+        plain, offl = _dist_plan(stage)
+        ref, ref_res = _dist_step(registry, plain, seqs, stage)
+        got, res = _dist_step(registry, offl, seqs, stage)
+        worst, where = 0.0, ""
+        for n, r in ref.items():
+            du, dr = got[n] - init[n], r - init[n]
+            rel = float((du - dr).norm()) / max(float(dr.norm()), 1e-30)
+            if rel > worst:
+                worst, where = rel, n
+        levels = [[gr["offload"] for gr in rec.groups] for rec in res.records]
+        out[f"offload_z{stage}"] = {
+            "ok": worst < FP32_RTOL and abs(res.loss - ref_res.loss) <= FP32_RTOL * ref_res.loss,
+            "worst_rel": worst, "worst_param": where, "loss": res.loss, "ref_loss": ref_res.loss,
+            "levels": levels, "splits": [[f"{gr['degree'] // gr['cp']}x{gr['cp']}" for gr in rec.groups]
+                                         for rec in res.records],
+            "wait_ms": [rec.offload_wait_ms for rec in res.records],
+            "host_mb": [rec.offload_host_mb for rec in res.records],
+            "rows": [rec.padded_tokens for rec in res.records]}
+    return out
+
+
+def _worker(out_path: str) -> int:
+    from _torchrun import run_checks
+
+    return run_checks(out_path, [_check_offload_steps], shapes=((4, 2),), timeout_s=DIST_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def offload_results(tmp_path_factory):
+    """The worker launched once under torchrun (4 gloo ranks, its own session)."""
+    from _torchrun import by_check, run_worker
+
+    out = tmp_path_factory.mktemp("offload") / "results.json"
+    return by_check(run_worker(__file__, str(out), nproc=WORLD, timeout=RUN_TIMEOUT_S, out=out))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_step_with_offloading_groups_equals_the_step_without(offload_results, stage):
+    """fp32, recomputation: one SGD step of a plan whose 2x2 (Ulysses x CP) group and some of whose
+    degree-2 and degree-1 groups offload updates every parameter as the same plan without offload
+    (1e-5 relative), under ZeRO-0 (free) and ZeRO-3 (lockstep, a rank packing an offloading and a
+    plain group in one pass); every rank ran the groups at the levels the plan says."""
+    from _torchrun import assert_all_ranks
+
+    assert_all_ranks(offload_results, f"offload_z{stage}", WORLD)
+    per_rank = offload_results[f"offload_z{stage}"]
+    assert per_rank["0"]["splits"][0] == ["2x2"] and per_rank["0"]["levels"][0] == ["inputs"]
+    want_rank0 = ["inputs", "none"] if stage == 3 else ["inputs"]
+    assert per_rank["0"]["levels"][1] == want_rank0
+    assert per_rank["2"]["levels"][1] == ["none"] and per_rank["3"]["levels"][1] == ["inputs"]
+    assert all(w == 0.0 for v in per_rank.values() for w in v["wait_ms"])  # CPU: synchronous copies
+    # what went to host memory: every block's input but the last one's, of the offloading rows (fp32)
+    spec = get_model("tiny")
+    per_row = (spec.layers - 1) * spec.hidden * 4 / 2**20
+    assert per_rank["0"]["rows"][0] > 0 and per_rank["0"]["host_mb"][0] == pytest.approx(per_rank["0"]["rows"][0] * per_row)
+    assert per_rank["2"]["host_mb"][1] == 0.0 and per_rank["3"]["host_mb"][1] == pytest.approx(
+        per_rank["3"]["rows"][1] * per_row)
+    if stage == 3:  # rank 0's pass: only its degree-2 group's rows (its degree-1 group's 41 tokens stay)
+        assert per_rank["0"]["host_mb"][1] == pytest.approx((per_rank["0"]["rows"][1] - 41) * per_row)
+
+
 if __name__ == "__main__":
-    sys.exit(0)
+    sys.exit(_worker(sys.argv[1]))

@@ -187,6 +187,13 @@ def _offload(g: Group) -> str:
     return getattr(g, "offload", "none")
 
 
+def _offload_fields(op: OffloadPass | None) -> dict:
+    """A record's offload figures from the pass that ran (none: zeros)."""
+    if op is None:
+        return {}
+    return {"offload_wait_ms": float(op.wait_ms), "offload_host_mb": op.peak_host_bytes / 2**20}
+
+
 def _stage_name(execution: str) -> str:
     return "ZeRO-3" if execution == "lockstep" else "ZeRO 0-2"
 
@@ -330,6 +337,8 @@ class MicroStepRecord:
     offload_wait_ms: float = 0.0
     """Time the compute waited for offloaded block inputs to come back from host memory (CUDA
     events; 0 without offload, and on CPU, where the copies are synchronous)."""
+    offload_host_mb: float = 0.0
+    """Host memory the offloaded block inputs took at most (MB; the plan's ``host_gb`` predicts it)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -507,7 +516,7 @@ class StepExecutor:
                 measured_ms=(time.perf_counter() - t0) * 1e3, peak_memory_mb=peak_memory_mb(dev),
                 groups=[{"degree": g.degree, "cp": g.cp, "ranks": list(g.ranks), "sequences": list(g.sequences),
                          "offload": _offload(g)}],
-                start_ms=(t0 - t_step) * 1e3, offload_wait_ms=op.wait_ms if op is not None else 0.0))
+                start_ms=(t0 - t_step) * 1e3, **_offload_fields(op)))
         return records, loss_sum
 
     def _run_lockstep(self, plan: Plan, sequences, n_targets: int, t_step: float) -> tuple[list[MicroStepRecord], float]:
@@ -549,5 +558,5 @@ class StepExecutor:
                 groups=[{"degree": g.degree, "cp": g.cp, "ranks": list(g.ranks), "sequences": list(g.sequences),
                          "offload": _offload(g)} for g in mine],
                 pass_ms=None if ms.time_ms is None else float(ms.time_ms), start_ms=(t0 - t_step) * 1e3,
-                offload_wait_ms=op.wait_ms if op is not None else 0.0))
+                **_offload_fields(op)))
         return records, loss_sum
