@@ -469,8 +469,7 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                         f"(context parallelism; ring is its older name), auto (each group its fastest split u x cp)")
     g.add_argument("--offload", default=None, choices=list(OFFLOAD_CHOICES),
                    help="which offload levels plans may use (default auto: a group offloads its block inputs only "
-                        "when no group holds its sequence without; needs --recompute). The runtime refuses a plan "
-                        "that offloads until it executes offload (docs/offload.md)")
+                        "when no group holds its sequence without; needs --recompute; docs/offload.md)")
     g.add_argument("--host-memory", dest="host_memory_gb", type=positive_float, default=None, metavar="GB",
                    help="host memory per node for offloaded activations (default: the profile's)")
     g.add_argument("--attention", default=None, choices=ATTENTION, help="attention backend (default auto)")
