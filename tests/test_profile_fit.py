@@ -866,3 +866,67 @@ def test_without_real_steps_the_optimizer_is_timed_alone():
     assert prof.optimizer_ms_per_mparam == 1.5 and prof.sharded_optimizer_ms_per_mparam is None
     assert "timed alone" in prof.provenance["optimizer"]
     assert build_result(_measurements()).profile.optimizer_ms_per_mparam is None
+
+
+# ------------------------------------------------------------------------------------------------
+# the host: memory and the pinned host-device link
+# ------------------------------------------------------------------------------------------------
+
+
+def _link(alone=(9.0, 11.0), every=((12.0, 16.0), (13.0, 15.0), (20.0, 14.0), (12.5, 15.5)), nbytes=1 << 28):
+    """Copy times (ms) of ``nbytes`` each: rank 0 alone (h2d, d2h), then each rank's with all copying;
+    every timed copy of a direction the same but for two outliers the median ignores."""
+    reps = 5
+
+    def times(ms):
+        return [ms, ms, ms * 3, ms, ms * 0.5][:reps]
+
+    return {"bytes": nbytes, "warmup": 2, "reps": reps, "ranks_per_node": len(every),
+            "alone": {"h2d_ms": times(alone[0]), "d2h_ms": times(alone[1])},
+            "all": {"h2d_ms": [times(h) for h, _ in every], "d2h_ms": [times(d) for _, d in every]}}
+
+
+def test_host_link_from_copy_times_by_hand():
+    from workbench.profile.fit import copy_gbps, fit_host_link
+
+    assert copy_gbps(1e9, [20.0, 25.0, 400.0]) == pytest.approx(40.0)  # 1 GB in the median 25 ms
+    f = fit_host_link(_link())
+    gb = (1 << 28) / 1e9
+    assert f["alone"] == {"h2d_gbps": pytest.approx(gb / 9e-3), "d2h_gbps": pytest.approx(gb / 11e-3)}
+    assert f["host_link_gbps"] == pytest.approx(gb / 11e-3)  # the slower direction of one GPU alone
+    # all four copying: the slowest rank (20 ms host-to-device) sets the node's total, x 4 GPUs
+    assert f["all"]["h2d_gbps"][2] == pytest.approx(gb / 20e-3)
+    assert f["host_link_node_gbps"] == pytest.approx(4 * gb / 20e-3)
+    with pytest.raises(ValueError, match="positive"):
+        copy_gbps(1e9, [0.0])
+    with pytest.raises(ValueError, match="lack"):
+        fit_host_link({"bytes": 1e9, "alone": {"h2d_ms": [1.0]}})
+
+
+def test_build_result_records_the_host():
+    import psutil
+
+    # CPU (what the quick profile measures here): the host's memory, no host link, and the provenance says so
+    m = _measurements()
+    m["host"] = {"memory_gb": psutil.virtual_memory().total / 1e9, "link": None}
+    res = build_result(m)
+    p = res.profile
+    assert p.host_memory_gb == pytest.approx(psutil.virtual_memory().total / 1e9, rel=0.01)
+    assert p.host_link_gbps is None and p.host_link_node_gbps is None
+    assert p.provenance["host_link"].startswith("none") and "do not offload" in p.provenance["host_link"]
+    assert res.host == {"memory_gb": p.host_memory_gb, "link": None}
+    # a CUDA measurement: the link's figures by hand, the provenance says they were measured, and how
+    m = _measurements()
+    m["device"] = "cuda"
+    m["meta"]["provenance"]["host"] = "node7"
+    m["host"] = {"memory_gb": 2048.0, "link": _link()}
+    res = build_result(m)
+    p, gb = res.profile, (1 << 28) / 1e9
+    assert p.host_memory_gb == 2048.0
+    assert p.host_link_gbps == pytest.approx(gb / 11e-3) and p.host_link_node_gbps == pytest.approx(4 * gb / 20e-3)
+    note = p.provenance["host_link"]
+    assert note.startswith("measured on node7") and "CUDA events" in note and "256 MiB" in note
+    assert p.provenance["host_link_gpus"] == 4
+    assert ProfileResult.from_dict(json.loads(res.to_json())).host == json.loads(json.dumps(res.host))
+    # a profile measured before the host was: unchanged
+    assert build_result(_measurements()).profile.host_memory_gb is None

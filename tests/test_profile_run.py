@@ -56,6 +56,12 @@ def test_quick_profile_on_two_gloo_ranks(profiled):
     assert prof.pass_comm_overlap == 0.0 and prof.pass_compute_factor[2] >= 1.0
     assert prof.optimizer_ms_per_mparam > 0 and prof.sharded_optimizer_ms_per_mparam > 0
     assert prof.provenance["load_average"]["start"] is not None
+    # the host: its memory recorded (psutil's total, GB = 1e9 bytes); on CPU no host link, so no offload
+    import psutil
+
+    assert prof.host_memory_gb == pytest.approx(psutil.virtual_memory().total / 1e9, rel=0.01)
+    assert prof.host_link_gbps is None and prof.host_link_node_gbps is None
+    assert prof.provenance["host_link"].startswith("none") and "psutil" in prof.provenance["host_memory"]
     names = {c["name"] for c in json.loads((run.path / "measurements.json").read_text())["steps"]}
     assert names == {"lockstep-idle", "lockstep-busy", "lockstep-heavy", "lockstep-mixed", "free-busy", "free-heavy",
                      "free-mixed"}

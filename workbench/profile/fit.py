@@ -15,6 +15,8 @@ evidence next to it (residuals, held-out errors):
   (all-to-all: the bytes a rank sends to the others; all-reduce: the ring's ``2 (n-1)/n`` of the
   buffer; all-gather and reduce-scatter, FSDP's over the world and context parallelism's over its
   sub-groups: ``(n-1)/n`` of the full buffer; point-to-point: the bytes of one ring step);
+- **the host link** (``fit_host_link``): pinned host-device copy bandwidth (the median copy's), one
+  GPU alone and every rank at once (the node's total: the slowest rank's rate x the GPUs of a node);
 - **lines** (``fit_line``): ``t = slope * x + intercept``, non-negative, for the head's time per
   token and the optimizer's per parameter.
 
@@ -35,7 +37,7 @@ from workbench.specs import ComputeCurve
 
 __all__ = ["nnls", "trimmed_median", "ape", "error_summary", "fit_curve", "fit_pack_curve", "predict_pack", "fit_line",
            "CurveFit", "fit_compute", "heldout_errors", "choose_short_len", "short_len_candidates", "LinkFit", "fit_link",
-           "fit_collectives", "COLLECTIVE_KINDS", "wire_bytes"]
+           "fit_collectives", "COLLECTIVE_KINDS", "wire_bytes", "copy_gbps", "fit_host_link"]
 
 COLLECTIVE_KINDS = ("all_to_all", "allreduce", "p2p", "allgather", "reduce_scatter", "cp_allgather",
                     "cp_reduce_scatter")
@@ -363,3 +365,40 @@ def fit_collectives(points: Sequence[Mapping[str, Any]]) -> dict[str, dict[int, 
     for (kind, d), pts in sorted(by.items()):
         out.setdefault(kind, {})[d] = fit_link(kind, d, [p["message_bytes"] for p in pts], [p["ms"] for p in pts])
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the host link (pinned host-device copies)
+# ------------------------------------------------------------------------------------------------
+
+
+def copy_gbps(nbytes: float, times_ms: Sequence[float]) -> float:
+    """Bandwidth (GB/s, 1e9 bytes a second) of copies of ``nbytes`` bytes taking ``times_ms`` each:
+    the median time's. Raises ValueError for no times, a non-positive time or size."""
+    ts = [float(t) for t in times_ms]
+    if not ts or nbytes <= 0 or any(not (t > 0 and math.isfinite(t)) for t in ts):
+        raise ValueError(f"copy_gbps needs a positive size and positive times, got {nbytes} bytes and {ts}")
+    return float(nbytes) / (statistics.median(ts) * 1e-3) / 1e9
+
+
+def fit_host_link(link: Mapping[str, Any]) -> dict:
+    """The host link's figures from timed pinned copies (``workbench.profile.measure.measure_host_link``):
+    ``link`` is ``{"bytes", "ranks_per_node", "alone": {"h2d_ms": [..], "d2h_ms": [..]} (one GPU
+    copying while the others wait), "all": {"h2d_ms": [[..] per rank], "d2h_ms": [[..] per rank]}
+    (every rank copying at once)}``. Returns ``{"alone": {"h2d_gbps", "d2h_gbps"}, "all":
+    {"h2d_gbps": [per rank], "d2h_gbps": [per rank]}, "ranks_per_node", "host_link_gbps" (one GPU
+    alone, the slower direction), "host_link_node_gbps" (a node's total when all its GPUs copy: the
+    slowest rank's rate x the GPUs of a node, the slower direction)}``. Raises ValueError when a
+    figure is missing or not positive."""
+    try:
+        nbytes = float(link["bytes"])
+        per_node = int(link.get("ranks_per_node") or len(link["all"]["h2d_ms"]))
+        alone = {f"{k}_gbps": copy_gbps(nbytes, link["alone"][f"{k}_ms"]) for k in ("h2d", "d2h")}
+        every = {f"{k}_gbps": [copy_gbps(nbytes, ts) for ts in link["all"][f"{k}_ms"]] for k in ("h2d", "d2h")}
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"host link measurements lack {e}") from None
+    if per_node < 1 or not every["h2d_gbps"] or not every["d2h_gbps"]:
+        raise ValueError(f"host link measurements need at least one rank copying at once, got {per_node}")
+    node = min(min(every["h2d_gbps"]), min(every["d2h_gbps"])) * per_node
+    return {"alone": alone, "all": every, "ranks_per_node": per_node, "bytes": int(nbytes),
+            "host_link_gbps": min(alone.values()), "host_link_node_gbps": node}

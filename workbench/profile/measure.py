@@ -38,6 +38,9 @@ ranks that share a machine contend as they do in training):
    token: activations) and the allocated bytes of parameters, gradients and AdamW states (model
    states); on CPU the same figures computed from the model (bytes of the tensors autograd saves,
    bytes of parameters and optimizer states), labelled so.
+5. **host**: the node's memory (``psutil``), and on CUDA the pinned host-device link
+   (:func:`measure_host_link`: 256 MiB copies each way, rank 0 alone, then every rank at once); on
+   CPU there is no host link (none recorded, so plans made with the profile do not offload).
 
 Rank 0 writes progress to ``status.json`` (``runs.update_status``), then fits
 (``workbench.profile.result.build_result``) and writes ``measurements.json``,
@@ -78,7 +81,8 @@ from workbench.specs import ModelSpec
 from workbench.util import write_json_atomic
 
 __all__ = ["Clock", "measure_compute", "measure_collectives", "measure_groups", "measure_compute_and_groups",
-           "measure_steps", "measure_memory", "measure_optimizer", "agree", "main"]
+           "measure_steps", "measure_memory", "measure_optimizer", "measure_host_link", "host_memory_gb", "agree",
+           "main", "HOST_COPY_BYTES"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -749,6 +753,76 @@ def measure_memory(spec: ModelSpec, *, device: torch.device | str = "cpu", attn:
 
 
 # ------------------------------------------------------------------------------------------------
+# the host: its memory and the pinned host-device link
+# ------------------------------------------------------------------------------------------------
+
+
+HOST_COPY_BYTES = 256 * 2**20
+"""Bytes of one timed host-device copy: large enough that a copy's fixed cost (microseconds) is noise
+next to its transfer (milliseconds at tens of GB/s), small enough to pin on any node."""
+
+
+def host_memory_gb() -> float:
+    """This node's host memory (``psutil.virtual_memory().total``) in GB (1e9 bytes)."""
+    import psutil
+
+    return psutil.virtual_memory().total / 1e9
+
+
+def _copy_ms(dst: torch.Tensor, src: torch.Tensor, device: torch.device, *, warmup: int, reps: int,
+             together: bool) -> list[float]:
+    """``reps`` timed ``dst.copy_(src, non_blocking=True)`` on ``device``'s stream (CUDA events), after
+    ``warmup`` untimed ones; with ``together`` every copy starts after a barrier of all ranks."""
+    out = []
+    for i in range(warmup + reps):
+        if together:
+            _barrier(device)
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        if i >= warmup:
+            out.append(float(start.elapsed_time(end)))
+    return out
+
+
+def measure_host_link(device: torch.device | str, *, nbytes: int = HOST_COPY_BYTES, warmup: int = 2, reps: int = 5,
+                      ranks_per_node: int | None = None) -> dict | None:
+    """Pinned host-device copy times on CUDA; every rank calls it together. First rank 0 alone copies
+    host-to-device, then device-to-host (``warmup`` untimed + ``reps`` timed copies of ``nbytes``
+    each), the others waiting at a barrier; then every rank copies at once, each copy after a barrier.
+    Returns ``{"bytes", "warmup", "reps", "ranks_per_node", "alone": {"h2d_ms", "d2h_ms"} (rank 0's),
+    "all": {"h2d_ms", "d2h_ms"} (per rank)}`` on every rank, what
+    ``workbench.profile.fit.fit_host_link`` turns into GB/s; None off CUDA (no host link)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    n = int(nbytes) // 4
+    host = torch.empty(n, dtype=torch.float32, pin_memory=True)
+    gpu = torch.empty(n, dtype=torch.float32, device=dev)
+    host.fill_(1.0)
+    gpu.fill_(1.0)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    alone = {"h2d_ms": [0.0] * reps, "d2h_ms": [0.0] * reps}
+    _barrier(device)
+    if rank == 0:
+        alone = {"h2d_ms": _copy_ms(gpu, host, dev, warmup=warmup, reps=reps, together=False),
+                 "d2h_ms": _copy_ms(host, gpu, dev, warmup=warmup, reps=reps, together=False)}
+    _barrier(device)
+    h2d = _copy_ms(gpu, host, dev, warmup=warmup, reps=reps, together=True)
+    d2h = _copy_ms(host, gpu, dev, warmup=warmup, reps=reps, together=True)
+    _, per_rank = agree(alone["h2d_ms"] + alone["d2h_ms"] + h2d + d2h, dev)  # rank 0's alone times reach everyone
+    first = per_rank[0]
+    del host, gpu
+    return {"bytes": 4 * n, "warmup": int(warmup), "reps": int(reps), "ranks_per_node": int(ranks_per_node or world),
+            "alone": {"h2d_ms": first[:reps], "d2h_ms": first[reps:2 * reps]},
+            "all": {"h2d_ms": [r[2 * reps:3 * reps] for r in per_rank], "d2h_ms": [r[3 * reps:] for r in per_rank]}}
+
+
+# ------------------------------------------------------------------------------------------------
 # provenance
 # ------------------------------------------------------------------------------------------------
 
@@ -984,6 +1058,9 @@ class Profiler:
         self.phase = "memory"
         self._progress(sum(self.SHARES[:2]), "memory")
         memory = measure_memory(model, device=device, attn=attn, dtype=dtype) if self.rank == 0 else {}
+        # the host link: pinned copies on CUDA (every rank takes part), none on CPU
+        self.phase = "host link"
+        host_link = measure_host_link(device, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
         # without real steps (a large model, or steps off) the optimizer's step is timed alone
         optimizer = (measure_optimizer(model, optimizer=res.get("optimizer") or "adamw", device=device)
                      if self.rank == 0 and not (cases and dist.is_initialized()) else None)
@@ -1026,7 +1103,7 @@ class Profiler:
             meas = {"model": model.name, "world_size": self.world, "device": device.type, "scope": "model",
                     "compute": compute, "collectives": collectives, "groups": groups, "memory": memory,
                     "optimizer": optimizer,
-                    "head": heads, "steps": steps,
+                    "head": heads, "steps": steps, "host": {"memory_gb": host_memory_gb(), "link": host_link},
                     "meta": {"name": name, "gpu": mach["gpu"], "gpu_memory_gb": mach["gpu_memory_gb"],
                              "provenance": provenance}}
             provenance["seconds"] = round(time.perf_counter() - t_start, 1)

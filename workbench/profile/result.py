@@ -15,6 +15,9 @@
                 lengths}]], "micro_step_ms": [[ms per rank] per pass or micro-step], "step_ms": [per rank],
                 "allreduce_ms": [...], "optimizer_ms": [...], "updated_params": [...]}],
      "memory": {"activation_mb_per_token": x, "model_state_mb": y, "method": "..."},
+     "host": {"memory_gb": host memory of the node (psutil), "link": None (CPU: no host link) or
+              {"bytes", "warmup", "reps", "ranks_per_node", "alone": {"h2d_ms", "d2h_ms"},
+               "all": {"h2d_ms": [[..] per rank], "d2h_ms": [..]}} (pinned copies on CUDA)},
      "meta": {"name", "gpu", "gpu_memory_gb", "provenance": {...}}}
 
 :func:`build_result` fits it (``workbench.profile.fit``) into a :class:`ProfileResult`: the profile,
@@ -41,7 +44,12 @@ plus every point and curve the figures draw. In order:
    rank, idle ranks running empty passes): what a pass takes beyond FSDP's collectives
    (``pass_comm_overlap``: 0 on CPU, where they do not overlap) and beyond the same work run as
    free micro-steps, as a fixed cost plus a share of that work;
-6. the **optimizer step** per million parameters a rank updates, plain (ZeRO-0) and sharded (ZeRO-3).
+6. the **optimizer step** per million parameters a rank updates, plain (ZeRO-0) and sharded (ZeRO-3);
+7. the **host**: its memory (``host_memory_gb``) and, on CUDA, the pinned host-device copy bandwidth
+   of one GPU alone (``host_link_gbps``, the slower direction) and of a node's GPUs copying at once
+   (``host_link_node_gbps``, in total), ``workbench.profile.fit.fit_host_link``; on CPU there is no
+   host link (both None, so plans made with the profile do not offload), and ``provenance.host_link``
+   says which.
 
 Steps 3-6 need the ``steps`` measurements (profiles measured before them have none: those fields
 stay empty and the cost model leaves the terms out).
@@ -63,11 +71,12 @@ __all__ = ["ProfileResult", "build_result", "fit_sp_overhead", "fit_cp_overhead"
            "fit_optimizer", "step_predictions", "ESTIMATED_ALL_TO_ALL_GBPS", "RESULT_FILE", "MEASUREMENTS_FILE",
            "PROFILER_VERSION"]
 
-PROFILER_VERSION = 3
+PROFILER_VERSION = 4
 """What a profile measured, as a number its provenance carries (``profiler_version``): 1 (or none)
 before context parallelism, 2 with the CP collectives, the 1 x c micro-steps and their fit
 (``cp_overhead_ms``, ``cp_token_ms``, ``cp_attention_factor``), 3 with the composite splits'
-residual (``u x c`` micro-steps on the 1 x c packs: ``split_overhead_ms``, ``split_token_ms``). A cached machine profile older
+residual (``u x c`` micro-steps on the 1 x c packs: ``split_overhead_ms``, ``split_token_ms``), 4 with the host
+(``host_memory_gb``; on CUDA the pinned copies: ``host_link_gbps``, ``host_link_node_gbps``). A cached machine profile older
 than this one is measured again (``workbench.profile.machine``)."""
 RESULT_FILE = "profile_result.json"
 """The fit and its evidence, in a profile run's folder (beside ``profile.json``)."""
@@ -118,6 +127,9 @@ class ProfileResult:
     """Real steps, per pass or micro-step: ``{case, execution, micro_step, measured_ms,
     predicted_ms (with every fitted term), loads_ms}`` and per step ``{case, execution, step,
     measured_ms, predicted_ms, optimizer_ms, predicted_optimizer_ms}``."""
+    host: dict = field(default_factory=dict)
+    """The host: ``{"memory_gb", "link": fit_host_link's figures or None (no host link: CPU)}``
+    (empty: not measured)."""
 
     def summary(self) -> dict:
         """The headline figures: held-out median/worst APE and the fitted links."""
@@ -135,7 +147,7 @@ class ProfileResult:
                 "heldout": self.heldout, "collectives": self.collectives,
                 "collective_fits": {k: {str(d): f for d, f in v.items()} for k, v in self.collective_fits.items()},
                 "memory": self.memory, "groups": self.groups, "run_id": self.run_id, "head": self.head,
-                "steps": self.steps}
+                "steps": self.steps, "host": self.host}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ProfileResult":
@@ -147,7 +159,8 @@ class ProfileResult:
         return cls(profile=prof, compute=list(data.get("compute") or []), fits=dict(data.get("fits") or {}),
                    heldout=dict(data.get("heldout") or {}), collectives=list(data.get("collectives") or []),
                    collective_fits=cf, memory=dict(data.get("memory") or {}), groups=list(data.get("groups") or []),
-                   run_id=data.get("run_id"), head=dict(data.get("head") or {}), steps=list(data.get("steps") or []))
+                   run_id=data.get("run_id"), head=dict(data.get("head") or {}), steps=list(data.get("steps") or []),
+                   host=dict(data.get("host") or {}))
 
     def to_json(self, **kw) -> str:
         from workbench.util import dumps
@@ -532,6 +545,48 @@ def step_predictions(profile: HardwareProfile, world: int, steps: list[dict]) ->
     return out
 
 
+def _with_host(profile: HardwareProfile, host: Mapping[str, Any] | None, device: str,
+               prov: dict) -> tuple[HardwareProfile, dict]:
+    """``profile`` with the host's figures from the measurements' ``host`` entry (see the module
+    docstring): ``host_memory_gb``, and on CUDA ``host_link_gbps`` and ``host_link_node_gbps``
+    (``fit_host_link``); ``prov`` gains ``host_memory``, ``host_link`` (what was measured, where and
+    how, or why there is no figure) and ``host_link_gpus`` (GPUs of a node copying at once).
+    Returns ``(profile, {"memory_gb", "link"})``; profiles measured before the host was (no entry)
+    come back unchanged with ``{}``."""
+    from workbench.profile.fit import fit_host_link
+
+    if not host:
+        return profile, {}
+    where = prov.get("host") or "the measuring node"
+    out: dict = {"memory_gb": None, "link": None}
+    mem = host.get("memory_gb")
+    if mem:
+        out["memory_gb"] = float(mem)
+        profile = dataclasses.replace(profile, host_memory_gb=float(mem))
+        prov["host_memory"] = (f"host_memory_gb: {float(mem):,.1f} GB, psutil.virtual_memory().total of {where} "
+                               f"(GB = 1e9 bytes)")
+    link = host.get("link")
+    if link:
+        f = fit_host_link(link)
+        out["link"] = f
+        n, a, e = f["ranks_per_node"], f["alone"], f["all"]
+        profile = dataclasses.replace(profile, host_link_gbps=f["host_link_gbps"],
+                                      host_link_node_gbps=f["host_link_node_gbps"])
+        prov["host_link_gpus"] = n
+        prov["host_link"] = (
+            f"measured on {where} ({profile.gpu}): pinned host memory <-> GPU copies of {f['bytes'] / 2**20:,.0f} MiB "
+            f"(non_blocking tensor copies timed by CUDA events, {link.get('warmup', '?')} warm-up + "
+            f"{link.get('reps', '?')} timed, median). One GPU alone (rank 0, the others waiting at a barrier): "
+            f"host-to-device {a['h2d_gbps']:.1f}, device-to-host {a['d2h_gbps']:.1f} GB/s, host_link_gbps "
+            f"{f['host_link_gbps']:.1f} (the slower direction). All {len(e['h2d_gbps'])} rank(s) copying at once: "
+            f"the slowest rank {min(e['h2d_gbps']):.1f} host-to-device, {min(e['d2h_gbps']):.1f} device-to-host "
+            f"GB/s, x {n} GPU(s) a node = host_link_node_gbps {f['host_link_node_gbps']:.1f}")
+    elif device == "cpu":
+        prov["host_link"] = ("none: measured on CPU, where there is no host-device link to copy over; host_link_gbps "
+                             "is null, so plans made with this profile do not offload activations")
+    return profile, out
+
+
 def build_result(measurements: Mapping[str, Any], *, run_id: str | None = None) -> ProfileResult:
     """Fit ``measurements`` (the shape in the module docstring) into a ProfileResult. Raises
     ValueError when there are too few compute points or a figure is missing."""
@@ -655,6 +710,7 @@ def build_result(measurements: Mapping[str, Any], *, run_id: str | None = None) 
         opt = next((c.get("optimizer") for c in steps if c.get("optimizer")), "adamw")
         prov["optimizer"] = (f"optimizer_ms_per_mparam (ZeRO-0 replicas) and sharded_optimizer_ms_per_mparam (ZeRO-3 "
                              f"shards): {opt} steps after the real steps, per million parameters the rank updates")
+    profile, host = _with_host(profile, measurements.get("host"), device, prov)
     profile = dataclasses.replace(profile, provenance=prov)
     step_rows = step_predictions(profile, world, steps) if steps else []
     if step_rows:
@@ -667,6 +723,6 @@ def build_result(measurements: Mapping[str, Any], *, run_id: str | None = None) 
         fits={"forward": comp["forward"].to_dict(), "backward": comp["backward"].to_dict()},
         heldout=comp["heldout"], collectives=coll_pts,
         collective_fits={k: {d: f.to_dict() for d, f in v.items()} for k, v in links.items()},
-        memory=mem, run_id=run_id, head=head,
+        memory=mem, run_id=run_id, head=head, host=host,
         steps=step_rows + [{"fit": "micro_step_ms", **r} for r in micro_rows]
         + [{"fit": "pass_overhead_ms", **r} for r in pass_rows])
