@@ -4,8 +4,8 @@ Pick a shipped reference profile (or one measured earlier, or a JSON file), see 
 compute curves with the measured points and residuals, its collectives' bandwidth and latency by
 group size (the all-to-all of Ulysses beside the all-gather and reduce-scatter of context
 parallelism), and the measured extras of a group's split (Ulysses' and CP's, and a composite
-split's residual beyond them); save it
-elsewhere. Run a quick or full profile of this machine as a run (``workbench.profile``: a torchrun
+split's residual beyond them), and the host link and host memory that offloaded activations use;
+save it elsewhere. Run a quick or full profile of this machine as a run (``workbench.profile``: a torchrun
 process tree, never the kernel), with progress, log and Stop; when it ends its fitted curves,
 residuals, held-out errors and collectives are drawn and the profile can be used for planning.
 """
@@ -40,7 +40,8 @@ class HardwarePanel(Panel):
 
     Python API: :meth:`select` (a shipped name, a profile JSON file or a profile run),
     :attr:`profile` (the HardwareProfile), :attr:`profile_ref` (what ``Scenario.profile`` takes),
-    :meth:`curves`, :meth:`points`, :meth:`links`, :meth:`extras`, :meth:`load`, :meth:`save_profile`, :meth:`measure_this_machine`,
+    :meth:`curves`, :meth:`points`, :meth:`links`, :meth:`extras`, :meth:`host`, :meth:`load`, :meth:`save_profile`,
+    :meth:`measure_this_machine`,
     :meth:`start_profile`,
     :meth:`refresh`, :meth:`wait`, :meth:`stop`, :meth:`load_result`, :meth:`check_fidelity`,
     :meth:`on_profile`, :attr:`profiler_available`; the Doctor section: :meth:`run_doctor`,
@@ -96,6 +97,7 @@ class HardwarePanel(Panel):
         self.fig_residuals = figure_widget()
         self.fig_bandwidth = figure_widget()
         self.fig_extras = figure_widget()
+        self.host_view = W.HTML()
         self.fig_fit = figure_widget()
         self.fig_collectives = figure_widget()
         self.fig_fidelity = figure_widget()
@@ -135,6 +137,12 @@ class HardwarePanel(Panel):
                 "same collectives over all ranks). Groups that leave a node fall from NVLink to the network: that is "
                 "why wide SP groups are expensive."),
             figure_box(self.fig_bandwidth),
+            cap("The host link: pinned copies between host memory and a GPU, where offloaded activations go (each "
+                "block's checkpointed input leaves as its forward ends and comes back one layer ahead in the "
+                "backward). One GPU copying alone, and each GPU's share when all of a node's GPUs copy at once "
+                "(they share the PCIe switches and the CPUs' memory); the host memory of one node holds what they "
+                "offload. Without a host link figure plans do not offload."),
+            self.host_view,
             cap("What a group's split costs beyond its compute and its collectives, measured on real micro-steps, per "
                 "layer: Ulysses over u ranks (layout work, waits at every all-to-all) and context parallelism over c "
                 "ranks (the chunked layout, the K/V selection, bottom-right-masked attention, waits at every "
@@ -314,6 +322,28 @@ class HardwarePanel(Panel):
 
         return split_extras(self.profile)
 
+    def host(self) -> dict:
+        """The profile's host side (``workbench.report.hardware.host_link``) with the rows the panel
+        shows (``"rows"``: ``host_rows``): the host link of one GPU alone and per GPU when the whole
+        node copies, host memory per node, and where they come from."""
+        from workbench.report.hardware import host_link, host_rows
+
+        return {**host_link(self.profile), "rows": host_rows(self.profile)}
+
+    def _draw_host(self) -> None:
+        import html
+
+        from widgets._base import html_table
+
+        h = self.host()
+        table = html_table(h["rows"], [("what", "host", None), ("value", "", None)])
+        src = h["note"] or ("no note in the profile's provenance" if h["offload"] else "")
+        mem = h["memory_note"] or ""
+        where = "".join(f"<div style='color:#555;font-size:12.5px;max-width:980px'>{html.escape(x)}</div>"
+                        for x in (f"host link ({h['kind'] or '?'}): {src}" if src else "",
+                                  f"host memory: {mem}" if mem else "") if x)
+        self.host_view.value = table + where
+
     def _draw(self) -> None:
         from workbench.report.hardware import (bandwidth_figure, compute_figure, describe_profile, residuals_figure,
                                                split_extras_figure)
@@ -324,6 +354,7 @@ class HardwarePanel(Panel):
         set_figure(self.fig_residuals, residuals_figure(p))
         set_figure(self.fig_bandwidth, bandwidth_figure(p))
         set_figure(self.fig_extras, split_extras_figure(p))
+        self._draw_host()
         pts = self.points()
         if pts:
             worst = max(abs(x["relative_error"]) for x in pts if x["relative_error"] is not None)
@@ -497,7 +528,8 @@ class HardwarePanel(Panel):
             return {}
         out = {"profile": self.profile.to_dict(), "curves": self.curves(), "points": self.points(),
                "links": {k: {str(d): v for d, v in t.items()} for k, t in self.links().items()},
-               "extras": {k: {str(d): v for d, v in t.items()} for k, t in self.extras().items()}}
+               "extras": {k: {str(d): v for d, v in t.items()} for k, t in self.extras().items()},
+               "host": self.host()}
         if self.fidelity is not None:
             out["fidelity"] = self.fidelity
         return out

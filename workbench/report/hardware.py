@@ -4,7 +4,8 @@ to (when the profile keeps them) with their residuals, the collectives' bandwidt
 group size (Ulysses' all-to-all, ring steps, the all-reduce, and the all-gather and reduce-scatter
 that context parallelism runs on its sub-groups and FSDP over all ranks), and the measured extras
 of a group's split (Ulysses' and context parallelism's, fixed and per token, and a composite u x c
-split's measured residual beyond those two).
+split's measured residual beyond those two); the host link and host memory offloaded activations
+use (``host_link``, ``host_rows``: a table, not a figure).
 
 A profile's compute curve is per transformer layer and per packed call: ``a*s^2 + b*s`` for each
 sequence of ``s`` tokens, plus ``c`` once per call. Pure Python; plotly inside the figure functions.
@@ -17,7 +18,7 @@ from typing import Mapping, Sequence
 from workbench.report._style import top_legend
 
 __all__ = ["profile_curves", "profile_points", "compute_figure", "residuals_figure", "bandwidth_figure",
-           "describe_profile", "profile_links", "split_extras", "split_extras_figure", "LINKS"]
+           "describe_profile", "profile_links", "split_extras", "split_extras_figure", "host_link", "host_rows", "LINKS"]
 
 LINKS = (("all_to_all", "all-to-all (Ulysses SP)", "#4C78A8"),
          ("p2p", "point-to-point (ring SP)", "#54A24B"),
@@ -262,3 +263,58 @@ def split_extras_figure(profile, title: str | None = None):
                                       if fig.data else f"{pd['name']} has no measured split extras"))
     return top_legend(fig)
 
+
+
+def host_link(profile) -> dict:
+    """The host side of a profile, as plain data: ``{"per_gpu_gbps"`` (``host_link_gbps``: one GPU
+    copying alone, the slower direction), ``"node_gbps"`` (``host_link_node_gbps``: all of a node's
+    GPUs at once, in total), ``"gpus_per_node"`` (the profile's, else the GPUs that copied at once
+    when it was measured; None: unknown), ``"per_gpu_node_gbps"`` (``node_gbps / gpus_per_node``:
+    each GPU's when the whole node copies), ``"host_memory_gb"`` (per node), ``"offload"`` (whether
+    plans with it may offload: it has a host link), ``"kind"`` (the provenance's: measured,
+    reference, estimate), ``"note"`` (where the link's figures come from: the profile's
+    ``provenance.host_link``, else for a profile not measured here its ``provenance.host`` note, the
+    measured profiles' ``host`` being the machine's name) and ``"memory_note"``}. None where the
+    profile has no figure."""
+    pd = profile.to_dict() if hasattr(profile, "to_dict") else dict(profile)
+    prov = pd.get("provenance") or {}
+    kind = prov.get("kind")
+
+    def num(key):
+        v = pd.get(key)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
+
+    per, node, mem = num("host_link_gbps"), num("host_link_node_gbps"), num("host_memory_gb")
+    n = pd.get("gpus_per_node") or prov.get("host_link_gpus") or prov.get("gpus_per_node")
+    n = int(n) if isinstance(n, (int, float)) and n >= 1 else None
+    note = prov.get("host_link") or (prov.get("host") if kind != "measured" else None)
+    return {"per_gpu_gbps": per, "node_gbps": node, "gpus_per_node": n,
+            "per_gpu_node_gbps": node / n if node and n else None, "host_memory_gb": mem,
+            "offload": bool(per or node), "kind": kind, "note": str(note) if note else None,
+            "memory_note": prov.get("host_memory")}
+
+
+def host_rows(profile) -> list[dict]:
+    """The host side of a profile as table rows ``{"what", "value", "gbps" | "gb"}`` (what the
+    Hardware panel shows): the host link of one GPU alone, of each GPU when the whole node copies (and
+    the node's total), and the host memory per node; a profile without a host link says so in one row
+    ("none: plans do not offload")."""
+    h = host_link(profile)
+    rows = []
+    if not h["offload"]:
+        rows.append({"what": "host link (pinned host-device copies)", "value": "none: plans do not offload",
+                     "gbps": None})
+    else:
+        if h["per_gpu_gbps"]:
+            rows.append({"what": "host link, one GPU copying alone", "value": f"{h['per_gpu_gbps']:.3g} GB/s",
+                         "gbps": h["per_gpu_gbps"]})
+        if h["node_gbps"]:
+            n = h["gpus_per_node"]
+            each = (f"{h['per_gpu_node_gbps']:.3g} GB/s per GPU (node total {h['node_gbps']:.3g} GB/s)" if n
+                    else f"node total {h['node_gbps']:.3g} GB/s")
+            rows.append({"what": f"host link, all {n or 'the'} GPUs of a node copying at once", "value": each,
+                         "gbps": h["per_gpu_node_gbps"] if n else None, "node_gbps": h["node_gbps"]})
+    rows.append({"what": "host memory per node",
+                 "value": f"{h['host_memory_gb']:,.0f} GB" if h["host_memory_gb"] else "unknown (give --host-memory)",
+                 "gb": h["host_memory_gb"]})
+    return rows
