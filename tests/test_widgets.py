@@ -514,6 +514,47 @@ def test_hardware_panel_shows_cp_collectives_and_split_extras(tmp_path):
     assert not any(t.name.startswith("all-gather") for t in panel.fig_bandwidth.data)
 
 
+def test_hardware_panel_shows_the_host_link_and_host_memory(tmp_path):
+    """The host side of a profile, per GPU alone, per GPU when the whole node copies (the node's total
+    over its GPUs) and host memory per node, with where the figures come from; checked against the
+    numbers read here from the shipped profile's JSON, a measured profile's and one without a link."""
+    from widgets import HardwarePanel
+
+    ref = json.loads((ROOT / "workbench/profile/reference/h100-80g.json").read_text())
+    panel = HardwarePanel("h100-80g", root=tmp_path)
+    h = panel.host()
+    assert h["per_gpu_gbps"] == ref["host_link_gbps"] and h["node_gbps"] == ref["host_link_node_gbps"]
+    assert h["per_gpu_node_gbps"] == pytest.approx(ref["host_link_node_gbps"] / ref["gpus_per_node"])
+    assert h["host_memory_gb"] == ref["host_memory_gb"] and h["offload"]
+    assert h["note"] == ref["provenance"]["host"] and h["kind"] == "estimate"
+    shown = html.unescape(panel.host_view.value)
+    assert f"{ref['host_link_gbps']:.3g} GB/s" in shown
+    assert f"{ref['host_link_node_gbps'] / ref['gpus_per_node']:.3g} GB/s per GPU" in shown
+    assert f"node total {ref['host_link_node_gbps']:.3g} GB/s" in shown
+    assert f"{ref['host_memory_gb']:,.0f} GB" in shown and ref["provenance"]["host"] in shown
+    # a measured profile: its own note and the GPUs that copied at once (no gpus_per_node field)
+    base = {"gpu": "test", "model": "tiny", "forward": {"a": 1e-5, "b": 0.02, "c": 2.0},
+            "backward": {"a": 2e-5, "b": 0.03, "c": 3.0}, "gpu_memory_gb": 8.0, "all_to_all_gbps": {"2": 0.5}}
+    mine = tmp_path / "gpu.json"
+    mine.write_text(json.dumps({**base, "name": "gpu", "host_link_gbps": 40.0, "host_link_node_gbps": 120.0,
+                                "host_memory_gb": 512.0,
+                                "provenance": {"kind": "measured", "host": "node7", "host_link_gpus": 4,
+                                               "host_link": "measured on node7: pinned copies"}}))
+    h = panel.select(str(mine)) and panel.host()
+    assert h["per_gpu_node_gbps"] == pytest.approx(120.0 / 4) and h["note"] == "measured on node7: pinned copies"
+    shown = html.unescape(panel.host_view.value)
+    assert "30 GB/s per GPU" in shown and "measured on node7" in shown and "512 GB" in shown
+    # no host link (a CPU profile): said so; a measured profile's provenance.host (its machine) is no note
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(json.dumps({**base, "name": "cpu", "host_memory_gb": 16.0,
+                               "provenance": {"kind": "measured", "host": "laptop"}}))
+    panel.select(str(cpu))
+    h = panel.host()
+    assert not h["offload"] and h["note"] is None and h["per_gpu_node_gbps"] is None
+    assert "none: plans do not offload" in html.unescape(panel.host_view.value)
+    assert panel.tables()["host"]["host_memory_gb"] == 16.0
+
+
 def test_hardware_panel_without_the_profiler_says_so(tmp_path, monkeypatch):
     import widgets.hardware as hw
 
