@@ -255,6 +255,48 @@ def test_solver_memory_breakdown_of_the_chosen_group(solved):
         panel.select_group(99, 0)
 
 
+def test_solver_memory_view_shows_host_memory_of_offloading_groups():
+    """Llama-3-8B on one node of 8 H100s with recomputation: a 2M-token sequence only fits with its
+    block inputs in host memory, so its group offloads; the memory view shows, beside its GPU memory,
+    the host memory per GPU the plan recorded for it against the host budget, and the offload
+    control drives the scenario."""
+    from widgets import SolverPanel
+
+    panel = SolverPanel(Scenario(planner="greedy", effort=0.3), auto=False)
+    panel.set(model="llama3-8b", profile="h100-80g", num_gpus=8, gpus_per_node=8, recompute=True,
+              source="2000000,4096", compare=False)
+    assert panel.w_offload.value == "auto" and panel.w_host.value == 2048.0  # the profile's host memory
+    res = panel.solve()
+    plan = res[panel.w_show.value]
+    off = [(m, k, g) for m, ms in enumerate(plan.micro_steps) for k, g in enumerate(ms.groups) if g.offload != "none"]
+    assert off, "the 2M-token sequence's group offloads"
+    m, k, g = off[0]
+    assert 2_000_000 in g.lengths and g.host_gb > 0
+    panel.select_group(m, k)
+    cost = res.scenario.cost()
+    h = panel.host_memory()
+    assert h["chosen_host_gb"] == pytest.approx(g.host_gb)
+    assert [(x["micro_step"], x["index"]) for x in h["groups"]] == [(m2, k2) for m2, k2, _ in off]
+    assert h["host_budget_gb"] == pytest.approx(cost.host_budget_gb)
+    shown = html.unescape(panel.host_line.value)
+    assert f"Host memory per GPU: {g.host_gb:.2f} GB of {cost.host_budget_gb:.2f} GB budget" in shown
+    assert f"host memory per GPU <b>{g.host_gb:.2f} GB</b>" in panel.memory_line.value
+    assert any(f"{g.host_gb:.1f} GB in host memory" in str(t.y) for t in panel.fig_memory.data)  # the bar's label
+    # the offload control: without offload no planner fits this batch; offload of the inputs without
+    # recomputation (the control unticked) is shown beside the memory controls
+    panel.set(offload="none")
+    assert panel.scenario.offload == "none"
+    assert not panel.solve() and "no planner could plan" in panel.status.value
+    panel.set(offload="inputs")
+    panel.w_recompute.value = False
+    assert "offload" in panel.n_memory.value and "recompute" in panel.n_memory.value
+    # a host memory typed in reaches the scenario; the profile's own value means "the profile's"
+    panel.set(offload="auto", recompute=True, host_memory_gb=1024.0)
+    assert panel.scenario.host_memory_gb == 1024.0 and panel.w_host.value == 1024.0
+    panel.w_host.value = 2048.0
+    assert panel.scenario.host_memory_gb is None
+
+
 def test_solver_shows_a_broken_constraint_beside_its_control():
     from widgets import SolverPanel
 

@@ -6,7 +6,8 @@ cancel hook), so the page stays responsive; :meth:`SolverPanel.solve` does the s
 for notebooks run by papermill and for tests. The panel draws ``workbench.report`` figures: the
 plan's timeline (groups over ranks per micro-step), the planners compared, and the per-GPU memory
 breakdown of a chosen group (parameters, gradients, optimizer states, working set, activations
-against the budget), and for a finished run, predicted against measured model states per rank (and
+against the budget; for a group that offloads, the host memory it fills beside it, against the host
+budget), and for a finished run, predicted against measured model states per rank (and
 peak memory on CUDA).
 """
 
@@ -21,6 +22,7 @@ import ipywidgets as W
 
 from widgets._base import (LatestWorker, Panel, ScenarioSource, figure_box, figure_widget, html_table, model_control, note_html,
                            one_line, path_control, set_figure)
+from workbench.cost.offload import OFFLOAD_CHOICES
 from workbench.scenario import DEFAULT_PLANNERS, DEFAULT_STRATEGY, STRATEGIES, Scenario
 
 __all__ = ["SolverPanel", "SolveResult"]
@@ -66,7 +68,7 @@ class SolverPanel(ScenarioSource, Panel):
     Python API (what the buttons call; usable headless): :meth:`set`, :attr:`scenario`,
     :meth:`solve` (synchronous, returns a :class:`SolveResult` of planner -> Plan),
     :meth:`request_solve` / :meth:`wait_idle` / :meth:`cancel` (the threaded path),
-    :meth:`show_planner`, :meth:`select_group`, :meth:`memory`, :meth:`compare_run`,
+    :meth:`show_planner`, :meth:`select_group`, :meth:`memory`, :meth:`host_memory`, :meth:`compare_run`,
     :meth:`planner_table`, :meth:`figures`, :meth:`tables`, :meth:`save`, :meth:`on_train`."""
 
     title = "Solver"
@@ -137,6 +139,15 @@ class SolverPanel(ScenarioSource, Panel):
         self.w_batch_index = W.BoundedIntText(min=0, max=10**6, description="batch #", style=st,
                                               layout=W.Layout(width="140px"))
         self.w_recompute = W.Checkbox(description="recompute activations", indent=False, layout=W.Layout(width="190px"))
+        self.w_offload = W.Dropdown(options=list(OFFLOAD_CHOICES), description="offload", style=st,
+                                    layout=W.Layout(width="170px"),
+                                    tooltip="block inputs to host memory (and the MLP in token tiles), under "
+                                            "recomputation: none; inputs (every group); auto (only the groups whose "
+                                            "activations do not fit the GPU otherwise)")
+        self.w_host = W.BoundedFloatText(min=0, max=10**6, step=64, description="host memory (GB/node)", style=st,
+                                         layout=W.Layout(width="230px"),
+                                         tooltip="host memory of one node, where offloaded activations live; "
+                                                 "0: the profile's (unknown: no offload)")
         self.w_strategy = W.Dropdown(options=[s for s in STRATEGIES if s != "ring"], value=DEFAULT_STRATEGY,
                                      description="SP split", style=st, layout=lay)
         names = [n for n in planner_names() if n != "static:D"]
@@ -177,6 +188,7 @@ class SolverPanel(ScenarioSource, Panel):
         self.w_group = W.Dropdown(description="group", style=st, layout=W.Layout(width="560px"))
         self.fig_memory = figure_widget()
         self.memory_line = W.HTML()
+        self.host_line = W.HTML()
         self.w_run = W.Dropdown(description="finished run", style=st, layout=W.Layout(width="460px"))
         self.b_run_refresh = W.Button(icon="refresh", tooltip="list runs again", layout=W.Layout(width="40px"))
         self.fig_run_memory = figure_widget()
@@ -184,7 +196,8 @@ class SolverPanel(ScenarioSource, Panel):
 
         for w in (self.w_model, self.w_source, self.w_tokenizer, self.w_column, self.w_gpus, self.w_per_node,
                   self.w_memory, self.w_fraction, self.w_zero,
-                  self.w_max_len, self.w_batch, self.w_batch_index, self.w_recompute, self.w_strategy, self.w_planner,
+                  self.w_max_len, self.w_batch, self.w_batch_index, self.w_recompute, self.w_offload, self.w_host,
+                  self.w_strategy, self.w_planner,
                   self.w_effort, self.w_compare, self.w_degrees_auto):
             w.observe(self._on_control, names="value")
         self.w_show.observe(self._on_show, names="value")
@@ -202,8 +215,8 @@ class SolverPanel(ScenarioSource, Panel):
                       "which sequence-parallel (SP) groups to form and which sequences each runs</span>")
         controls = W.VBox([
             W.HBox([self.w_model, self.w_gpus, self.w_per_node, self.n_cluster], layout=W.Layout(flex_flow="row wrap")),
-            W.HBox([self.w_memory, self.w_fraction, self.w_zero, self.w_recompute, self.n_memory],
-                   layout=W.Layout(flex_flow="row wrap")),
+            W.HBox([self.w_memory, self.w_fraction, self.w_zero, self.w_recompute, self.w_offload, self.w_host,
+                    self.n_memory], layout=W.Layout(flex_flow="row wrap")),
             W.HBox([self.w_source, self.w_tokenizer, self.w_column], layout=W.Layout(flex_flow="row wrap")),
             W.HBox([self.w_max_len, self.w_batch, self.w_batch_index, self.w_strategy, self.n_data],
                    layout=W.Layout(flex_flow="row wrap")),
@@ -244,8 +257,11 @@ class SolverPanel(ScenarioSource, Panel):
             cap("Per-GPU memory of a group in the plan, as the cost model counts it: model states (parameters, "
                 "gradients and optimizer states, sharded by the ZeRO stage) plus the activations of the group's "
                 "sequences, against the usable memory (dashed; the rest is kept for fragmentation and buffers) "
-                "and the device (solid). The planner keeps every group's activations within usable - model states."),
-            self.w_group, figure_box(self.fig_memory), self.memory_line,
+                "and the device (solid). The planner keeps every group's activations within usable - model states. "
+                "A group that <b>offloads</b> keeps its block inputs in host memory between forward and backward "
+                "(its bar is what stays on the GPU); the table under the figure gives the host memory per GPU each "
+                "such group fills, against the host budget (a node's host memory, less a reserve, over its GPUs)."),
+            self.w_group, figure_box(self.fig_memory), self.memory_line, self.host_line,
             W.HBox([self.w_run, self.b_run_refresh]), self.run_memory_line, figure_box(self.fig_run_memory),
         ])
 
@@ -277,6 +293,10 @@ class SolverPanel(ScenarioSource, Panel):
             self.w_batch.value = int(sc.batch_tokens or 0) if sc.batch_tokens else self.w_batch.value or 1_000_000
             self.w_batch.disabled = sc.batch_tokens is None
             self.w_recompute.value = bool(sc.recompute)
+            if sc.offload not in self.w_offload.options:
+                self.w_offload.options = [*self.w_offload.options, sc.offload]
+            self.w_offload.value = sc.offload
+            self.w_host.value = float(sc.host_memory_gb if sc.host_memory_gb is not None else self._profile_host(sc))
             self.w_strategy.value = "cp" if sc.strategy == "ring" else sc.strategy  # ring is cp's older name
             if sc.planner not in self.w_planner.options:
                 self.w_planner.options = [*self.w_planner.options, sc.planner]
@@ -293,6 +313,22 @@ class SolverPanel(ScenarioSource, Panel):
             return float(sc.profile_spec().gpu_memory_gb)
         except ValueError:
             return 40.0
+
+    @staticmethod
+    def _profile_fraction(sc: Scenario) -> float:
+        """The usable share of GPU memory ``sc``'s profile gives (its ``memory_fraction``, else 0.7)."""
+        try:
+            return sc.replace(memory_fraction=None).resolved_memory_fraction()
+        except ValueError:
+            return 0.7
+
+    @staticmethod
+    def _profile_host(sc: Scenario) -> float:
+        """The profile's host memory per node (GB), 0 where it has none."""
+        try:
+            return float(sc.profile_spec().host_memory_gb or 0.0)
+        except ValueError:
+            return 0.0
 
     def _set_max_len_options(self, sc: Scenario) -> None:
         cap = sc.model_spec().max_context
@@ -324,12 +360,19 @@ class SolverPanel(ScenarioSource, Panel):
         base = self._base
         prof_mem = self._profile_memory(base.replace(model=self.w_model.value.strip()))
         mem = float(self.w_memory.value)
+        host = float(self.w_host.value)
+        frac = float(self.w_fraction.value)
         fields: dict[str, Any] = dict(
             model=self.w_model.value.strip(), source=self.w_source.value.strip() or base.source,
             tokenizer=self.w_tokenizer.value.strip() or None, column=self.w_column.value.strip() or None,
             num_gpus=int(self.w_gpus.value), gpus_per_node=int(self.w_per_node.value),
-            gpu_memory_gb=None if abs(mem - prof_mem) < 1e-9 else mem, memory_fraction=float(self.w_fraction.value),
+            gpu_memory_gb=None if abs(mem - prof_mem) < 1e-9 else mem,
+            # the profile's share (0.9 where its memory model was measured on the device) unless changed here, so
+            # another profile brings its own
+            memory_fraction=None if abs(frac - self._profile_fraction(base)) < 1e-9 else frac,
             zero_stage=int(self.w_zero.value), max_len=self.w_max_len.value or None, recompute=bool(self.w_recompute.value),
+            offload=self.w_offload.value,
+            host_memory_gb=None if host <= 0 or abs(host - self._profile_host(base)) < 1e-9 else host,
             strategy=self.w_strategy.value, planner=self.w_planner.value, effort=float(self.w_effort.value))
         if base.batch_tokens is not None or (base.batch_size is None and not self._is_list(base)):
             fields["batch_tokens"] = int(self.w_batch.value)
@@ -412,6 +455,7 @@ class SolverPanel(ScenarioSource, Panel):
 
     _FIELD_NOTES = (("num_gpus", "cluster"), ("gpus_per_node", "cluster"), ("--gpus", "cluster"),
                     ("gpu_memory", "memory"), ("memory_fraction", "memory"), ("ZeRO", "memory"),
+                    ("offload", "memory"), ("host_memory", "memory"), ("host memory", "memory"),
                     ("model states", "memory"), ("GB per GPU of parameters", "memory"), ("max_len", "data"),
                     ("max context", "data"), ("batch", "data"), ("tokens)", "data"), ("tokenizer", "data"),
                     ("column", "data"), ("config.json", "cluster"), ("unknown model", "cluster"), ("degree", "degrees"),
@@ -610,7 +654,8 @@ class SolverPanel(ScenarioSource, Panel):
                 f"{rep.describe() if rep is not None else 'no max context applied'}. "
                 f"Activation budget {cost.memory_budget_gb:.2f} GB per GPU (model states "
                 f"{cost.model_states_gb:.2f} GB under ZeRO-{sc.zero_stage}, "
-                f"{'lockstep passes' if cost.execution == 'lockstep' else 'barrier-free micro-steps'}{loss}).</span>")
+                f"{'lockstep passes' if cost.execution == 'lockstep' else 'barrier-free micro-steps'}{loss}). "
+                f"{self._offload_text(cost)}</span>")
             if chosen is None:
                 self.status.value = note_html("no planner could plan this batch: " +
                                               "; ".join(f"{k}: {v}" for k, v in res.errors.items()), "error")
@@ -621,6 +666,13 @@ class SolverPanel(ScenarioSource, Panel):
             self._draw_all()
             if res.pass_bound_pending:
                 self._bounds.submit(res)
+
+    @staticmethod
+    def _offload_text(cost) -> str:
+        if cost.can_offload:
+            return (f"Offload {cost.offload}: block inputs to host memory, {cost.host_budget_gb:,.1f} GB per GPU "
+                    f"({cost.host_memory_gb:,.0f} GB per node), host link {cost.host_link_gbps:.3g} GB/s per GPU.")
+        return f"No offload: {cost.offload_note}." if cost.offload_note else ""
 
     def _status_line(self, res: SolveResult) -> None:
         sc = res.scenario
@@ -698,7 +750,12 @@ class SolverPanel(ScenarioSource, Panel):
 
         if self.result is None or self.w_show.value not in self.result:
             return []
-        return plan_memory(self.result[self.w_show.value].to_dict(), self.result.scenario.cost())
+        plan = self.result[self.w_show.value].to_dict()
+        rows = plan_memory(plan, self.result.scenario.cost())
+        for r in rows:  # the host memory the planner recorded (and checked against the host budget)
+            g = plan["micro_steps"][r["micro_step"]]["groups"][r["index"]]
+            r["plan_host_gb"] = float(g.get("host_gb") or 0.0)
+        return rows
 
     def _draw_memory(self, reset_group: bool = False) -> None:
         rows = self._groups()
@@ -741,7 +798,58 @@ class SolverPanel(ScenarioSource, Panel):
             f"({c['gpu_memory_gb']:.0f} GB x {c['usable_gb'] / c['gpu_memory_gb']:.2f}): parameters {c['parameters_gb']:.2f}, "
             f"gradients {c['gradients_gb']:.2f}, optimizer states {c['optimizer_gb']:.2f} (ZeRO-{c['zero_stage']} over "
             f"{c['num_gpus']} GPUs){working}, activations {c['activations_gb']:.2f} GB for {c['sequences']} sequence(s) "
-            f"/ {c['tokens']:,} tokens split over {c['degree']} GPU(s); headroom {c['headroom_gb']:.2f} GB.</span>")
+            f"/ {c['tokens']:,} tokens split over {c['degree']} GPU(s); headroom {c['headroom_gb']:.2f} GB."
+            + (f" Offloaded ({c['offload']}): host memory per GPU <b>{c['plan_host_gb']:.2f} GB</b> of "
+               f"{self.result.scenario.cost().host_budget_gb:.2f} GB budget." if c.get("offload", "none") != "none" else "")
+            + "</span>")
+        self._draw_host(rows, c)
+
+    def _draw_host(self, rows: list[dict], chosen: dict) -> None:
+        """The host memory of the plan's offloading groups, beside their GPU memory (a small table), or
+        a line saying why none offloads."""
+        h = self.host_memory(rows, chosen)
+        if not h["groups"]:
+            why = (f"offload is possible ({h['offload']}), but every group's activations fit the GPU without it"
+                   if h["can_offload"] else h["note"] or "no offload")
+            self.host_line.value = f"<span style='font-size:13px;color:#555'>No group of this plan offloads: {why}.</span>"
+            return
+        table = html_table([dict(g, _style="font-weight:600" if g["chosen"] else "") for g in h["groups"]], [
+            ("group", "offloading group", None), ("sequences", "seq", "d"), ("tokens", "tokens", ","),
+            ("gpu_gb", "GPU memory (GB)", ".2f"), ("host_gb", "host memory per GPU (GB)", ".2f"),
+            ("budget_share", "of the host budget", lambda v: f"{100 * v:.0f}%")])
+        head = (f"<div style='font-size:13px'>Host memory per GPU: {h['chosen_host_gb']:.2f} GB of "
+                f"{h['host_budget_gb']:.2f} GB budget (chosen group)" if h["chosen_host_gb"] is not None else
+                f"<div style='font-size:13px'>Host budget {h['host_budget_gb']:.2f} GB per GPU")
+        head += (f"; the budget: {h['host_memory_gb']:,.0f} GB host memory per node, less a reserve, over its GPUs; "
+                 f"host link {h['host_link_gbps']:.3g} GB/s per GPU</div>")
+        self.host_line.value = head + table
+
+    def host_memory(self, rows: list[dict] | None = None, chosen: dict | None = None) -> dict:
+        """Host memory of the plan shown: ``{"offload"`` (the scenario's choice), ``"can_offload"``,
+        ``"note"`` (why not, when not), ``"host_budget_gb"`` (per GPU), ``"host_memory_gb"`` (per node),
+        ``"host_link_gbps"`` (per GPU while the node copies), ``"groups"``: every offloading group
+        ``{micro_step, index, group, degree, ranks, offload, sequences, tokens, gpu_gb (its GPU total),
+        host_gb (the plan's), budget_share, chosen}``, ``"chosen_host_gb"`` (the chosen group's, None
+        when it does not offload)}``; before a solve the groups are empty."""
+        rows = self._groups() if rows is None else rows
+        chosen = self.memory() if chosen is None else chosen
+        sc = self.result.scenario if self.result is not None else self.scenario
+        cost = sc.cost()
+        budget = float(cost.host_budget_gb or 0.0)
+        groups = []
+        for r in rows:
+            if r.get("offload", "none") == "none":
+                continue
+            is_chosen = chosen is not None and (r["micro_step"], r["index"]) == (chosen["micro_step"], chosen["index"])
+            groups.append({"micro_step": r["micro_step"], "index": r["index"], "degree": r["degree"],
+                           "group": f"m{r['micro_step']} · degree {r['degree']} · ranks {r['ranks'][0]}-{r['ranks'][1]}",
+                           "ranks": r["ranks"], "offload": r["offload"], "sequences": r["sequences"],
+                           "tokens": r["tokens"], "gpu_gb": r["total_gb"], "host_gb": r["plan_host_gb"],
+                           "budget_share": r["plan_host_gb"] / budget if budget else None, "chosen": is_chosen})
+        pick = next((g for g in groups if g["chosen"]), None)
+        return {"offload": sc.offload, "can_offload": cost.can_offload, "note": cost.offload_note,
+                "host_budget_gb": budget, "host_memory_gb": cost.host_memory_gb, "host_link_gbps": cost.host_link_gbps,
+                "groups": groups, "chosen_host_gb": pick["host_gb"] if pick else None}
 
     def _on_group(self, change) -> None:
         if self._quiet or change["new"] is None:
@@ -864,6 +972,7 @@ class SolverPanel(ScenarioSource, Panel):
         mem = self.memory()
         if mem is not None:
             out["memory"] = mem
+            out["host_memory"] = self.host_memory()
         return out
 
     def on_train(self, callback: Callable[[Scenario], None]) -> None:
