@@ -1,15 +1,16 @@
 """Block inputs offloaded to host memory and the tiled MLP (``workbench.runtime.offload``), each
 against an independent reference:
 
-- the tiled MLP against the plain ``MLP`` module (float64: values and every gradient to rounding,
-  tiles that do and do not divide the tokens; central finite differences of the input gradient);
-  under CPU autocast against the plain MLP under autocast;
+- the tiled MLP, and the tiled MLP sublayer (the block's norm inside the tile), against the plain
+  ``MLP`` module and ``mlp(norm(x))`` (float64: values and every gradient to rounding, the norm's
+  weight's included, tiles that do and do not divide the tokens; central finite differences of the
+  input gradient); under CPU autocast against the plain modules under autocast; what each keeps;
 - a whole forward and backward of a small Transformer under recomputation with offload and tiling
   on all rows and on some rows, against the same model without (float64, 1e-10);
 - what a step keeps outside the offload buffers (``LiveBytes``): offloading saves exactly the inputs
-  of all but two layers; the whole lever saves what
-  ``workbench.cost.offload.offload_saved_bytes_per_token`` says within 10% under autocast, and in
-  fp32 that plus up to the plain MLP's backward gradients the memory model does not count;
+  of all but two layers; the whole lever saves the inputs, the MLP's intermediates and the norm's
+  tensors (``(layers-2) h resid + 4 c ffn + 4 h + 2 c h``) within 10% under autocast, and in fp32
+  that plus up to the plain MLP's backward gradients the memory model does not count;
 - one SGD step of a plan mixing Ulysses x CP groups, some of them offloading, on 4 gloo ranks under
   ZeRO-0 and ZeRO-3, against the same plan without offload (fp32, 1e-5; slow, one torchrun launch);
 - ``check_plan`` refuses offload without recomputation and unknown levels, in one line.
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 from workbench.models import get_model
-from workbench.runtime.model import MLP
+from workbench.runtime.model import MLP, RMSNorm
 from workbench.runtime.offload import tiled_mlp
 
 pytestmark = pytest.mark.untimed
@@ -56,6 +57,34 @@ def test_tiled_mlp_equals_the_plain_mlp(tile):
     gy = torch.randn(16, 6, generator=g, dtype=torch.float64)
     y0, g0 = _grads(m, x, lambda m, x: m(x), gy)
     y1, g1 = _grads(m, x, lambda m, x: tiled_mlp(m, x, tile), gy)
+    torch.testing.assert_close(y1, y0, rtol=1e-13, atol=1e-13)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _norm(hidden=6, dtype=torch.float64, seed=0):
+    torch.manual_seed(seed + 100)
+    n = RMSNorm(hidden, eps=1e-5).to(dtype)
+    torch.nn.init.normal_(n.weight, mean=1.0, std=0.3)  # not ones: its gradient and its scaling both show
+    return n
+
+
+@pytest.mark.parametrize("tile", [1, 4, 7, 16, 100])
+def test_tiled_sublayer_equals_the_plain_norm_and_mlp(tile):
+    """float64, 16 tokens: ``tiled_mlp(mlp, x, tile, norm=norm)`` against ``mlp(norm(x))``, the
+    output and the gradients of the input and of the norm's weight, gate, up and down."""
+    m, n = _mlp(), _norm()
+    g = torch.Generator().manual_seed(1)
+    x = 3.0 * torch.randn(16, 6, generator=g, dtype=torch.float64)
+    gy = torch.randn(16, 6, generator=g, dtype=torch.float64)
+
+    def grads(fn):
+        xx = x.detach().clone().requires_grad_()
+        y = fn(xx)
+        return y.detach(), torch.autograd.grad(y, [xx, *n.parameters(), *m.parameters()], gy)
+
+    y0, g0 = grads(lambda xx: m(n(xx)))
+    y1, g1 = grads(lambda xx: tiled_mlp(m, xx, tile, norm=n))
     torch.testing.assert_close(y1, y0, rtol=1e-13, atol=1e-13)
     for a, b in zip(g1, g0):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
@@ -100,6 +129,29 @@ def test_tiled_mlp_under_autocast_follows_the_plain_one():
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * float(b.abs().max()))
 
 
+def test_tiled_sublayer_under_autocast_follows_the_plain_one():
+    """CPU bf16 autocast over fp32 weights and an fp32 residual stream: the tiled sublayer's output
+    is the plain ``mlp(norm(x))``'s bit for bit, its gradients (the norm weight's included) within
+    bf16 rounding of the plain path's."""
+    m, n = _mlp(hidden=32, ffn=48, dtype=torch.float32), _norm(32, dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 32, generator=g)
+    gy = torch.randn(40, 32, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        xx0 = x.clone().requires_grad_()
+        y0 = m(n(xx0))
+        xx1 = x.clone().requires_grad_()
+        y1 = tiled_mlp(m, xx1, 16, norm=n)
+    assert y1.dtype == y0.dtype == torch.bfloat16
+    params = [*n.parameters(), *m.parameters()]
+    g0 = torch.autograd.grad(y0, [xx0, *params], gy.to(y0.dtype))
+    g1 = torch.autograd.grad(y1, [xx1, *params], gy.to(y1.dtype))
+    torch.testing.assert_close(y1.float(), y0.float(), rtol=0, atol=0)
+    for a, b in zip(g1, g0):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * float(b.abs().max()))
+
+
 def test_tiled_mlp_keeps_only_its_input():
     """What autograd keeps for the tiled MLP is the input (and the weights, not copies); the plain
     MLP keeps its intermediates, ``4 x ffn`` a token."""
@@ -116,6 +168,25 @@ def test_tiled_mlp_keeps_only_its_input():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             fn()
         assert sum(sizes) == want
+
+
+def test_tiled_sublayer_keeps_only_its_input():
+    """The tiled sublayer keeps its input itself and nothing else of the tokens; the plain norm and
+    MLP keep (fp32, distinct storages) the norm's statistics (1 a token), its normed input and output
+    (``2 x hidden``) and the MLP's four intermediates (``4 x ffn``)."""
+    m, n = _mlp(hidden=8, ffn=24, dtype=torch.float32), _norm(8, dtype=torch.float32)
+    x = torch.randn(50, 8, requires_grad=True)
+    for fn, want in ((lambda: tiled_mlp(m, x, 7, norm=n), 0), (lambda: m(n(x)), 50 * (1 + 2 * 8 + 4 * 24))):
+        kept: dict[int, int] = {}
+
+        def pack(t, kept=kept):
+            if t.dim() and t.shape[0] == 50 and t.data_ptr() != x.data_ptr():
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // 4
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        assert sum(kept.values()) == want
 
 
 def test_tiled_mlp_refuses_a_bad_tile():
@@ -217,10 +288,11 @@ def test_offload_needs_recomputation():
             pass
 
 
-def _peak(model, sh, *, tile=None, offload=False, autocast=False) -> int:
+def _peak(model, sh, *, tile=None, offload=False, autocast=False, mlp_fn=None) -> int:
     """``LiveBytes``' peak over one forward and backward (the forward under CPU bf16 autocast with
     ``autocast``), parameters and gradients counted from the start in every run: the bytes the step
-    keeps, outside the offload pass's host buffers."""
+    keeps, outside the offload pass's host buffers. ``tile``: the MLP sublayer tiled (``RowMLP``);
+    ``mlp_fn``: the blocks' hook as given."""
     import contextlib
 
     from workbench.runtime.attention import torch_varlen_attention
@@ -229,7 +301,8 @@ def _peak(model, sh, *, tile=None, offload=False, autocast=False) -> int:
 
     T = int(sh.tokens.numel())
     op = OffloadPass([(0, T, True)], layers=len(model.blocks), tile=tile) if offload else None
-    mlp_fn = op.mlp if op is not None else RowMLP([(0, T, True)], tile) if tile else None
+    if mlp_fn is None:
+        mlp_fn = op.mlp if op is not None else RowMLP([(0, T, True)], tile) if tile else None
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     with LiveBytes() as live:
@@ -247,21 +320,35 @@ def _peak(model, sh, *, tile=None, offload=False, autocast=False) -> int:
     return live.peak
 
 
+def offload_drop_formula(spec, *, autocast: bool) -> int:
+    """GPU bytes per token level ``inputs`` removes with the norm inside the tiled unit: the inputs of
+    all but two layers, the MLP's four intermediates and the norm's tensors (its fp32 input for the
+    statistics, its normed input and output): ``(layers-2) h resid + 4 c ffn + 4 h + 2 c h``."""
+    c, resid = (2, 4) if autocast else (spec.dtype_bytes, spec.dtype_bytes)
+    h = spec.hidden
+    return (spec.layers - 2) * h * resid + 4 * c * spec.ffn + 4 * h + 2 * c * h
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
 def test_what_a_step_keeps_falls_by_the_offloaded_inputs_and_the_mlp_intermediates(autocast):
     """6 layers of the tiny model's width, 2,048 tokens (16 sequences of 128), recomputation, the MLP
-    in tiles of ``mlp_tile_tokens`` (64); fp32, or bf16 autocast over fp32 weights (the residual
-    stream, and so the block inputs, stay fp32). Measured per token (``LiveBytes`` peaks):
+    sublayer (norm and MLP) in tiles of ``mlp_tile_tokens`` (64); fp32, or bf16 autocast over fp32
+    weights (the residual stream, and so the block inputs, stay fp32). Measured per token
+    (``LiveBytes`` peaks):
 
     - offloading the block inputs (tiled both ways) saves exactly the inputs of all but two layers,
       ``(layers - 2) x hidden x 4`` = 1,024 bytes (measured 1,024 both ways);
-    - the whole lever (offload and tiling, against neither) against
-      ``offload_saved_bytes_per_token``: under autocast within 10% (measured 2,598 against 2,656);
-      in fp32 at least the formula and at most that plus the two ``ffn``-wide gradients the plain
-      MLP's backward holds at its peak besides its four saved intermediates, which the memory model
-      does not count (``2 x ffn x 4`` = 1,376): measured 4,640 against 3,776 (the tiling part 3,616
-      against 2,752)."""
-    from workbench.cost.offload import mlp_tile_tokens, offload_saved_bytes_per_token
+    - the norm inside the tile, against the MLP alone tiled: the norm's tensors, its statistics (4)
+      and normed input (4 h), and its output (fp32: 4 h) or (autocast) the bf16 copy of it the tiled
+      MLP kept (2 h): 516 and 388 bytes, measured 533 and 444 (the rest: the plain norm's backward
+      transients, which the tile also holds for a tile only);
+    - the whole lever (offload and tiling, against neither) against ``offload_drop_formula``
+      (``(layers-2) h resid + 4 c ffn + 4 h + 2 c h``): under autocast within 10% (measured 3,041
+      against 2,912, +4.4%); in fp32 at least the formula and at most that plus the two
+      ``ffn``-wide gradients the plain MLP's backward holds at its peak besides its four saved
+      intermediates, which the memory model does not count (``2 x ffn x 4`` = 1,376): measured
+      5,173 against 4,544."""
+    from workbench.cost.offload import mlp_tile_tokens
 
     spec = _spec(layers=6)
     sh = _batch(spec, [128] * 16)
@@ -270,14 +357,20 @@ def test_what_a_step_keeps_falls_by_the_offloaded_inputs_and_the_mlp_intermediat
     model.head.loss_chunk = 256
     tile = mlp_tile_tokens(spec)
     plain = _peak(model, sh, autocast=autocast)
+    mlp_only = _peak(model, sh, autocast=autocast, mlp_fn=lambda norm, mlp, x: tiled_mlp(mlp, norm(x), tile))
     tiled = _peak(model, sh, tile=tile, autocast=autocast)
     both = _peak(model, sh, tile=tile, offload=True, autocast=autocast)
     inputs = (tiled - both) / T
+    norm_part = (mlp_only - tiled) / T
     drop = (plain - both) / T
-    formula = offload_saved_bytes_per_token(spec, autocast=autocast)
+    formula = offload_drop_formula(spec, autocast=autocast)
+    h = spec.hidden
+    norm_want = 4 + 4 * h + (2 * h if autocast else 4 * h)
     print(f"\nper token: drop {drop:.0f} B (formula {formula:.0f}, {drop / formula - 1:+.1%}); inputs part {inputs:.0f} "
-          f"(expected {(spec.layers - 2) * spec.hidden * 4}); tiling part {(plain - tiled) / T:.0f}")
-    assert inputs == pytest.approx((spec.layers - 2) * spec.hidden * 4, rel=0.01)
+          f"(expected {(spec.layers - 2) * h * 4}); the norm in the tile {norm_part:.0f} (expected {norm_want}); "
+          f"tiling part {(plain - tiled) / T:.0f}")
+    assert inputs == pytest.approx((spec.layers - 2) * h * 4, rel=0.01)
+    assert norm_want <= norm_part <= 1.15 * norm_want  # and some of the plain norm's backward transients
     if autocast:
         assert drop == pytest.approx(formula, rel=0.10)
     else:

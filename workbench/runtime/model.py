@@ -11,8 +11,8 @@ The model knows nothing about distribution: attention is a callable handed to ``
 ``(total_tokens, heads, head_dim)`` (the flash-attn varlen convention; the model passes its one pack's
 boundaries as both), so the same module runs single-process attention, Ulysses sequence parallelism
 or context parallelism without knowing which. The same holds for how a block runs its MLP: an
-optional ``mlp_fn(mlp, x) -> y`` (the plain call when None), by which the runtime tiles some rows
-(``workbench.runtime.offload``).
+optional ``mlp_fn(norm, mlp, x) -> mlp(norm(x))`` (the plain calls when None), by which the runtime
+runs some rows' MLP sublayer in tiles of tokens (``workbench.runtime.offload``).
 
 Inputs are packed: token ids ``(T,)`` of several sequences back to back, their true position ids
 ``(T,)`` (a rank holding the middle slice of a sequence passes that slice's positions), and
@@ -40,9 +40,11 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, 
 max_seqlen_q, max_seqlen_k) -> (Tq, H, hd)``, causal within each packed segment (bottom-right aligned
 where a segment has fewer queries than keys; the model's own call has as many)."""
 
-MLPFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
-"""``mlp_fn(mlp, x (T, C)) -> (T, C)``: how a block runs its ``MLP`` module on the normed rows; the
-same function of every row as ``mlp(x)``, computed another way (in tiles of tokens, say)."""
+MLPFn = Callable[[nn.Module, nn.Module, torch.Tensor], torch.Tensor]
+"""``mlp_fn(norm, mlp, x (T, C)) -> (T, C)``: how a block runs its MLP sublayer, its ``RMSNorm`` and
+``MLP`` modules, on the residual stream's rows; the same function of every row as ``mlp(norm(x))``,
+computed another way (in tiles of tokens, say: the norm inside the tile, so that neither its tensors
+nor the MLP's exist for the whole sequence)."""
 
 ROPE_BASE = 10000.0
 
@@ -152,8 +154,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
                 max_seqlen: int, attn: AttentionFn, mlp_fn: MLPFn | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, cu_seqlens, max_seqlen, attn)  # (T, C)
-        h = self.mlp_norm(x)  # (T, C)
-        return x + (self.mlp(h) if mlp_fn is None else mlp_fn(self.mlp, h))  # (T, C)
+        return x + (self.mlp(self.mlp_norm(x)) if mlp_fn is None else mlp_fn(self.mlp_norm, self.mlp, x))  # (T, C)
 
 
 class Head(nn.Linear):

@@ -8,12 +8,14 @@ working set, of which the SwiGLU MLP's intermediates (gate, up, silu(gate), thei
 ffn`` a token) are the largest part. Two levers remove most of it, for the rows (tokens) of the
 groups whose plan says ``offload="inputs"``:
 
-- **Tiled MLP** (:func:`tiled_mlp`, ALST's TiledMLP idea): ``down(silu(gate(x)) * up(x))`` is
-  computed ``tile`` tokens at a time without a graph, keeping only ``x``; its backward recomputes
-  each tile with the graph and back-propagates it before the next, accumulating the weights'
-  gradients (in fp32 at least). Every token's arithmetic is that of the plain MLP (the same casts
-  autocast would make), so values and gradients are the plain ones up to the order of the weight
-  gradients' sums. The intermediates of one tile exist at a time, never of the whole sequence.
+- **Tiled MLP** (:func:`tiled_mlp`, ALST's TiledMLP idea): the block's MLP sublayer
+  ``down(silu(gate(n)) * up(n))``, ``n = mlp_norm(h)``, is computed ``tile`` tokens at a time
+  without a graph, keeping only the residual stream ``h``; its backward recomputes each tile, the
+  norm included, with the graph and back-propagates it before the next, accumulating the weights'
+  gradients (the norm's too; in fp32 at least). Every token's arithmetic is that of the plain norm
+  and MLP (the same casts autocast would make), so values and gradients are the plain ones up to the
+  order of the weight gradients' sums. The norm's tensors (its fp32 input, normed input and output)
+  and the MLP's intermediates exist for one tile at a time, never for the whole sequence.
 - **Offload** (:class:`OffloadPass`): a ``saved_tensors_hooks`` pair around each block's
   checkpointed forward sees what the checkpoint saves of its inputs and moves the block input
   ``x`` (the big ``(T, hidden)`` tensor; rotary tables and ``cu_seqlens`` are shared by every block
@@ -35,7 +37,8 @@ Wiring, keeping the model plain: :func:`apply_offload` (after ``apply_recompute`
 that, while an :class:`OffloadPass` is active on the model (:func:`offloading`, a context around one
 forward and its backward), the block's checkpointed call runs inside that pass's hooks. The tiling
 is handed to the model as attention is, as a callable: ``model(..., mlp_fn=op.mlp)``, carried into
-every block (and through the checkpoint into its recomputation). A lockstep pass packs several
+every block (and through the checkpoint into its recomputation), which calls it as
+``mlp_fn(mlp_norm, mlp, h)`` for its ``mlp(mlp_norm(h))``. A lockstep pass packs several
 groups' rows back to back; the pass is built from the row segments and each lever applies only to
 its ``offload`` rows. Nothing here communicates: every rank runs the same collectives with or
 without it.
@@ -64,60 +67,89 @@ def _swiglu(xg: torch.Tensor, xu: torch.Tensor, wg: torch.Tensor, wu: torch.Tens
     return F.linear(F.silu(F.linear(xg, wg)) * F.linear(xu, wu), wd)  # (t, C)
 
 
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``workbench.runtime.model.RMSNorm``'s arithmetic with its weight given: the statistics in fp32
+    at least, the result in ``x``'s dtype times the weight. Autocast changes none of it (its inputs
+    are fp32 where it would cast, and it casts no elementwise op), so computed outside autocast it
+    is the norm a block computes inside."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))  # (t, C)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (t, C)
+    return xf.type_as(x) * weight  # (t, C)
+
+
 class _TiledMLP(torch.autograd.Function):
-    """The SwiGLU tile by tile: the forward keeps only the input (in the dtype the matmuls read it
-    in) and the weights, which it does not copy; the backward recomputes a tile with its graph,
-    back-propagates it and drops it before the next."""
+    """The SwiGLU, or the block's whole MLP sublayer ``mlp(norm(x))`` when given the norm's weight
+    ``wn``, tile by tile: the forward keeps only the input (the MLP's in the dtype the matmuls read
+    it in; the sublayer's as it came, the residual stream) and the weights, which it does not copy;
+    the backward recomputes a tile with its graph (the norm included), back-propagates it and drops
+    it before the next, so neither the norm's tensors (its fp32 input, normed input and output) nor
+    the MLP's intermediates ever exist for more than a tile."""
 
     @staticmethod
-    def forward(ctx, x, wg, wu, wd, tile: int):
+    def forward(ctx, x, wn, wg, wu, wd, tile: int, eps: float):
         dev = x.device.type
         # autocast's casts made explicitly (and remembered for the backward, which runs outside
         # autocast): the weights once for all tiles, where autocast would cast them for every tile
         dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         with torch.autocast(dev, enabled=False):
-            # what is kept is x as the matmuls read it: under autocast its bf16 copy (2 bytes a value;
-            # the plain MLP keeps two, gate's and up's)
-            xs = _cast(x, dt)  # (T, C)
+            # without the norm what is kept is x as the matmuls read it: under autocast its bf16 copy
+            # (2 bytes a value; the plain MLP keeps two, gate's and up's); with it, x itself
+            xs = _cast(x, dt) if wn is None else x  # (T, C)
             ws = [_cast(w, dt) for w in (wg, wu, wd)]
             T = x.shape[0]
             out = None
             for a in range(0, T, tile):
                 xt = xs[a:a + tile]  # (t, C)
+                if wn is not None:
+                    xt = _cast(_rms_norm(xt, wn, eps), dt)  # (t, C) the normed tile as gate and up read it
                 y = _swiglu(xt, xt, *ws)  # (t, C)
                 if out is None:
                     out = y.new_empty((T, y.shape[1]))
                 out[a:a + tile] = y
-        ctx.cast, ctx.tile, ctx.x_dtype = dt, tile, x.dtype
-        ctx.save_for_backward(xs, wg, wu, wd)
+        ctx.cast, ctx.tile, ctx.eps, ctx.x_dtype = dt, tile, eps, x.dtype
+        ctx.save_for_backward(xs, wn, wg, wu, wd)
         return out
 
     @staticmethod
     def backward(ctx, gy):
-        xs, wg, wu, wd = ctx.saved_tensors
-        dt, tile = ctx.cast, ctx.tile
-        need_x, *need_w = ctx.needs_input_grad[:4]
-        weights = (wg, wu, wd)
+        xs, wn, wg, wu, wd = ctx.saved_tensors
+        dt, tile, eps = ctx.cast, ctx.tile, ctx.eps
+        need_x, *need_w = ctx.needs_input_grad[:5]
+        weights = (wn, wg, wu, wd)
+        need_w = [n and w is not None for w, n in zip(weights, need_w)]
         gx = torch.empty(xs.shape, dtype=ctx.x_dtype, device=xs.device) if need_x else None
         acc = [torch.zeros(w.shape, dtype=torch.promote_types(w.dtype, torch.float32), device=w.device) if n else None
                for w, n in zip(weights, need_w)]
         with torch.enable_grad(), torch.autocast(xs.device.type, enabled=False):
-            leaves = [w.detach().requires_grad_(n) for w, n in zip(weights, need_w)]
-            ws = [_cast(w, dt) for w in leaves]  # (the casts' backward is not run: gradients are taken at ws)
+            leaves = [w.detach().requires_grad_(n) if w is not None else None for w, n in zip(weights, need_w)]
+            # the matmuls' weights cast once (the casts' backward is not run: gradients are taken at
+            # ws); the norm's weight is used as it is, as RMSNorm uses it
+            wanted_w = [leaves[0]] + [_cast(w, dt) for w in leaves[1:]]
             for a in range(0, xs.shape[0], tile):
-                xg = xs[a:a + tile].detach().requires_grad_(need_x)  # (t, C) gate's input
-                xu = xs[a:a + tile].detach().requires_grad_(need_x)  # (t, C) up's input, the same rows
-                y = _swiglu(xg, xu, *ws)  # (t, C), with its graph: one tile's intermediates
-                wanted = ([xg, xu] if need_x else []) + [w for w, n in zip(ws, need_w) if n]
+                if wn is None:
+                    xg = xs[a:a + tile].detach().requires_grad_(need_x)  # (t, C) gate's input
+                    xu = xs[a:a + tile].detach().requires_grad_(need_x)  # (t, C) up's input, the same rows
+                    y = _swiglu(xg, xu, *wanted_w[1:])  # (t, C), with its graph: one tile's intermediates
+                    inputs = [xg, xu] if need_x else []
+                else:
+                    xt = xs[a:a + tile].detach().requires_grad_(need_x)  # (t, C) the sublayer's input
+                    n = _rms_norm(xt, wanted_w[0], eps)  # (t, C)
+                    # two casts, as autocast casts the normed rows once for gate and once for up: their
+                    # gradients converted apart and summed, as the plain backward sums them
+                    y = _swiglu(_cast(n, dt), _cast(n, dt), *wanted_w[1:])  # (t, C)
+                    inputs = [xt] if need_x else []
+                wanted = inputs + [w for w, n in zip(wanted_w, need_w) if n]
                 grads = list(torch.autograd.grad(y, wanted, gy[a:a + tile]))
-                if need_x:  # each converted to x's dtype, then summed, as autocast's casts' backward and autograd do
+                if need_x and wn is None:  # each converted to x's dtype, then summed, as autocast's casts' backward and autograd do
                     gx[a:a + tile] = grads.pop(0).to(ctx.x_dtype) + grads.pop(0).to(ctx.x_dtype)
+                elif need_x:
+                    gx[a:a + tile] = grads.pop(0)
                 for k, n in enumerate(need_w):
                     if n:
                         acc[k] += grads.pop(0)
-                del y, grads, wanted
+                del y, grads, wanted, inputs
         gw = [g.to(w.dtype) if g is not None else None for g, w in zip(acc, weights)]
-        return gx, *gw, None
+        return gx, *gw, None, None
 
 
 def _cast(t: torch.Tensor, dt: torch.dtype | None) -> torch.Tensor:
@@ -125,19 +157,22 @@ def _cast(t: torch.Tensor, dt: torch.dtype | None) -> torch.Tensor:
     return t.to(dt) if dt is not None and t.dtype == torch.float32 else t
 
 
-def tiled_mlp(mlp: nn.Module, x: torch.Tensor, tile: int) -> torch.Tensor:
-    """``mlp(x)`` for the model's SwiGLU ``MLP`` (``gate``, ``up``, ``down`` without biases),
+def tiled_mlp(mlp: nn.Module, x: torch.Tensor, tile: int, *, norm: nn.Module | None = None) -> torch.Tensor:
+    """``mlp(x)`` for the model's SwiGLU ``MLP`` (``gate``, ``up``, ``down`` without biases), or with
+    ``norm`` (the block's ``RMSNorm``, ``weight`` and ``eps``) the whole sublayer ``mlp(norm(x))``,
     computed ``tile`` tokens at a time (module docstring): ``(T, C) -> (T, C)``, the same values and
-    gradients. It uses the weights the module holds at the call, so under FSDP2 it must run inside
-    the module's unit (the block's forward, or its recomputation in backward), where they are the
-    all-gathered ones. Raises ValueError for a tile below 1 or an MLP with biases."""
+    gradients (the norm's weight's included). It uses the weights the modules hold at the call, so
+    under FSDP2 it must run inside their unit (the block's forward, or its recomputation in
+    backward), where they are the all-gathered ones. Raises ValueError for a tile below 1 or an MLP
+    with biases."""
     if int(tile) < 1:
         raise ValueError(f"tiled_mlp: tile must be at least 1 token, got {tile}")
     if any(getattr(mlp, n).bias is not None for n in ("gate", "up", "down")):
         raise ValueError("tiled_mlp: the MLP's projections have biases; the tiled MLP computes the bias-free SwiGLU")
     if x.shape[0] == 0:
-        return mlp(x)
-    return _TiledMLP.apply(x, mlp.gate.weight, mlp.up.weight, mlp.down.weight, int(tile))
+        return mlp(x if norm is None else norm(x))
+    wn, eps = (None, 0.0) if norm is None else (norm.weight, float(norm.eps))
+    return _TiledMLP.apply(x, wn, mlp.gate.weight, mlp.up.weight, mlp.down.weight, int(tile), eps)
 
 
 def _merge(segments: Sequence[tuple[int, int, bool]]) -> list[tuple[int, int, bool]]:
@@ -154,10 +189,10 @@ def _merge(segments: Sequence[tuple[int, int, bool]]) -> list[tuple[int, int, bo
 
 
 class RowMLP:
-    """A block's ``mlp_fn`` (``workbench.runtime.model.Block``): the rows of ``segments`` marked
-    ``True`` through :func:`tiled_mlp` in tiles of ``tile`` tokens, the others through the plain
-    MLP, the outputs concatenated in row order. ``segments`` are ``(start, stop, tiled)`` and cover
-    the model's input rows."""
+    """A block's ``mlp_fn`` (``workbench.runtime.model.Block``): ``mlp(norm(x))`` with the rows of
+    ``segments`` marked ``True`` through :func:`tiled_mlp` (norm and MLP together) in tiles of
+    ``tile`` tokens, the others through the plain norm and MLP, the outputs concatenated in row
+    order. ``segments`` are ``(start, stop, tiled)`` and cover the model's input rows."""
 
     def __init__(self, segments: Sequence[tuple[int, int, bool]], tile: int) -> None:
         if int(tile) < 1:
@@ -165,14 +200,15 @@ class RowMLP:
         self.segments = _merge(segments)
         self.tile = int(tile)
 
-    def __call__(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, norm: nn.Module, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not any(on for _, _, on in self.segments):
-            return mlp(x)
+            return mlp(norm(x))
         if len(self.segments) == 1:
-            return tiled_mlp(mlp, x, self.tile)
+            return tiled_mlp(mlp, x, self.tile, norm=norm)
         # a lockstep pass with tiled and plain groups: each part its way (the plain part keeps its
         # intermediates, as it would alone)
-        return torch.cat([tiled_mlp(mlp, x[lo:hi], self.tile) if on else mlp(x[lo:hi]) for lo, hi, on in self.segments])
+        return torch.cat([tiled_mlp(mlp, x[lo:hi], self.tile, norm=norm) if on else mlp(norm(x[lo:hi]))
+                          for lo, hi, on in self.segments])
 
 
 # ---- block inputs in host memory -------------------------------------------------------------------
