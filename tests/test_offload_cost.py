@@ -73,9 +73,19 @@ def test_auto_offloads_only_what_does_not_fit():
     mem = c.memory(s, 8, 1)
     assert mem[0] == pytest.approx(none[0]) and mem[1] == pytest.approx(none[1])
     assert mem[2] == pytest.approx(c.gpu_memory(s[2:], 8, 1, "inputs")[0] + c.tile_gb)
+    # the planners' time: as without offload where a sequence is not offloaded; the offloaded one pays its
+    # copies and the tiled MLP with no block swapped (a group's swapped blocks only shorten it once placed)
     t_none = _cost("none").time(s, 8, 1)
     assert c.time(s, 8, 1)[:2] == pytest.approx(t_none[:2])
-    assert c.time(s, 8, 1)[2] == pytest.approx(t_none[2] + c.offload_ms(s[2:], 8)[0])
+    assert c.time(s, 8, 1)[2] == pytest.approx(t_none[2] + c.offload_ms(s[2:], 8, "inputs", 0)[0])
+    # the bounds' time: what the level adds at best over the counts of swapped blocks
+    best_none = np.min([c.offload_ms(s[:2], 8, "none", k) for k in range(1, 33)] + [np.zeros(2)], axis=0)
+    best_inputs = min(float(c.offload_ms(s[2:], 8, "inputs", k)[0]) for k in range(33))
+    b = c.bound_view()
+    assert b is not c and b.bound_view() is b and _cost("none").bound_view().offload == "none"
+    assert b.time(s, 8, 1)[:2] == pytest.approx(t_none[:2] + best_none)
+    assert b.time(s, 8, 1)[2] == pytest.approx(t_none[2] + best_inputs)
+    assert best_none[1] < 0  # 600K tokens: swapping blocks instead of recomputing them pays
 
 
 def test_longest_sequence_is_the_edge_by_brute_force():
@@ -104,13 +114,21 @@ def test_small_host_memory_limits_what_offloads_by_brute_force():
 
 
 @pytest.mark.parametrize("planner", ["greedy", "flexsp", "two-stage", "static-max"])
-def test_a_plan_that_fits_without_offload_does_not_change(planner):
+def test_a_plan_that_fits_without_offload_gets_no_longer(planner):
+    """Under auto no plan of a batch that fits without offload is longer, no group offloads its inputs,
+    and every swapping group swaps as many blocks as ``choose_swap`` says."""
     kw = dict(model="llama3-8b", profile="h100-80g", num_gpus=16, recompute=True, source="github",
               batch_tokens=400_000, planner=planner, seed=3)
-    off = Scenario(offload="auto", **kw).plan().to_dict(measured=False)
-    none = Scenario(offload="none", **kw).plan().to_dict(measured=False)
-    assert json.dumps(off, sort_keys=True) == json.dumps(none, sort_keys=True)
-    assert all(g["offload"] == "none" for m in off["micro_steps"] for g in m["groups"])
+    none = Scenario(offload="none", **kw).plan()
+    off = Scenario(offload="auto", **kw).plan()
+    assert off.makespan_ms <= none.makespan_ms * (1 + 1e-9)
+    assert off.lower_bound_ms <= off.makespan_ms * (1 + 1e-9)
+    cost = Scenario(offload="auto", **kw).cost()
+    for m in off.micro_steps:
+        for g in m.groups:
+            assert g.offload == "none"
+            if g.swap_layers:
+                assert g.swap_layers == cost.choose_swap(g.lengths, g.degree, g.cp, g.offload)
 
 
 def test_a_group_that_needs_offload_gets_it_and_its_costs():
@@ -208,3 +226,75 @@ def test_the_runtime_takes_a_plan_that_offloads_only_with_recomputation():
     check_plan(plan, [2_000_000], 8, recompute=True, zero_stage=3)  # the runtime executes it (tests/test_offload.py)
     with pytest.raises(PlanError, match="activation recomputation"):
         check_plan(plan, [2_000_000], 8, recompute=False, zero_stage=3)
+
+
+def test_swap_blocks_are_evenly_spread_by_brute_force():
+    from workbench.cost.offload import swap_blocks
+
+    for L in (1, 4, 7, 32):
+        for k in range(L + 1):
+            b = swap_blocks(L, k)
+            assert len(b) == k and len(set(b)) == k and all(0 <= i < L for i in b)
+            # evenly: any window of w consecutive blocks holds floor or ceil of w k / L swapped ones
+            for w in range(1, L + 1):
+                for lo in range(L - w + 1):
+                    n = sum(lo <= i < lo + w for i in b)
+                    assert abs(n - w * k / L) < 1 + 1e-9
+    with pytest.raises(ValueError, match="outside 0..4"):
+        swap_blocks(4, 5)
+
+
+def test_swap_time_and_memory_by_hand():
+    c = _cost("auto")
+    f, L, h = c._fit, LLAMA.layers, LLAMA.hidden
+    s, d = 600_000.0, 8
+    block = 2 * (4 * h + 2 * 4096 + 2 * 1024 + 4 * 14336) + 8 * h + 4 * 32 + 8  # bf16, FSDP2: no autocast
+    assert c._block_bytes == block
+    fwd = (f.A_fwd * s * s + f.B_fwd * s) / d / L
+    bwd = c.compute_ms([s], d)[0] / L - 2 * fwd
+    for k in (1, 8, 32):
+        copies = k * (s / d) * block / 25e9 * 1e3  # level none: only the swapped blocks go out and come back
+        expect = max(0.0, copies - L * fwd) + max(0.0, copies - L * bwd - (L - k) * fwd) - k * fwd
+        assert c.offload_ms([s], d, "none", k)[0] == pytest.approx(expect, rel=1e-9)
+        assert c.swap_host_memory([s], d, "none", k)[0] == pytest.approx(k * block * s / d / 1e9)
+        # one more block's activations on the GPU, less the swapped blocks' own inputs
+        assert c.swap_gpu_memory([s], d, "none", k)[0] == pytest.approx((block - k * h * 2) * s / d / 1e9)
+
+
+def test_choose_swap_is_the_brute_force_best_within_the_budgets():
+    for host in (None, 300.0, 40.0):
+        c = _cost("auto", gpus=64, host=host)
+        for lengths, d, cp in (([1_000_000, 200_000, 50_000, 8000], 64, 8), ([300_000], 8, 1), ([4096] * 20, 2, 1)):
+            for level in ("none", "inputs"):
+                best, best_t = 0, c.group_at(lengths, d, cp, level, 0)[0]
+                for k in range(1, LLAMA.layers + 1):
+                    t, gpu, hm = c.group_at(lengths, d, cp, level, k)
+                    if gpu <= c.memory_budget_gb and hm <= c.host_budget_gb and t < best_t - 1e-9 * best_t:
+                        best, best_t = k, t
+                assert c.choose_swap(lengths, d, cp, level) == best, (host, lengths, level)
+
+
+def test_the_issue_batch_swaps_and_its_bound_holds():
+    kw = dict(model="llama3-8b", profile="h100-80g", num_gpus=64, recompute=True,
+              source="1000000,200000,50000,8000", planner="flexsp")
+    none = Scenario(offload="none", **kw).plan()
+    auto = Scenario(**kw).plan()
+    g = auto.micro_steps[0].groups[0]
+    assert g.swap_layers > 0 and g.host_gb > 0
+    assert auto.makespan_ms < 0.9 * none.makespan_ms  # recomputation skipped where the host holds the blocks
+    assert auto.lower_bound_ms <= auto.makespan_ms
+    back = plan_from_dict(json.loads(json.dumps(auto.to_dict())))
+    assert [x.swap_layers for m in back.micro_steps for x in m.groups] == [x.swap_layers for m in auto.micro_steps
+                                                                            for x in m.groups]
+
+
+def test_a_rank_serving_two_groups_in_a_pass_does_not_swap():
+    from workbench.solve.plan import Group, _swapped
+
+    c = _cost("auto", gpus=8)
+    a = Group(degree=2, ranks=(0, 1), sequences=(0,), lengths=(50_000,), time_ms=1.0, memory_gb=1.0)
+    b = Group(degree=1, ranks=(1,), sequences=(1,), lengths=(100_000,), time_ms=1.0, memory_gb=1.0)
+    alone = Group(degree=2, ranks=(2, 3), sequences=(2,), lengths=(50_000,), time_ms=1.0, memory_gb=1.0)
+    out = _swapped([a, b, alone], c)
+    assert out[0].swap_layers == 0 and out[1].swap_layers == 0
+    assert out[2].swap_layers == c.choose_swap([50_000], 2, 1, "none") > 0

@@ -568,12 +568,12 @@ def test_hardware_panel_shows_the_host_link_and_host_memory(tmp_path):
     assert h["per_gpu_gbps"] == ref["host_link_gbps"] and h["node_gbps"] == ref["host_link_node_gbps"]
     assert h["per_gpu_node_gbps"] == pytest.approx(ref["host_link_node_gbps"] / ref["gpus_per_node"])
     assert h["host_memory_gb"] == ref["host_memory_gb"] and h["offload"]
-    assert h["note"] == ref["provenance"]["host"] and h["kind"] == "estimate"
+    assert h["note"] == ref["provenance"]["host_link"] and h["kind"] == "estimate"
     shown = html.unescape(panel.host_view.value)
     assert f"{ref['host_link_gbps']:.3g} GB/s" in shown
     assert f"{ref['host_link_node_gbps'] / ref['gpus_per_node']:.3g} GB/s per GPU" in shown
     assert f"node total {ref['host_link_node_gbps']:.3g} GB/s" in shown
-    assert f"{ref['host_memory_gb']:,.0f} GB" in shown and ref["provenance"]["host"] in shown
+    assert f"{ref['host_memory_gb']:,.0f} GB" in shown and ref["provenance"]["host_link"] in shown
     # a measured profile: its own note and the GPUs that copied at once (no gpus_per_node field)
     base = {"gpu": "test", "model": "tiny", "forward": {"a": 1e-5, "b": 0.02, "c": 2.0},
             "backward": {"a": 2e-5, "b": 0.03, "c": 3.0}, "gpu_memory_gb": 8.0, "all_to_all_gbps": {"2": 0.5}}

@@ -341,13 +341,19 @@ def _offload_lines(sc: Scenario, plan) -> None:
     if not groups:
         return
     g = max(groups, key=lambda g: (g.memory_gb, g.host_gb))
-    parts = cost.memory_breakdown(g.lengths, g.degree, g.cp, g.offload)
+    parts = cost.memory_breakdown(g.lengths, g.degree, g.cp, g.offload, g.swap_layers)
     gpu = ", ".join(f"{k} {v:,.1f}" for k, v in parts["gpu"].items() if v > 0.05)
+    host = ", ".join(f"{k} {v:,.1f}" for k, v in parts["host"].items() if v > 0.05) or "nothing"
     offloaded = [x for x in groups if x.offload != "none"]
-    print(f"  memory of the fullest group (degree {g.degree}, {g.split}, offload {g.offload}), GB per GPU: {gpu} "
-          f"of {sc.cluster().gpu_memory_gb:g}; host {parts['host']['block inputs']:,.1f}")
+    swapped = [x for x in groups if x.swap_layers]
+    print(f"  memory of the fullest group (degree {g.degree}, {g.split}, offload {g.offload}, {g.swap_layers} block(s) "
+          f"swapped), GB per GPU: {gpu} of {sc.cluster().gpu_memory_gb:g}; host: {host}")
     if offloaded:
         print(f"  {len(offloaded)} group(s) offload their block inputs to host memory and run the MLP in tiles")
+    if swapped:
+        print(f"  {len(swapped)} group(s) keep whole blocks' activations in host memory instead of recomputing them "
+              f"({', '.join(str(x.swap_layers) for x in swapped[:8])}{'...' if len(swapped) > 8 else ''} of "
+              f"{cost.model.layers} blocks)")
 
 
 def _progress_printer(enabled: bool):

@@ -116,6 +116,7 @@ Pure numpy: no torch.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -127,7 +128,7 @@ from workbench.cost.memory import (PRECISIONS, fsdp_units, loss_backward_bytes_p
                                    loss_transient_bytes, model_states)
 from workbench.specs import ClusterSpec, ComputeCurve, HardwareProfile, ModelSpec, split_key
 
-__all__ = ["CostModel", "STRATEGIES", "DEFAULT_STRATEGY", "InfeasibleError", "EXECUTIONS", "strategy_problem"]
+__all__ = ["CostModel", "block_activation_bytes", "STRATEGIES", "DEFAULT_STRATEGY", "InfeasibleError", "EXECUTIONS", "strategy_problem"]
 
 EXECUTIONS = ("free", "lockstep")
 
@@ -290,14 +291,13 @@ def activation_bytes_per_token(model: ModelSpec, recompute: bool = False, *, aut
     keeps the gradient of the head's input in place of that input, and neither the 4 vocab bytes of
     the log-softmax nor the targets (8). What the loss holds besides is
     ``workbench.cost.memory.loss_transient_bytes``."""
-    h, q, kv, f, H, V = model.hidden, model.q_dim, model.kv_dim, model.ffn, model.heads, model.vocab
+    h, V = model.hidden, model.vocab
     c = model.dtype_bytes
+    per_layer = block_activation_bytes(model, autocast=autocast)
     if autocast:
-        per_layer = 26 * h + 4 * q + 4 * kv + 8 * f + 4 * H + 8
         resid = 4  # the residual stream (embedding output, norms, additions) stays fp32
         outside = 16 + 2 * c * (model.head_dim // 2) + (8 * h + 4 + 2 * h) + 4 * V
     else:
-        per_layer = c * (4 * h + 2 * q + 2 * kv + 4 * f) + 8 * h + 4 * H + 8
         resid = c
         outside = 16 + 2 * c * (model.head_dim // 2) + (4 * h + 2 * c * h + 4) + 4 * V
     if recompute:
@@ -305,6 +305,16 @@ def activation_bytes_per_token(model: ModelSpec, recompute: bool = False, *, aut
         # same bytes), and neither the log-softmax nor the targets
         return model.layers * resid * h + per_layer + outside - 4 * V - 8
     return model.layers * per_layer + outside
+
+
+def block_activation_bytes(model: ModelSpec, *, autocast: bool = False) -> float:
+    """Bytes per token one block keeps for its backward when it is not recomputed (the per-block part
+    of ``activation_bytes_per_token``): ``c (4h + 2q + 2kv + 4ffn) + 8h + 4 heads + 8``, or under
+    autocast ``26h + 4q + 4kv + 8ffn + 4 heads + 8``."""
+    h, q, kv, f, H = model.hidden, model.q_dim, model.kv_dim, model.ffn, model.heads
+    if autocast:
+        return float(26 * h + 4 * q + 4 * kv + 8 * f + 4 * H + 8)
+    return float(model.dtype_bytes * (4 * h + 2 * q + 2 * kv + 4 * f) + 8 * h + 4 * H + 8)
 
 
 @dataclass(frozen=True)
@@ -777,16 +787,39 @@ class CostModel:
         """Time (ms) of each sequence on a group of ``degree`` and split ``(degree/cp) x cp``: compute
         plus communication (plus the measured SP and CP extras per token, CP's extra attention and a
         composite split's measured residual per token, when the profile has them), plus what offload
-        adds where the sequence is planned offloaded (``offloaded``, ``offload_ms``).
+        adds where the sequence is planned offloaded (``offloaded``, ``offload_ms`` with no block
+        swapped). Planners see that: a group's swapped blocks (``choose_swap``) only shorten it, after
+        it is placed. The bounds see the least over the counts of swapped blocks (``bound_view``).
         ``cp`` None: each sequence on its fastest split of the degree (no group is faster). The
         group's fixed cost per micro-step is ``group_overhead_ms``, not included."""
         s = np.asarray(lengths, dtype=np.float64)
-        extra = self.offload_ms(s, degree) if self._offload_ok else None
+        extra = plain = None
+        if self._offload_ok and self._bound_view:
+            extra = self.least_offload_ms(s, degree, "inputs")
+            plain = self.least_offload_ms(s, degree, "none")
+        elif self._offload_ok:
+            extra = self.offload_ms(s, degree, "inputs", 0)
+            plain = np.zeros_like(s)
 
         def one(c: int) -> np.ndarray:
             t = self._split_ms(s, degree, c)
-            return t if extra is None else t + np.where(self.offloaded(s, degree, c), extra, 0.0)
+            return t if extra is None else t + np.where(self.offloaded(s, degree, c), extra, plain)
         return self.compute_ms(s, degree) + self._least(one, degree, cp)
+
+    def least_offload_ms(self, lengths, degree: int, level: str) -> np.ndarray:
+        """What ``level`` adds to each sequence's time at best (ms): ``offload_ms`` with no block
+        swapped, or, where groups may swap (``swap``), its least over the counts of swapped blocks,
+        memory aside. Planners and bounds see this: a group's own count (``choose_swap``, within the
+        budgets, one count for all its sequences) never makes it faster, so their bounds hold. Planners
+        see none of it (``time``): an assignment made with the gains of swapping in mind was 0.06%
+        longer than without offload on a github batch, as no group swaps as much as each sequence
+        alone would."""
+        s = np.asarray(lengths, dtype=np.float64)
+        base = self.offload_ms(s, degree, level, 0) if level == "inputs" else np.zeros_like(s)
+        if not self.swap:
+            return base
+        rows = self._offload_rows(s, degree, level, np.arange(1, self.model.layers + 1))
+        return np.minimum(base, rows.min(axis=0))
 
     def cp_memory_gb(self, lengths, degree: int, cp: int) -> np.ndarray:
         """What CP keeps per GPU beyond the local activations (GB per sequence; 0 for ``cp = 1``): the
@@ -835,17 +868,35 @@ class CostModel:
             note = f"profile {p.name} has no host link figure (host_link_gbps): measure it with workbench profile"
         elif not self.host_budget_gb:
             note = "the host memory per node is unknown: give --host-memory GB"
-        if offload == "inputs" and note:
-            raise ValueError(f"--offload inputs: {note}")
+        if offload in ("inputs", "swap") and note:
+            raise ValueError(f"--offload {offload}: {note}")
         self.offload_note = note
         """Why plans of this cost model cannot offload ('' when they can)."""
         self._offload_ok = not note
         self._plain_limit: int | None = None
+        self._bound_view = False
+        self._bounds: "CostModel | None" = None
         self._saved_bytes = _off.offload_saved_bytes_per_token(m, autocast=autocast)
         self._host_bytes = _off.host_bytes_per_token(m, autocast=autocast)
         self._resid_bytes = _off.residual_bytes(m, autocast=autocast)
+        self._block_bytes = block_activation_bytes(m, autocast=autocast)
+        self.swap = offload in ("auto", "swap") and not note
+        """Whether groups may swap blocks (their full activations in host memory instead of recomputed)."""
         self.tile_gb = _off.tile_working_bytes(m, autocast=autocast) / 1e9 if self._offload_ok else 0.0
         """GPU memory the tiled MLP's tile holds at its peak (GB), charged once per offloaded sequence."""
+
+    def bound_view(self) -> "CostModel":
+        """This cost model as the lower bounds must see it: where groups may swap blocks, a copy whose
+        ``time`` takes each sequence's least over the counts of swapped blocks (``least_offload_ms``),
+        so that no group of any plan is faster; else itself."""
+        if not self.swap or self._bound_view:
+            return self
+        if self._bounds is None:
+            view = copy.copy(self)
+            view._bound_view = True
+            view._bounds = view
+            self._bounds = view
+        return self._bounds
 
     @property
     def can_offload(self) -> bool:
@@ -880,7 +931,7 @@ class CostModel:
         s = np.asarray(lengths, dtype=np.float64)
         if not self._offload_ok:
             return np.zeros(s.shape, dtype=bool)
-        if self.offload == "inputs":
+        if self.offload in ("inputs", "swap"):
             return np.ones(s.shape, dtype=bool)
         return s > self.plain_limit
 
@@ -904,25 +955,91 @@ class CostModel:
             return none
         host = self.host_memory(s, degree) * (self.memory_budget_gb / self.host_budget_gb)
         inputs = np.maximum(self.gpu_memory(s, degree, cp, "inputs") + self.tile_gb, host)
-        if self.offload == "inputs":
+        if self.offload in ("inputs", "swap"):
             return inputs
         return np.where(s > self.plain_limit, inputs, np.maximum(none, host))
 
-    def offload_ms(self, lengths, degree: int) -> np.ndarray:
-        """What level ``inputs`` adds to each sequence's time on a group of ``degree`` (ms): the
-        copies' exposed part (``workbench.cost.offload.exposed_copy_ms``: a layer's input of ``s /
-        degree`` tokens each way over ``host_link_gbps``, under the next layer's forward and under
-        the layer's recomputation and backward) and the tiled MLP's extra forward (the MLP's share of
-        a forward's per-token block time). Infinite where the link is unknown."""
+    def offload_ms(self, lengths, degree: int, level: str = "inputs", swap: int = 0) -> np.ndarray:
+        """What offload ``level`` with ``swap`` blocks swapped adds to each sequence's time on a group
+        of ``degree`` (ms; negative where swapping saves more than the copies cost):
+
+        - the copies' exposed part, per direction: the block inputs of the ``L - swap`` checkpointed
+          blocks (level ``inputs``) and the whole activations of the ``swap`` swapped ones, over
+          ``host_link_gbps``, beyond the compute they run under (the forward going out, the
+          recomputation and backward coming back; ``workbench.cost.offload.exposed_copy_ms`` with
+          every layer alike);
+        - the tiled MLP's extra forward in each checkpointed block under ``inputs`` (the MLP's share
+          of a forward's per-token block time);
+        - less the recomputed forward of each swapped block.
+
+        Infinite where the link is unknown."""
         s = np.asarray(lengths, dtype=np.float64)
-        d, L, f = int(degree), self.model.layers, self._fit
         if not self.host_link_gbps:
             return np.full(s.shape, np.inf)
-        copy = (s / d) * self.model.hidden * self._resid_bytes / (self.host_link_gbps * 1e9) * 1e3
-        forward = (f.A_fwd * s * s + f.B_fwd * s) / d / L
-        backward = np.maximum(0.0, self.compute_ms(s, d) / L - forward)
-        tile = f.B_fwd * _off.mlp_flop_share(self.model) * s / d
-        return _off.exposed_copy_ms(copy, forward, backward, L) + tile
+        return self._offload_rows(s, degree, level, np.array([float(swap)]))[0]
+
+    def _offload_rows(self, s: np.ndarray, degree: int, level: str, k: np.ndarray) -> np.ndarray:
+        """``offload_ms`` for every count of swapped blocks in ``k`` at once: ``(len(k), len(s))``."""
+        d, L, f = int(degree), self.model.layers, self._fit
+        k = np.asarray(k, dtype=np.float64)[:, None]
+        inputs = level == "inputs"
+        gbps = self.host_link_gbps * 1e9
+        per_input = (s / d) * self.model.hidden * self._resid_bytes / gbps * 1e3
+        per_block = (s / d) * self._block_bytes / gbps * 1e3
+        forward = (f.A_fwd * s * s + f.B_fwd * s) / d / L  # one layer's forward
+        backward = np.maximum(0.0, self.compute_ms(s, d) / L - 2 * forward)  # its backward alone
+        copies = (L - k) * per_input * inputs + k * per_block
+        out = (np.maximum(0.0, copies - L * forward) + np.maximum(0.0, copies - L * backward - (L - k) * forward)
+               - k * forward)
+        if inputs:
+            out = out + f.B_fwd * _off.mlp_flop_share(self.model) * s / d * (L - k) / L
+        return out
+
+    def swap_gpu_memory(self, lengths, degree: int, level: str, swap: int) -> np.ndarray:
+        """What ``swap`` swapped blocks change in each sequence's GPU memory (GB per GPU): one block's
+        whole activations more (the one in use and the one in flight, where recomputation held one),
+        less the swapped blocks' own inputs under level ``none`` (they are among their activations)."""
+        s = np.asarray(lengths, dtype=np.float64)
+        if int(swap) <= 0:
+            return np.zeros_like(s)
+        d = int(degree)
+        kept = 0.0 if level == "inputs" else int(swap) * self.model.hidden * self._resid_bytes
+        return (self._block_bytes - kept) * s / d / 1e9
+
+    def swap_host_memory(self, lengths, degree: int, level: str, swap: int) -> np.ndarray:
+        """Host memory (GB per GPU) of each sequence with ``swap`` blocks swapped at ``level``: the
+        swapped blocks' whole activations, and under ``inputs`` the other blocks' inputs."""
+        s = np.asarray(lengths, dtype=np.float64)
+        k, L = int(swap), self.model.layers
+        inputs = (L - k) * self.model.hidden * self._resid_bytes if level == "inputs" else 0.0
+        return (inputs + k * self._block_bytes) * s / int(degree) / 1e9
+
+    def choose_swap(self, lengths, degree: int, cp: int, level: str) -> int:
+        """How many blocks a group running ``lengths`` at ``level`` swaps: the count from 0 to the
+        layers that makes it fastest with its GPU memory and its host memory within their budgets
+        (the fewest among equals); 0 unless groups may swap (``swap``). Every count at once: the
+        group's time, GPU and host memory are ``group_at``'s, summed per sequence."""
+        s = np.asarray(lengths, dtype=np.float64)
+        if not self.swap or s.size == 0:
+            return 0
+        L, d = self.model.layers, int(degree)
+        k = np.arange(L + 1, dtype=np.float64)[:, None]  # (L+1, 1) against the sequences (1, n)
+        inputs = level == "inputs"
+        extra = self._offload_rows(s, d, level, k[:, 0])
+        if not inputs:
+            extra[0] = 0.0  # no block swapped at level none: nothing offloaded, nothing added
+        t = extra.sum(axis=1)  # what each count adds to the group's time
+        tokens = float(s.sum()) / d
+        kept = 0.0 if inputs else self.model.hidden * self._resid_bytes
+        base_gpu = float(self.gpu_memory(s, d, cp, level).sum())
+        gpu = base_gpu + np.where(k[:, 0] > 0, (self._block_bytes - k[:, 0] * kept) * tokens / 1e9, 0.0)
+        gpu = gpu + (self.tile_gb if inputs else 0.0) * (k[:, 0] < L)
+        host = ((L - k[:, 0]) * self.model.hidden * self._resid_bytes * inputs + k[:, 0] * self._block_bytes) * tokens / 1e9
+        ok = (gpu <= self.memory_budget_gb * (1 + 1e-9)) & (host <= self.host_budget_gb * (1 + 1e-9))
+        ok[0] = True
+        t = np.where(ok, t, np.inf)
+        best = int(np.argmin(t))  # the first of equal times: the fewest blocks
+        return best if t[best] < t[0] - 1e-9 * max(1.0, abs(float(t[0]))) else 0
 
     def group_offload(self, lengths, degree: int, cp: int) -> str:
         """The offload level of a group running ``lengths`` on split ``(degree/cp) x cp``: ``none``
@@ -930,28 +1047,30 @@ class CostModel:
         when the group's activations do not fit the GPU without it."""
         if not self._offload_ok:
             return "none"
-        if self.offload == "inputs":
+        if self.offload in ("inputs", "swap"):
             return "inputs"
         need = float(self.gpu_memory(lengths, degree, cp, "none").sum())
         return "inputs" if need > self.memory_budget_gb * (1 + 1e-9) else "none"
 
-    def group_at(self, lengths, degree: int, cp: int, level: str) -> tuple[float, float, float]:
+    def group_at(self, lengths, degree: int, cp: int, level: str, swap: int = 0) -> tuple[float, float, float]:
         """``(time_ms, gpu_gb, host_gb)`` of one group running ``lengths`` on split ``(degree/cp) x cp``
-        at offload ``level``: its overhead and sequences' times (plus ``offload_ms`` of every sequence
-        under ``inputs``), its GPU memory per GPU (plus one tile's working set under ``inputs``) and
-        its host memory per GPU."""
+        at offload ``level`` with ``swap`` blocks swapped: its overhead and sequences' times (plus
+        ``offload_ms`` of every sequence when it offloads or swaps), its GPU memory per GPU (plus one
+        tile's working set under ``inputs`` while a block is still checkpointed; ``swap_gpu_memory``)
+        and its host memory per GPU."""
         s = np.asarray(lengths, dtype=np.float64)
         if s.size == 0:
             return 0.0, 0.0, 0.0
-        d, c = int(degree), int(cp)
+        d, c, k = int(degree), int(cp), int(swap)
         t = self.group_overhead_ms(d, c) + float((self.compute_ms(s, d) + self._split_ms(s, d, c)).sum())
-        gpu = float(self.gpu_memory(s, d, c, level).sum())
-        if level == "inputs":
-            t += float(self.offload_ms(s, d).sum())
+        gpu = float((self.gpu_memory(s, d, c, level) + self.swap_gpu_memory(s, d, level, k)).sum())
+        if level == "inputs" or k:
+            t += float(self.offload_ms(s, d, level, k).sum())
+        if level == "inputs" and k < self.model.layers:
             gpu += self.tile_gb
-        return t, gpu, float(self.host_memory(s, d, level).sum())
+        return t, gpu, float(self.swap_host_memory(s, d, level, k).sum())
 
-    def memory_breakdown(self, lengths, degree: int, cp: int, level: str) -> dict:
+    def memory_breakdown(self, lengths, degree: int, cp: int, level: str, swap: int = 0) -> dict:
         """Per-GPU memory of one group at offload ``level`` by part (GB): ``gpu`` (``model states``,
         ``loss working set``, ``block inputs``: what recomputation keeps of them on the GPU,
         ``layer working set`` (one layer's while it is recomputed, the loss's share per token and CP's
@@ -959,16 +1078,17 @@ class CostModel:
         ``host`` (``block inputs``: the offloaded ones, per GPU of the group)."""
         s = np.asarray(lengths, dtype=np.float64)
         d, c = int(degree), int(cp)
-        act = float(self.gpu_memory(s, d, c, level).sum())
+        act = float((self.gpu_memory(s, d, c, level) + self.swap_gpu_memory(s, d, level, swap)).sum())
         layers = self.model.layers
-        kept_layers = layers if level == "none" else min(2, layers)
+        kept_layers = layers - int(swap) if level == "none" else min(2, layers - int(swap))
         inputs = float(kept_layers * self.model.hidden * self._resid_bytes * s.sum() / d / 1e9) if self.recompute else 0.0
         inputs = min(inputs, act)
         return {"gpu": {"model states": self.model_states_gb, "loss working set": self.loss_working_gb,
                         "block inputs": inputs, "layer working set": act - inputs,
                         "MLP tile": self.tile_gb if level == "inputs" else 0.0,
                         "unplanned reserve": self.cluster.gpu_memory_gb - self.cluster.usable_memory_gb},
-                "host": {"block inputs": float(self.host_memory(s, d, level).sum())}}
+                "host": {"block inputs": float(self.host_memory(s, d, level).sum()) * (layers - int(swap)) / layers,
+                         "swapped blocks": float(self.swap_host_memory(s, d, "none", swap).sum())}}
 
     def longest_sequence(self, limit: int = 1 << 36) -> int:
         """The longest single sequence (tokens) some group of this cost model holds, up to ``limit``
@@ -1137,13 +1257,18 @@ class CostModel:
         return self.group_overhead_ms(degree, cp) - self._fit.C
 
     def _unit_comm(self) -> list[tuple[float, float]]:
-        """Per FSDP unit, in forward order: (all-gather ms, reduce-scatter ms) over all ranks."""
+        """Per FSDP unit, in forward order: (all-gather ms, reduce-scatter ms) over all ranks (computed
+        once: every lockstep pass's time asks for it)."""
+        cached = self.__dict__.get("_unit_comm_ms")
+        if cached is not None:
+            return cached
         n = self.cluster.num_gpus
         out = []
         for unit in fsdp_units(self.model):
             numel = float(sum(math.prod(shape) for _, shape in unit))
             out.append((self._bus("allgather", numel * self.model.dtype_bytes, n),
                         self._bus("reduce_scatter", numel * 4.0, n)))
+        self._unit_comm_ms = out
         return out
 
     def fsdp_comm_ms(self) -> float:

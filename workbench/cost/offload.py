@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["OFFLOAD_LEVELS", "OFFLOAD_CHOICES", "DEFAULT_OFFLOAD", "HOST_MEMORY_FRACTION", "offload_problem",
+__all__ = ["OFFLOAD_LEVELS", "OFFLOAD_CHOICES", "DEFAULT_OFFLOAD", "HOST_MEMORY_FRACTION", "offload_problem", "swap_blocks",
            "mlp_tile_tokens", "residual_bytes", "host_bytes_per_token", "offload_saved_bytes_per_token",
            "tile_working_bytes", "mlp_flop_share", "host_link_gbps", "exposed_copy_ms"]
 
@@ -43,8 +43,10 @@ OFFLOAD_LEVELS = ("none", "inputs")
 """What one group does: ``none`` (activations as recomputation keeps them) or ``inputs`` (block
 inputs in host memory, the MLP in token tiles)."""
 
-OFFLOAD_CHOICES = ("none", "inputs", "auto")
-"""What a cost model's plans may use: one level for every group, or ``auto`` (per group, as needed)."""
+OFFLOAD_CHOICES = ("none", "inputs", "swap", "auto")
+"""What a cost model's plans may use: one level for every group (``swap``: ``inputs`` and, per group,
+the blocks whose swapping makes it fastest), or ``auto`` (per group: ``inputs`` as needed, and the
+swapped blocks that make it fastest)."""
 
 DEFAULT_OFFLOAD = "auto"
 """Scenarios, the command line and the panels plan with it unless told: a group offloads only when
@@ -59,10 +61,20 @@ def offload_problem(offload, recompute: bool) -> str | None:
     """Why ``offload`` is not a choice for a cost model with ``recompute`` (one line), or None."""
     if offload not in OFFLOAD_CHOICES:
         return f"unknown offload {offload!r}; choose one of {', '.join(OFFLOAD_CHOICES)}"
-    if offload == "inputs" and not recompute:
-        return ("offload 'inputs' moves the checkpointed block inputs to host memory, which needs "
+    if offload in ("inputs", "swap") and not recompute:
+        return (f"offload {offload!r} moves the checkpointed block inputs to host memory, which needs "
                 "recomputation: add --recompute (or use --offload auto, which offloads only under it)")
     return None
+
+
+def swap_blocks(layers: int, k: int) -> tuple[int, ...]:
+    """Which of ``layers`` blocks a group swapping ``k`` of them swaps: evenly spread, block ``i`` iff
+    ``floor((i+1) k / layers) > floor(i k / layers)`` (the runtime and the cost model use this one rule).
+    Raises ValueError for ``k`` outside 0..layers."""
+    L, k = int(layers), int(k)
+    if not 0 <= k <= L:
+        raise ValueError(f"swap_layers {k} is outside 0..{L} (the model's layers)")
+    return tuple(i for i in range(L) if (i + 1) * k // L > i * k // L)
 
 
 def mlp_tile_tokens(model) -> int:

@@ -287,7 +287,7 @@ def host_link(profile) -> dict:
     per, node, mem = num("host_link_gbps"), num("host_link_node_gbps"), num("host_memory_gb")
     n = pd.get("gpus_per_node") or prov.get("host_link_gpus") or prov.get("gpus_per_node")
     n = int(n) if isinstance(n, (int, float)) and n >= 1 else None
-    note = prov.get("host_link") or (prov.get("host") if kind != "measured" else None)
+    note = prov.get("host_link")
     return {"per_gpu_gbps": per, "node_gbps": node, "gpus_per_node": n,
             "per_gpu_node_gbps": node / n if node and n else None, "host_memory_gb": mem,
             "offload": bool(per or node), "kind": kind, "note": str(note) if note else None,

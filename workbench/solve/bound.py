@@ -84,6 +84,7 @@ def lower_bound_ms(lengths, cost: CostModel) -> float:
     ``lockstep_lower_bound_ms`` instead.
     Raises InfeasibleError when a sequence fits no group.
     """
+    cost = cost.bound_view()  # where groups may swap blocks, each sequence at its least
     s = np.asarray(lengths, dtype=np.int64)
     if s.size == 0:
         return cost.step_end_ms()
@@ -151,6 +152,7 @@ def lockstep_lower_bound_ms(lengths, cost: CostModel) -> float:
     The bound is the smallest S meeting ``S >= M overhead + max(the above)`` (the requirement only
     falls as S grows: bisection). Raises InfeasibleError when a sequence fits no group.
     """
+    cost = cost.bound_view()  # where groups may swap blocks, each sequence at its least
     s = np.asarray(lengths, dtype=np.int64)
     if s.size == 0:
         return cost.step_end_ms()
@@ -280,6 +282,7 @@ def _slot_bound(t0: float, single: np.ndarray, work: np.ndarray, gpu_mem: np.nda
 def packing_bound_ms(lengths, cost, upper_ms: float | None = None) -> float:
     """The packing lower bound (module docstring) in ms, gradient sync and optimizer step included. ``upper_ms``: the
     compute time (no gradient sync) of some plan of these lengths, or None."""
+    cost = cost.bound_view()  # where groups may swap blocks, each sequence at its least
     from ortools.linear_solver import pywraplp
 
     if cost.execution == "lockstep":
@@ -335,6 +338,7 @@ def lockstep_packing_bound_ms(lengths, cost, upper_ms: float | None = None, *, m
     step's end; a larger figure restricts less); ``multi``: whether plans may give a rank several groups in a pass
     (default True: a bound for every lockstep plan, stacked or not), False adds the one-group-per-rank
     constraints (a bound for FlexSP's one group per GPU and pass only)."""
+    cost = cost.bound_view()  # where groups may swap blocks, each sequence at its least
     from ortools.linear_solver import pywraplp
 
     multi = bool(multi)
@@ -448,6 +452,7 @@ def step_bound_ms(lengths, cost, plans=(), *, passes: bool = True, cancel=None, 
     bound's branching on the longest sequences' shapes (``lockstep_pass_bound_ms``; one pass bound per
     shape, so seconds more). A part that comes out above the fastest of ``plans`` cannot be a bound:
     it is left out, with a RuntimeWarning."""
+    cost = cost.bound_view()  # where groups may swap blocks, each sequence at its least
     makespans = [float(p.makespan_ms) for p in plans]
     upper = min(makespans) - float(cost.step_end_ms()) if makespans else None
     parts = {"lower bound": float(lower_bound_ms(lengths, cost)),
@@ -556,6 +561,7 @@ def lockstep_pass_bound_ms(lengths, cost, upper_ms: float | None = None, *, deta
     least its parent's) and takes the least value over the open nodes (every plan places that sequence
     at one shape). Each node is a whole pass bound at ``work``; ``detail`` then also gets ``branches``
     (``[({length: (degree, cp)}, value)]``, every node solved) and the least open node's own detail."""
+    cost = cost.bound_view()  # where groups may swap blocks, each sequence at its least
     if branch > 0:
         return _branched_pass_bound(lengths, cost, upper_ms, detail, work, cancel, int(branch))
     return _pass_bound(lengths, cost, upper_ms, detail, work, cancel, {})

@@ -83,11 +83,17 @@ class Group:
     offload existed have none."""
     host_gb: float = 0.0
     """Predicted host memory per GPU of the group's offloaded activations (GB)."""
+    swap_layers: int = 0
+    """How many of the model's blocks the group swaps: runs without recomputation, their whole
+    activations kept in host memory (``workbench.cost.offload.swap_blocks`` says which). 0: every
+    block recomputed (plans written before swap existed)."""
 
     def __post_init__(self) -> None:
         if self.cp < 1 or self.degree % self.cp:
             raise PlanError(f"group at ranks {list(self.ranks)[:1]}..: context-parallel size {self.cp} does not divide "
                             f"its degree {self.degree} (a group of degree d runs as ulysses x cp = d)")
+        if self.swap_layers < 0:
+            raise PlanError(f"group at ranks {list(self.ranks)[:1]}..: swap_layers {self.swap_layers} is negative")
         if self.offload not in OFFLOAD_LEVELS:
             raise PlanError(f"group at ranks {list(self.ranks)[:1]}..: offload {self.offload!r} is not one of "
                             f"{', '.join(OFFLOAD_LEVELS)}")
@@ -105,7 +111,8 @@ class Group:
     def to_dict(self) -> dict:
         return {"degree": self.degree, "ulysses": self.ulysses, "cp": self.cp, "ranks": list(self.ranks),
                 "sequences": list(self.sequences), "lengths": list(self.lengths), "time_ms": self.time_ms,
-                "memory_gb": self.memory_gb, "offload": self.offload, "host_gb": self.host_gb}
+                "memory_gb": self.memory_gb, "offload": self.offload, "host_gb": self.host_gb,
+                "swap_layers": self.swap_layers}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -250,7 +257,8 @@ def _group_from_dict(g: Mapping[str, Any]) -> Group:
     return Group(degree=degree, cp=cp, ranks=tuple(int(r) for r in g["ranks"]),
                  sequences=tuple(int(i) for i in g["sequences"]), lengths=tuple(int(x) for x in g["lengths"]),
                  time_ms=float(g["time_ms"]), memory_gb=float(g["memory_gb"]),
-                 offload=str(g.get("offload") or "none"), host_gb=float(g.get("host_gb") or 0.0))
+                 offload=str(g.get("offload") or "none"), host_gb=float(g.get("host_gb") or 0.0),
+                 swap_layers=int(g.get("swap_layers") or 0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -379,16 +387,23 @@ def build_plan(
                     raise PlanError(f"micro-step {m}: no free aligned block of degree {d} left")
             lo, hi = b * d, (b + 1) * d
             used[lo:hi] = True
+            level, _, gpu, host = _group_at(d, s, c) if cost.can_offload else ("none", t, _group_memory(d, s, c), 0.0)
+            k = 0
+            if cost.swap and not lockstep:  # a free micro-step is one group per rank: it may swap
+                k = cost.choose_swap(lengths[list(s)], d, c, level)
+                if k:
+                    t, gpu, host = cost.group_at(lengths[list(s)], d, c, level, k)
             if not lockstep:
                 start = ready[lo:hi].max()
                 ready[lo:hi] = start + t
-            level, _, gpu, host = _group_at(d, s, c) if cost.can_offload else ("none", t, _group_memory(d, s, c), 0.0)
             placed.append(Group(degree=d, cp=c, ranks=tuple(range(lo, hi)), sequences=tuple(int(i) for i in s),
                                 lengths=tuple(int(lengths[i]) for i in s), time_ms=t, memory_gb=gpu,
-                                offload=level, host_gb=host))
+                                offload=level, host_gb=host, swap_layers=k))
         placed.sort(key=lambda g: (g.ranks[0], -g.degree))
         if not placed:
             continue
+        if lockstep and cost.swap:
+            placed = _swapped(placed, cost)
         if lockstep:
             load = _rank_loads(placed, n, shared)
             pass_ms = cost.pass_ms(float(load.max()))
@@ -405,6 +420,25 @@ def build_plan(
                 execution=cost.execution, zero_stage=cost.cluster.zero_stage, precision=cost.precision,
                 recompute=cost.recompute, shared_overhead_ms=shared,
                 pass_comm_ms=cost.pass_comm_ms(), pass_overhead_ms=cost.pass_overhead_ms(), optimizer_ms=opt)
+
+
+def _swapped(groups: list[Group], cost: CostModel) -> list[Group]:
+    """A lockstep pass's groups with the blocks each swaps (``CostModel.choose_swap``): a rank packs
+    all its groups of a pass into one forward, where a block is swapped or recomputed for all of it,
+    so only groups whose ranks serve no other group in the pass swap."""
+    serving: dict[int, int] = {}
+    for g in groups:
+        for r in g.ranks:
+            serving[r] = serving.get(r, 0) + 1
+    out = []
+    for g in groups:
+        if all(serving[r] == 1 for r in g.ranks):
+            k = cost.choose_swap(g.lengths, g.degree, g.cp, g.offload)
+            if k:
+                t, gpu, host = cost.group_at(g.lengths, g.degree, g.cp, g.offload, k)
+                g = dataclasses.replace(g, time_ms=t, memory_gb=gpu, host_gb=host, swap_layers=k)
+        out.append(g)
+    return out
 
 
 def _arranged(micro_steps, lengths, cost: CostModel, n: int, group_time) -> list:
