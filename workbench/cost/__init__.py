@@ -128,7 +128,8 @@ from workbench.cost.memory import (PRECISIONS, fsdp_units, loss_backward_bytes_p
                                    loss_transient_bytes, model_states)
 from workbench.specs import ClusterSpec, ComputeCurve, HardwareProfile, ModelSpec, split_key
 
-__all__ = ["CostModel", "block_activation_bytes", "STRATEGIES", "DEFAULT_STRATEGY", "InfeasibleError", "EXECUTIONS", "strategy_problem"]
+__all__ = ["CostModel", "block_activation_bytes", "STRATEGIES", "DEFAULT_STRATEGY", "InfeasibleError", "EXECUTIONS",
+           "strategy_problem"]
 
 EXECUTIONS = ("free", "lockstep")
 
