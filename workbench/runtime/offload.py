@@ -1,12 +1,14 @@
-"""Block inputs parked in host memory and the MLP in tiles of tokens: what a token keeps on the
-device under recomputation, made smaller (MEMO; ALST, Arctic Long Sequence Training).
+"""Block inputs parked in host memory, the MLP in tiles of tokens, and blocks swapped instead of
+recomputed: what a token keeps on the device under recomputation made smaller, and the
+recomputation itself made shorter (MEMO; ALST, Arctic Long Sequence Training).
 
 Under ``--recompute`` every block runs under non-reentrant checkpointing
 (``workbench.runtime.zero.apply_recompute``), so per token the device keeps every block's input
 (``layers x hidden x bytes``) and, while one block is recomputed and differentiated, that block's
 working set, of which the SwiGLU MLP's intermediates (gate, up, silu(gate), their product: ``4 x
 ffn`` a token) are the largest part. Two levers remove most of it, for the rows (tokens) of the
-groups whose plan says ``offload="inputs"``:
+groups whose plan says ``offload="inputs"``, and a third trades the recomputation of some blocks
+for host memory, for the groups whose plan says ``swap_layers > 0``:
 
 - **Tiled MLP** (:func:`tiled_mlp`, ALST's TiledMLP idea): the block's MLP sublayer
   ``down(silu(gate(n)) * up(n))``, ``n = mlp_norm(h)``, is computed ``tile`` tokens at a time
@@ -27,6 +29,19 @@ groups whose plan says ``offload="inputs"``:
   CUDA events: :attr:`OffloadPass.wait_ms`). The last block's input is never offloaded: backward
   needs it first. So at any time at most two blocks' inputs are on the device: ``(layers - 2) x
   hidden x bytes`` a token fewer than without (``workbench.cost.offload`` prices both levers).
+
+- **Swap instead of recompute** (:meth:`OffloadPass.swapped_block`, MEMO's idea at block
+  granularity): under recomputation every block's forward runs twice. A pass that swaps block ``i``
+  (a group's ``swap_layers = k`` of ``L`` blocks, evenly spread: ``swap_blocks``) runs that block
+  plainly, not checkpointed, with a ``saved_tensors_hooks`` pair that sends every activation its
+  backward needs to host memory as the block's forward ends (one copy per storage; parameters,
+  their views and casts, the rotary tables and integer tensors stay) and brings it back one block
+  ahead in the backward, so the block is never recomputed. Its MLP runs plain: a tiled MLP
+  recomputes its tiles, which swapping is there to avoid. The last block, if swapped, keeps its
+  activations on the device (its backward comes first). The device then holds at most two
+  swapped blocks' activations at a time (the one in use and the one in flight), against a
+  recomputed block's input and, while it is recomputed, its working set; the host holds the
+  others'. The compute it saves is the swapped blocks' second forward.
 
 On CPU "host memory" is the same memory, but the pass still copies (into buffers made outside any
 ``workbench.runtime.live.LiveBytes`` count, and back into counted tensors), so a CPU test measures
@@ -54,9 +69,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from workbench.cost.offload import OFFLOAD_LEVELS, mlp_tile_tokens
+from workbench.cost.offload import OFFLOAD_LEVELS, mlp_tile_tokens, swap_blocks
 
-__all__ = ["OFFLOAD_LEVELS", "tiled_mlp", "RowMLP", "OffloadPass", "apply_offload", "offloading", "offload_pass"]
+__all__ = ["OFFLOAD_LEVELS", "tiled_mlp", "RowMLP", "OffloadPass", "apply_offload", "offloading", "offload_pass",
+           "swap_blocks"]
 
 
 # ---- the tiled MLP --------------------------------------------------------------------------------
@@ -239,43 +255,128 @@ class _Parked:
         self.event = None
 
 
+class _SwapEntry:
+    """One storage a swapped block saved for its backward: its bytes in ``host`` between the block's
+    forward and its backward; ``fetched`` (a uint8 device tensor over the bytes) once its copy back
+    is started, ``event`` (CUDA: that copy's completion, until the compute stream waited on it).
+    Held by every :class:`_SwapRef` of the storage (autograd holds those) and by the block's record
+    until its backward starts, so it, the host bytes and the device copy go when autograd is done
+    with the last tensor of the storage."""
+
+    __slots__ = ("nbytes", "device", "host", "fetched", "event", "__weakref__")
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.nbytes, self.device = int(nbytes), device
+        self.host: torch.Tensor | None = None
+        self.fetched: torch.Tensor | None = None
+        self.event = None
+
+
+class _SwapRef:
+    """What the pack hook returns for a tensor a swapped block saved: its storage's entry and the
+    view (dtype, size, stride, offset) to rebuild on the device copy of that storage."""
+
+    __slots__ = ("layer", "entry", "dtype", "size", "stride", "offset")
+
+    def __init__(self, layer: int, entry: _SwapEntry, t: torch.Tensor) -> None:
+        self.layer, self.entry = layer, entry
+        self.dtype, self.size, self.stride, self.offset = t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()
+
+
+class _Swapped:
+    """A swapped block's entries between its forward and the start of its backward (the prefetch
+    one block ahead finds them here)."""
+
+    __slots__ = ("layer", "entries")
+
+    def __init__(self, layer: int) -> None:
+        self.layer = layer
+        self.entries: list[_SwapEntry] = []
+
+
+# views and casts between a parameter and what an op saves of it (a weight's transpose, autocast's
+# bf16 copy): such a tensor is the parameter's, not an activation, and stays where it is
+_THROUGH = frozenset({"TBackward0", "ToCopyBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0",
+                      "ExpandBackward0", "UnsafeViewBackward0", "AliasBackward0", "AsStridedBackward0"})
+
+
+def _of_a_leaf(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a view or cast of a leaf that requires grad (a parameter) in a few steps."""
+    fn = t.grad_fn
+    for _ in range(4):
+        if fn is None:
+            return False
+        if type(fn).__name__ == "AccumulateGrad" or fn.name().endswith("AccumulateGrad"):
+            return True
+        if fn.name() not in _THROUGH:
+            return False
+        nxt = [f for f, _ in fn.next_functions if f is not None]
+        if len(nxt) != 1:
+            return False
+        fn = nxt[0]
+    return False
+
+
+def _bytes_of(st, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over the whole of untyped storage ``st`` (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(st)
+
+
 class OffloadPass:
     """One forward and backward's offload of block inputs and tiling of the MLP, on the rows of
     ``segments`` (``(start, stop, offload)``, covering the pass's rows; ``offload`` True for the rows
-    of ``"inputs"`` groups). ``layers``: the model's blocks (the last one's input stays on the
-    device); ``tile``: the MLP's tile in tokens (``workbench.cost.offload.mlp_tile_tokens``).
+    of ``"inputs"`` groups), and its swapped blocks ``swap`` (block indices, all rows: a block runs
+    swapped or checkpointed for the whole packed input). ``layers``: the model's blocks (the last
+    one's input, or if it is swapped its activations, stay on the device); ``tile``: the MLP's tile
+    in tokens (``workbench.cost.offload.mlp_tile_tokens``).
 
     Use with :func:`offloading` around the forward and backward, passing :attr:`mlp` to the model
     as ``mlp_fn``. After it: :attr:`wait_ms`, the time the compute stream waited for copies back
-    (CUDA; 0 on CPU, where the copies are synchronous), and :attr:`peak_host_bytes`, the host
-    memory the offloaded inputs took at most."""
+    (CUDA; 0 on CPU, where the copies are synchronous), :attr:`peak_host_bytes`, the host memory the
+    offloaded inputs took at most, and :attr:`swap_host_bytes`, the host memory the swapped blocks'
+    activations took (all of them are there when the forward ends). Raises ValueError for a tile
+    below 1 or a swapped block outside ``0 .. layers - 1``."""
 
-    def __init__(self, segments: Sequence[tuple[int, int, bool]], *, layers: int, tile: int) -> None:
+    def __init__(self, segments: Sequence[tuple[int, int, bool]], *, layers: int, tile: int,
+                 swap: Sequence[int] = ()) -> None:
         self.segments = _merge(segments)
         self.layers = int(layers)
         self.mlp = RowMLP(self.segments, tile)
-        """The model's ``mlp_fn`` for this pass."""
+        """The model's ``mlp_fn`` for this pass (swapped blocks do not use it: their MLP runs plain)."""
         self.off = [(lo, hi) for lo, hi, on in self.segments if on]
         self.keep = [(lo, hi) for lo, hi, on in self.segments if not on]
         self.rows = self.segments[-1][1] if self.segments else 0
+        bad = [i for i in swap if not 0 <= int(i) < self.layers]
+        if bad:
+            raise ValueError(f"OffloadPass: swapped block {bad[0]} is outside the model's {self.layers} blocks")
+        self.swap = frozenset(int(i) for i in swap)
+        """The blocks this pass swaps (``workbench.cost.offload.swap_blocks``)."""
         self.wait_ms = 0.0
         self.host_bytes = 0
         self.peak_host_bytes = 0
-        self._parked: dict[int, _Parked | _Kept] = {}
+        self.swap_host_bytes = 0
+        self._parked: dict[int, _Parked | _Kept | _Swapped] = {}
         self._waits: list = []  # CUDA: (event before, event after) each wait of the compute stream
         self._streams: dict = {}  # CUDA: the side stream of the copies per device (``offloading`` lends the model's)
 
     @property
     def active(self) -> bool:
-        """Whether any row is offloaded (and tiled)."""
-        return bool(self.off)
+        """Whether any row is offloaded (and tiled) or any block swapped."""
+        return bool(self.off) or bool(self.swap)
+
+    def swaps(self, layer: int) -> bool:
+        """Whether block ``layer`` runs swapped in this pass."""
+        return layer in self.swap
 
     # the hooks around one block's checkpointed call
     @contextlib.contextmanager
     def block_inputs(self, layer: int, x: torch.Tensor) -> Iterator[None]:
         """The pack/unpack hooks for block ``layer`` whose input is ``x``: inside, what the
-        checkpoint saves of ``x`` goes to host memory (unless ``layer`` is the last)."""
-        if not self.off or x.shape[0] != self.rows:
+        checkpoint saves of ``x`` goes to host memory (unless ``layer`` is the last). With swapped
+        blocks in the pass the hooks also mark where the block's backward starts (its input's
+        unpack), so that a swapped block before it is fetched one block ahead."""
+        park = bool(self.off) and x.shape[0] == self.rows
+        if not park and not self.swap:
             yield  # nothing of this pass's rows (or not the rows it was built for: left alone)
             return
 
@@ -288,7 +389,7 @@ class OffloadPass:
             if x is not None and (t is x or (t.data_ptr() == x.data_ptr() and t.shape == x.shape
                                              and t.dtype == x.dtype)):
                 target.clear()  # one input per block call
-                return self._pack(layer, t)
+                return self._pack(layer, t) if park else _Kept(layer, t)
             return t  # rotary tables, cu_seqlens: shared by every block, small
 
         del x
@@ -297,6 +398,119 @@ class OffloadPass:
                 yield
         finally:
             target.clear()
+
+    # the hooks around one swapped block's plain call
+    @contextlib.contextmanager
+    def swapped_block(self, layer: int, block: nn.Module, shared: Sequence = ()) -> Iterator[None]:
+        """The pack/unpack hooks for swapped block ``layer`` (the module ``block``, run plainly
+        inside, without checkpoint): every activation its backward needs goes to host memory as the
+        block's forward ends, one copy per storage (views of one storage share it), and comes back
+        one block ahead in the backward, so nothing of it is recomputed. Left where they are: the
+        block's parameters (under FSDP2 the all-gathered ones the unit holds during its forward,
+        which FSDP frees and gathers again itself) and views or casts of them, the ``shared``
+        tensors (the rotary tables and ``cu_seqlens`` every block gets), and tensors that are not
+        floating point (indices, ``cu_seqlens`` copies: small, or shared across blocks). The last
+        block keeps everything: its backward comes first."""
+        skip = {p.untyped_storage().data_ptr() for p in block.parameters()}
+        skip |= {t.untyped_storage().data_ptr() for t in shared if isinstance(t, torch.Tensor)}
+        skip.discard(0)
+        last = layer == self.layers - 1
+        # autograd keeps the pack hook with every tensor it saved (until the node that saved it has
+        # run), so what the hook reaches must be emptied when the forward ends: the block's record
+        # (else every entry, and its device copy in the backward, lives until the block's last
+        # saved tensor is released) and ``held``: storage -> (entry, a tensor of it), kept until the
+        # block's forward ends so that no storage is freed and its address reused by another while
+        # views are matched to entries (the device keeps them that long without swap as well), then
+        # copied to host memory, when their values are final
+        rec = [_Swapped(layer)]
+        held: dict[int, tuple[_SwapEntry, torch.Tensor]] = {}
+
+        def pack(t: torch.Tensor):
+            if not t.is_floating_point() or not rec:
+                return t
+            st = t.untyped_storage()
+            key = st.data_ptr()
+            if not key or key in skip or _of_a_leaf(t):
+                return t
+            if last:
+                return _Kept(layer, t)
+            hit = held.get(key)
+            if hit is None:
+                hit = held[key] = (_SwapEntry(st.nbytes(), t.device), t)
+                rec[0].entries.append(hit[0])
+            return _SwapRef(layer, hit[0], t)
+
+        done = False
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+                yield
+            done = True
+        finally:
+            if done:
+                self._swap_out(held)
+                if rec[0].entries:
+                    self._parked[layer] = rec[0]
+            held.clear()
+            rec.clear()
+
+    def _swap_out(self, held: dict) -> None:
+        """Copy the held storages to host memory (CUDA: pinned, on the side stream after what the
+        compute stream has done so far; their device memory is not reused before the copy read it)."""
+        waited: set = set()
+        with _disable_current_modes():  # host buffers are not device memory: made where LiveBytes does not count
+            for entry, t in held.values():
+                dev = entry.device
+                cuda = dev.type == "cuda"
+                entry.host = torch.empty(entry.nbytes, dtype=torch.uint8, device="cpu", pin_memory=cuda)
+                src = _bytes_of(t.untyped_storage(), dev)  # (nbytes,) uint8 over the storage
+                if cuda:
+                    stream = self._copy_stream(dev)
+                    if dev not in waited:
+                        stream.wait_stream(torch.cuda.current_stream(dev))  # the block's compute is done
+                        waited.add(dev)
+                    with torch.cuda.stream(stream):
+                        entry.host.copy_(src, non_blocking=True)
+                    src.record_stream(stream)
+                else:
+                    entry.host.copy_(src)
+                self.swap_host_bytes += entry.nbytes
+
+    def _fetch_swap(self, e: _SwapEntry) -> None:
+        """Start the copy back of one swapped storage (CUDA: on the side stream; CPU: done at once)."""
+        if e.fetched is not None or e.host is None:
+            return
+        if e.device.type == "cuda":
+            stream = self._copy_stream(e.device)
+            with torch.cuda.stream(stream):
+                dev = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
+                dev.copy_(e.host, non_blocking=True)
+            e.event = torch.cuda.Event()
+            e.event.record(stream)
+        else:
+            dev = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)  # counted: device memory again
+            with _disable_current_modes():
+                dev.copy_(e.host)
+        e.fetched = dev
+
+    def _unswap(self, ref: _SwapRef) -> torch.Tensor:
+        if self._parked.pop(ref.layer, None) is not None:
+            self._prefetch(ref.layer - 1)  # the block's backward starts: the one before it is copied meanwhile
+        e = ref.entry
+        self._fetch_swap(e)  # (normally started one block ahead)
+        dev = e.fetched
+        if e.event is not None:  # CUDA, the storage's first use: the compute stream waits for its copy
+            cur = torch.cuda.current_stream(e.device)
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record(cur)
+            cur.wait_event(e.event)
+            after.record(cur)
+            self._waits.append((before, after))
+            dev.record_stream(cur)  # made on the side stream, used and freed on this one
+            e.event = None
+        # the saved view on the device copy of its storage (kept by the entry while autograd holds a
+        # view of it: views of one storage share one copy, as they shared the storage)
+        return torch.empty(0, dtype=ref.dtype, device=e.device).set_(dev.untyped_storage(), ref.offset, ref.size,
+                                                                      ref.stride)
 
     def _pack(self, layer: int, x: torch.Tensor):
         if layer == self.layers - 1:
@@ -359,6 +573,8 @@ class OffloadPass:
             dev[lo:hi].copy_(part, non_blocking=non_blocking)
 
     def _unpack(self, obj):
+        if isinstance(obj, _SwapRef):
+            return self._unswap(obj)
         if isinstance(obj, _Kept):
             self._parked.pop(obj.layer, None)  # the checkpoint holds it until the block's backward ends
             self._prefetch(obj.layer - 1)
@@ -388,6 +604,9 @@ class OffloadPass:
         p = self._parked.get(layer)
         if isinstance(p, _Parked):
             self._fetch(p)
+        elif isinstance(p, _Swapped):
+            for e in p.entries:
+                self._fetch_swap(e)
 
     def _copy_stream(self, device: torch.device):
         if device not in self._streams:
@@ -417,10 +636,12 @@ class _Slot:
 
 def apply_offload(model: nn.Module) -> None:
     """Make every block of ``model.blocks`` run its checkpointed forward inside the hooks of the
-    :class:`OffloadPass` active on the model (:func:`offloading`), and plainly when none is. Apply
-    after ``apply_recompute`` (the hooks go around the checkpoint) and before ``fully_shard``, as
-    ``zero.parallelize`` does. Idempotent. Raises ValueError when a block does not recompute:
-    offloaded inputs are the checkpointed ones."""
+    :class:`OffloadPass` active on the model (:func:`offloading`), or, when the pass swaps the
+    block, its plain forward (no checkpoint, the plain MLP) inside the pass's swap hooks; and the
+    checkpointed forward plainly when no pass is active. Apply after ``apply_recompute`` (the hooks
+    go around the checkpoint) and before ``fully_shard``, as ``zero.parallelize`` does. Idempotent.
+    Raises ValueError when a block does not recompute: offloaded inputs are the checkpointed ones,
+    and a swapped block is one that is not recomputed."""
     if getattr(model, "_workbench_offload", None) is not None:
         return
     if not all(getattr(b, "_workbench_recompute", False) for b in model.blocks):
@@ -428,13 +649,20 @@ def apply_offload(model: nn.Module) -> None:
     slot = _Slot()
     for i, block in enumerate(model.blocks):
         inner = block.forward  # the checkpointing forward
+        plain = type(block).forward.__get__(block)  # the block's own forward: neither checkpointed nor wrapped
 
-        def forward(x, *args, _inner=inner, _layer=i, **kwargs):
+        def forward(x, cos, sin, cu_seqlens, max_seqlen, attn, mlp_fn=None, *, _inner=inner, _plain=plain, _layer=i,
+                    _block=block):
             op = slot.active
             if op is None:
-                return _inner(x, *args, **kwargs)
+                return _inner(x, cos, sin, cu_seqlens, max_seqlen, attn, mlp_fn)
+            if op.swaps(_layer):
+                # a swapped block is not recomputed, so a tiled MLP (which recomputes its tiles) buys
+                # nothing: its MLP runs plain whatever the rows' offload level
+                with op.swapped_block(_layer, _block, (cos, sin, cu_seqlens)):
+                    return _plain(x, cos, sin, cu_seqlens, max_seqlen, attn, None)
             with op.block_inputs(_layer, x):
-                return _inner(x, *args, **kwargs)
+                return _inner(x, cos, sin, cu_seqlens, max_seqlen, attn, mlp_fn)
 
         block.forward = forward  # an instance attribute, as apply_recompute's: names and state dicts unchanged
     model._workbench_offload = slot
@@ -443,13 +671,13 @@ def apply_offload(model: nn.Module) -> None:
 @contextlib.contextmanager
 def offloading(model: nn.Module, op: OffloadPass) -> Iterator[OffloadPass]:
     """``op`` active on ``model`` for what runs inside (one forward and its backward): its blocks'
-    inputs offloaded. On exit ``op.finish()``. Raises ValueError when ``model`` has no
+    inputs offloaded, its swapped blocks swapped. On exit ``op.finish()``. Raises ValueError when ``model`` has no
     :func:`apply_offload` and ``op`` offloads something, or another pass is already active."""
     slot = getattr(model, "_workbench_offload", None)
     if slot is None:
         if op.active:
-            raise ValueError("this model does not offload block inputs: it runs without recomputation "
-                             "(zero.parallelize(recompute=True) applies offloading)")
+            raise ValueError("this model does not offload block inputs or swap blocks: it runs without "
+                             "recomputation (zero.parallelize(recompute=True) applies offloading)")
         yield op
         return
     if slot.active is not None:
@@ -463,10 +691,14 @@ def offloading(model: nn.Module, op: OffloadPass) -> Iterator[OffloadPass]:
         op.finish()
 
 
-def offload_pass(segments: Sequence[tuple[int, int, bool]], model: nn.Module) -> OffloadPass | None:
+def offload_pass(segments: Sequence[tuple[int, int, bool]], model: nn.Module, *,
+                 swap_layers: int = 0) -> OffloadPass | None:
     """The :class:`OffloadPass` of a forward over rows ``segments`` (``(start, stop, offload)``) of
-    ``model`` (its ``spec`` gives the layers and the MLP's tile, ``workbench.cost.offload``), or None
-    when no row offloads."""
-    if not any(on for _, _, on in segments):
+    ``model`` (its ``spec`` gives the layers and the MLP's tile, ``workbench.cost.offload``) that
+    swaps ``swap_layers`` of its blocks (``swap_blocks``), or None when no row offloads and no block
+    is swapped. Raises ValueError for ``swap_layers`` outside ``0 .. layers``."""
+    layers = len(model.blocks)
+    swap = swap_blocks(layers, swap_layers)
+    if not any(on for _, _, on in segments) and not swap:
         return None
-    return OffloadPass(segments, layers=len(model.blocks), tile=mlp_tile_tokens(model.spec))
+    return OffloadPass(segments, layers=layers, tile=mlp_tile_tokens(model.spec), swap=swap)

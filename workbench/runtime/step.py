@@ -34,8 +34,14 @@ How micro-steps run depends on the plan's ``execution``, which must be the run's
 
 A group whose plan says ``offload="inputs"`` (recomputation only) has its rows' checkpointed block
 inputs moved to host memory and its rows' MLP run in token tiles (``workbench.runtime.offload``);
-in a lockstep pass only that group's rows of the packed input. Offload is local: it changes what a
-rank keeps, never which collectives it runs or in what order.
+in a lockstep pass only that group's rows of the packed input. A group whose plan says
+``swap_layers = k`` runs ``k`` of the blocks (``workbench.cost.offload.swap_blocks``) without
+recomputation, their activations in host memory between forward and backward; per rank and pass a
+block is swapped or recomputed for all its rows, so the groups one rank packs in a pass swap the
+same blocks (``check_plan``), and every rank of a group swaps the same ones, so the recomputation's
+collectives (a recomputed block's all-to-alls and all-gathers) run on all of them or none. Offload
+and swap are otherwise local: they change what a rank keeps, never which collectives it runs or in
+what order.
 """
 
 from __future__ import annotations
@@ -187,11 +193,23 @@ def _offload(g: Group) -> str:
     return getattr(g, "offload", "none")
 
 
+def _swap(g: Group) -> int:
+    """How many blocks a group swaps: 0 for groups of plans written before swap existed."""
+    return int(getattr(g, "swap_layers", 0))
+
+
+def _group_fields(g: Group) -> dict:
+    """A record's entry for a group it served."""
+    return {"degree": g.degree, "cp": g.cp, "ranks": list(g.ranks), "sequences": list(g.sequences),
+            "offload": _offload(g), "swap_layers": _swap(g)}
+
+
 def _offload_fields(op: OffloadPass | None) -> dict:
     """A record's offload figures from the pass that ran (none: zeros)."""
     if op is None:
         return {}
-    return {"offload_wait_ms": float(op.wait_ms), "offload_host_mb": op.peak_host_bytes / 2**20}
+    return {"offload_wait_ms": float(op.wait_ms), "offload_host_mb": op.peak_host_bytes / 2**20,
+            "swap_host_mb": op.swap_host_bytes / 2**20}
 
 
 def _stage_name(execution: str) -> str:
@@ -205,7 +223,7 @@ def _shapes_text(shapes) -> str:
 def check_plan(plan: Plan, lengths: Sequence[int], world_size: int, degrees: Sequence[int] | None = None, *,
                max_context: int | None = None, heads: int | None = None, kv_heads: int | None = None,
                zero_stage: int | None = None, precision: str | None = None, recompute: bool | None = None,
-               shapes: Sequence[tuple[int, int]] | None = None) -> None:
+               shapes: Sequence[tuple[int, int]] | None = None, layers: int | None = None) -> None:
     """Check that ``plan`` can run on ``world_size`` ranks for a batch of ``lengths``: given the
     run's ``zero_stage`` (``precision``, ``recompute``), the plan was made for them (its execution,
     and its stage, precision and recomputation where it records them); same rank count, aligned
@@ -214,8 +232,10 @@ def check_plan(plan: Plan, lengths: Sequence[int], world_size: int, degrees: Seq
     divides its degree, no rank twice in a micro-step under free execution (a lockstep pass may give
     a rank several groups), every sequence once with its length, no sequence longer than
     ``max_context``, (given ``heads``/``kv_heads``) every group's Ulysses size usable with the
-    model's heads, and every group's ``offload`` a known level, ``inputs`` only with recomputation
-    (the run's, else the plan's). Raises PlanError saying, in one line, what does not match and how to fix it."""
+    model's heads, every group's ``offload`` a known level, ``inputs`` only with recomputation
+    (the run's, else the plan's), and every group's ``swap_layers`` within ``0 .. layers`` (given the
+    model's ``layers``), above 0 only with recomputation, and in a lockstep pass the same for all the
+    groups one rank serves. Raises PlanError saying, in one line, what does not match and how to fix it."""
     if zero_stage is not None:
         run_exec = "lockstep" if zero_stage == 3 else "free"
         if plan.execution != run_exec:
@@ -245,6 +265,7 @@ def check_plan(plan: Plan, lengths: Sequence[int], world_size: int, degrees: Seq
     seen = [0] * len(lengths)
     for m, ms in enumerate(plan.micro_steps):
         used: set[int] = set()
+        swaps: dict[int, set[int]] = {}  # rank -> the swap_layers of its groups in this pass
         for g in ms.groups:
             lo = g.ranks[0] if g.ranks else -1
             if (len(g.ranks) != g.degree or tuple(g.ranks) != tuple(range(lo, lo + g.degree)) or lo % g.degree
@@ -273,6 +294,15 @@ def check_plan(plan: Plan, lengths: Sequence[int], world_size: int, degrees: Seq
                                     f"(the Ulysses size must divide the query heads and divide or be a multiple of "
                                     f"the KV heads); plan with --strategy auto, which splits such groups with "
                                     f"context parallelism")
+            k = _swap(g)
+            if k < 0 or (layers is not None and k > layers):
+                raise PlanError(f"micro-step {m}: group at ranks {list(g.ranks)} swaps {k} blocks, outside 0.."
+                                f"{layers if layers is not None else 'the layers'} (the model's blocks); plan with "
+                                f"this run's model")
+            if k and not runs_recompute:
+                raise PlanError(f"micro-step {m}: group at ranks {list(g.ranks)} swaps {k} blocks (keeps their "
+                                f"activations in host memory instead of recomputing them), which needs --recompute; "
+                                f"run with --recompute or plan with --offload none")
             off = _offload(g)
             if off not in OFFLOAD_LEVELS:
                 raise PlanError(f"micro-step {m}: group at ranks {list(g.ranks)} has offload {off!r}, which is not one "
@@ -283,6 +313,8 @@ def check_plan(plan: Plan, lengths: Sequence[int], world_size: int, degrees: Seq
                                 f"--recompute or plan with --offload none")
             if used & set(g.ranks) and not lockstep:
                 raise PlanError(f"micro-step {m}: rank(s) {sorted(used & set(g.ranks))} are in two groups")
+            for r in g.ranks:
+                swaps.setdefault(r, set()).add(k)
             used |= set(g.ranks)
             if len(g.sequences) != len(g.lengths):
                 raise PlanError(f"micro-step {m}: group at ranks {list(g.ranks)} lists {len(g.sequences)} sequences "
@@ -296,6 +328,11 @@ def check_plan(plan: Plan, lengths: Sequence[int], world_size: int, degrees: Seq
                 if int(lengths[i]) != int(ln):
                     raise PlanError(f"micro-step {m}: sequence {i} has {lengths[i]} tokens but the plan says {ln}")
                 seen[i] += 1
+        mixed = sorted(r for r, ks in swaps.items() if len(ks) > 1)
+        if mixed:
+            raise PlanError(f"pass {m}: rank(s) {mixed} serve groups that swap different numbers of blocks "
+                            f"({', '.join(str(k) for k in sorted(swaps[mixed[0]]))}), but a rank's pass runs each "
+                            f"block swapped or recomputed for all its rows; plan with this runtime's planner")
     bad = [i for i, n in enumerate(seen) if n != 1]
     if bad:
         raise PlanError(f"sequence {bad[0]} runs {seen[bad[0]]} times in the plan (every sequence must run once; "
@@ -326,8 +363,8 @@ class MicroStepRecord:
     measured_ms: float
     peak_memory_mb: float
     groups: list[dict] = field(default_factory=list)
-    """Every group the rank served, in order: ``{degree, cp, ranks, sequences, offload}`` (lockstep
-    passes may hold several)."""
+    """Every group the rank served, in order: ``{degree, cp, ranks, sequences, offload, swap_layers}``
+    (lockstep passes may hold several)."""
     pass_ms: float | None = None
     """Lockstep: the plan's predicted duration of the whole pass (its slowest rank, or FSDP's
     collectives, plus the pass overhead); None under free execution."""
@@ -335,10 +372,13 @@ class MicroStepRecord:
     """When the micro-step (pass) began on this rank, in ms from the start of the rank's step
     (``StepResult.start_time``); None in records written before it was kept."""
     offload_wait_ms: float = 0.0
-    """Time the compute waited for offloaded block inputs to come back from host memory (CUDA
-    events; 0 without offload, and on CPU, where the copies are synchronous)."""
+    """Time the compute waited for offloaded block inputs and swapped activations to come back from
+    host memory (CUDA events; 0 without offload or swap, and on CPU, where the copies are synchronous)."""
     offload_host_mb: float = 0.0
     """Host memory the offloaded block inputs took at most (MB; the plan's ``host_gb`` predicts it)."""
+    swap_host_mb: float = 0.0
+    """Host memory the swapped blocks' activations took (MB): all of them are there when the forward
+    ends (the plan's ``host_gb`` counts them with the offloaded inputs)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -416,7 +456,7 @@ class StepExecutor:
         z = self.zero
         check_plan(plan, lengths, self.world_size, self.registry.degrees, max_context=spec.max_context,
                    heads=spec.heads, kv_heads=spec.kv_heads, zero_stage=z.zero_stage, precision=z.precision,
-                   recompute=z.recompute, shapes=self.registry.shapes)
+                   recompute=z.recompute, shapes=self.registry.shapes, layers=spec.layers)
 
     def run(self, plan: Plan, sequences: Sequence[torch.Tensor]) -> StepResult:
         """Every micro-step (free) or pass (lockstep) of ``plan``, then the stage's gradient
@@ -472,13 +512,14 @@ class StepExecutor:
 
     def _offload_pass(self, groups: Sequence[Group], shards: Sequence[LocalShard]) -> OffloadPass | None:
         """The offload of a forward over ``shards`` packed back to back, each group's rows as its
-        ``offload`` says; None when no group offloads."""
+        ``offload`` says, swapping the blocks the groups' ``swap_layers`` says (one number for all of
+        them: ``check_plan``); None when no group offloads or swaps."""
         segments, lo = [], 0
         for g, part in zip(groups, shards):
             hi = lo + int(part.tokens.numel())
             segments.append((lo, hi, _offload(g) == "inputs"))
             lo = hi
-        return offload_pass(segments, self.model)
+        return offload_pass(segments, self.model, swap_layers=_swap(groups[0]) if groups else 0)
 
     def _group_attention(self, g: Group, sh: LocalShard) -> Callable:
         if g.degree == 1:
@@ -514,8 +555,7 @@ class StepExecutor:
                 tokens=sh.real_tokens, padded_tokens=int(sh.tokens.numel()), targets=sh.targets,
                 loss=lv / sh.targets if sh.targets else None, predicted_ms=float(g.time_ms),
                 measured_ms=(time.perf_counter() - t0) * 1e3, peak_memory_mb=peak_memory_mb(dev),
-                groups=[{"degree": g.degree, "cp": g.cp, "ranks": list(g.ranks), "sequences": list(g.sequences),
-                         "offload": _offload(g)}],
+                groups=[_group_fields(g)],
                 start_ms=(t0 - t_step) * 1e3, **_offload_fields(op)))
         return records, loss_sum
 
@@ -555,8 +595,7 @@ class StepExecutor:
                 padded_tokens=int(sh.tokens.numel()) if mine else 0, targets=sh.targets,
                 loss=lv / sh.targets if sh.targets else None, predicted_ms=load if mine else 0.0,
                 measured_ms=(time.perf_counter() - t0) * 1e3, peak_memory_mb=peak_memory_mb(dev),
-                groups=[{"degree": g.degree, "cp": g.cp, "ranks": list(g.ranks), "sequences": list(g.sequences),
-                         "offload": _offload(g)} for g in mine],
+                groups=[_group_fields(g) for g in mine],
                 pass_ms=None if ms.time_ms is None else float(ms.time_ms), start_ms=(t0 - t_step) * 1e3,
                 **_offload_fields(op)))
         return records, loss_sum

@@ -332,7 +332,7 @@ class ZeroRuntime:
 def parallelize(model: nn.Module, *, zero_stage: int, precision: str, recompute: bool = False,
                 device: torch.device | str = "cpu") -> ZeroRuntime:
     """Apply a ZeRO stage to ``model`` (already on ``device``, identical on every rank): recompute
-    first when asked (with the hooks that offload block inputs, ``workbench.runtime.offload``), then
+    first when asked (with the hooks that offload block inputs and swap blocks, ``workbench.runtime.offload``), then
     FSDP2 under ZeRO-3. Returns the :class:`ZeroRuntime`. Raises ValueError
     for an unknown stage or precision, or ZeRO-3 without an initialised process group."""
     if zero_stage not in ZERO_STAGES or isinstance(zero_stage, bool):
@@ -340,7 +340,7 @@ def parallelize(model: nn.Module, *, zero_stage: int, precision: str, recompute:
     compute_dtype(precision)
     if recompute:
         apply_recompute(model)
-        # what a plan's offload "inputs" needs (workbench.runtime.offload): inert until a pass is active
+        # what a plan's offload "inputs" and swap_layers need (workbench.runtime.offload): inert until a pass is active
         from workbench.runtime.offload import apply_offload
 
         apply_offload(model)
