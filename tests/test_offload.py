@@ -11,8 +11,9 @@ against an independent reference:
   of all but two layers; the whole lever saves the inputs, the MLP's intermediates and the norm's
   tensors (``(layers-2) h resid + 4 c ffn + 4 h + 2 c h``) within 10% under autocast, and in fp32
   that plus up to the plain MLP's backward gradients the memory model does not count;
-- one SGD step of a plan mixing Ulysses x CP groups, some of them offloading, on 4 gloo ranks under
-  ZeRO-0 and ZeRO-3, against the same plan without offload (fp32, 1e-5; slow, one torchrun launch);
+- one SGD step of a plan mixing Ulysses x CP groups, some of them offloading, and the same plan with
+  swapped blocks besides (``tests/test_swap.py`` has the one-process checks), on 4 gloo ranks under
+  ZeRO-0 and ZeRO-3, against the same plan without either (fp32, 1e-5; slow, one torchrun launch);
 - ``check_plan`` refuses offload without recomputation and unknown levels, in one line.
 """
 
@@ -464,17 +465,26 @@ def _dist_plan(stage: int):
     more degree-1 group on rank 0 that does not offload, packed in rank 0's pass after its
     offloading degree-2 group (the offload applies to the first segment of the pass only). The
     300-token sequence gives each rank of the 2x2 group 75 rows and the 150 one rank 3 150: more
-    than one MLP tile (``mlp_tile_tokens`` = 64)."""
+    than one MLP tile (``mlp_tile_tokens`` = 64). Returns the plain plan, the offloading one, and
+    the offloading one with swapped blocks (of the tiny model's 2): the 2x2 group both, ranks 0-1's
+    degree-2 group the last one (under ZeRO-3 so does rank 0's degree-1 group, packed with it:
+    one rank's pass swaps one set of blocks), rank 2's group both, rank 3's none."""
     if stage == 3:
         micro = [[(4, [0, 2], 2)], [(2, [1, 5]), (1, [4]), (1, [3]), (1, [6, 7])]]
         blocks = [[0], [0, 0, 2, 3]]
         levels = [["inputs"], ["inputs", "none", "none", "inputs"]]
+        swaps = [[2], [1, 1, 2, 0]]
     else:
         micro = [[(4, [0, 2], 2)], [(2, [1, 4, 5]), (1, [3]), (1, [6, 7])]]
         blocks = [[0], [0, 2, 3]]
         levels = [["inputs"], ["inputs", "none", "inputs"]]
+        swaps = [[2], [1, 2, 0]]
     plan = _plan(micro, DIST_LENGTHS, world=WORLD, stage=stage, blocks=blocks)
-    return plan, _with_offload(plan, lambda m, k: levels[m][k])
+    offl = _with_offload(plan, lambda m, k: levels[m][k])
+    steps = tuple(dataclasses.replace(ms, groups=tuple(dataclasses.replace(g, swap_layers=swaps[m][k])
+                                                       for k, g in enumerate(ms.groups)))
+                  for m, ms in enumerate(offl.micro_steps))
+    return plan, offl, dataclasses.replace(offl, micro_steps=steps)
 
 
 def _dist_step(registry, plan, seqs, stage):
@@ -503,24 +513,27 @@ def _check_offload_steps(registry, rank) -> dict:
     init = {n: p.detach().clone() for n, p in Transformer(spec, seed=3).named_parameters()}
     out = {}
     for stage in (0, 3):
-        plain, offl = _dist_plan(stage)
+        plain, offl, swapping = _dist_plan(stage)
         ref, ref_res = _dist_step(registry, plain, seqs, stage)
-        got, res = _dist_step(registry, offl, seqs, stage)
-        worst, where = 0.0, ""
-        for n, r in ref.items():
-            du, dr = got[n] - init[n], r - init[n]
-            rel = float((du - dr).norm()) / max(float(dr.norm()), 1e-30)
-            if rel > worst:
-                worst, where = rel, n
-        levels = [[gr["offload"] for gr in rec.groups] for rec in res.records]
-        out[f"offload_z{stage}"] = {
-            "ok": worst < FP32_RTOL and abs(res.loss - ref_res.loss) <= FP32_RTOL * ref_res.loss,
-            "worst_rel": worst, "worst_param": where, "loss": res.loss, "ref_loss": ref_res.loss,
-            "levels": levels, "splits": [[f"{gr['degree'] // gr['cp']}x{gr['cp']}" for gr in rec.groups]
-                                         for rec in res.records],
-            "wait_ms": [rec.offload_wait_ms for rec in res.records],
-            "host_mb": [rec.offload_host_mb for rec in res.records],
-            "rows": [rec.padded_tokens for rec in res.records]}
+        for name, plan in (("offload", offl), ("swap", swapping)):
+            got, res = _dist_step(registry, plan, seqs, stage)
+            worst, where = 0.0, ""
+            for n, r in ref.items():
+                du, dr = got[n] - init[n], r - init[n]
+                rel = float((du - dr).norm()) / max(float(dr.norm()), 1e-30)
+                if rel > worst:
+                    worst, where = rel, n
+            levels = [[gr["offload"] for gr in rec.groups] for rec in res.records]
+            out[f"{name}_z{stage}"] = {
+                "ok": worst < FP32_RTOL and abs(res.loss - ref_res.loss) <= FP32_RTOL * ref_res.loss,
+                "worst_rel": worst, "worst_param": where, "loss": res.loss, "ref_loss": ref_res.loss,
+                "levels": levels, "splits": [[f"{gr['degree'] // gr['cp']}x{gr['cp']}" for gr in rec.groups]
+                                             for rec in res.records],
+                "swaps": [[gr["swap_layers"] for gr in rec.groups] for rec in res.records],
+                "wait_ms": [rec.offload_wait_ms for rec in res.records],
+                "host_mb": [rec.offload_host_mb for rec in res.records],
+                "swap_mb": [rec.swap_host_mb for rec in res.records],
+                "rows": [rec.padded_tokens for rec in res.records]}
     return out
 
 
@@ -563,6 +576,35 @@ def test_a_step_with_offloading_groups_equals_the_step_without(offload_results, 
         per_rank["3"]["rows"][1] * per_row)
     if stage == 3:  # rank 0's pass: only its degree-2 group's rows (its degree-1 group's 41 tokens stay)
         assert per_rank["0"]["host_mb"][1] == pytest.approx((per_rank["0"]["rows"][1] - 41) * per_row)
+    assert all(m == 0.0 for v in per_rank.values() for m in v["swap_mb"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_step_with_swapping_groups_equals_the_step_without(offload_results, stage):
+    """fp32, recomputation: the same plan with offload and, besides, swapped blocks (the 2x2 group
+    both of the tiny model's 2 blocks, the degree-2 group the last, rank 2's group both, rank 3's
+    none; under ZeRO-3 rank 0's two packed groups the last) updates every parameter as the plain plan
+    (1e-5 relative), under ZeRO-0 and ZeRO-3; every rank swapped what the plan says; host memory held
+    a swapped block's activations where the first block was swapped (the last one's stay on the
+    device), the offloaded inputs only of the recomputed blocks."""
+    from _torchrun import assert_all_ranks
+
+    assert_all_ranks(offload_results, f"swap_z{stage}", WORLD)
+    per_rank = offload_results[f"swap_z{stage}"]
+    assert per_rank["0"]["splits"][0] == ["2x2"] and all(v["swaps"][0] == [2] for v in per_rank.values())
+    assert per_rank["0"]["swaps"][1] == ([1, 1] if stage == 3 else [1])
+    assert per_rank["2"]["swaps"][1] == [2] and per_rank["3"]["swaps"][1] == [0]
+    # the first block swapped: its activations in host memory, no block input offloaded (the other
+    # block, the last, is swapped too and kept on the device)
+    for r in map(str, range(WORLD)):
+        assert per_rank[r]["swap_mb"][0] > 0 and per_rank[r]["host_mb"][0] == 0.0
+    assert per_rank["2"]["swap_mb"][1] > 0
+    # the last block alone swapped (kept on the device), or none: nothing of a block in host memory;
+    # rank 3 offloads its inputs as before
+    assert per_rank["0"]["swap_mb"][1] == 0.0 and per_rank["3"]["swap_mb"][1] == 0.0
+    spec = get_model("tiny")
+    assert per_rank["3"]["host_mb"][1] == pytest.approx(per_rank["3"]["rows"][1] * (spec.layers - 1) * spec.hidden * 4 / 2**20)
 
 
 if __name__ == "__main__":
