@@ -321,15 +321,6 @@ def _peak(model, sh, *, tile=None, offload=False, autocast=False, mlp_fn=None) -
     return live.peak
 
 
-def offload_drop_formula(spec, *, autocast: bool) -> int:
-    """GPU bytes per token level ``inputs`` removes with the norm inside the tiled unit: the inputs of
-    all but two layers, the MLP's four intermediates and the norm's tensors (its fp32 input for the
-    statistics, its normed input and output): ``(layers-2) h resid + 4 c ffn + 4 h + 2 c h``."""
-    c, resid = (2, 4) if autocast else (spec.dtype_bytes, spec.dtype_bytes)
-    h = spec.hidden
-    return (spec.layers - 2) * h * resid + 4 * c * spec.ffn + 4 * h + 2 * c * h
-
-
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
 def test_what_a_step_keeps_falls_by_the_offloaded_inputs_and_the_mlp_intermediates(autocast):
     """6 layers of the tiny model's width, 2,048 tokens (16 sequences of 128), recomputation, the MLP
@@ -343,13 +334,13 @@ def test_what_a_step_keeps_falls_by_the_offloaded_inputs_and_the_mlp_intermediat
       and normed input (4 h), and its output (fp32: 4 h) or (autocast) the bf16 copy of it the tiled
       MLP kept (2 h): 516 and 388 bytes, measured 533 and 444 (the rest: the plain norm's backward
       transients, which the tile also holds for a tile only);
-    - the whole lever (offload and tiling, against neither) against ``offload_drop_formula``
-      (``(layers-2) h resid + 4 c ffn + 4 h + 2 c h``): under autocast within 10% (measured 3,041
+    - the whole lever (offload and tiling, against neither) against the memory model's
+      ``offload_saved_bytes_per_token`` (``(layers-2) h resid + 4 c ffn + 4 h + 2 c h``): under autocast within 10% (measured 3,041
       against 2,912, +4.4%); in fp32 at least the formula and at most that plus the two
       ``ffn``-wide gradients the plain MLP's backward holds at its peak besides its four saved
       intermediates, which the memory model does not count (``2 x ffn x 4`` = 1,376): measured
       5,173 against 4,544."""
-    from workbench.cost.offload import mlp_tile_tokens
+    from workbench.cost.offload import mlp_tile_tokens, offload_saved_bytes_per_token
 
     spec = _spec(layers=6)
     sh = _batch(spec, [128] * 16)
@@ -364,7 +355,7 @@ def test_what_a_step_keeps_falls_by_the_offloaded_inputs_and_the_mlp_intermediat
     inputs = (tiled - both) / T
     norm_part = (mlp_only - tiled) / T
     drop = (plain - both) / T
-    formula = offload_drop_formula(spec, autocast=autocast)
+    formula = offload_saved_bytes_per_token(spec, autocast=autocast)
     h = spec.hidden
     norm_want = 4 + 4 * h + (2 * h if autocast else 4 * h)
     print(f"\nper token: drop {drop:.0f} B (formula {formula:.0f}, {drop / formula - 1:+.1%}); inputs part {inputs:.0f} "
