@@ -127,6 +127,15 @@ def test_tour_runs_headless(demo):
     assert h["step_s"] < s["step_s"] and h["speedup_over_static_max"] == pytest.approx(s["step_s"] / h["step_s"])
     assert h["work_static_gpu_s"]["communication_gpu_s"] > h["work_heterogeneous_gpu_s"]["communication_gpu_s"]
     assert tour["memory"]["min_degree"]["131072"] == 32  # 128K tokens need 32 A100-40G GPUs for 7B
+    # offload: a layer's input of s/8 tokens in bf16 over the profile's 25 GB/s per GPU, against a forward
+    # that grows as s^2; the longest sequence with and without; swap on the 1M batch
+    off = tour["offload"]
+    for r in off["copy_vs_compute"]:
+        assert r["input_copy_ms"] == pytest.approx(r["tokens"] / 8 * 4096 * 2 / 25e9 * 1e3)
+    shares = [r["copy_share"] for r in off["copy_vs_compute"]]
+    assert shares == sorted(shares, reverse=True) and shares[-1] < 0.05
+    assert off["longest_on_8"]["with offload"] > 4 * off["longest_on_8"]["without offload"]
+    assert off["batch_1m"]["auto"] < 0.9 * off["batch_1m"]["none"] and off["batch_1m_swapped_blocks"] > 0
     figs = {p.name for p in (run.path / "figures").glob("*.html")}
     assert {"lengths_histogram.html", "clipped.html", "timeline_static_max.html", "timeline_heterogeneous.html",
             "planners.html", "gpu_time.html", "memory_per_gpu.html"} <= figs

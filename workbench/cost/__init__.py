@@ -996,24 +996,36 @@ class CostModel:
             out = out + f.B_fwd * _off.mlp_flop_share(self.model) * s / d * (L - k) / L
         return out
 
-    def swap_gpu_memory(self, lengths, degree: int, level: str, swap: int) -> np.ndarray:
+    def _cp_layer_gb(self, s: np.ndarray, degree: int, cp: int) -> np.ndarray:
+        """What one block of a ``(degree/cp) x cp`` split keeps of the K and V it gathered (GB per GPU;
+        0 without context parallelism): ``cp_memory_gb``'s per-layer part."""
+        d, c = int(degree), int(cp)
+        if c <= 1:
+            return np.zeros_like(s)
+        return s * self.kv_bytes_per_token(d // c) * (1 - 1 / (2 * c)) / 1e9
+
+    def swap_gpu_memory(self, lengths, degree: int, level: str, swap: int, cp: int = 1) -> np.ndarray:
         """What ``swap`` swapped blocks change in each sequence's GPU memory (GB per GPU): one block's
-        whole activations more (the one in use and the one in flight, where recomputation held one),
-        less the swapped blocks' own inputs under level ``none`` (they are among their activations)."""
+        whole activations more (the one in use and the one in flight, where recomputation held one;
+        with its gathered K/V under context parallelism), less the swapped blocks' own inputs under
+        level ``none`` (they are among their activations)."""
         s = np.asarray(lengths, dtype=np.float64)
         if int(swap) <= 0:
             return np.zeros_like(s)
         d = int(degree)
         kept = 0.0 if level == "inputs" else int(swap) * self.model.hidden * self._resid_bytes
-        return (self._block_bytes - kept) * s / d / 1e9
+        return (self._block_bytes - kept) * s / d / 1e9 + self._cp_layer_gb(s, d, cp)
 
-    def swap_host_memory(self, lengths, degree: int, level: str, swap: int) -> np.ndarray:
+    def swap_host_memory(self, lengths, degree: int, level: str, swap: int, cp: int = 1) -> np.ndarray:
         """Host memory (GB per GPU) of each sequence with ``swap`` blocks swapped at ``level``: the
-        swapped blocks' whole activations, and under ``inputs`` the other blocks' inputs."""
+        swapped blocks' whole activations (with their gathered K/V under context parallelism) but the
+        last block's, which the runtime keeps on the GPU for the backward that starts with it, and
+        under ``inputs`` the other blocks' inputs."""
         s = np.asarray(lengths, dtype=np.float64)
-        k, L = int(swap), self.model.layers
+        k, L, d = int(swap), self.model.layers, int(degree)
         inputs = (L - k) * self.model.hidden * self._resid_bytes if level == "inputs" else 0.0
-        return (inputs + k * self._block_bytes) * s / int(degree) / 1e9
+        out = max(0, k - 1) * (self._block_bytes * s / d / 1e9 + self._cp_layer_gb(s, d, cp))
+        return inputs * s / d / 1e9 + out
 
     def choose_swap(self, lengths, degree: int, cp: int, level: str) -> int:
         """How many blocks a group running ``lengths`` at ``level`` swaps: the count from 0 to the
@@ -1033,9 +1045,12 @@ class CostModel:
         tokens = float(s.sum()) / d
         kept = 0.0 if inputs else self.model.hidden * self._resid_bytes
         base_gpu = float(self.gpu_memory(s, d, cp, level).sum())
-        gpu = base_gpu + np.where(k[:, 0] > 0, (self._block_bytes - k[:, 0] * kept) * tokens / 1e9, 0.0)
+        cp_layer = float(self._cp_layer_gb(s, d, cp).sum())
+        gpu = base_gpu + np.where(k[:, 0] > 0, (self._block_bytes - k[:, 0] * kept) * tokens / 1e9 + cp_layer, 0.0)
         gpu = gpu + (self.tile_gb if inputs else 0.0) * (k[:, 0] < L)
-        host = ((L - k[:, 0]) * self.model.hidden * self._resid_bytes * inputs + k[:, 0] * self._block_bytes) * tokens / 1e9
+        swapped_out = np.maximum(0.0, k[:, 0] - 1)  # the last swapped block stays on the GPU
+        host = ((L - k[:, 0]) * self.model.hidden * self._resid_bytes * inputs + swapped_out * self._block_bytes) * tokens / 1e9
+        host = host + swapped_out * cp_layer
         ok = (gpu <= self.memory_budget_gb * (1 + 1e-9)) & (host <= self.host_budget_gb * (1 + 1e-9))
         ok[0] = True
         t = np.where(ok, t, np.inf)
@@ -1064,12 +1079,12 @@ class CostModel:
             return 0.0, 0.0, 0.0
         d, c, k = int(degree), int(cp), int(swap)
         t = self.group_overhead_ms(d, c) + float((self.compute_ms(s, d) + self._split_ms(s, d, c)).sum())
-        gpu = float((self.gpu_memory(s, d, c, level) + self.swap_gpu_memory(s, d, level, k)).sum())
+        gpu = float((self.gpu_memory(s, d, c, level) + self.swap_gpu_memory(s, d, level, k, c)).sum())
         if level == "inputs" or k:
             t += float(self.offload_ms(s, d, level, k).sum())
         if level == "inputs" and k < self.model.layers:
             gpu += self.tile_gb
-        return t, gpu, float(self.swap_host_memory(s, d, level, k).sum())
+        return t, gpu, float(self.swap_host_memory(s, d, level, k, c).sum())
 
     def memory_breakdown(self, lengths, degree: int, cp: int, level: str, swap: int = 0) -> dict:
         """Per-GPU memory of one group at offload ``level`` by part (GB): ``gpu`` (``model states``,
@@ -1079,7 +1094,7 @@ class CostModel:
         ``host`` (``block inputs``: the offloaded ones, per GPU of the group)."""
         s = np.asarray(lengths, dtype=np.float64)
         d, c = int(degree), int(cp)
-        act = float((self.gpu_memory(s, d, c, level) + self.swap_gpu_memory(s, d, level, swap)).sum())
+        act = float((self.gpu_memory(s, d, c, level) + self.swap_gpu_memory(s, d, level, swap, c)).sum())
         layers = self.model.layers
         kept_layers = layers - int(swap) if level == "none" else min(2, layers - int(swap))
         inputs = float(kept_layers * self.model.hidden * self._resid_bytes * s.sum() / d / 1e9) if self.recompute else 0.0
@@ -1089,7 +1104,7 @@ class CostModel:
                         "MLP tile": self.tile_gb if level == "inputs" else 0.0,
                         "unplanned reserve": self.cluster.gpu_memory_gb - self.cluster.usable_memory_gb},
                 "host": {"block inputs": float(self.host_memory(s, d, level).sum()) * (layers - int(swap)) / layers,
-                         "swapped blocks": float(self.swap_host_memory(s, d, "none", swap).sum())}}
+                         "swapped blocks": float(self.swap_host_memory(s, d, "none", swap, c).sum())}}
 
     def longest_sequence(self, limit: int = 1 << 36) -> int:
         """The longest single sequence (tokens) some group of this cost model holds, up to ``limit``
