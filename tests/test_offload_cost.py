@@ -301,3 +301,19 @@ def test_a_rank_serving_two_groups_in_a_pass_does_not_swap():
     out = _swapped([a, b, alone], c)
     assert out[0].swap_layers == 0 and out[1].swap_layers == 0
     assert out[2].swap_layers == c.choose_swap([50_000], 2, 1, "none") > 0
+
+
+def test_train_refuses_more_host_memory_than_the_machine_has(tmp_path):
+    import psutil
+
+    here = psutil.virtual_memory().total / 1e9
+    args = ["train", "--nproc", "1", "--steps", "1", "--model", "tiny", "--lengths", "64,64", "--recompute",
+            "--profile", "h100-80g", "--run-root", str(tmp_path / "runs"), "--name", "x"]
+    p = run_cli(*args, "--host-memory", str(round(here * 4)), check=False)
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert f"{here * 4:,.0f} GB of host memory per node" in lines[0] and f"this machine has {here:,.0f} GB" in lines[0]
+    assert not (tmp_path / "runs" / "x").exists()  # nothing started, nothing written
+    # the profile's own 2 TB as well
+    p = run_cli(*args, check=False)
+    assert p.returncode == 2 and "profile h100-80g's" in p.stderr and not (tmp_path / "runs" / "x").exists()

@@ -455,11 +455,34 @@ def check_machine(spec: TrainSpec) -> None:
     if spec.attention == "varlen" and not torch_has_varlen():
         raise SpecError("--attention varlen needs torch >= 2.10 (torch.nn.attention.varlen); upgrade torch, or use "
                         "--attention auto (flash-attn or the PyTorch path)")
+    _check_host_memory(spec)
     if spec.attention == "flash":
         if flash_installed() is None:
             raise SpecError("--attention flash but flash-attn is not installed here (`make install` fetches a prebuilt "
                             "wheel when one matches torch and CUDA; see docs/gpu-and-clusters.md); use --attention auto "
                             "(the PyTorch path) or torch")
+
+
+def _check_host_memory(spec: TrainSpec) -> None:
+    """Refuse, in one line, a run whose plans may offload into more host memory than this machine has:
+    the host memory the cost model plans with (``--host-memory``, else the profile's) over the node's
+    total. Nothing to check where the run's plans cannot offload."""
+    try:
+        cost = spec.scenario.cost()
+    except ValueError:
+        return  # the planner says what is wrong with the scenario, in its own words, when the run plans
+    if not cost.can_offload or not cost.host_memory_gb:
+        return
+    try:
+        import psutil
+
+        here = psutil.virtual_memory().total / 1e9
+    except Exception:  # noqa: BLE001 - no figure, no check
+        return
+    if cost.host_memory_gb > here * 1.001:
+        raise SpecError(f"plans may offload activations into {cost.host_memory_gb:,.0f} GB of host memory per node "
+                        f"(--host-memory, else profile {cost.profile.name}'s) but this machine has {here:,.0f} GB; give "
+                        f"--host-memory {int(here)} or less, or --offload none")
 
 
 def _cpu_profile(world: int, root) -> str:
