@@ -125,6 +125,12 @@ def test_a_plan_that_fits_without_offload_gets_no_longer(planner):
     off = Scenario(offload="auto", **kw).plan()
     assert off.makespan_ms <= none.makespan_ms * (1 + 1e-9)
     assert off.lower_bound_ms <= off.makespan_ms * (1 + 1e-9)
+    # planners search without swap: the same groups on the same ranks, each as fast or faster
+    shape = lambda p: [[(g.degree, g.cp, g.ranks, g.sequences) for g in m.groups] for m in p.micro_steps]  # noqa: E731
+    assert shape(off) == shape(none)
+    for m, n in zip(off.micro_steps, none.micro_steps):
+        for g, h in zip(m.groups, n.groups):
+            assert g.time_ms <= h.time_ms * (1 + 1e-12)
     cost = Scenario(offload="auto", **kw).cost()
     for m in off.micro_steps:
         for g in m.groups:

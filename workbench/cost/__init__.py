@@ -877,6 +877,7 @@ class CostModel:
         self._plain_limit: int | None = None
         self._bound_view = False
         self._bounds: "CostModel | None" = None
+        self._unswapped: "CostModel | None" = None
         self._saved_bytes = _off.offload_saved_bytes_per_token(m, autocast=autocast)
         self._host_bytes = _off.host_bytes_per_token(m, autocast=autocast)
         self._resid_bytes = _off.residual_bytes(m, autocast=autocast)
@@ -885,6 +886,21 @@ class CostModel:
         """Whether groups may swap blocks (their full activations in host memory instead of recomputed)."""
         self.tile_gb = _off.tile_working_bytes(m, autocast=autocast) / 1e9 if self._offload_ok else 0.0
         """GPU memory the tiled MLP's tile holds at its peak (GB), charged once per offloaded sequence."""
+
+    def without_swap(self) -> "CostModel":
+        """This cost model as the planners search with it: a copy in which no group swaps (``swap``
+        False), or itself where none may. ``workbench.solve.run_planner`` plans with it and gives the
+        chosen plan's groups their swapped blocks afterwards (``workbench.solve.plan.with_swap``), so a
+        plan's groups are those the search would have found without swap, each as fast or faster."""
+        if not self.swap:
+            return self
+        if self._unswapped is None:
+            view = copy.copy(self)
+            view.swap = False
+            view._bounds = None
+            view._unswapped = view
+            self._unswapped = view
+        return self._unswapped
 
     def bound_view(self) -> "CostModel":
         """This cost model as the lower bounds must see it: where groups may swap blocks, a copy whose

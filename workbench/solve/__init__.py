@@ -17,7 +17,7 @@ from workbench.solve import baselines
 from workbench.solve.effort import DEFAULT_EFFORT
 from workbench.solve.options import Cancelled, PlanOptions
 from workbench.solve.bound import lower_bound_ms
-from workbench.solve.plan import Plan, PlanError, build_plan, plan_from_dict, timeline, validate
+from workbench.solve.plan import Plan, PlanError, build_plan, plan_from_dict, timeline, validate, with_swap
 
 __all__ = [
     "Plan", "PlanError", "PlanOptions", "Cancelled", "InfeasibleError", "build_plan", "lower_bound_ms",
@@ -104,10 +104,11 @@ def run_planner(
         raise ValueError(f"sequence lengths must be positive integers; sequence {bad} is {s[bad]!r}")
     s = s.astype(np.int64)
     cost.check_feasible(s)
+    full, cost = cost, cost.without_swap()  # planners search without swap; the chosen plan's groups swap after
     opts, clock = PlanOptions(seed=seed, effort=effort, time_limit=time_limit, max_len=max_len, progress=progress,
                               cancel=cancel).start()
     opts.report(0.0, f"{name}: planning {s.size} sequences on {cost.cluster.num_gpus} GPUs")
-    plan = fn(s, cost, opts)
+    plan = with_swap(fn(s, cost, opts), s, full)
     stats = dict(plan.stats)
     stats["effort"] = clock.report()
     reason = plan.reason

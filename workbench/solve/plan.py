@@ -47,6 +47,7 @@ __all__ = [
     "plan_from_dict",
     "pass_loads",
     "arrange_passes",
+    "with_swap",
     "EXECUTIONS",
 ]
 
@@ -308,6 +309,7 @@ def build_plan(
     stats: dict | None = None,
     blocks: Iterable[Iterable[int]] | None = None,
     lower_bound: float | None = None,
+    swap: bool = False,
 ) -> Plan:
     """Turn an assignment ``[[(degree, [seq, ...]), ...] per micro-step]`` into a Plan of the cost
     model's execution (``cost.execution``). A group may say its split, ``(degree, [seq, ...], cp)``;
@@ -319,7 +321,9 @@ def build_plan(
     ``blocks`` fixes the block index of every group (static layouts keep their replicas). Lockstep:
     every micro-step is a pass; groups take the lowest free aligned blocks (larger degrees first),
     unless ``blocks`` fixes them, and then groups of one pass may share ranks (a rank serving several
-    groups in the pass). Empty groups, and passes left empty, are dropped. Raises PlanError when a
+    groups in the pass). Empty groups, and passes left empty, are dropped. ``swap``: each placed group
+    swaps the blocks that make it fastest (``CostModel.choose_swap``; in a lockstep pass only groups
+    whose ranks serve no other group), where the cost model lets groups swap. Raises PlanError when a
     micro-step's groups need more ranks than exist, or fixed blocks overlap in a free micro-step.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -389,7 +393,7 @@ def build_plan(
             used[lo:hi] = True
             level, _, gpu, host = _group_at(d, s, c) if cost.can_offload else ("none", t, _group_memory(d, s, c), 0.0)
             k = 0
-            if cost.swap and not lockstep:  # a free micro-step is one group per rank: it may swap
+            if swap and cost.swap and not lockstep:  # a free micro-step is one group per rank: it may swap
                 k = cost.choose_swap(lengths[list(s)], d, c, level)
                 if k:
                     t, gpu, host = cost.group_at(lengths[list(s)], d, c, level, k)
@@ -402,7 +406,7 @@ def build_plan(
         placed.sort(key=lambda g: (g.ranks[0], -g.degree))
         if not placed:
             continue
-        if lockstep and cost.swap:
+        if swap and lockstep and cost.swap:
             placed = _swapped(placed, cost)
         if lockstep:
             load = _rank_loads(placed, n, shared)
@@ -420,6 +424,28 @@ def build_plan(
                 execution=cost.execution, zero_stage=cost.cluster.zero_stage, precision=cost.precision,
                 recompute=cost.recompute, shared_overhead_ms=shared,
                 pass_comm_ms=cost.pass_comm_ms(), pass_overhead_ms=cost.pass_overhead_ms(), optimizer_ms=opt)
+
+
+def with_swap(plan: Plan, lengths, cost: CostModel) -> Plan:
+    """``plan`` with each of its groups swapping the blocks that make it fastest (``build_plan``'s
+    ``swap``), the same groups on the same ranks in the same micro-steps: every group as fast or
+    faster, so the step too; its lower bound the cost model's (each sequence at its least). The plan
+    itself where the cost model lets no group swap. A plan proved optimal without swap keeps the
+    claim only if it still meets its bound."""
+    if not cost.swap or not plan.micro_steps:
+        return plan
+    steps = [[(g.degree, list(g.sequences), g.cp) for g in ms.groups] for ms in plan.micro_steps]
+    blocks = [[g.ranks[0] // g.degree for g in ms.groups] for ms in plan.micro_steps]
+    out = build_plan(plan.planner, steps, lengths, cost, status=plan.status, solve_seconds=plan.solve_seconds,
+                     reason=plan.reason, stats=plan.stats, blocks=blocks, swap=True)
+    if out.makespan_ms > plan.makespan_ms * (1 + 1e-9):  # every group is as fast or faster: kept as a guard
+        return plan
+    status = out.status
+    if status == "optimal" and out.makespan_ms > out.lower_bound_ms * (1 + 1e-6):
+        status = "feasible"
+    swapped = sum(1 for ms in out.micro_steps for g in ms.groups if g.swap_layers)
+    stats = dict(out.stats, swap={"groups": swapped, "before_ms": plan.makespan_ms})
+    return dataclasses.replace(out, status=status, stats=stats, batch_id=plan.batch_id)
 
 
 def _swapped(groups: list[Group], cost: CostModel) -> list[Group]:
