@@ -262,14 +262,22 @@ def cmd_cost(args) -> int:
                                 else f" (with the whole logits' backward, {cost.loss_bytes_per_token / 1e6:.2f} MB a "
                                      f"token)" if cost.loss_bytes_per_token else "")
           + f", group overhead {cost.group_overhead_ms(1):.1f} ms")
-    print(f"{'length':>9} {'degree':>6} {'u x cp':>7} {'time_ms':>11} {'ulysses_ms':>10} {'cp_ms':>9} {'memory_gb':>10} fits")
+    if cost.can_offload:
+        print(f"offload {cost.offload}: up to {cost.host_budget_gb:,.0f} GB of host memory per GPU at "
+              f"{cost.host_link_gbps:g} GB/s; a sequence longer than any group holds otherwise (over {cost.plain_limit:,} tokens) "
+              f"offloads its group's block inputs (docs/offload.md)")
+    else:
+        print(f"offload: none ({cost.offload_note})")
+    print(f"{'length':>9} {'degree':>6} {'u x cp':>7} {'time_ms':>11} {'ulysses_ms':>10} {'cp_ms':>9} {'memory_gb':>10} "
+          f"{'host_gb':>8} fits")
     def num(r, k, w):
         return f"{r[k]:{w}.1f}" if r[k] is not None else f"{'-':>{w}}"
 
     for r in table["split_rows"]:
         mark = "" if r["in_strategy"] else "  (not in --strategy " + cost.strategy + ")"
         print(f"{r['length']:>9,} {r['degree']:>6} {str(r['ulysses']) + 'x' + str(r['cp']):>7} {num(r, 'time_ms', 11)} "
-              f"{num(r, 'ulysses_ms', 10)} {num(r, 'cp_ms', 9)} {r['memory_gb']:10.2f} {'yes' if r['feasible'] else 'no'}{mark}")
+              f"{num(r, 'ulysses_ms', 10)} {num(r, 'cp_ms', 9)} {r['memory_gb']:10.2f} {r['host_gb']:8.2f} "
+              f"{'yes' if r['feasible'] else 'no'}{mark}")
     unsupported = [r for r in table["rows"] if r["time_ms"] is None]
     for r in unsupported[:1]:
         print(f"  degree {r['degree']}: {cost.degree_limit_reason(r['degree']) or 'more than --gpus'}")

@@ -183,6 +183,10 @@ def profile_table(res) -> str:
     if m:
         lines += ["", f"activations {f(m.get('activation_mb_per_token'), '.4f')} MB/token, model states "
                       f"{f(m.get('model_state_mb'), '.2f')} MB ({m.get('method', '').split(':')[0]})"]
+    link = ("none (a CPU has no host link: plans do not offload)" if not p.host_link_gbps else
+            f"{p.host_link_gbps:.1f} GB/s one GPU alone" + (f", {p.host_link_node_gbps:.1f} GB/s the whole node at once"
+                                                             if p.host_link_node_gbps else ""))
+    lines += ["", f"host memory {f(p.host_memory_gb, ',.0f')} GB per node; host link (pinned copies) {link}"]
     return "\n".join(lines)
 
 
