@@ -323,3 +323,19 @@ def test_train_refuses_more_host_memory_than_the_machine_has(tmp_path):
     # the profile's own 2 TB as well
     p = run_cli(*args, check=False)
     assert p.returncode == 2 and "profile h100-80g's" in p.stderr and not (tmp_path / "runs" / "x").exists()
+
+
+def test_offload_takes_its_share_of_a_measured_activation_figure():
+    """7B on a100-40g-flexsp: the profile's published 4.48 MB a token (no recomputation), scaled to
+    recomputation by the formula; offload removes the formula's share of it, never more than there is."""
+    from workbench.cost import activation_bytes_per_token
+
+    c = Scenario(model="7b", profile="a100-40g-flexsp", num_gpus=64, recompute=True, source="1000").cost()
+    m = c.model
+    share = offload_saved_bytes_per_token(m) / activation_bytes_per_token(m, True)
+    act = 4.48e6 * activation_bytes_per_token(m, True) / activation_bytes_per_token(m, False)
+    assert c.activation_bytes_per_token == pytest.approx(act)
+    s = np.array([100_000.0])
+    assert c.gpu_memory(s, 8, 1, "inputs")[0] == pytest.approx(act * (1 - share) * 1e5 / 8 / 1e9)
+    assert 0 < c.gpu_memory(s, 8, 1, "inputs")[0] < c.gpu_memory(s, 8, 1, "none")[0]
+    assert c.longest_sequence() > c.plain_limit

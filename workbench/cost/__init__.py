@@ -878,7 +878,8 @@ class CostModel:
         self._bound_view = False
         self._bounds: "CostModel | None" = None
         self._unswapped: "CostModel | None" = None
-        self._saved_bytes = _off.offload_saved_bytes_per_token(m, autocast=autocast)
+        formula = activation_bytes_per_token(m, True, autocast=autocast)
+        self._saved_share = min(0.95, _off.offload_saved_bytes_per_token(m, autocast=autocast) / formula)
         self._host_bytes = _off.host_bytes_per_token(m, autocast=autocast)
         self._resid_bytes = _off.residual_bytes(m, autocast=autocast)
         self._block_bytes = block_activation_bytes(m, autocast=autocast)
@@ -922,12 +923,15 @@ class CostModel:
 
     def gpu_memory(self, lengths, degree: int, cp: int, level: str = "none") -> np.ndarray:
         """GPU memory (GB per GPU) of each sequence at offload ``level`` on split ``(degree/cp) x cp``,
-        without the tiled MLP's per-group working set (``tile_gb``)."""
+        without the tiled MLP's per-group working set (``tile_gb``). Level ``inputs`` removes
+        ``workbench.cost.offload.offload_saved_bytes_per_token``'s share of the formula's activations
+        from the model's (the same bytes where they come from the formula; the same share of a
+        profile's measured figure, which the formula scales too)."""
         s = np.asarray(lengths, dtype=np.float64)
         d = int(degree)
         per_token = self.memory_bytes_per_token
         if level == "inputs":
-            per_token = max(0.0, per_token - self._saved_bytes)
+            per_token = self._fit.act_bytes * (1.0 - self._saved_share) + self.loss_bytes_per_token
         return per_token * s / d / 1e9 + self.cp_memory_gb(s, d, int(cp))
 
     def host_memory(self, lengths, degree: int, level: str = "inputs") -> np.ndarray:
