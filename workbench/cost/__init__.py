@@ -893,28 +893,24 @@ class CostModel:
         False), or itself where none may. ``workbench.solve.run_planner`` plans with it and gives the
         chosen plan's groups their swapped blocks afterwards (``workbench.solve.plan.with_swap``), so a
         plan's groups are those the search would have found without swap, each as fast or faster."""
-        if not self.swap:
-            return self
-        if self._unswapped is None:
-            view = copy.copy(self)
-            view.swap = False
-            view._bounds = None
-            view._unswapped = view
-            self._unswapped = view
-        return self._unswapped
+        return self._view("_unswapped", swap=False, _bounds=None) if self.swap else self
 
     def bound_view(self) -> "CostModel":
         """This cost model as the lower bounds must see it: where groups may swap blocks, a copy whose
         ``time`` takes each sequence's least over the counts of swapped blocks (``least_offload_ms``),
         so that no group of any plan is faster; else itself."""
-        if not self.swap or self._bound_view:
-            return self
-        if self._bounds is None:
+        return self._view("_bounds", _bound_view=True) if self.swap and not self._bound_view else self
+
+    def _view(self, slot: str, **attrs) -> "CostModel":
+        """A copy of this cost model with ``attrs`` set, made once and kept in ``slot`` (its own too)."""
+        view = getattr(self, slot)
+        if view is None:
             view = copy.copy(self)
-            view._bound_view = True
-            view._bounds = view
-            self._bounds = view
-        return self._bounds
+            for name, value in attrs.items():
+                setattr(view, name, value)
+            setattr(view, slot, view)
+            setattr(self, slot, view)
+        return view
 
     @property
     def can_offload(self) -> bool:
