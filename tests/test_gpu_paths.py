@@ -324,11 +324,12 @@ def test_varlen_callable_matches_the_pytorch_path(fake_varlen, lens_q, lens_k, H
 
 
 def test_varlen_backend_choice(fake_varlen, fake_fa2):
-    """auto on CUDA in half precision takes torch's varlen kernel before flash-attn; fp32 and CPU
-    never get it; asked for by name where it cannot run it is refused in one line."""
+    """auto on CUDA in half precision takes torch's varlen kernel before flash-attn (chosen per call
+    against SDPA per sequence: tests/test_attention_choice.py); fp32 and CPU never get it; asked for
+    by name where it cannot run it is refused in one line."""
     assert varlen_version() == f"torch {torch.__version__}"
     fn, name = select_attention("auto", "cuda", "bf16")
-    assert name == "varlen" and fn is not torch_varlen_attention
+    assert name == "varlen+sdpa" and fn is not torch_varlen_attention
     assert select_attention("varlen", "cuda:1", "bf16")[1] == "varlen"
     assert select_attention("auto", "cuda", "fp32")[1] == "torch"
     assert select_attention("auto", "cpu", "bf16")[1] == "torch"

@@ -21,7 +21,11 @@ The backend is chosen explicitly with ``select_attention("auto" | "varlen" | "fl
 - ``flash``: flash-attn's ``flash_attn_varlen_func`` (2.x as ``flash_attn`` or 3.x as
   ``flash_attn_interface``; ``causal=True`` is bottom-right since flash-attn 2.1).
 - ``auto``: on CUDA in half precision ``varlen`` when this torch has it, else ``flash`` when it is
-  installed, else ``torch``; ``torch`` on every other device and in fp32.
+  installed, else ``torch``; ``torch`` on every other device and in fp32. Where it resolves to
+  ``varlen`` it chooses per call (resolved name ``varlen+sdpa``): SDPA per sequence on the flash
+  backend for a call of few long sequences, ``varlen_attn`` for packed short ones, by the crossover
+  measured on an H200 (``choose_kernel``, ``KernelCrossover``). Both give the same result; the
+  choice is only about speed.
 
 A backend asked for by name where it cannot run is an error, never a silent fallback. flash-attn
 and the varlen module are imported lazily, inside ``select_attention``, so importing this module
@@ -34,13 +38,17 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 __all__ = ["BACKENDS", "torch_varlen_attention", "select_attention", "AttentionUnavailable", "flash_call_problem",
-           "varlen_call_problem", "flash_version", "varlen_version", "varlen_attention_fn", "FLASH_HALF", "CAUSAL_WINDOW"]
+           "varlen_call_problem", "flash_version", "varlen_version", "varlen_attention_fn", "FLASH_HALF", "CAUSAL_WINDOW",
+           "KernelCrossover", "H200_CROSSOVER", "choose_kernel", "sdpa_call_problem", "sdpa_attention_fn",
+           "per_call_attention", "AUTO_PER_CALL"]
 
 BACKENDS = ("auto", "varlen", "flash", "torch")
 
@@ -289,6 +297,181 @@ def varlen_attention_fn(precision: str | None = None) -> Callable:
     return torch_flash_varlen_attention
 
 
+# ------------------------------------------------------------------------------------------------
+# auto on CUDA: the kernel chosen per call
+# ------------------------------------------------------------------------------------------------
+
+AUTO_PER_CALL = "varlen+sdpa"
+"""The resolved name of ``auto`` where it chooses per call between ``varlen_attn`` and SDPA per sequence."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KernelCrossover:
+    """Where SDPA per sequence and ``varlen_attn`` cross, from two measured rows (forward+backward ms).
+
+    The cost model behind it, per call: SDPA per sequence pays ``per_sequence_ms`` for every
+    sequence (its launches, splits and the concatenation, forward and backward) and ``varlen_attn``
+    pays ``quadratic_gap_ms_per_token2`` more for every causal query-key pair (its kernel was
+    about 1.6x slower per FLOP on long sequences). So SDPA is faster exactly when
+    ``quadratic_gap x sum(s^2) > per_sequence_ms x sequences``, i.e. when the sequences' mean square
+    length exceeds ``crossover_length^2``. The gap scales with the work per token (heads x head_dim);
+    the per-sequence cost does not."""
+
+    source: str
+    """Where the figures were measured."""
+    heads: int
+    """Query heads of the measured calls."""
+    head_dim: int
+    """Head dimension of the measured calls."""
+    long_tokens: int
+    """The one-sequence row: its length."""
+    long_sdpa_ms: float
+    """The one-sequence row: SDPA per sequence, forward+backward."""
+    long_varlen_ms: float
+    """The one-sequence row: ``varlen_attn``, forward+backward."""
+    packed_tokens: int
+    """The packed-documents row: its tokens."""
+    packed_doc_len: int
+    """The packed-documents row: each document's length."""
+    packed_sdpa_ms: float
+    """The packed-documents row: SDPA per sequence, forward+backward."""
+    packed_varlen_ms: float
+    """The packed-documents row: ``varlen_attn``, forward+backward."""
+
+    @property
+    def quadratic_gap_ms_per_token2(self) -> float:
+        """varlen's extra ms per token^2 of one sequence: (long varlen - long SDPA) / long_tokens^2."""
+        return (self.long_varlen_ms - self.long_sdpa_ms) / self.long_tokens ** 2
+
+    @property
+    def per_sequence_ms(self) -> float:
+        """SDPA's extra ms per sequence: the packed row's loss per document plus the quadratic gap the
+        document would have saved it."""
+        docs = self.packed_tokens // self.packed_doc_len
+        return ((self.packed_sdpa_ms - self.packed_varlen_ms) / docs
+                + self.quadratic_gap_ms_per_token2 * self.packed_doc_len ** 2)
+
+    @property
+    def crossover_length(self) -> float:
+        """The root-mean-square sequence length above which SDPA per sequence is faster (at the
+        measured heads x head_dim): sqrt(per_sequence_ms / quadratic_gap)."""
+        return math.sqrt(self.per_sequence_ms / self.quadratic_gap_ms_per_token2)
+
+
+H200_CROSSOVER = KernelCrossover(
+    source="docs/gpu-results.md, run 2 (one H200, torch 2.11.0+cu130, bf16, 2026-11-26): the attention part's "
+           "131,072-token rows, one sequence and 1,024-token documents",
+    heads=32, head_dim=128, long_tokens=131_072, long_sdpa_ms=918.4, long_varlen_ms=1503.5,
+    packed_tokens=131_072, packed_doc_len=1024, packed_sdpa_ms=35.3, packed_varlen_ms=20.8)
+"""The crossover ``auto`` uses on CUDA: a gap of 3.41e-8 ms per token^2 and 0.149 ms per sequence,
+so SDPA per sequence wins above a root-mean-square length of about 2,092 tokens (32 heads of 128).
+From the two 131K rows alone it predicts the sign of every one of the twelve measured differences
+(4K to 128K tokens, one sequence and 1K documents), and the size of most within 25%."""
+
+
+def choose_kernel(num_sequences: int, max_seqlen: int, total_tokens: int, *, heads: int = 32, head_dim: int = 128,
+                  crossover: KernelCrossover = H200_CROSSOVER) -> str:
+    """``"sdpa"`` (per sequence) or ``"varlen"`` for a causal call of ``num_sequences`` packed
+    sequences, the longest ``max_seqlen``, ``total_tokens`` in all, with ``heads`` x ``head_dim``
+    query work per token. Uses only what the call knows without reading its boundaries from the
+    device: the sum of squared lengths is at least ``max^2 + (total - max)^2 / (n - 1)`` (the rest
+    spread evenly), and SDPA is chosen only when that lower bound's saving beats its per-sequence
+    cost (``KernelCrossover``), so a mixed pack errs towards ``varlen`` (the kernel training used
+    for everything before). Raises ValueError on negative or inconsistent counts."""
+    if num_sequences < 0 or max_seqlen < 0 or total_tokens < 0 or max_seqlen > total_tokens:
+        raise ValueError(f"a call of {num_sequences} sequences, the longest {max_seqlen} of {total_tokens} tokens "
+                         f"is not a pack")
+    if num_sequences == 0 or max_seqlen == 0:
+        return "varlen"
+    rest = total_tokens - max_seqlen
+    squares = float(max_seqlen) ** 2 + (float(rest) ** 2 / (num_sequences - 1) if num_sequences > 1 else 0.0)
+    work = heads * head_dim / (crossover.heads * crossover.head_dim)
+    saving_ms = crossover.quadratic_gap_ms_per_token2 * work * squares
+    return "sdpa" if saving_ms > crossover.per_sequence_ms * num_sequences else "varlen"
+
+
+def sdpa_call_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      cu_seqlens_k: torch.Tensor, max_seqlen_q, max_seqlen_k) -> str | None:
+    """Why SDPA's flash backend would refuse this call's sequences, or None: the flash kernels'
+    own rules (``flash_call_problem``: fp16/bf16, one device, head dimension at most 256 and a
+    multiple of 8, KV heads dividing the query heads), checked on the packed call before it is cut
+    into sequences."""
+    return _kernel_call_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+def _sdpa_per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k) -> torch.Tensor:
+    """SDPA per packed segment on the flash backend alone (a call it cannot take raises, never falls
+    back to the math kernel): grouped-query heads with ``enable_gqa`` (K and V never repeated),
+    ``is_causal`` where a segment's queries are as many as its keys, else PyTorch's lower-right
+    causal bias (``causal_lower_right``: the flash kernel's own bottom-right alignment)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    Tq = q.shape[0]
+    bq = _bounds(cu_seqlens_q, Tq, "q")  # one read of the boundaries: the split needs them on the host
+    bk = bq if cu_seqlens_k is cu_seqlens_q else _bounds(cu_seqlens_k, k.shape[0], "k")
+    if len(bk) != len(bq):
+        raise ValueError(f"cu_seqlens_q has {len(bq) - 1} segments but cu_seqlens_k {len(bk) - 1}")
+    sq = [hi - lo for lo, hi in zip(bq[:-1], bq[1:])]
+    sk = [hi - lo for lo, hi in zip(bk[:-1], bk[1:])]
+    gqa = k.shape[1] != q.shape[1]
+    outs = []
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        for qi, ki, vi in zip(q.split(sq), k.split(sk), v.split(sk)):
+            n, m = qi.shape[0], ki.shape[0]
+            if n == 0:
+                continue
+            if n > m:
+                raise ValueError(f"a segment has {n} queries but only {m} keys (bottom-right causal needs queries <= keys)")
+            args = (qi.transpose(0, 1).unsqueeze(0), ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0))
+            if n == m:
+                oi = F.scaled_dot_product_attention(*args, is_causal=True, enable_gqa=gqa)  # (1, H, n, hd)
+            else:  # query r of the last n sees keys 0 .. m - n + r
+                oi = F.scaled_dot_product_attention(*args, attn_mask=causal_lower_right(n, m), enable_gqa=gqa)
+            outs.append(oi[0].transpose(0, 1))  # (n, H, hd)
+    if len(outs) == 1 and outs[0].shape[0] == Tq:  # one sequence (the case this path is chosen for): no copy
+        return outs[0]  # (Tq, H, hd); the flash backend's output is (1, n, H, hd) in memory, so contiguous
+    return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)  # (Tq, H, hd)
+
+
+def sdpa_attention_fn(precision: str | None = None) -> Callable:
+    """SDPA per sequence on the flash backend as an attention kernel (the path ``auto`` takes on
+    CUDA for few long sequences). ``precision`` as in ``_half_inputs``; a call the flash backend
+    cannot take raises ValueError naming why (``sdpa_call_problem``)."""
+
+    def sdpa_flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        dtype = q.dtype
+        q, k, v = _half_inputs(precision, q, k, v)
+        cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous()
+        cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
+        problem = sdpa_call_problem(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k))
+        if problem is not None:
+            raise ValueError(f"SDPA's flash backend cannot run this call: {problem}")
+        return _sdpa_per_sequence(q, k, v, cu_q, cu_k).to(dtype)
+
+    return sdpa_flash_attention
+
+
+def per_call_attention(varlen: Callable, sdpa: Callable,
+                       choose: Callable[..., str] = choose_kernel) -> Callable:
+    """A kernel that runs ``sdpa`` or ``varlen`` per call, as ``choose(num_sequences, max_seqlen,
+    total_tokens, heads=, head_dim=)`` says, from the call's shapes and its query side alone (no read
+    of the boundaries from the device, so a ``varlen`` call never waits on the host): for a call with
+    fewer queries than keys (context parallelism's) the query side under-counts the work, which only
+    makes ``varlen`` likelier. The choice is a function of the shapes, so a recomputed forward takes
+    the same kernel as the first."""
+
+    def auto_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        n = max(int(cu_seqlens_q.numel()) - 1, 0)
+        mx = min(int(max_seqlen_q), int(q.shape[0]))
+        kind = choose(n, mx, int(q.shape[0]), heads=int(q.shape[1]), head_dim=int(q.shape[2]))
+        fn = sdpa if kind == "sdpa" else varlen
+        return fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+    auto_attention.choose = choose
+    return auto_attention
+
+
 def flash_version() -> str | None:
     """``"flash_attn 2.8.3"`` (the module and version that would run), or None when flash-attn
     does not import here."""
@@ -323,7 +506,8 @@ def select_attention(name: str, device: torch.device | str, precision: str | Non
     """The attention kernel for backend ``name`` on ``device``: returns ``(fn, resolved_name)``,
     ``fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``.
 
-    ``auto`` resolves on CUDA (and ``precision`` not ``fp32``) to ``varlen`` when this torch has it
+    ``auto`` resolves on CUDA (and ``precision`` not ``fp32``) to ``varlen+sdpa`` (``varlen_attn``
+    or SDPA per sequence, chosen per call: ``per_call_attention``) when this torch has ``varlen_attn``
     and the GPU runs it, else ``flash`` when flash-attn imports, else ``torch``; elsewhere to
     ``torch``. ``precision`` is the run's (``bf16``/``fp32``; None: not declared): the flash kernels
     compute in half precision only, so an fp32 run never gets one silently. Raises ValueError for
@@ -367,6 +551,10 @@ def select_attention(name: str, device: torch.device | str, precision: str | Non
                 notes.append(str(e))
         if fn is None:
             fn, resolved = torch_varlen_attention, "torch"
+        elif resolved == "varlen":  # measured against SDPA per sequence: choose per call (choose_kernel)
+            fn, resolved = per_call_attention(fn, sdpa_attention_fn(precision)), AUTO_PER_CALL
+            notes.append(f"per call: SDPA per sequence above a root-mean-square length of "
+                         f"{H200_CROSSOVER.crossover_length:,.0f} tokens at 32 heads of 128, else varlen")
         why = "auto" + (f" ({'; '.join(notes)})" if notes else "")
     log.info("attention backend: %s (%s) on %s", resolved, why, dev)
     return fn, resolved
