@@ -12,11 +12,19 @@ supervisor, processes and end live in that node's record (``nodes/node<k>.json``
 opens the run's own status. A handle then follows its node (``RunHandle.node``), and :func:`stop`
 of a run ends what runs on this host and asks the other nodes' supervisors to stop through the run
 store (``stop.json``).
+
+The processes' environment (``worker_env``): this process's (or the caller's ``env``), with
+``OMP_NUM_THREADS=1`` unless set and, for a run on CUDA (its spec's ``device``; ``auto`` where the
+machine may show a GPU), ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the user set
+that variable: at long context the allocator's fixed segments fragment. A user's own value is
+always kept; when it leaves expandable segments out the run's log says so once. CPU runs get no
+allocator setting.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,16 +32,23 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from workbench import runs
 
 __all__ = ["RunHandle", "start", "attach", "poll", "wait", "stop", "run_alive", "supervisor_command", "new_steps",
-           "SUPERVISOR_MODULE", "TRAINER_MODULE", "RunBusy", "sweep", "describe_exit", "records_here"]
+           "SUPERVISOR_MODULE", "TRAINER_MODULE", "RunBusy", "sweep", "describe_exit", "records_here", "worker_env",
+           "run_uses_cuda", "ALLOC_CONF", "EXPANDABLE_SEGMENTS"]
 
 SUPERVISOR_MODULE = "workbench.launch.supervisor"
 TRAINER_MODULE = "workbench.runtime.train"
 SWEEP_GRACE_S = 2.0
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+"""The environment variable PyTorch's CUDA caching allocator reads its settings from (once, when it starts)."""
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+"""What a CUDA run's processes get in ``PYTORCH_CUDA_ALLOC_CONF`` unless the user set it: segments that
+grow in place instead of fixed-size blocks, which fragment at long context (PyTorch's own advice for
+memory-bound runs: the allocator's peak "reserved but unallocated" falls)."""
 
 
 class RunBusy(ValueError):
@@ -104,16 +119,71 @@ def run_alive(target: runs.Run | runs.RunStatus | str | Path) -> bool:
     return any(runs.pid_alive(p, t) for _, st in records_here(path) for p, t in runs.status_pids(st))
 
 
+def _logged(log_file: Path, line: str) -> bool:
+    """Whether ``line`` is already in the run's log (an earlier attempt wrote it)."""
+    try:
+        with open(log_file, "rb") as f:
+            return line.encode() in f.read()
+    except OSError:
+        return False
+
+
+def _gpu_may_be_visible() -> bool:
+    """Whether this machine may show an NVIDIA GPU to the run, found without torch and without starting
+    anything: not hidden by ``CUDA_VISIBLE_DEVICES``, and the driver lists a GPU or ``nvidia-smi`` is
+    installed. A wrong yes only sets an allocator variable a CPU run never reads."""
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if vis is not None and vis.strip() in ("", "-1"):
+        return False
+    gpus = Path("/proc/driver/nvidia/gpus")
+    if gpus.is_dir() and any(gpus.iterdir()):
+        return True
+    return shutil.which("nvidia-smi") is not None
+
+
+def run_uses_cuda(run: runs.Run) -> bool:
+    """Whether ``run``'s processes will compute on CUDA, from its ``spec.json``'s ``device`` (``cuda``:
+    yes, ``cpu``: no; ``auto`` or none, as a notebook or demo run: when this machine may show a GPU)."""
+    device = run.spec().get("device", "auto")
+    if device in ("cuda", "cpu"):
+        return device == "cuda"
+    return _gpu_may_be_visible()
+
+
+def worker_env(base: Mapping[str, str], *, cuda: bool) -> tuple[dict[str, str], str | None]:
+    """The environment of a run's supervisor and, through torchrun, its ranks: ``base`` with
+    ``OMP_NUM_THREADS=1`` unless set, unbuffered Python output, and for a CUDA run
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the user set that variable (theirs is
+    always kept). A CPU run gets no allocator setting (its torch never reads it). Returns ``(env,
+    note)``: the note is one line for the run's log when the user's allocator setting leaves
+    expandable segments out on a CUDA run, else None."""
+    env = dict(base)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    note = None
+    if cuda:
+        theirs = env.get(ALLOC_CONF)
+        if theirs is None:
+            env[ALLOC_CONF] = EXPANDABLE_SEGMENTS
+        elif "expandable_segments" not in theirs.replace(" ", ""):
+            note = (f"note: {ALLOC_CONF}={theirs!r} is yours and kept; without {EXPANDABLE_SEGMENTS} the "
+                    f"allocator's fixed segments may fragment at long context (the workbench sets it when the "
+                    f"variable is unset)")
+    return env, note
+
+
 def start(run: runs.Run | str | Path, *, nproc: int, module: str = TRAINER_MODULE, module_args: Sequence[str] = (),
           nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
-          stop_with_parent: bool = False, env: dict | None = None, rdzv_timeout: float | None = None) -> RunHandle:
+          stop_with_parent: bool = False, env: dict | None = None, rdzv_timeout: float | None = None,
+          cuda: bool | None = None) -> RunHandle:
     """Start a new attempt of ``run`` and return at once.
 
     ``module`` (run by torchrun on every rank with ``--run-dir RUN`` and ``module_args``) must be
     importable: the trainer by default, the profiler for profile runs. ``stop_with_parent``: the
     run stops when this process dies (a terminal's ``workbench train``; not for notebooks, whose
     runs should outlive a kernel restart). The status becomes ``starting`` with the next attempt
-    number and the supervisor's pid. With ``nnodes`` > 1 this starts node ``node_rank``'s share:
+    number and the supervisor's pid. The processes' environment is ``worker_env``'s, from ``env`` (default
+    this process's) and ``cuda`` (default ``run_uses_cuda``). With ``nnodes`` > 1 this starts node ``node_rank``'s share:
     its record (``nodes/node<k>.json``) gets the attempt, pids and end, node 0 also reopens the
     run's status, and the supervisor's output goes to that node's log. Raises RunBusy when the
     run's (or, for several nodes, this node's) processes are alive, ValueError for bad counts."""
@@ -127,9 +197,8 @@ def start(run: runs.Run | str | Path, *, nproc: int, module: str = TRAINER_MODUL
     cmd = supervisor_command(run.path, nproc=nproc, module=module, module_args=module_args, nnodes=nnodes,
                              node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                              parent_pid=os.getpid() if stop_with_parent else None, rdzv_timeout=rdzv_timeout)
-    child_env = dict(os.environ if env is None else env)
-    child_env.setdefault("OMP_NUM_THREADS", "1")
-    child_env["PYTHONUNBUFFERED"] = "1"
+    child_env, env_note = worker_env(os.environ if env is None else env,
+                                     cuda=run_uses_cuda(run) if cuda is None else cuda)
     attempt = st.attempt + 1
     # stale reports of an earlier attempt must not be read as this one's (a node clears its own ranks')
     mine = range(node * nproc, (node + 1) * nproc) if node is not None else None
@@ -149,6 +218,8 @@ def start(run: runs.Run | str | Path, *, nproc: int, module: str = TRAINER_MODUL
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "ab") as log:
         log.write(f"--- {runs.now()} attempt {attempt}: {' '.join(cmd)}\n".encode())
+        if env_note is not None and not _logged(log_file, env_note):  # once in the run's log, not per attempt
+            log.write(f"{env_note}\n".encode())
         log.flush()
         try:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
