@@ -181,3 +181,175 @@ def test_the_whole_logits_loss_holds_what_the_memory_model_charges():
     model = dataclasses.replace(get_model("tiny"), vocab=V)
     charged = (4 * V + loss_backward_bytes_per_token(model)) * T
     assert charged <= live.peak <= charged + 4 * (T + V) * h + 4 * T + 64
+
+
+# ---- the final norm inside the chunks ---------------------------------------------------------------
+
+def _model(tied: bool, dtype=torch.float64, seed=3):
+    """A 2-layer model of the tiny preset's width, its final norm's weight drawn (not all ones, so its
+    gradient is tested for what it multiplies)."""
+    import dataclasses
+
+    from workbench.runtime.model import Transformer
+
+    spec = dataclasses.replace(get_model("tiny"), tied_embeddings=tied)
+    model = Transformer(spec, seed=seed).to(dtype)
+    with torch.no_grad():
+        model.norm.weight.copy_(1 + 0.3 * torch.randn(spec.hidden, generator=torch.Generator().manual_seed(seed)))
+    return model
+
+
+def _loss_and_grads(model, lengths=(23, 9, 31), autocast=False):
+    """One forward and backward of a packed batch: the summed loss and every parameter's gradient."""
+    from workbench.runtime.attention import torch_varlen_attention
+    from workbench.runtime.step import make_shard
+
+    g = torch.Generator().manual_seed(1)
+    sh = make_shard([torch.randint(0, model.spec.vocab, (n,), generator=g) for n in lengths], 1, 0)
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(sh.tokens, sh.positions, sh.cu_seqlens, sh.max_seqlen, torch_varlen_attention, labels=sh.labels)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("chunk", [5, 21, 63, 100])
+def test_the_final_norm_inside_the_chunks_gives_the_plain_loss_and_gradients(chunk, tied):
+    """fp64, 63 tokens in three packed sequences (chunks that do and do not divide them): the model
+    under recomputation (``apply_recompute``: blocks checkpointed, the loss chunked, the final norm
+    inside its chunks) gives the loss and every parameter's gradient (the final norm's weight, the
+    head's, a tied embedding's from both its uses) of the plain model, which norms the whole
+    sequence and takes the loss from whole logits, within 1e-10."""
+    from workbench.runtime.zero import apply_recompute
+
+    plain = _model(tied)
+    ref_loss, ref = _loss_and_grads(plain)
+    model = _model(tied)
+    apply_recompute(model)
+    model.head.loss_chunk = chunk
+    loss, got = _loss_and_grads(model)
+    assert (model.head.weight is model.embed.weight) == tied
+    assert torch.allclose(loss, ref_loss, rtol=1e-12, atol=0)
+    assert got.keys() == ref.keys() and "norm.weight" in got
+    for n in ref:
+        assert torch.allclose(got[n], ref[n], rtol=1e-10, atol=1e-12 * float(ref[n].abs().max())), n
+
+
+def test_the_norm_inside_under_no_grad_and_for_some_gradients_only():
+    """Under ``torch.no_grad`` the chunked loss with the norm inside is the plain one (no gradient
+    made); with only the norm's weight requiring a gradient, that one is the plain one's."""
+    from workbench.runtime.model import Head, RMSNorm
+
+    x, w, labels = _case(T=29, h=6, V=11, ignored=(0, 28))
+    norm = RMSNorm(6).to(torch.float64)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.3, generator=torch.Generator().manual_seed(2))
+    head = Head(6, 11, bias=False).to(torch.float64)
+    with torch.no_grad():
+        head.weight.copy_(w)
+    ref = head(norm(x), labels)
+    (gn_ref,) = torch.autograd.grad(ref, (norm.weight,))
+    head.loss_chunk = 4
+    with torch.no_grad():
+        assert torch.allclose(head(x, labels, norm=norm), ref, rtol=1e-12, atol=0)
+    head.weight.requires_grad_(False)
+    out = head(x.detach(), labels, norm=norm)
+    (gn,) = torch.autograd.grad(out, (norm.weight,))
+    assert torch.allclose(gn, gn_ref, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("how", ["autocast", "bf16"])
+def test_the_norm_inside_follows_the_plain_path_in_bf16(how):
+    """``autocast``: CPU bf16 autocast over fp32 weights and an fp32 residual stream (ZeRO 0-2);
+    ``bf16``: everything in bf16 without autocast (FSDP2's mixed precision under ZeRO-3). The norm
+    inside the chunks against ``head(norm(x))`` on whole logits: the loss within 1e-5 relative, the
+    gradients (the residual stream's, the norm weight's, the head weight's, each in its tensor's
+    dtype) within bf16's rounding."""
+    from workbench.runtime.model import Head, RMSNorm
+
+    h, V, T = 32, 50, 64
+    dtype = torch.float32 if how == "autocast" else torch.bfloat16
+    x64, w64, labels = _case(T=T, h=h, V=V)
+    x = x64.detach().to(dtype).requires_grad_()
+    norm = RMSNorm(h).to(dtype)
+    head = Head(h, V, bias=False).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(h, generator=torch.Generator().manual_seed(4)))
+        head.weight.copy_(w64)
+    params = (x, norm.weight, head.weight)
+
+    def run(chunk):
+        head.loss_chunk = chunk
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=how == "autocast"):
+            out = head(norm(x), labels) if chunk is None else head(x, labels, norm=norm)
+        return out, torch.autograd.grad(out, params)
+
+    ref, ref_g = run(None)
+    out, got = run(7)
+    assert out.dtype == torch.float32
+    assert torch.allclose(out, ref, rtol=1e-5)
+    for g, r, p in zip(got, ref_g, params):
+        assert g.dtype == r.dtype == p.dtype
+        assert torch.allclose(g.float(), r.float(), rtol=2e-2, atol=2e-2 * r.float().abs().max().item())
+
+
+def _head_kept(T: int, *, inside: bool, how: str, h: int = 64, V: int = 256) -> tuple[int, int]:
+    """Bytes the final norm, head and chunked loss (64-token chunks) keep after their forward, and
+    their peak over forward and backward, on ``T`` tokens of a residual stream (``LiveBytes``;
+    the parameters, the labels and the stream's leaf counted from the start, so neither figure
+    includes them). ``inside``: ``head(x, labels, norm=norm)``, else ``head(norm(x), labels)``."""
+    from workbench.runtime.live import LiveBytes
+    from workbench.runtime.model import Head, RMSNorm
+
+    dtype = torch.bfloat16 if how == "bf16" else torch.float32
+    g = torch.Generator().manual_seed(0)
+    norm, head = RMSNorm(h).to(dtype), Head(h, V, bias=False).to(dtype)
+    head.loss_chunk = 64
+    x0 = torch.randn(T, h, generator=g, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, V, (T,), generator=g)
+    with LiveBytes() as live:
+        for t in (*norm.parameters(), *head.parameters(), labels, x0):
+            t.detach()  # counted from the start: LiveBytes counts an older storage when an operator returns it
+        base = live.now
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=how == "autocast"):
+            x = x0.clone()  # (T, C) the residual stream, as the last block leaves it
+            loss = head(x, labels, norm=norm) if inside else head(norm(x), labels)
+            del x
+        kept = live.now - base
+        loss.backward()
+        peak = live.peak - base
+    return kept, peak
+
+
+@pytest.mark.parametrize("how", ["fp32", "autocast", "bf16"])
+def test_the_norm_inside_keeps_only_the_gradient_of_the_residual_stream(how):
+    """What the final norm, head and loss keep per token after the forward (``LiveBytes``, the slope
+    between 512 and 1,024 tokens, hidden 64; the memory model's "outside" term less the embedding's
+    and rotary parts): with the norm outside, the norm's input in fp32 (``4h``), its statistics
+    (4), its normed input and the gradient of the head's input (``c h`` each): ``4h + 2ch + 4``; with
+    the norm inside, the gradient of the norm's input in the residual stream's dtype: ``resid h``
+    (``c``, or 4 under autocast, where the stream is fp32). Measured exactly (h = 64):
+
+    ============ ======================= ============ =============== ======================
+    how          outside (4h + 2ch + 4)   inside       fall            peak, fwd+bwd (o -> i)
+    ============ ======================= ============ =============== ======================
+    fp32  (c=4)  772                      256 (4h)     516 (8h + 4)    1,536 -> 512
+    autocast     644 (8h + 4 + 2h)        256 (4h)     388 (6h + 4)    1,536 -> 512
+    bf16  (c=2)  516                      128 (2h)     388 (6h + 4)    1,536 -> 256
+    ============ ======================= ============ =============== ======================
+
+    The fall is ``4h + c h + 4`` in all three (the norm's fp32 input and its statistics, and one of
+    its normed input and output, ``c h``; under autocast the bf16 head input ``2h`` and the fp32
+    normed input ``4h`` go, and the fp32 gradient ``4h`` replaces the bf16 one)."""
+    h = 64
+    c, resid = {"fp32": (4, 4), "autocast": (2, 4), "bf16": (2, 2)}[how]
+    slope = {}
+    for inside in (False, True):
+        (k1, p1), (k2, p2) = (_head_kept(T, inside=inside, how=how, h=h) for T in (512, 1024))
+        slope[inside] = ((k2 - k1) / 512, (p2 - p1) / 512)
+    outside = (8 * h + 4 + 2 * h) if how == "autocast" else (4 * h + 2 * c * h + 4)
+    assert slope[False][0] == outside
+    assert slope[True][0] == resid * h
+    assert slope[False][0] - slope[True][0] == 4 * h + c * h + 4
+    assert slope[True][1] < slope[False][1] / 2  # nor does the backward build the norm's gradients for every token

@@ -163,12 +163,20 @@ class Head(nn.Linear):
     ``forward(x, labels)`` the summed cross-entropy of the targets that are not ``ignore_index``
     (fp32 at least), from whole logits upcast to fp32 or, with ``loss_chunk`` set (recomputation
     sets it), chunk by chunk with its gradients made in the forward (``workbench.runtime.loss``).
-    Called as a module either way, so FSDP's hooks gather and release its weight around it."""
+    ``norm`` (the final ``RMSNorm``) is applied to ``x`` first: with ``loss_chunk`` set inside each
+    chunk, so that a token keeps only the gradient of the norm's input rather than the norm's
+    tensors and the gradient of the head's input. Called as a module either way, so FSDP's hooks
+    gather and release its weight around it, and the norm's with it (they are one FSDP unit): the
+    norm module is then not called, its gathered weight gets its gradient from the loss's backward
+    as the head's does."""
 
     loss_chunk: int | None = None
     """Tokens per chunk of the chunked loss; None: the loss from whole logits."""
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, ignore_index: int = -100) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, ignore_index: int = -100, *,
+                norm: nn.Module | None = None) -> torch.Tensor:
+        if norm is not None and (labels is None or self.loss_chunk is None):
+            x, norm = norm(x), None  # (T, C) normed whole: only the chunked loss takes the norm in
         if labels is None:
             return F.linear(x, self.weight)  # (T, vocab)
         if self.loss_chunk is None:
@@ -176,9 +184,15 @@ class Head(nn.Linear):
             return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels,
                                    ignore_index=ignore_index, reduction="sum")
         dev = x.device.type
-        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        return chunked_cross_entropy(x.to(dt), self.weight.to(dt), labels, chunk=self.loss_chunk,
-                                     ignore_index=ignore_index)
+        # the dtype the head computes in: autocast's, or that of its input (the norm's output)
+        dt = (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
+              else x.dtype if norm is None else torch.promote_types(x.dtype, norm.weight.dtype))
+        if norm is None:
+            return chunked_cross_entropy(x.to(dt), self.weight.to(dt), labels, chunk=self.loss_chunk,
+                                         ignore_index=ignore_index)
+        # the residual stream goes in as it is: each chunk is normed, and cast to dt, inside
+        return chunked_cross_entropy(x, self.weight.to(dt), labels, chunk=self.loss_chunk, ignore_index=ignore_index,
+                                     norm_weight=norm.weight, norm_eps=norm.eps)
 
 
 class Transformer(nn.Module):
@@ -186,7 +200,8 @@ class Transformer(nn.Module):
 
     ``forward(tokens, positions, cu_seqlens, max_seqlen, attn)`` returns logits ``(T, vocab)``;
     with ``labels`` ``(T,)`` (``ignore_index`` where there is no target) the summed token loss
-    instead (``Head``: chunked under recomputation, so no ``(T, vocab)`` tensor is kept);
+    instead (``Head``: chunked under recomputation, the final norm inside the chunks, so no
+    ``(T, vocab)`` tensor is kept, nor the norm's tensors);
     ``mlp_fn`` (``MLPFn``) is handed to every block.
     Weights are initialised from ``seed`` (normal, std 0.02; output projections of each block
     scaled by 1/sqrt(2*layers) as in GPT-2; biases zero), independent of the global RNG, so every
@@ -233,6 +248,8 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, cu_seqlens, max_seqlen, attn, mlp_fn)  # (T, C)
         if labels is None:
             return self.head(self.norm(x))  # (T, vocab)
+        if self.head.loss_chunk is not None:  # the chunked loss takes the final norm in (Head)
+            return self.head(x, labels, ignore_index, norm=self.norm)  # () summed loss
         return self.head(self.norm(x), labels, ignore_index)  # () summed loss
 
     def num_params(self) -> int:
