@@ -22,9 +22,10 @@ def test_cost_json_shape_and_figures():
 
 
 def test_cost_says_what_the_chunked_loss_takes_from_the_budget():
-    # Llama 3's head under recomputation: one 697-token chunk of logits at 12 bytes a logit and the
-    # head's gradient in fp32 and bf16, 128,256 x 4,096 x 6 bytes (4.22 GB); none without it
-    loss = (12 * 697 * 128_256 + 6 * 128_256 * 4096) / 1e9
+    # Llama 3's head under recomputation: one 697-token chunk of logits at 12 bytes a logit, the final
+    # norm's tensors of its tokens (4 x 4,096 + 2 x 4,096 + 4 bytes a token) and the head's gradient in fp32
+    # and bf16, 128,256 x 4,096 x 6 bytes (4.24 GB); none without it
+    loss = (12 * 697 * 128_256 + 697 * (6 * 4096 + 4) + 6 * 128_256 * 4096) / 1e9
     args = ("cost", "--model", "llama3-8b", "--profile", "h100-80g", "--gpus", "64", "--lengths", "8192")
     assert f"(after {loss:.2f} GB for the chunked loss)" in run_cli(*args, "--recompute").stdout
     plain = run_cli(*args).stdout

@@ -470,7 +470,7 @@ def test_recomputation_charges_the_chunked_loss_once_not_per_token():
     cl = ClusterSpec(num_gpus=64, gpus_per_node=8, gpu_memory_gb=80, zero_stage=3)
     plain = CostModel(load_profile("h100-80g"), get_model("llama3-8b"), cl)
     rc = CostModel(load_profile("h100-80g"), get_model("llama3-8b"), cl, recompute=True)
-    loss = (12 * 697 * 128_256 + (4 + 2) * 128_256 * 4096) / 1e9
+    loss = (12 * 697 * 128_256 + 697 * (6 * 4096 + 4) + (4 + 2) * 128_256 * 4096) / 1e9  # + the final norm's chunk
     assert rc.loss_working_gb == pytest.approx(loss) and plain.loss_working_gb == 0.0
     assert rc.memory_budget_gb == pytest.approx(plain.memory_budget_gb - loss)
     b = gpu_memory_breakdown(rc, [100_000], 64, 8)

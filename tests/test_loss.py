@@ -117,10 +117,14 @@ def test_chunk_size_and_transient():
     assert loss_chunk_tokens(10**9) == 64  # never below 64 tokens
     m = dataclasses.replace(get_model("llama3-8b"), dtype_bytes=2)
     assert (m.vocab, m.hidden) == (128_256, 4096)
-    assert loss_transient_bytes(m, 100_000, recompute=True) == 12 * 697 * 128_256 + 6 * 128_256 * 4096
-    assert loss_transient_bytes(m, 10, recompute=True) == 12 * 10 * 128_256 + 6 * 128_256 * 4096
+    # and the final norm's tensors of the chunk's tokens (the chunk takes the norm in): its fp32 input, its
+    # normed output in the compute dtype, its statistics
+    norm = 4 * 4096 + 2 * 4096 + 4
+    assert loss_transient_bytes(m, 100_000, recompute=True) == 12 * 697 * 128_256 + 697 * norm + 6 * 128_256 * 4096
+    assert loss_transient_bytes(m, 10, recompute=True) == 12 * 10 * 128_256 + 10 * norm + 6 * 128_256 * 4096
     m32 = dataclasses.replace(m, dtype_bytes=4)
-    assert loss_transient_bytes(m32, 10, recompute=True) == 8 * 10 * 128_256 + 4 * 128_256 * 4096
+    assert loss_transient_bytes(m32, 10, recompute=True) == (8 * 10 * 128_256 + 10 * (8 * 4096 + 4)
+                                                             + 4 * 128_256 * 4096)
     assert loss_transient_bytes(m, 1000, recompute=False) == 8 * 128_256 * 1000
 
 

@@ -140,10 +140,14 @@ def test_swapping_every_block_keeps_two_blocks_and_recomputes_none(autocast):
       kernel (K and V repeated to the query heads, its output once more, concatenated): exactly
       (fp32 5,592 = 5,080 + 512; autocast 3,704 = 3,448 + 256);
     - the device, every block swapped: what the plain step (no recomputation) keeps, less all but
-      two blocks' activations (the one in use and the one in flight), within 5%: measured fp32
-      12,888 against 12,718 (+1.3%), autocast 8,392 against 8,476 (-1.0%); the recomputing step
-      keeps 8,576 and 5,968: swapping every block costs about one block's activations less the
-      blocks' inputs;
+      two blocks' activations (the one in use and the one in flight), within 8%: measured fp32
+      12,888 against 12,465 (+3.4%), autocast 8,392 against 7,960 (+5.4%). The plain step's peak is
+      at its forward's end, the swapped step's in a block's backward; since the chunked loss takes
+      the final norm in (its fp32 input, normed output and head-input gradient gone: ``4h + c h + 4``
+      a token), the plain step's is that much lower and the swapped step's is not (the outside
+      norm's tensors were freed before a block's backward anyway): before, +1.3% and -1.0%. The
+      recomputing step keeps 8,576 and 5,968: swapping every block costs about one block's
+      activations less the blocks' inputs;
     - attention runs 6 times (12 with recomputation): no swapped block is recomputed."""
     from workbench.cost import block_activation_bytes
     from workbench.runtime.model import Transformer
@@ -177,7 +181,7 @@ def test_swapping_every_block_keeps_two_blocks_and_recomputes_none(autocast):
     print(f"\nper token: swapping every block keeps {slope['swapped']:.0f} B (plain less {L - 2} blocks: {want:.0f}, "
           f"{slope['swapped'] / want - 1:+.1%}); recomputation keeps {slope['recomputed']:.0f}; plain "
           f"{slope['plain']:.0f}; host {per_block * (L - 1):.0f} ({per_block:.0f} a block)")
-    assert slope["swapped"] == pytest.approx(want, rel=0.05)
+    assert slope["swapped"] == pytest.approx(want, rel=0.08)
 
 
 # ---- the step executor and check_plan ------------------------------------------------------------

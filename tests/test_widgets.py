@@ -200,7 +200,7 @@ def test_solver_zero_control_changes_memory_and_timeline_together():
     # (1B: hidden 2,048), one 697-token chunk at 12 bytes a logit and its gradient at 6 bytes a weight
     panel.set(recompute=True)
     res_rc = panel.solve(["greedy"])
-    loss = (12 * 697 * 128_256 + 6 * 128_256 * 2048) / 1e9
+    loss = (12 * 697 * 128_256 + 697 * (6 * 2048 + 4) + 6 * 128_256 * 2048) / 1e9  # + the final norm's chunk
     assert res_rc.scenario.cost().memory_budget_gb == pytest.approx(sc2.cost().memory_budget_gb - loss)
     assert f"the chunked loss {loss:.2f} GB under recomputation" in panel.data_line.value
 

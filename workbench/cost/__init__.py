@@ -287,11 +287,11 @@ def activation_bytes_per_token(model: ModelSpec, recompute: bool = False, *, aut
     (RMSNorm keeps both its normed input, for its weight's gradient, and its output, the next
     matmul's input: a fused norm kernel would keep less.) With full recomputation each block keeps
     only its input (the residual stream: c, or 4 under autocast, bytes x h), plus one block's
-    working set while it is recomputed; the outside terms stay, but for the log-softmax: the loss
-    is computed in chunks with its gradients made in the forward (``workbench.runtime.loss``), which
-    keeps the gradient of the head's input in place of that input, and neither the 4 vocab bytes of
-    the log-softmax nor the targets (8). What the loss holds besides is
-    ``workbench.cost.memory.loss_transient_bytes``."""
+    working set while it is recomputed; outside the blocks the token ids and the rotary tables stay,
+    and the loss is computed in chunks that take the final norm in, with their gradients made in the
+    forward (``workbench.runtime.loss``): it keeps the gradient of the norm's input (``resid x h``)
+    in place of the norm's and the head's tensors, and neither the 4 vocab bytes of the log-softmax
+    nor the targets (8). What the loss holds besides is ``workbench.cost.memory.loss_transient_bytes``."""
     h, V = model.hidden, model.vocab
     c = model.dtype_bytes
     per_layer = block_activation_bytes(model, autocast=autocast)
@@ -302,9 +302,10 @@ def activation_bytes_per_token(model: ModelSpec, recompute: bool = False, *, aut
         resid = c
         outside = 16 + 2 * c * (model.head_dim // 2) + (4 * h + 2 * c * h + 4) + 4 * V
     if recompute:
-        # the chunked loss keeps the gradient of the head's input where the head kept its input (the
-        # same bytes), and neither the log-softmax nor the targets
-        return model.layers * resid * h + per_layer + outside - 4 * V - 8
+        # the chunked loss takes the final norm in and makes its gradients in the forward: it keeps
+        # the gradient of the norm's input (the residual stream's bytes) where the norm kept its fp32
+        # input and normed output and the head its input, and neither the log-softmax nor the targets
+        return model.layers * resid * h + per_layer + 16 + 2 * c * (model.head_dim // 2) + resid * h - 8
     return model.layers * per_layer + outside
 
 

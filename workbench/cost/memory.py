@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["OPTIMIZER_STATE_BYTES", "PRECISIONS", "ModelStates", "parameter_shapes", "fsdp_units",
-           "zero_partition", "model_states", "optimizer_kind", "loss_backward_bytes_per_token",
+           "zero_partition", "model_states", "optimizer_kind", "loss_backward_bytes_per_token", "final_norm_bytes_per_token",
            "loss_transient_bytes", "loss_chunk_tokens", "LOSS_CHUNK_BYTES", "LOSS_BYTES_PER_LOGIT",
            "LOSS_BYTES_PER_LOGIT_FP32"]
 
@@ -210,14 +210,23 @@ def loss_transient_bytes(model, tokens: int, *, recompute: bool) -> float:
     ``loss_backward_bytes_per_token`` a token; chunked (recomputation: ``workbench.runtime.loss``)
     one chunk's logits (``LOSS_BYTES_PER_LOGIT`` a logit, ``LOSS_BYTES_PER_LOGIT_FP32`` in fp32) and
     the head weight's gradient, made in the
-    forward: fp32, plus its cast to the compute dtype in a lower precision (``model.dtype_bytes``).
-    A constant, but for ranks with fewer tokens than a chunk."""
+    forward: fp32, plus its cast to the compute dtype in a lower precision (``model.dtype_bytes``),
+    and the final norm's tensors of the chunk's tokens (the chunk takes the norm in:
+    ``final_norm_bytes_per_token``). A constant, but for ranks with fewer tokens than a chunk."""
     if not recompute:
         return loss_backward_bytes_per_token(model) * float(tokens)
     chunk = min(int(tokens), loss_chunk_tokens(model.vocab))
     low = model.dtype_bytes < 4
     grad = (4.0 + (model.dtype_bytes if low else 0)) * model.vocab * model.hidden
-    return float(LOSS_BYTES_PER_LOGIT if low else LOSS_BYTES_PER_LOGIT_FP32) * chunk * model.vocab + grad
+    logits = float(LOSS_BYTES_PER_LOGIT if low else LOSS_BYTES_PER_LOGIT_FP32) * chunk * model.vocab
+    return logits + grad + final_norm_bytes_per_token(model) * chunk
+
+
+def final_norm_bytes_per_token(model, *, autocast: bool = False) -> float:
+    """Bytes per token the final norm holds while its chunk of the chunked loss is computed: its fp32
+    input (for the statistics), its normed output in the compute dtype (fp32 under autocast, where the
+    residual stream is) and its statistics (``4 h + c h + 4``; tests/test_loss.py measures it)."""
+    return float(4 * model.hidden + (4 if autocast else model.dtype_bytes) * model.hidden + 4)
 
 
 def _step_temporary(optimizer: str, stepped: float) -> float:
