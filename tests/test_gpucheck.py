@@ -39,15 +39,15 @@ def test_make_gpu_check_dry_run_without_cuda(tmp_path):
                        capture_output=True, text=True, timeout=300, env=_env())
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads((out / "result.json").read_text())
-    assert res["cuda"] is False and res["ok"] is True and res["counts"]["skip"] == len(gpucheck.PARTS)
-    assert [x["name"] for x in res["parts"]] == list(gpucheck.PARTS)
+    assert res["cuda"] is False and res["ok"] is True and res["counts"]["skip"] == len(gpucheck.DEFAULT_PARTS)
+    assert [x["name"] for x in res["parts"]] == list(gpucheck.DEFAULT_PARTS)  # offload runs when asked
     for part in res["parts"]:
         assert part["status"] == "skip" and part["summary"].startswith("needs CUDA: torch ")
         assert "CPU build" in part["summary"] or "sees no GPU" in part["summary"]
     assert res["machine"]["torch"] == torch.__version__ and res["machine"]["cuda_available"] is False
     md = (out / "report.md").read_text()
-    assert f"**0 ok, 0 warn, 0 fail, {len(gpucheck.PARTS)} skipped" in md and "device: no CUDA device" in md
-    for name in gpucheck.PARTS:
+    assert f"**0 ok, 0 warn, 0 fail, {len(gpucheck.DEFAULT_PARTS)} skipped" in md and "device: no CUDA device" in md
+    for name in gpucheck.DEFAULT_PARTS:
         assert f"| {name} | skip | 0 | needs CUDA" in md
     assert "gpu-check: 0 ok, 0 warn, 0 fail" in p.stderr
 
@@ -62,8 +62,11 @@ def test_the_check_imports_neither_torch_nor_the_notebook_stack():
 
 def test_budget_shares_and_bad_input(tmp_path):
     every = gpucheck.GpuCheck(tmp_path / "a")
-    assert every.budget_s == gpucheck.DEFAULT_BUDGET_S == pytest.approx(sum(s for _, s in gpucheck.PARTS.values()))
-    assert every.shares == {k: s for k, (_, s) in gpucheck.PARTS.items()}
+    assert gpucheck.DEFAULT_PARTS == tuple(p for p in gpucheck.PARTS if p != "offload")
+    assert every.budget_s == gpucheck.DEFAULT_BUDGET_S == pytest.approx(sum(s for k, (_, s) in gpucheck.PARTS.items()
+                                                                            if k != "offload")) == 480.0
+    assert every.shares == {k: s for k, (_, s) in gpucheck.PARTS.items() if k != "offload"}
+    assert gpucheck.GpuCheck(tmp_path / "o", parts=["offload"]).shares == {"offload": gpucheck.PARTS["offload"][1]}
     # --parts in any order run in the check's order; --budget-s shared in proportion
     two = gpucheck.GpuCheck(tmp_path / "b", parts=["profile", "attention"], budget_s=105)
     a, p = gpucheck.PARTS["attention"][1], gpucheck.PARTS["profile"][1]
@@ -216,7 +219,7 @@ def test_cpu_rehearsal_runs_every_part(tmp_path):
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.loads((out / "result.json").read_text())
     by = {x["name"]: x for x in res["parts"]}
-    assert res["rehearsal"] and [x["status"] for x in res["parts"]] == ["ok"] * len(gpucheck.PARTS), \
+    assert res["rehearsal"] and [x["status"] for x in res["parts"]] == ["ok"] * len(gpucheck.DEFAULT_PARTS), \
         {k: (v["status"], v["summary"]) for k, v in by.items()}
     # peak: the best row is the peak
     rows = by["peak"]["data"]["peak"]["rows"]
@@ -306,3 +309,181 @@ def test_an_out_of_memory_is_retried_with_recomputation_on_a_fresh_model(monkeyp
     assert first["status"] == "oom" and first["recompute"] is False
     assert retry["status"] == "ok" and retry["recompute"] is True and retry["step_ms"] > 0
     assert alive_at_build == [[], [False]]  # the first model was freed before the second was built
+
+
+# ------------------------------------------------------------------------------------------------
+# the offload part
+# ------------------------------------------------------------------------------------------------
+
+
+def test_offload_lengths_by_hand():
+    """A step of n tokens takes n / 10 ms (so 2 long steps of n take n / 5000 s): with 100 s, start-ups of
+    10 s and short runs of 3 x 2 steps at 1,024 (0.6144 s), 100 - 30 - 0.6144 = 69.3856 s leave
+    n <= 346,928 -> 346,112 (a multiple of 1,024) when memory holds more; the memory's own limit when
+    it holds less."""
+    from workbench.gpucheck import offload_lengths
+
+    def step_ms(n):
+        return n / 10
+
+    got = offload_lengths(10**6, 8000, step_ms, budget_s=100, startup_s=10, short_target=8192, quantum=1024)
+    assert got["short"] == 7168  # the most without offload (8,000), a multiple of 1,024
+    short_s = 6 * 7168 / 10 / 1e3
+    assert got["short_time_s"] == pytest.approx(short_s)
+    assert got["long"] == int((100 - 30 - short_s) * 5000 // 1024) * 1024 and got["limited_by"] == "time"
+    assert got["need_s"] == pytest.approx(30 + short_s + 2 * 7168 / 10 / 1e3)
+    mem = offload_lengths(200_000, 10**6, step_ms, budget_s=100, startup_s=10, short_target=8192, quantum=1024)
+    assert (mem["short"], mem["long"], mem["limited_by"]) == (8192, 199_680, "memory")
+    tight = offload_lengths(10**6, 10**6, step_ms, budget_s=31, startup_s=10, short_target=8192, quantum=1024)
+    assert (tight["long"], tight["limited_by"]) == (8192, "short")  # 1 - 0.49 s left: not even 8,192's two steps
+    with pytest.raises(ValueError, match="not even 1024 tokens fit without offload"):
+        offload_lengths(10**6, 1000, step_ms, budget_s=100, startup_s=10, short_target=8192, quantum=1024)
+
+
+def test_offload_verdicts_at_their_edges():
+    from workbench.gpucheck import offload_verdicts
+
+    v = offload_verdicts(peak_bytes=110.0, predicted_bytes=100.0, host_bytes=90.0, predicted_host_bytes=100.0,
+                         tps_offload=900.0, tps_plain=1000.0)
+    assert [(k, x["ratio"], x["met"]) for k, x in v.items()] == [("peak", 1.1, True), ("host", 0.9, True),
+                                                                 ("tokens_per_s", 0.9, True)]
+    v = offload_verdicts(peak_bytes=111.0, predicted_bytes=100.0, host_bytes=31 / 32, predicted_host_bytes=1.0,
+                         tps_offload=899.0, tps_plain=1000.0)
+    assert (v["peak"]["met"], v["host"]["met"], v["tokens_per_s"]["met"]) == (False, True, False)
+    v = offload_verdicts(peak_bytes=None, predicted_bytes=100.0, host_bytes=1.0, predicted_host_bytes=0.0,
+                         tps_offload=1.0, tps_plain=None)
+    assert all(x["ratio"] is None and x["met"] is None for x in v.values())
+
+
+def _offload_cost(model="llama3-8b", optimizer="sgd", momentum=0.9, offload="inputs"):
+    from workbench.training import prepare_train
+
+    s = {"nproc": 1, "device": "cuda", "profile": "h100-80g", "host_memory_gb": 137.4, "zero_stage": 3,
+         "recompute": True, "checkpoint_every": 0, "planner": "greedy", "seed": 0, "precision": "bf16",
+         "gpu_memory_gb": 150.1, "model": model, "optimizer": optimizer, "momentum": momentum, "source": "8192",
+         "max_len": 8192, "offload": offload, "steps": 3}
+    return prepare_train(s, dry_run=True, on_gpu=True)[1].scenario.cost()
+
+
+def test_offload_predicted_peak_by_hand():
+    """Llama 3 8B, ZeRO-3 at world 1, bf16, SGD with momentum, on an H200 (150.1 GB): fp32 parameters,
+    gradients and momentum of 8,030,261,248 parameters (32.12 GB each) and FSDP2's bf16 working set. At
+    the loss's backward the gradients are not there yet; at 65,536 tokens that moment is below the
+    backward's end (every gradient), which sets the peak; at 400K tokens the activations set it."""
+    from workbench.gpucheck import offload_predicted_peak
+
+    cost = _offload_cost()
+    p = 8_030_261_248
+    st = cost.states
+    assert (st.parameters, st.gradients, st.optimizer_states) == (4 * p, 4 * p, 4 * p)
+    for tokens, at in ((65536, "the backward's end"), (400_000, "the loss's backward")):
+        act = (float(cost.gpu_memory([tokens], 1, 1, "inputs")[0]) + cost.tile_gb) * 1e9
+        got = offload_predicted_peak(cost, tokens)
+        at_loss = 8 * p + st.working + act + cost.loss_working_gb * 1e9
+        assert got["peak_at"] == at and got["total_bytes"] == pytest.approx(max(at_loss, 12 * p + st.working))
+    assert offload_predicted_peak(cost, 400_000, 20.0)["activation_bytes"] == 20e9  # the plan's group memory_gb
+
+
+def test_the_offload_part_chooses_the_model_and_lengths_on_a_gpu(tmp_path, monkeypatch):
+    """The GPU branch without a GPU: the runs replaced by figures made from the cost model (the measured
+    step time 1.25x the predicted), a 150.1 GB GPU. AdamW's states do not fit the 8B at world 1, SGD with
+    momentum does; the short runs are at 8,192 tokens, the long run at the longest length whose two steps
+    fit what is left at the measured speed; the figures are judged against the plan's. With 150 s the 8B's
+    three start-ups alone do not fit: the 1B runs."""
+    from workbench.gpucheck import OFFLOAD_STARTUP_S, GpuCheck, Part
+
+    made = []
+    clock = [1000.0]  # the part's clock: each stand-in run takes its start-up and its steps' time
+
+    def fake_run(self, process, name, settings, deadline, env):
+        cost = _offload_cost(settings["model"], settings["optimizer"], settings["momentum"], settings["offload"])
+        n, off = settings["max_len"], settings["offload"]
+        t, gpu_gb, _ = cost.group_at([n], 1, 1, off)
+        host_gb = float(cost.host_memory([n], 1, off)[0])
+        layers = cost.model.layers
+        step = {"tokens": n, "measured_ms": 1.25 * (t + cost.optimizer_ms()), "peak_bytes": 0.0,
+                "host_bytes": host_gb * 1e9 * (layers - 1) / layers}
+        step["tokens_per_s"] = n / step["measured_ms"] * 1e3
+        from workbench.gpucheck import offload_predicted_peak
+        step["peak_bytes"] = 1.02 * offload_predicted_peak(cost, n, gpu_gb)["total_bytes"]
+        made.append((settings["model"], settings["optimizer"], settings["momentum"], n, off, settings["steps"]))
+        clock[0] += OFFLOAD_STARTUP_S[settings["model"]] + settings["steps"] * step["measured_ms"] / 1e3
+        return {"steps": [dict(step)] * settings["steps"], "tokens_per_s": step["tokens_per_s"],
+                "group": {"memory_gb": gpu_gb, "host_gb": host_gb, "offload": off}, "run": name, "state": "done",
+                "error": None, "wall_s": OFFLOAD_STARTUP_S[settings["model"]], "startup_s": OFFLOAD_STARTUP_S[settings["model"]]}
+
+    monkeypatch.setattr(GpuCheck, "_offload_run", fake_run)
+    monkeypatch.setattr(gpucheck.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(gpucheck, "host_memory_gb", lambda: 137.4)
+    check = GpuCheck(tmp_path / "gc", parts=["offload"], say=lambda m: None)
+    check.env_info = {"gpu": {"total_memory_bytes": 150.1e9}}
+    part = Part("offload", "offload", budget_s=300.0)
+    check.part_offload(part)
+    d = part.data
+    assert (d["model"], d["optimizer"]) == ("llama3-8b", "sgd momentum"), d["candidates_left_out"]
+    assert "llama3-8b adamw" in d["candidates_left_out"][0] and "needs 1" in d["candidates_left_out"][0]
+    short, long = 8192, d["long"]
+    assert [m[3:5] for m in made] == [(short, "none"), (short, "inputs"), (long, "inputs")] and made[-1][5] == 2
+    # the long run's two steps at 1.25x the predicted time fit what is left; 1,024 more do not
+    cost = _offload_cost()
+
+    def step_s(n):
+        return 2 * 1.25 * (cost.group_at([n], 1, 1, "inputs")[0] + cost.optimizer_ms()) / 1e3
+
+    assert d["time_factor"] == pytest.approx(1.25)
+    left = 300 - 3 * 60 - 2 * 3 * step_s(short) / 2  # three start-ups, the short runs' 3 steps each
+    assert long > short and long <= d["longest_offload"] and d["long_limited_by"] == "time"
+    assert step_s(long) <= left < step_s(long + 1024)
+    v = d["verdicts"]
+    assert v["peak"]["ratio"] == pytest.approx(1.02) and v["peak"]["met"]
+    assert v["host"]["ratio"] == pytest.approx(31 / 32) and v["host"]["met"]
+    none_t, in_t = (cost.group_at([short], 1, 1, x)[0] for x in ("none", "inputs"))
+    ratio = (none_t + cost.optimizer_ms()) / (in_t + cost.optimizer_ms())
+    assert v["tokens_per_s"]["ratio"] == pytest.approx(ratio) and v["tokens_per_s"]["met"] == (ratio >= 0.9)
+    assert part.status == ("ok" if ratio >= 0.9 else "warn") and part.summary.startswith("llama3-8b (sgd momentum")
+    # 150 s: the 8B's three start-ups (3 x 60 s) alone overrun it, the 1B's (3 x 25 s) do not
+    made.clear()
+    part = Part("offload", "offload", budget_s=150.0)
+    check.part_offload(part)
+    assert part.data["model"] == "1b" and {m[0] for m in made} == {"1b"}
+    assert any(n.startswith("llama3-8b: about") for n in part.data["candidates_left_out"])
+    assert "| long_inputs |" in gpucheck.format_markdown({"parts": [part.to_dict()], "budget_s": 150.0})
+
+
+@pytest.mark.slow
+@pytest.mark.untimed
+def test_cpu_rehearsal_of_the_offload_part(tmp_path):
+    """``--cpu-rehearsal --parts offload``: three ``workbench train`` runs of the tiny model (ZeRO-3,
+    fp32, --recompute) through the part's code; the host bytes the runs recorded are the offloaded
+    inputs (every block's but the last: (layers - 1) x hidden x 4 bytes a token), the plan's host_gb
+    every block's, and the ratios the part reports are recomputed here from the run folders."""
+    from workbench import runs
+    from workbench.models import get_model
+
+    out = tmp_path / "gc"
+    p = subprocess.run([sys.executable, "-m", "workbench.gpucheck", "--cpu-rehearsal", "--parts", "offload", "--out",
+                        str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600, env=_env())
+    assert p.returncode == 0, p.stderr[-4000:]
+    res = json.loads((out / "result.json").read_text())
+    (part,) = res["parts"]
+    assert part["status"] == "ok" and part["summary"].endswith("rehearsal: not judged"), part["summary"]
+    d = part["data"]
+    m = get_model("tiny")
+    assert d["model"] == "tiny" and set(d["runs"]) == {"short_none", "short_inputs", "long_inputs"}
+    assert d["runs"]["short_none"]["steps"][0]["tokens"] == d["runs"]["short_inputs"]["steps"][0]["tokens"] == 256
+    for name, r in d["runs"].items():
+        run = runs.Run(out / "runs" / r["run"])
+        assert runs.read_status(run.path).state == "done" and len(run.steps()) == len(r["steps"])
+        for s in r["steps"]:
+            want = (m.layers - 1) * m.hidden * 4 * s["tokens"] if r["group"]["offload"] == "inputs" else 0
+            assert s["host_bytes"] == want, name
+        if r["group"]["offload"] == "inputs":
+            assert r["group"]["host_gb"] == pytest.approx(m.layers * m.hidden * 4 * r["steps"][0]["tokens"] / 1e9)
+    v = d["verdicts"]
+    assert v["host"]["ratio"] == pytest.approx((m.layers - 1) / m.layers)
+    tps = {k: d["runs"][k]["tokens_per_s"] for k in ("short_inputs", "short_none")}
+    assert v["tokens_per_s"]["ratio"] == pytest.approx(tps["short_inputs"] / tps["short_none"])
+    last = d["runs"]["long_inputs"]["steps"][-1]
+    assert v["peak"]["ratio"] == pytest.approx(last["peak_bytes"] / d["predicted"]["total_bytes"])
+    md = (out / "report.md").read_text()
+    assert "## offload" in md and "| long_inputs | 2,048 | inputs | done |" in md

@@ -19,7 +19,11 @@ one cannot take the others down:
   rank (the 8B under ZeRO-3: FSDP2 at world 1, where the memory model says it fits): tokens/s, MFU,
   the allocator's peak against the memory model's prediction;
 - ``profile``: a quick profile of this GPU (bf16), a short training run planned with it, and
-  ``profile --check`` of that run: the step time's median error.
+  ``profile --check`` of that run: the step time's median error;
+- ``offload`` (only when asked: ``--parts offload``): ``workbench train`` runs of Llama 3 8B (or the
+  1B where the time does not allow the 8B) with ``--recompute`` on one GPU: layer-input offload at the
+  longest length the memory model and the part's time allow, against the memory model's peak and the
+  plan's host bytes, and its tokens/s against recomputation alone at a length both fit.
 
 Each part has a share of ``--budget-s`` (:data:`PARTS`' seconds, scaled to the budget over the parts
 chosen); a part that would start with less than half its share left is skipped with a line saying
@@ -50,7 +54,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["PARTS", "Part", "GpuCheck", "run_check", "format_markdown", "main", "DEFAULT_BUDGET_S"]
+__all__ = ["PARTS", "DEFAULT_PARTS", "Part", "GpuCheck", "run_check", "format_markdown", "main", "DEFAULT_BUDGET_S",
+           "offload_lengths", "offload_verdicts", "offload_predicted_peak", "OFFLOAD_TARGETS"]
 
 PARTS: dict[str, tuple[str, float]] = {
     "doctor": ("the doctor's checks on the device", 45.0),
@@ -59,11 +64,16 @@ PARTS: dict[str, tuple[str, float]] = {
     "train-1b": ("training step, Llama-style 1B, ZeRO-0", 70.0),
     "train-8b": ("training step, Llama 3 8B, ZeRO-3 at world 1", 110.0),
     "profile": ("quick GPU profile, a short run planned with it, profile --check", 170.0),
+    "offload": ("layer-input offload at the longest length, one GPU, --recompute", 300.0),
 }
 """Every part: its title and its share of the default budget, in seconds. Measured on an H200
 (2026-11-26, docs/gpu-results.md): doctor 22 s, peak 5, attention 27, train-1b 19, train-8b 27-33,
-profile 121 (its packs at the run's sizes: the quick profile alone 74 s)."""
-DEFAULT_BUDGET_S = sum(s for _, s in PARTS.values())
+profile 121 (its packs at the run's sizes: the quick profile alone 74 s). ``offload``: an estimate
+(three ``workbench train`` runs; not measured yet)."""
+DEFAULT_PARTS = tuple(p for p in PARTS if p != "offload")
+"""The parts a plain ``make gpu-check`` runs: ``offload`` (three training runs of the 8B, some 5
+minutes) runs when asked (``--parts offload``), so the whole check keeps its 8-minute budget."""
+DEFAULT_BUDGET_S = sum(PARTS[p][1] for p in DEFAULT_PARTS)
 GRACE_S = 20.0
 """A part's processes get this long past its share before they are stopped (they stop starting new
 measurements at the share themselves)."""
@@ -137,13 +147,150 @@ def profile_packs(max_len: int, most_tokens: int) -> tuple[list[list[int]], list
     return fit, [p for p in held if sum(p) <= most_tokens]
 
 
+OFFLOAD_TARGETS = {"peak": 0.10, "host": 0.10, "tokens_per_s": 0.9}
+"""The offload part's targets (issue 34): the allocator's peak within 10% of the memory model's, the
+host bytes the offloaded inputs took within 10% of the plan's ``host_gb``, and tokens/s with
+layer-input offload at least 0.9x recomputation alone at one length."""
+OFFLOAD_STARTUP_S = {"llama3-8b": 60.0, "1b": 25.0, "tiny": 10.0}
+"""What one ``workbench train`` run of each model is guessed to take beyond its steps (torchrun, the
+process group, building and sharding the model, planning): used to choose the model before anything
+ran; the first run's measured figure replaces it."""
+OFFLOAD_STEPS = 3
+"""Steps of each short run (the first is warm-up: the allocator, FSDP's set-up, the optimizer's states)."""
+OFFLOAD_LONG_STEPS = 2
+"""Steps of the long run: the second is the one judged (the optimizer's states exist by then)."""
+
+
+def _round_down(n: float, quantum: int) -> int:
+    return int(n // quantum) * quantum
+
+
+def offload_lengths(longest_offload: int, longest_plain: int, step_ms: Callable[[int], float], *, budget_s: float,
+                    startup_s: float, short_target: int, quantum: int) -> dict:
+    """The offload part's two lengths, from the memory model and the time: ``short`` (both short runs,
+    with and without offload: at most ``short_target`` and what fits without offload), ``long`` (the
+    offloading run: the longest multiple of ``quantum`` within ``longest_offload`` whose
+    ``OFFLOAD_LONG_STEPS`` steps of ``step_ms(L)`` ms fit what ``budget_s`` leaves after three runs'
+    ``startup_s`` and the short runs' steps). Returns ``{short, long, limited_by, long_time_s,
+    short_time_s, need_s}``: ``limited_by`` is "memory" or "time" (or "short" when nothing longer than
+    the short length fits the time); ``need_s`` the least the part needs (three start-ups, the short
+    runs and the long run at the short length). Raises ValueError when not even ``quantum`` tokens fit
+    without offload."""
+    short = _round_down(min(short_target, longest_plain, longest_offload), quantum)
+    if short < quantum:
+        raise ValueError(f"not even {quantum} tokens fit without offload (the memory model holds {longest_plain:,})")
+    short_time = 2 * OFFLOAD_STEPS * step_ms(short) / 1e3
+    left = budget_s - 3 * startup_s - short_time
+    need = 3 * startup_s + short_time + OFFLOAD_LONG_STEPS * step_ms(short) / 1e3
+    top = _round_down(longest_offload, quantum)
+
+    def fits(n: int) -> bool:
+        return OFFLOAD_LONG_STEPS * step_ms(n) / 1e3 <= left
+
+    if fits(top):
+        long, why = top, "memory"
+    elif not fits(short):
+        long, why = short, "short"
+    else:  # bisection over multiples of quantum: step time grows with the length
+        lo, hi = short // quantum, top // quantum
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid * quantum) else (lo, mid)
+        long, why = lo * quantum, "time"
+    return {"short": short, "long": max(long, short), "limited_by": why,
+            "long_time_s": OFFLOAD_LONG_STEPS * step_ms(max(long, short)) / 1e3, "short_time_s": short_time,
+            "need_s": need}
+
+
+def offload_predicted_peak(cost, tokens: int, activations_gb: float | None = None) -> dict:
+    """The memory model's peak for one offloading rank of a world of one running one sequence of
+    ``tokens`` (bytes): the largest of the loss's backward (the model states as the runtime holds them,
+    under ZeRO-3 without the gradients a step of one pass has not made yet; the chunked loss's working
+    set; the group's activations at level ``inputs``: ``activations_gb``, the plan's group
+    ``memory_gb``, else ``cost.gpu_memory`` plus one MLP tile), the backward's end (the states with
+    every gradient) and the optimizer's step (parameters, gradients, states and the step's temporary),
+    as the train parts' prediction (``runtime.bench.predicted_memory``) with the offloading cost
+    model's activations."""
+    st = cost.states
+    act = (activations_gb if activations_gb is not None
+           else float(cost.gpu_memory([tokens], 1, 1, "inputs")[0]) + cost.tile_gb) * 1e9
+    at_loss = st.total + act + cost.loss_working_gb * 1e9 - (st.gradients if cost.cluster.zero_stage == 3 else 0.0)
+    moments = {"the loss's backward": at_loss, "the backward's end": st.total,
+               "the optimizer's step": st.states + st.optimizer_step}
+    peak_at = max(moments, key=moments.get)
+    return {"total_bytes": moments[peak_at], "peak_at": peak_at, "activation_bytes": act,
+            "states_bytes": st.states, "loss_working_bytes": cost.loss_working_gb * 1e9}
+
+
+def offload_verdicts(*, peak_bytes: float | None, predicted_bytes: float | None, host_bytes: float | None,
+                     predicted_host_bytes: float | None, tps_offload: float | None, tps_plain: float | None) -> dict:
+    """Each target (``OFFLOAD_TARGETS``) with its measured ratio and whether it is met: ``{peak, host,
+    tokens_per_s}``, each ``{ratio, met, target}``; ``met`` None where a figure is missing."""
+    def ratio(a, b):
+        return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 else None
+
+    out = {}
+    for name, (a, b) in (("peak", (peak_bytes, predicted_bytes)), ("host", (host_bytes, predicted_host_bytes))):
+        r = ratio(a, b)
+        tol = OFFLOAD_TARGETS[name]
+        out[name] = {"ratio": r, "met": None if r is None else abs(r - 1.0) <= tol + 1e-12,
+                     "target": f"within {tol:.0%} of predicted"}
+    r = ratio(tps_offload, tps_plain)
+    floor = OFFLOAD_TARGETS["tokens_per_s"]
+    out["tokens_per_s"] = {"ratio": r, "met": None if r is None else r >= floor - 1e-12,
+                           "target": f"at least {floor:g}x recomputation alone"}
+    return out
+
+
+def host_memory_gb() -> float | None:
+    """This machine's memory (GB, from /proc/meminfo), where a run's offloaded activations live; None
+    where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024 / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def run_figures(run) -> dict:
+    """What a finished training run measured, from its store (rank 0): per step ``{step, tokens,
+    measured_ms, tokens_per_s, peak_bytes, host_bytes}`` (``peak_bytes``: the CUDA allocator's peak of
+    the step's last pass and optimizer step, else the process's peak resident set on CPU;
+    ``host_bytes``: the most the offloaded inputs took in host memory), the plan's first group
+    (``memory_gb``, ``host_gb``, ``offload``), and the median tokens/s of the steps after the first."""
+    steps = []
+    for r in sorted(run.metrics(rank=0), key=lambda r: (r.get("step", 0), r.get("attempt", 1))):
+        ms = r.get("measured_ms")
+        tokens = r.get("batch_tokens") or r.get("tokens")
+        peak = r.get("max_memory_allocated_bytes")
+        if peak is None and isinstance(r.get("peak_memory_mb"), (int, float)):
+            peak = r["peak_memory_mb"] * 2**20
+        host = max([float(m.get("offload_host_mb") or 0.0) for m in r.get("micro_steps") or []] + [0.0]) * 2**20
+        steps.append({"step": r.get("step"), "tokens": tokens, "measured_ms": ms,
+                      "tokens_per_s": tokens / ms * 1e3 if ms else None, "peak_bytes": peak, "host_bytes": host})
+    group = {}
+    for row in run.plans()[:1]:
+        for ms in (row.get("plan") or {}).get("micro_steps") or []:
+            for g in ms.get("groups") or []:
+                group = group or {k: g.get(k) for k in ("degree", "memory_gb", "host_gb", "offload", "swap_layers",
+                                                        "time_ms", "lengths")}
+    timed = [x["tokens_per_s"] for x in steps[1:] if x["tokens_per_s"]] or [x["tokens_per_s"] for x in steps
+                                                                             if x["tokens_per_s"]]
+    timed.sort()
+    tps = (timed[len(timed) // 2] if len(timed) % 2 else sum(timed[len(timed) // 2 - 1:len(timed) // 2 + 1]) / 2) \
+        if timed else None
+    return {"steps": steps, "group": group, "tokens_per_s": tps}
+
+
 class GpuCheck:
     """One run of the check: the parts chosen, the budget, where it writes. :meth:`run` returns the
     result dict (also written to ``<out>/result.json`` and ``<out>/report.md``)."""
 
     def __init__(self, out: str | Path = "gpu-check", *, parts: list[str] | None = None, budget_s: float | None = None,
                  rehearsal: bool = False, say: Callable[[str], None] | None = None) -> None:
-        names = list(parts) if parts else list(PARTS)
+        names = list(parts) if parts else list(DEFAULT_PARTS)
         unknown = [p for p in names if p not in PARTS]
         if unknown:
             raise ValueError(f"unknown part(s) {unknown}; the parts are {', '.join(PARTS)}")
@@ -383,6 +530,175 @@ class GpuCheck:
                         f"{err['count']} steps) of the {model} run planned with this GPU's quick profile"
                         if err["median_ape"] is not None else "no step to compare")
 
+    def _offload_run(self, process, name: str, settings: dict, deadline: float, env: dict) -> dict:
+        """One ``workbench train`` run of the offload part, in the check's run store; returns its
+        figures (``run_figures``) with ``run`` (the id), ``state``, ``error`` and ``wall_s``."""
+        from workbench.training import prepare_train
+
+        root = (self.out / "runs").resolve()
+        run, _, _ = prepare_train(settings, root=root, name=name)
+        self.say(f"  | {name}: {settings['model']}, {settings['max_len']:,} tokens, offload {settings['offload']}: "
+                 f"{run.path}")
+        t = time.monotonic()
+        st = self._wait(process, process.start(run, nproc=1, stop_with_parent=True, env=env,
+                                               cuda=not self.rehearsal), deadline, None)
+        out = run_figures(run)
+        out.update(run=run.id, wall_s=time.monotonic() - t, state=st.state if st else "stopped",
+                   error=(st.error if st else "stopped at the part's share of the budget") if not st or
+                   st.state != "done" else None)
+        steps_s = sum((x["measured_ms"] or 0.0) for x in out["steps"]) / 1e3
+        out["startup_s"] = max(0.0, out["wall_s"] - steps_s)
+        return out
+
+    def part_offload(self, part: Part) -> None:
+        """Layer-input offload on one GPU (module docstring): two short runs at one length, with and
+        without offload, then the offloading run at the longest length the memory model and what is
+        left of the part's share allow (the short runs' measured step time calibrates the cost
+        model's); the targets judged by ``offload_verdicts``. In the rehearsal the figures are
+        computed, not judged (the CPU's resident set is no allocator peak)."""
+        import dataclasses
+
+        from workbench.launch import process
+        from workbench.models import get_model
+        from workbench.specs import load_profile
+        from workbench.training import prepare_train
+
+        t0 = time.monotonic()
+        end = t0 + part.budget_s
+        deadline = end + GRACE_S
+        env = _env(1 if self.rehearsal else None)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        host = host_memory_gb()
+        if not host:
+            part.status, part.summary = "fail", "the host's memory could not be read (/proc/meminfo)"
+            return
+        if self.rehearsal:  # the CPU profile has no host link: a stand-in one, so that plans may offload
+            prof = dataclasses.replace(load_profile("cpu-gloo-tiny"), name="cpu-gloo-tiny-rehearsal",
+                                       host_link_gbps=10.0, host_link_node_gbps=10.0)
+            profile = str(prof.save(self.out / "parts" / "offload-profile.json"))
+            gpu_gb, candidates = None, ["tiny"]
+        else:  # the shipped Hopper estimates (datasheet host link) at this GPU's memory
+            profile, candidates = "h100-80g", ["llama3-8b", "1b"]
+            gpu_gb = ((self.env_info.get("gpu") or {}).get("total_memory_bytes") or 0) / 1e9 or None
+        quantum, short_target = (64, 256) if self.rehearsal else (1024, 8192)
+        base = {"nproc": 1, "device": "cpu" if self.rehearsal else "cuda", "profile": profile, "host_memory_gb": host,
+                "zero_stage": 3, "recompute": True, "checkpoint_every": 0, "planner": "greedy", "seed": 0,
+                "precision": "fp32" if self.rehearsal else "bf16", **({"gpu_memory_gb": gpu_gb} if gpu_gb else {})}
+
+        def settings(model, opt, length, offload, steps):
+            return {**base, "model": model, "optimizer": opt[0], "momentum": opt[1], "source": str(length),
+                    "max_len": length, "offload": offload, "steps": steps}
+
+        # 1. the model and optimizer: the first that the memory model and the time allow
+        chosen, notes = None, []
+        for model in candidates:
+            ctx = min(get_model(model).max_context, 2048) if self.rehearsal else get_model(model).max_context
+            for opt in (("adamw", 0.0), ("sgd", 0.9), ("sgd", 0.0)):
+                try:
+                    _, spec, _ = prepare_train(settings(model, opt, short_target, "inputs", OFFLOAD_STEPS), dry_run=True,
+                                               on_gpu=not self.rehearsal)
+                    cost = spec.scenario.cost()
+                    plain = spec.scenario.replace(offload="none").cost()
+                    longest, longest_plain = min(cost.longest_sequence(), ctx), min(plain.longest_sequence(), ctx)
+
+                    def step_ms(n, cost=cost):
+                        return cost.group_at([n], 1, 1, "inputs")[0] + cost.optimizer_ms()
+
+                    lengths = offload_lengths(longest, longest_plain, step_ms, budget_s=end - time.monotonic(),
+                                              startup_s=OFFLOAD_STARTUP_S.get(model, 30.0), short_target=short_target,
+                                              quantum=quantum)
+                except ValueError as e:
+                    notes.append(f"{model} {opt[0]}{' momentum' if opt[1] else ''}: {str(e).splitlines()[0]}")
+                    continue
+                if lengths["need_s"] > end - time.monotonic():
+                    notes.append(f"{model}: about {lengths['need_s']:.0f} s needed, {end - time.monotonic():.0f} s left")
+                    break  # a lighter optimizer does not make the runs shorter
+                chosen = (model, opt, cost, longest, longest_plain, step_ms, lengths)
+                break
+            if chosen:
+                break
+        part.data = {"candidates_left_out": notes, "host_memory_gb": host, "profile": profile, "gpu_memory_gb": gpu_gb}
+        if chosen is None:
+            part.status, part.summary = "skip", "; ".join(notes) or "no model fits"
+            return
+        model, opt, cost, longest, longest_plain, step_ms, lengths = chosen
+        ctx = min(get_model(model).max_context, 2048) if self.rehearsal else get_model(model).max_context
+        part.data.update(model=model, optimizer=opt[0] + (" momentum" if opt[1] else ""), zero_stage=3,
+                         layers=get_model(model).layers, longest_offload=longest, longest_plain=longest_plain,
+                         longest_by_memory=cost.longest_sequence(), max_context=ctx, estimate=lengths)
+        short = lengths["short"]
+        self.say(f"  | {model}: the memory model holds {longest:,} tokens with offload, {longest_plain:,} without "
+                 f"(max context {ctx:,}); short runs at {short:,}")
+        # 2. the short runs: recomputation alone, then with offload, at one length
+        runs_ = {}
+        for off in ("none", "inputs"):
+            runs_[f"short_{off}"] = r = self._offload_run(process, f"offload-{stamp}-{short}-{off}",
+                                                          settings(model, opt, short, off, OFFLOAD_STEPS), deadline, env)
+            if r["state"] != "done":
+                part.data["runs"] = runs_
+                part.status, part.summary = "fail", f"the short run with offload {off} did not finish: {r['error']}"
+                return
+        # 3. the long run: what is left of the share, at the short run's measured speed
+        inputs = runs_["short_inputs"]
+        measured = sorted(x["measured_ms"] for x in inputs["steps"][1:] if x["measured_ms"]) or [step_ms(short)]
+        factor = measured[len(measured) // 2] / step_ms(short)
+        left = end - time.monotonic() - inputs["startup_s"]
+        top = (longest // quantum) * quantum
+        long = short
+        if OFFLOAD_LONG_STEPS * step_ms(top) * factor / 1e3 <= left:
+            long = top
+        else:
+            lo, hi = short // quantum, top // quantum
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if OFFLOAD_LONG_STEPS * step_ms(mid * quantum) * factor / 1e3 <= left else (lo, mid)
+            long = lo * quantum
+        part.data.update(time_factor=factor, long=long,
+                         long_limited_by="memory" if long == top and top < ctx - quantum else
+                         "the length cap (the model's max context; 2,048 in the rehearsal)" if long == top else "time")
+        judged = inputs
+        if long > short:
+            runs_["long_inputs"] = judged = self._offload_run(
+                process, f"offload-{stamp}-{long}-inputs", settings(model, opt, long, "inputs", OFFLOAD_LONG_STEPS),
+                deadline, env)
+            if judged["state"] != "done":
+                part.data["runs"] = runs_
+                part.status, part.summary = "fail", f"the {long:,}-token run did not finish: {judged['error']}"
+                return
+        else:
+            part.data["long_note"] = f"no time for a run longer than {short:,} tokens: the short run is judged"
+        part.data["runs"] = runs_
+        # 4. the targets
+        tokens = judged["steps"][-1]["tokens"]
+        last = judged["steps"][-1]
+        pred = offload_predicted_peak(cost, tokens, judged["group"].get("memory_gb"))
+        host_pred = (judged["group"].get("host_gb") or 0.0) * 1e9
+        verdicts = offload_verdicts(peak_bytes=last["peak_bytes"], predicted_bytes=pred["total_bytes"],
+                                    host_bytes=last["host_bytes"], predicted_host_bytes=host_pred,
+                                    tps_offload=inputs["tokens_per_s"], tps_plain=runs_["short_none"]["tokens_per_s"])
+        layers = get_model(model).layers
+        part.data.update(judged_tokens=tokens, predicted=pred, predicted_host_bytes=host_pred,
+                         host_expected_ratio=(layers - 1) / layers, verdicts=verdicts)
+        if self.rehearsal:
+            part.status = "ok"
+        else:
+            met = [v["met"] for v in verdicts.values()]
+            part.status = "ok" if all(m is True for m in met) else "warn"
+        v = verdicts
+
+        def r(x, fmt=".2f"):
+            return format(x, fmt) if isinstance(x, (int, float)) else "-"
+
+        part.summary = (f"{model} ({part.data['optimizer']}, ZeRO-3, --recompute): {long:,} tokens with offload "
+                        f"({part.data['long_limited_by']}; the memory model holds {longest:,} with it, {longest_plain:,} "
+                        f"without): peak {r(v['peak']['ratio'])}x predicted, host {r(v['host']['ratio'])}x the plan's "
+                        f"(the last block's input stays on the GPU: {(layers - 1) / layers:.3f} expected); at {short:,} "
+                        f"tokens {r(inputs['tokens_per_s'], ',.0f')} tok/s with offload, "
+                        f"{r(runs_['short_none']['tokens_per_s'], ',.0f')} without ({r(v['tokens_per_s']['ratio'])}x)"
+                        + ("; rehearsal: not judged" if self.rehearsal else
+                           "; missed: " + ", ".join(k for k, x in v.items() if x["met"] is not True)
+                           if part.status == "warn" else ""))
+
     def _wait(self, process, handle, deadline: float, share: float | None):
         """Wait for a run (profile or training) until ``deadline`` (or ``share`` seconds); stop it
         past that. Returns its final RunStatus, or None when it was stopped."""
@@ -568,6 +884,29 @@ def format_markdown(result: dict) -> str:
         elif p["name"] == "profile":
             if d.get("check_table"):
                 lines += ["```", d["check_table"], "```"]
+        elif p["name"] == "offload" and d.get("model"):
+            lines += [f"{d['model']} ({d.get('optimizer')}, ZeRO-3 at world 1, --recompute), profile {d.get('profile')} at "
+                      f"{_f(d.get('gpu_memory_gb'), ',.1f')} GB, host memory {_f(d.get('host_memory_gb'), ',.1f')} GB; "
+                      f"the memory model's longest sequence: {_f(d.get('longest_offload'), ',.0f')} tokens with "
+                      f"layer-input offload, {_f(d.get('longest_plain'), ',.0f')} without (max context "
+                      f"{_f(d.get('max_context'), ',.0f')}); the long run's length set by {d.get('long_limited_by')}.", "",
+                      "| run | tokens | offload | state | tokens/s | peak GiB | host MB | plan: GPU GB | plan: host GB |",
+                      "|---|---:|---|---|---:|---:|---:|---:|---:|"]
+            for name, r in (d.get("runs") or {}).items():
+                last = (r.get("steps") or [{}])[-1]
+                g = r.get("group") or {}
+                lines.append(f"| {name} | {_f(last.get('tokens'), ',.0f')} | {g.get('offload', '-')} | {r.get('state')} | "
+                             f"{_f(r.get('tokens_per_s'), ',.0f')} | {_gib(last.get('peak_bytes'))} | "
+                             f"{_f((last.get('host_bytes') or 0) / 1e6, ',.1f')} | {_f(g.get('memory_gb'), ',.2f')} | "
+                             f"{_f(g.get('host_gb'), ',.3f')} |")
+            pr = d.get("predicted") or {}
+            lines += ["", f"Predicted peak at {_f(d.get('judged_tokens'), ',.0f')} tokens: {_gib(pr.get('total_bytes'))} GiB "
+                      f"({pr.get('peak_at')}; states {_gib(pr.get('states_bytes'))}, activations "
+                      f"{_gib(pr.get('activation_bytes'))}, the loss's working set {_gib(pr.get('loss_working_bytes'))})", "",
+                      "| target | goal | measured | met |", "|---|---|---:|---|"]
+            for name, v in (d.get("verdicts") or {}).items():
+                lines.append(f"| {name} | {v.get('target')} | {_f(v.get('ratio'), '.3f')} | "
+                             f"{'-' if v.get('met') is None else 'yes' if v['met'] else 'no'} |")
     lines.append("")
     return "\n".join(lines)
 
