@@ -339,3 +339,18 @@ def test_offload_takes_its_share_of_a_measured_activation_figure():
     assert c.gpu_memory(s, 8, 1, "inputs")[0] == pytest.approx(act * (1 - share) * 1e5 / 8 / 1e9)
     assert 0 < c.gpu_memory(s, 8, 1, "inputs")[0] < c.gpu_memory(s, 8, 1, "none")[0]
     assert c.longest_sequence() > c.plain_limit
+
+
+def test_the_memory_view_shows_a_swapping_group_and_its_host_memory():
+    from workbench.report.memory import plan_memory
+
+    sc = Scenario(model="llama3-8b", profile="h100-80g", num_gpus=64, recompute=True,
+                  source="1000000,200000,50000,8000", planner="greedy")
+    plan = sc.plan().to_dict()
+    rows = plan_memory(plan, sc.cost())
+    g = plan["micro_steps"][0]["groups"][0]
+    assert g["swap_layers"] > 0 and g["offload"] == "none"
+    t, gpu, host = sc.cost().group_at(g["lengths"], g["degree"], g["cp"], "none", g["swap_layers"])
+    assert rows[0]["activations_gb"] == pytest.approx(g["memory_gb"]) == pytest.approx(gpu)
+    assert rows[0]["host_gb"] == pytest.approx(g["host_gb"]) == pytest.approx(host)
+    assert f"{g['swap_layers']} blocks swapped" in rows[0]["label"]

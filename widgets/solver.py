@@ -258,7 +258,8 @@ class SolverPanel(ScenarioSource, Panel):
                 "gradients and optimizer states, sharded by the ZeRO stage) plus the activations of the group's "
                 "sequences, against the usable memory (dashed; the rest is kept for fragmentation and buffers) "
                 "and the device (solid). The planner keeps every group's activations within usable - model states. "
-                "A group that <b>offloads</b> keeps its block inputs in host memory between forward and backward "
+                "A group that <b>offloads</b> keeps its block inputs in host memory between forward and backward, "
+                "and one that <b>swaps</b> keeps whole blocks' activations there instead of recomputing them "
                 "(its bar is what stays on the GPU); the table under the figure gives the host memory per GPU each "
                 "such group fills, against the host budget (a node's host memory, less a reserve, over its GPUs)."),
             self.w_group, figure_box(self.fig_memory), self.memory_line, self.host_line,
@@ -799,8 +800,9 @@ class SolverPanel(ScenarioSource, Panel):
             f"gradients {c['gradients_gb']:.2f}, optimizer states {c['optimizer_gb']:.2f} (ZeRO-{c['zero_stage']} over "
             f"{c['num_gpus']} GPUs){working}, activations {c['activations_gb']:.2f} GB for {c['sequences']} sequence(s) "
             f"/ {c['tokens']:,} tokens split over {c['degree']} GPU(s); headroom {c['headroom_gb']:.2f} GB."
-            + (f" Offloaded ({c['offload']}): host memory per GPU <b>{c['plan_host_gb']:.2f} GB</b> of "
-               f"{self.result.scenario.cost().host_budget_gb:.2f} GB budget." if c.get("offload", "none") != "none" else "")
+            + (f" Offloaded ({c['offload']}, {c.get('swap_layers', 0)} blocks swapped): host memory per GPU "
+               f"<b>{c['plan_host_gb']:.2f} GB</b> of {self.result.scenario.cost().host_budget_gb:.2f} GB budget."
+               if c.get("offload", "none") != "none" or c.get("swap_layers") else "")
             + "</span>")
         self._draw_host(rows, c)
 
@@ -809,12 +811,14 @@ class SolverPanel(ScenarioSource, Panel):
         a line saying why none offloads."""
         h = self.host_memory(rows, chosen)
         if not h["groups"]:
-            why = (f"offload is possible ({h['offload']}), but every group's activations fit the GPU without it"
+            why = (f"offload is possible ({h['offload']}), but every group's activations fit the GPU without it "
+                   f"and no group gains by swapping blocks"
                    if h["can_offload"] else h["note"] or "no offload")
             self.host_line.value = f"<span style='font-size:13px;color:#555'>No group of this plan offloads: {why}.</span>"
             return
         table = html_table([dict(g, _style="font-weight:600" if g["chosen"] else "") for g in h["groups"]], [
-            ("group", "offloading group", None), ("sequences", "seq", "d"), ("tokens", "tokens", ","),
+            ("group", "offloading group", None), ("offload", "block inputs", None),
+            ("swap_layers", "blocks swapped", "d"), ("sequences", "seq", "d"), ("tokens", "tokens", ","),
             ("gpu_gb", "GPU memory (GB)", ".2f"), ("host_gb", "host memory per GPU (GB)", ".2f"),
             ("budget_share", "of the host budget", lambda v: f"{100 * v:.0f}%")])
         head = (f"<div style='font-size:13px'>Host memory per GPU: {h['chosen_host_gb']:.2f} GB of "
@@ -838,12 +842,13 @@ class SolverPanel(ScenarioSource, Panel):
         budget = float(cost.host_budget_gb or 0.0)
         groups = []
         for r in rows:
-            if r.get("offload", "none") == "none":
+            if r.get("offload", "none") == "none" and not r.get("swap_layers"):
                 continue
             is_chosen = chosen is not None and (r["micro_step"], r["index"]) == (chosen["micro_step"], chosen["index"])
             groups.append({"micro_step": r["micro_step"], "index": r["index"], "degree": r["degree"],
                            "group": f"m{r['micro_step']} · degree {r['degree']} · ranks {r['ranks'][0]}-{r['ranks'][1]}",
-                           "ranks": r["ranks"], "offload": r["offload"], "sequences": r["sequences"],
+                           "ranks": r["ranks"], "offload": r["offload"], "swap_layers": r.get("swap_layers", 0),
+                           "sequences": r["sequences"],
                            "tokens": r["tokens"], "gpu_gb": r["total_gb"], "host_gb": r["plan_host_gb"],
                            "budget_share": r["plan_host_gb"] / budget if budget else None, "chosen": is_chosen})
         pick = next((g for g in groups if g["chosen"]), None)

@@ -76,7 +76,7 @@ def working_label(cost) -> str:
 
 
 def gpu_memory_breakdown(cost, lengths: Sequence[int] = (), degree: int = 1, cp: int | None = None,
-                         offload: str | None = None) -> dict:
+                         offload: str | None = None, swap: int = 0) -> dict:
     """Memory of one GPU of a group of ``degree`` and split ``cp`` (None: the degree's least-memory
     split) running ``lengths`` in one micro-step, in GB.
 
@@ -88,9 +88,9 @@ def gpu_memory_breakdown(cost, lengths: Sequence[int] = (), degree: int = 1, cp:
     ``usable_gb`` (GPU memory x fraction), ``gpu_memory_gb``, ``reserve_gb`` (what is not planned),
     ``activation_budget_gb`` (usable less model states and working set), ``headroom_gb`` (usable less
     total; negative: over budget), ``fits``, ``degree``, ``cp``, ``sequences``, ``tokens``,
-    ``zero_stage``, ``execution``, ``states_note``, ``offload`` and ``host_gb``: with ``offload`` (a
-    group's level, ``workbench.cost.offload``) the activations are what the group keeps on the GPU at
-    that level (one MLP tile included) and ``host_gb`` what it keeps in host memory per GPU."""
+    ``zero_stage``, ``execution``, ``states_note``, ``offload``, ``swap_layers`` and ``host_gb``: with
+    ``offload`` (a group's level, ``workbench.cost.offload``; ``swap`` its swapped blocks) the
+    activations are what the group keeps on the GPU at that level (one MLP tile included) and ``host_gb`` what it keeps in host memory per GPU."""
     import numpy as np
 
     cl = cost.cluster
@@ -99,7 +99,7 @@ def gpu_memory_breakdown(cost, lengths: Sequence[int] = (), degree: int = 1, cp:
     host = 0.0
     if offload is not None and s.size:
         c = cost.best_split(s, int(degree)) if cp is None else int(cp)
-        _, act, host = cost.group_at(s, int(degree), c, offload)
+        _, act, host = cost.group_at(s, int(degree), c, offload, int(swap))
     else:
         act = float(cost.memory(s, int(degree), cp).sum()) if s.size else 0.0
     states = parts["parameters"] + parts["gradients"] + parts["optimizer"]
@@ -115,7 +115,7 @@ def gpu_memory_breakdown(cost, lengths: Sequence[int] = (), degree: int = 1, cp:
         "activation_budget_gb": float(cost.memory_budget_gb), "headroom_gb": usable - total,
         "fits": act <= float(cost.memory_budget_gb) * (1 + 1e-9), "zero_stage": int(cl.zero_stage),
         "num_gpus": int(cl.num_gpus), "execution": cost.execution, "states_note": cost.states.note,
-        "offload": offload or "none", "host_gb": host,
+        "offload": offload or "none", "swap_layers": int(swap), "host_gb": host,
     }
 
 
@@ -128,11 +128,14 @@ def plan_memory(plan: Mapping[str, Any], cost) -> list[dict]:
     for m, ms in enumerate(plan.get("micro_steps") or []):
         for k, g in enumerate(ms.get("groups") or []):
             c = int(g.get("cp", 1))
-            row = gpu_memory_breakdown(cost, g["lengths"], g["degree"], c, g.get("offload") or "none")
+            row = gpu_memory_breakdown(cost, g["lengths"], g["degree"], c, g.get("offload") or "none",
+                                       int(g.get("swap_layers") or 0))
             r = list(g["ranks"])
             where = f"rank {r[0]}" if len(r) == 1 else f"ranks {r[0]}-{r[-1]}"
             split = f" ({int(g['degree']) // c}x{c})" if c > 1 else ""
-            host = f", offloaded: {row['host_gb']:.1f} GB in host memory" if row["offload"] != "none" else ""
+            what = " + ".join(x for x in ("block inputs" if row["offload"] != "none" else "",
+                                          f"{row['swap_layers']} blocks swapped" if row["swap_layers"] else "") if x)
+            host = f", {what}: {row['host_gb']:.1f} GB in host memory" if what else ""
             row.update(micro_step=m, index=k, ranks=[r[0], r[-1]],
                        label=f"micro-step {m}, degree {g['degree']}{split}, {where}{host}")
             out.append(row)
