@@ -90,7 +90,8 @@ def gpu_memory_breakdown(cost, lengths: Sequence[int] = (), degree: int = 1, cp:
     total; negative: over budget), ``fits``, ``degree``, ``cp``, ``sequences``, ``tokens``,
     ``zero_stage``, ``execution``, ``states_note``, ``offload``, ``swap_layers`` and ``host_gb``: with
     ``offload`` (a group's level, ``workbench.cost.offload``; ``swap`` its swapped blocks) the
-    activations are what the group keeps on the GPU at that level (one MLP tile included) and ``host_gb`` what it keeps in host memory per GPU."""
+    activations are what the group keeps on the GPU at that level (one MLP tile included) and
+    ``host_gb`` what it keeps in host memory per GPU."""
     import numpy as np
 
     cl = cost.cluster
