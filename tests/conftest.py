@@ -108,6 +108,29 @@ def run_cli(*args, check=True):
     return p
 
 
+def seed_machine_profile(root, nproc: int = 2):
+    """A machine profile run in the store ``root`` as ``ensure_machine_profile`` leaves one, without
+    measuring: the shipped ``cpu-gloo-tiny`` figures stamped with this machine's fingerprint for
+    ``nproc`` processes and the current profiler version, so a CPU launch in that store reuses it
+    instead of measuring this machine first (about 30 s on 2 cores). For tests whose checks are not
+    about the measurement; the Launch panel's (``test_widgets.py``'s ``two_runs``) and the demo's
+    measure for real. Returns the profile Run."""
+    from workbench import runs
+    from workbench.profile.machine import MACHINE_MODEL, machine_fingerprint
+    from workbench.profile.result import PROFILER_VERSION
+    from workbench.specs import HardwareProfile, load_profile
+
+    fp = machine_fingerprint(nproc)
+    d = load_profile("cpu-gloo-tiny").to_dict()
+    d.update(name=f"cpu-gloo-tiny-{nproc}r", gpu=f"CPU {fp['cpu']} ({fp['cores']} cores)")
+    d["provenance"] = {**d["provenance"], "fingerprint": fp, "world_size": nproc, "profiler_version": PROFILER_VERSION,
+                       "note": "seeded by the tests (tests/conftest.py seed_machine_profile), not measured"}
+    run = runs.new_run("profile", {"model": MACHINE_MODEL, "nproc": nproc, "quick": True, "fingerprint": fp}, root=root)
+    HardwareProfile.from_dict(d).save(run.file(runs.PROFILE_FILE))
+    runs.update_status(run.path, state="done")
+    return run
+
+
 @pytest.hookimpl(tryfirst=True, hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Keep each phase's report on the test item (``item.rep_call``), for fixtures that act on a

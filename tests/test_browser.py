@@ -237,7 +237,12 @@ def test_train_notebook_launch_progress_stop(lab, page, shoot_on_failure):
     from workbench import runs
     from workbench.launch import run_alive
 
+    from conftest import seed_machine_profile
+
     _, _, runs_root, shots = lab
+    # this machine's profile in the store, so Launch starts the run at once instead of measuring this
+    # machine for 30 s first (the Launch panel's measurement is test_widgets.py's two_runs)
+    seed_machine_profile(runs_root)
     _open(page, lab, "04_train.ipynb")
     _run_all(page)
     launch = page.locator(f"{_PANEL} .jp-OutputArea-output button", has_text=re.compile(r"^\s*Launch\s*$")).first

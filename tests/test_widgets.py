@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -820,27 +821,49 @@ def test_solver_compares_a_runs_predicted_and_measured_memory(two_runs):
 
 @pytest.mark.slow
 def test_driving_the_panels_never_imports_torch_into_the_kernel(tmp_path):
-    """A fresh interpreter drives the planning panels and launches, follows and stops a run: torch
-    stays out of it (training is a separate process tree)."""
+    """A fresh interpreter drives the planning panels, launches, follows and stops a run with this
+    machine's cached profile, and starts measuring this machine (stopped at once: the measurement
+    itself runs in its own process tree, and the Launch panel's real one is ``two_runs``'s): torch
+    stays out of it (training and profiling are separate process trees)."""
+    from conftest import seed_machine_profile
+
+    store, empty = tmp_path / "runs", tmp_path / "measure"
+    cached = seed_machine_profile(store)  # the launch reuses it instead of measuring this machine for 30 s
     script = textwrap.dedent(f"""
         import sys, time
         from widgets import LaunchPanel, LengthsPanel, RunsPanel, SolverPanel, Workbench
+        from workbench.profile.machine import ensure_machine_profile
         from workbench.scenario import Scenario
         sc = Scenario(**{SMALL!r})
         SolverPanel(sc, auto=False).solve()
         LengthsPanel(sc, auto=False).refresh()
-        wb = Workbench(sc, root={str(tmp_path)!r}, auto=False)
+        wb = Workbench(sc, root={str(store)!r}, auto=False)
         run = wb.launch.launch(steps=50, nproc=2, max_len=512, batch_tokens=8192, debug={{"step_sleep_s": 0.3}})
+        print("PROFILE", wb.launch.machine_profile.run.id, wb.launch.machine_profile.measured)
         while wb.launch.refresh().step < 1:
             time.sleep(0.3)
         st = wb.launch.stop()
         wb.launch.cluster_script("slurm", nnodes=2, run_root={str(tmp_path / "shared")!r})
         print("STATE", st.state)
+        # the path that measures this machine: its profile run started, polled with progress, stopped
+        seen = []
+        try:
+            ensure_machine_profile(2, root={str(empty)!r}, timeout=0.0, progress=lambda f, m: seen.append(m))
+        except RuntimeError as e:
+            print("MEASURE", e, len(seen))
         print("TORCH", "torch" in sys.modules)
     """)
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "STATE stopped" in p.stdout and "TORCH False" in p.stdout
+    assert f"PROFILE {cached.id} False" in p.stdout and "STATE stopped" in p.stdout, p.stdout
+    assert re.search(r"MEASURE measuring this machine \(profile run \S+\) took over 0 s; stopped it [1-9]", p.stdout), \
+        p.stdout
+    from workbench import runs
+    from workbench.launch import run_alive
+
+    (measuring,) = runs.list_runs(empty, kind="profile")
+    assert not run_alive(measuring.status())
+    assert "TORCH False" in p.stdout
 
 
 def test_background_threads_never_print(capsys):
