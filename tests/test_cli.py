@@ -193,3 +193,14 @@ def test_error_hints_name_commands_that_exist():
         named |= set(re.findall(r"`workbench ([a-z-]+)", path.read_text()))
     assert named, "the scan found the hints"
     assert named <= commands, f"hints name commands that do not exist: {sorted(named - commands)}"
+
+
+def test_cost_without_degrees_shows_the_clusters_own():
+    """Without --degrees a 6-GPU node gets its candidate degrees, not 1..64 and an error about them."""
+    from workbench.scenario import Scenario
+
+    out = json.loads(run_cli("cost", "--lengths", "8192", "--gpus", "6", "--gpus-per-node", "6", "--json").stdout)
+    shown = sorted({r["degree"] for r in out["rows"]})
+    assert shown == list(Scenario(num_gpus=6, gpus_per_node=6).cluster().degrees) and max(shown) <= 6
+    full = json.loads(run_cli("cost", "--lengths", "8192", "--json").stdout)  # 64 GPUs: 1 to 64, as before
+    assert sorted({r["degree"] for r in full["rows"]}) == [1, 2, 4, 8, 16, 32, 64]

@@ -242,10 +242,12 @@ def cmd_lengths(args) -> int:
 
 def cmd_cost(args) -> int:
     lengths = _positive_list(args.lengths, "--lengths")
-    degrees = _positive_list(args.degrees, "--degrees")
     cps = _positive_list(args.cp, "--cp") if args.cp else None
     sc = scenario_from_args(args)
     cost = sc.cost()
+    # without --degrees, the cluster's own candidates (it stopped on 6 GPUs with "--degrees [8, 16, 32, 64]
+    # exceed --gpus 6" when nobody had given any)
+    degrees = _positive_list(args.degrees, "--degrees") if args.degrees else list(cost.cluster.degrees)
     bad = [d for d in degrees if d > cost.cluster.num_gpus]
     if bad:
         raise CliError(f"--degrees {bad} exceed --gpus {cost.cluster.num_gpus}")
@@ -944,7 +946,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("cost", help="print the cost model the planners use")
     q.add_argument("--lengths", required=True, metavar="L1,L2,...")
-    q.add_argument("--degrees", default="1,2,4,8,16,32,64", metavar="D1,D2,...")
+    q.add_argument("--degrees", default=None, metavar="D1,D2,...",
+                   help="group sizes to show (default: the cluster's candidate degrees, 1 to 64 on 64 GPUs)")
     q.add_argument("--cp", default=None, metavar="C1,C2,...",
                    help="context-parallel sizes to show for each degree they divide (default: the strategy's splits)")
     _add_cluster_args(q)
