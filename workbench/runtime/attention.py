@@ -81,22 +81,8 @@ def torch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     if kvh != H:
         k = k.repeat_interleave(H // kvh, dim=1)  # (Tk, H, hd)
         v = v.repeat_interleave(H // kvh, dim=1)  # (Tk, H, hd)
-    bq = _bounds(cu_seqlens_q, Tq, "q")
-    bk = bq if cu_seqlens_k is cu_seqlens_q else _bounds(cu_seqlens_k, k.shape[0], "k")
-    if len(bk) != len(bq):
-        raise ValueError(f"cu_seqlens_q has {len(bq) - 1} segments but cu_seqlens_k {len(bk) - 1}")
-    sq = [hi - lo for lo, hi in zip(bq[:-1], bq[1:])]
-    sk = [hi - lo for lo, hi in zip(bk[:-1], bk[1:])]
-    # one split, not a slice per sequence: the backward of a split is one concatenation (O(T)),
-    # while each slice's backward would write a gradient the size of the whole pack (O(sequences x T))
     outs = []
-    for qi, ki, vi in zip(q.split(sq), k.split(sk), v.split(sk)):
-        n, m = qi.shape[0], ki.shape[0]
-        if n == 0:
-            continue
-        if n > m:
-            raise ValueError(f"a segment has {n} queries but only {m} keys (bottom-right causal needs queries <= keys)")
-        args = (qi.transpose(0, 1).unsqueeze(0), ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0))
+    for args, n, m in _segments(q, k, v, cu_seqlens_q, cu_seqlens_k):
         if n == m:
             oi = F.scaled_dot_product_attention(*args, is_causal=True)  # (1, H, n, hd)
         else:  # the queries are the last n of the m positions: query r sees keys 0 .. m - n + r
@@ -104,6 +90,27 @@ def torch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
             oi = F.scaled_dot_product_attention(*args, attn_mask=mask)  # (1, H, n, hd)
         outs.append(oi[0].transpose(0, 1))  # (n, H, hd)
     return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)  # (Tq, H, hd)
+
+
+def _segments(q, k, v, cu_seqlens_q, cu_seqlens_k):
+    """Every packed segment with queries, as SDPA takes it: ``(args, n, m)`` with ``args`` the
+    segment's q, k, v as ``(1, H, n or m, hd)`` and ``n``, ``m`` its query and key counts. Raises
+    ValueError when the boundaries do not describe the packs or a segment has more queries than keys."""
+    bq = _bounds(cu_seqlens_q, q.shape[0], "q")  # one read of the boundaries: the split needs them on the host
+    bk = bq if cu_seqlens_k is cu_seqlens_q else _bounds(cu_seqlens_k, k.shape[0], "k")
+    if len(bk) != len(bq):
+        raise ValueError(f"cu_seqlens_q has {len(bq) - 1} segments but cu_seqlens_k {len(bk) - 1}")
+    sq = [hi - lo for lo, hi in zip(bq[:-1], bq[1:])]
+    sk = [hi - lo for lo, hi in zip(bk[:-1], bk[1:])]
+    # one split, not a slice per sequence: the backward of a split is one concatenation (O(T)),
+    # while each slice's backward would write a gradient the size of the whole pack (O(sequences x T))
+    for qi, ki, vi in zip(q.split(sq), k.split(sk), v.split(sk)):
+        n, m = qi.shape[0], ki.shape[0]
+        if n == 0:
+            continue
+        if n > m:
+            raise ValueError(f"a segment has {n} queries but only {m} keys (bottom-right causal needs queries <= keys)")
+        yield (qi.transpose(0, 1).unsqueeze(0), ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0)), n, m
 
 
 FLASH_HALF = (torch.float16, torch.bfloat16)
@@ -408,22 +415,10 @@ def _sdpa_per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k) -> torch.Tensor:
     from torch.nn.attention.bias import causal_lower_right
 
     Tq = q.shape[0]
-    bq = _bounds(cu_seqlens_q, Tq, "q")  # one read of the boundaries: the split needs them on the host
-    bk = bq if cu_seqlens_k is cu_seqlens_q else _bounds(cu_seqlens_k, k.shape[0], "k")
-    if len(bk) != len(bq):
-        raise ValueError(f"cu_seqlens_q has {len(bq) - 1} segments but cu_seqlens_k {len(bk) - 1}")
-    sq = [hi - lo for lo, hi in zip(bq[:-1], bq[1:])]
-    sk = [hi - lo for lo, hi in zip(bk[:-1], bk[1:])]
     gqa = k.shape[1] != q.shape[1]
     outs = []
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        for qi, ki, vi in zip(q.split(sq), k.split(sk), v.split(sk)):
-            n, m = qi.shape[0], ki.shape[0]
-            if n == 0:
-                continue
-            if n > m:
-                raise ValueError(f"a segment has {n} queries but only {m} keys (bottom-right causal needs queries <= keys)")
-            args = (qi.transpose(0, 1).unsqueeze(0), ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0))
+        for args, n, m in _segments(q, k, v, cu_seqlens_q, cu_seqlens_k):
             if n == m:
                 oi = F.scaled_dot_product_attention(*args, is_causal=True, enable_gqa=gqa)  # (1, H, n, hd)
             else:  # query r of the last n sees keys 0 .. m - n + r
