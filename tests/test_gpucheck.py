@@ -398,8 +398,9 @@ def test_the_offload_part_chooses_the_model_and_lengths_on_a_gpu(tmp_path, monke
     def fake_run(self, process, name, settings, deadline, env):
         cost = _offload_cost(settings["model"], settings["optimizer"], settings["momentum"], settings["offload"])
         n, off = settings["max_len"], settings["offload"]
-        t, gpu_gb, _ = cost.group_at([n], 1, 1, off)
-        host_gb = float(cost.host_memory([n], 1, off)[0])
+        level = "inputs" if off == "swap" else off  # the stand-in swap run: timed as inputs alone
+        t, gpu_gb, _ = cost.group_at([n], 1, 1, level)
+        host_gb = float(cost.host_memory([n], 1, level)[0])
         layers = cost.model.layers
         step = {"tokens": n, "measured_ms": 1.25 * (t + cost.optimizer_ms()), "peak_bytes": 0.0,
                 "host_bytes": host_gb * 1e9 * (layers - 1) / layers}
@@ -409,7 +410,8 @@ def test_the_offload_part_chooses_the_model_and_lengths_on_a_gpu(tmp_path, monke
         made.append((settings["model"], settings["optimizer"], settings["momentum"], n, off, settings["steps"]))
         clock[0] += OFFLOAD_STARTUP_S[settings["model"]] + settings["steps"] * step["measured_ms"] / 1e3
         return {"steps": [dict(step)] * settings["steps"], "tokens_per_s": step["tokens_per_s"],
-                "group": {"memory_gb": gpu_gb, "host_gb": host_gb, "offload": off}, "run": name, "state": "done",
+                "group": {"memory_gb": gpu_gb, "host_gb": host_gb, "offload": level,
+                          "swap_layers": 3 if off == "swap" else 0}, "run": name, "state": "done",
                 "error": None, "wall_s": OFFLOAD_STARTUP_S[settings["model"]], "startup_s": OFFLOAD_STARTUP_S[settings["model"]]}
 
     monkeypatch.setattr(GpuCheck, "_offload_run", fake_run)
@@ -417,13 +419,15 @@ def test_the_offload_part_chooses_the_model_and_lengths_on_a_gpu(tmp_path, monke
     monkeypatch.setattr(gpucheck, "host_memory_gb", lambda: 137.4)
     check = GpuCheck(tmp_path / "gc", parts=["offload"], say=lambda m: None)
     check.env_info = {"gpu": {"total_memory_bytes": 150.1e9}}
-    part = Part("offload", "offload", budget_s=300.0)
+    part = Part("offload", "offload", budget_s=600.0)
     check.part_offload(part)
     d = part.data
     assert (d["model"], d["optimizer"]) == ("llama3-8b", "sgd momentum"), d["candidates_left_out"]
     assert "llama3-8b adamw" in d["candidates_left_out"][0] and "needs 1" in d["candidates_left_out"][0]
     short, long = 8192, d["long"]
+    # no swap run: after the short runs less than twice its start-up and steps is left
     assert [m[3:5] for m in made] == [(short, "none"), (short, "inputs"), (long, "inputs")] and made[-1][5] == 2
+    assert "no time for the swap run" in d["swap_note"] and "swap" not in d
     # the long run's two steps at 1.25x the predicted time fit what is left; 1,024 more do not
     cost = _offload_cost()
 
@@ -431,7 +435,8 @@ def test_the_offload_part_chooses_the_model_and_lengths_on_a_gpu(tmp_path, monke
         return 2 * 1.25 * (cost.group_at([n], 1, 1, "inputs")[0] + cost.optimizer_ms()) / 1e3
 
     assert d["time_factor"] == pytest.approx(1.25)
-    left = 300 - 3 * 60 - 2 * 3 * step_s(short) / 2  # three start-ups, the short runs' 3 steps each
+    start = OFFLOAD_STARTUP_S["llama3-8b"]
+    left = 600 - 3 * start - 2 * 3 * step_s(short) / 2  # three start-ups, the short runs' 3 steps each
     assert long > short and long <= d["longest_offload"] and d["long_limited_by"] == "time"
     assert step_s(long) <= left < step_s(long + 1024)
     v = d["verdicts"]
@@ -441,13 +446,19 @@ def test_the_offload_part_chooses_the_model_and_lengths_on_a_gpu(tmp_path, monke
     ratio = (none_t + cost.optimizer_ms()) / (in_t + cost.optimizer_ms())
     assert v["tokens_per_s"]["ratio"] == pytest.approx(ratio) and v["tokens_per_s"]["met"] == (ratio >= 0.9)
     assert part.status == ("ok" if ratio >= 0.9 else "warn") and part.summary.startswith("llama3-8b (sgd momentum")
-    # 150 s: the 8B's three start-ups (3 x 60 s) alone overrun it, the 1B's (3 x 25 s) do not
+    # 300 s (the default share): the 8B's three start-ups (3 x 150 s, measured) alone overrun it, the
+    # 1B's (3 x 25 s) do not, and there is time for the swap run between the short and the long runs
     made.clear()
-    part = Part("offload", "offload", budget_s=150.0)
+    part = Part("offload", "offload", budget_s=300.0)
     check.part_offload(part)
     assert part.data["model"] == "1b" and {m[0] for m in made} == {"1b"}
     assert any(n.startswith("llama3-8b: about") for n in part.data["candidates_left_out"])
-    assert "| long_inputs |" in gpucheck.format_markdown({"parts": [part.to_dict()], "budget_s": 150.0})
+    assert [m[4] for m in made] == ["none", "inputs", "swap", "inputs"]
+    sw = part.data["swap"]
+    assert sw["state"] == "done" and sw["swap_layers"] == 3 and sw["ratio_to_recompute"] == pytest.approx(
+        part.data["runs"]["short_swap"]["tokens_per_s"] / part.data["runs"]["short_none"]["tokens_per_s"])
+    assert "swap: 3 of 16 blocks" in part.summary, part.summary
+    assert "| long_inputs |" in gpucheck.format_markdown({"parts": [part.to_dict()], "budget_s": 300.0})
 
 
 @pytest.mark.slow
@@ -458,6 +469,7 @@ def test_cpu_rehearsal_of_the_offload_part(tmp_path):
     inputs (every block's but the last: (layers - 1) x hidden x 4 bytes a token), the plan's host_gb
     every block's, and the ratios the part reports are recomputed here from the run folders."""
     from workbench import runs
+    from workbench.cost.offload import swap_blocks
     from workbench.models import get_model
 
     out = tmp_path / "gc"
@@ -469,16 +481,25 @@ def test_cpu_rehearsal_of_the_offload_part(tmp_path):
     assert part["status"] == "ok" and part["summary"].endswith("rehearsal: not judged"), part["summary"]
     d = part["data"]
     m = get_model("tiny")
-    assert d["model"] == "tiny" and set(d["runs"]) == {"short_none", "short_inputs", "long_inputs"}
+    assert d["model"] == "tiny" and set(d["runs"]) == {"short_none", "short_inputs", "short_swap", "long_inputs"}
     assert d["runs"]["short_none"]["steps"][0]["tokens"] == d["runs"]["short_inputs"]["steps"][0]["tokens"] == 256
     for name, r in d["runs"].items():
         run = runs.Run(out / "runs" / r["run"])
         assert runs.read_status(run.path).state == "done" and len(run.steps()) == len(r["steps"])
+        swapped = set(swap_blocks(m.layers, r["group"]["swap_layers"]))
+        # inputs offloaded: every block's that is not swapped, but the last block's (used at once)
+        offloaded = [i for i in range(m.layers - 1) if i not in swapped] if r["group"]["offload"] == "inputs" else []
         for s in r["steps"]:
-            want = (m.layers - 1) * m.hidden * 4 * s["tokens"] if r["group"]["offload"] == "inputs" else 0
-            assert s["host_bytes"] == want, name
-        if r["group"]["offload"] == "inputs":
+            assert s["host_bytes"] == len(offloaded) * m.hidden * 4 * s["tokens"], name
+            assert (s["swap_host_bytes"] > 0) == bool(swapped), name
+        if r["group"]["offload"] == "inputs" and not swapped:
             assert r["group"]["host_gb"] == pytest.approx(m.layers * m.hidden * 4 * r["steps"][0]["tokens"] / 1e9)
+    sw = d["runs"]["short_swap"]
+    assert sw["group"]["swap_layers"] >= 1 and d["swap"]["swap_layers"] == sw["group"]["swap_layers"]
+    # what the swapped blocks and the offloaded inputs took in host memory, against the plan's host_gb
+    # (H200, 2026-11-28: 1.02x for the 8B; the CPU's fp32 autograd keeps some 10% more)
+    last = sw["steps"][-1]
+    assert (last["swap_host_bytes"] + last["host_bytes"]) / (sw["group"]["host_gb"] * 1e9) == pytest.approx(1.0, abs=0.15)
     v = d["verdicts"]
     assert v["host"]["ratio"] == pytest.approx((m.layers - 1) / m.layers)
     tps = {k: d["runs"][k]["tokens_per_s"] for k in ("short_inputs", "short_none")}
