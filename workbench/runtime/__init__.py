@@ -7,8 +7,9 @@
 - ``ulysses``: the sequence <-> head all-to-all (autograd), ``shard_layout``, ``UlyssesAttention``.
 - ``cp``: context parallelism inside a group split ``u x c``: ``cp_layout``/``group_layout``, the K/V
   all-gather (autograd, backward a reduce-scatter), ``CPAttention``.
-- ``groups``: ``GroupRegistry`` - every aligned (degree, block) process group and the Ulysses/CP
-  sub-groups of every split, made once.
+- ``groups``: ``GroupRegistry`` - the process groups of SP groups (contiguous rank ranges of any size)
+  and their Ulysses/CP sub-groups, made by every rank in one order: aligned blocks at start, or a
+  plan's groups when it first needs them (``ensure(plan)``, what training does).
 - ``zero``: ``parallelize(model, zero_stage=, precision=, recompute=)`` -> ``ZeroRuntime``: the model
   states as the ZeRO stage holds them (FSDP2 under ZeRO-3, ZeroRedundancyOptimizer under 1-2),
   autocast, the stage's gradient reduction, the bytes held.

@@ -2,7 +2,7 @@
 
 A group of degree ``d = u x c`` (a plan's ``Group.ulysses`` and ``Group.cp``) runs Ulysses over
 ``u`` ranks inside context parallelism over ``c``. Group rank ``k`` (``rank - ranks[0]``) is
-Ulysses rank ``a = k % u`` of CP rank ``j = k // u``: the Ulysses sub-group is the aligned block of
+Ulysses rank ``a = k % u`` of CP rank ``j = k // u``: the Ulysses sub-group is the block of
 ``u`` consecutive ranks ``ranks[0] + j*u + [0, u)`` (kept inside a node, where the all-to-all has
 the fast link), the CP sub-group the strided ``ranks[0] + a + u*[0, c)``.
 

@@ -226,10 +226,12 @@ def check_plan(plan: Plan, lengths: Sequence[int], world_size: int, degrees: Seq
                shapes: Sequence[tuple[int, int]] | None = None, layers: int | None = None) -> None:
     """Check that ``plan`` can run on ``world_size`` ranks for a batch of ``lengths``: given the
     run's ``zero_stage`` (``precision``, ``recompute``), the plan was made for them (its execution,
-    and its stage, precision and recomputation where it records them); same rank count, aligned
-    groups of registered ``degrees`` whose split ``(degree, cp)`` is one of the run's ``shapes``
-    (the process groups it made; without ``shapes``, Ulysses-only groups of ``degrees``), a cp that
-    divides its degree, no rank twice in a micro-step under free execution (a lockstep pass may give
+    and its stage, precision and recomputation where it records them); same rank count; every group
+    on a contiguous range of ``degree`` ranks inside the world (any start and any size: ``(1, 2)`` or
+    ``(3, 4, 5)`` on 6 ranks as well as the aligned power-of-two blocks of older plans), of one of the
+    run's candidate ``degrees`` (any degree when None), whose split ``(degree, cp)`` is one of the
+    run's ``shapes`` (without ``shapes``, Ulysses-only groups of ``degrees``), a cp (any integer)
+    that divides its degree, no rank twice in a micro-step under free execution (a lockstep pass may give
     a rank several groups), every sequence once with its length, no sequence longer than
     ``max_context``, (given ``heads``/``kv_heads``) every group's Ulysses size usable with the
     model's heads, every group's ``offload`` a known level, ``inputs`` only with recomputation
@@ -267,17 +269,21 @@ def check_plan(plan: Plan, lengths: Sequence[int], world_size: int, degrees: Seq
         used: set[int] = set()
         swaps: dict[int, set[int]] = {}  # rank -> the swap_layers of its groups in this pass
         for g in ms.groups:
-            lo = g.ranks[0] if g.ranks else -1
-            if (len(g.ranks) != g.degree or tuple(g.ranks) != tuple(range(lo, lo + g.degree)) or lo % g.degree
-                    or lo < 0 or lo + g.degree > world_size):
-                raise PlanError(f"micro-step {m}: group ranks {list(g.ranks)} are not an aligned block of "
-                                f"{g.degree} within {world_size} ranks")
+            lo = g.ranks[0] if g.ranks else 0
+            if g.degree < 1 or len(g.ranks) != g.degree or tuple(g.ranks) != tuple(range(lo, lo + g.degree)):
+                raise PlanError(f"micro-step {m}: group ranks {list(g.ranks)} are not a contiguous range of {g.degree} "
+                                f"ranks (a group of degree d holds ranks r0, r0+1, .., r0+d-1, in order); plan with this "
+                                f"runtime's planner")
+            if lo < 0 or lo + g.degree > world_size:
+                raise PlanError(f"micro-step {m}: group ranks {list(g.ranks)} are outside ranks 0..{world_size - 1} "
+                                f"(the world size is {world_size}); plan for {world_size} GPUs")
             if g.cp < 1 or g.degree % g.cp:
                 raise PlanError(f"micro-step {m}: group at ranks {list(g.ranks)} has context-parallel size {g.cp}, "
                                 f"which does not divide its degree {g.degree}")
             u = g.degree // g.cp
             if degrees is not None and g.degree not in degrees:
-                raise PlanError(f"micro-step {m}: degree {g.degree} has no process groups (degrees {list(degrees)})")
+                raise PlanError(f"micro-step {m}: degree {g.degree} has no process groups (this run's candidate degrees "
+                                f"are {list(degrees)}); plan with this run's cost model")
             if shapes is not None and (g.degree, g.cp) not in shapes and g.degree > 1:
                 raise PlanError(f"micro-step {m}: group at ranks {list(g.ranks)} is split {u}x{g.cp} (Ulysses x CP), "
                                 f"which has no process groups: this run's shapes are {_shapes_text(shapes)}; plan "
@@ -420,11 +426,11 @@ def _my_groups(ms, rank: int) -> list[Group]:
 class StepExecutor:
     """Runs plans on this rank's part of ``model``.
 
-    ``registry`` holds the process groups; ``attn`` is the local attention callable (see
-    ``attention.select_attention``); ``zero`` the model states' stage (``zero.parallelize``; None:
-    ZeRO-0 in the model's own dtype). Every rank of the world must call ``run`` for every step with
-    the same plan and batch: it ends in a reduction over all ranks (and under ZeRO-3 every pass is
-    collective).
+    ``registry`` holds the process groups (``run`` makes those a plan needs that it lacks); ``attn``
+    is the local attention callable (see ``attention.select_attention``); ``zero`` the model states'
+    stage (``zero.parallelize``; None: ZeRO-0 in the model's own dtype). Every rank of the world must
+    call ``run`` for every step with the same plan and batch: it ends in a reduction over all ranks
+    (and under ZeRO-3 every pass is collective).
     """
 
     def __init__(self, model: Transformer, registry: GroupRegistry, attn: Callable, *,
@@ -467,13 +473,18 @@ class StepExecutor:
         ``sequences`` are the batch's 1-D token tensors (every rank passes the whole batch; each
         uses its slices). Raises PlanError when the plan does not fit the batch, the run's stage,
         the world or the model (checked before any collective, identically on every rank), and
-        ValueError when the batch has no target token.
+        ValueError when the batch has no target token. Makes the process groups of the plan's groups
+        that the registry does not hold yet (``GroupRegistry.ensure``), before the step's clock starts.
         """
         lengths = [int(s.numel()) for s in sequences]
         self.check(plan, lengths)
         n_targets = sum(max(0, s - 1) for s in lengths)
         if n_targets == 0:
             raise ValueError("the batch has no target token (every sequence is 1 token long)")
+        # the process groups of the plan's groups that do not exist yet (collective: every rank holds this
+        # plan and gets here with it, after the same verdict); none when they were made at start or by an
+        # earlier plan
+        self.registry.ensure(plan)
         self.zero.zero_grad()
         self._sync()
         t_step, start_time = time.perf_counter(), time.time()

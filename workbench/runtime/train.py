@@ -10,7 +10,9 @@ Reads ``<run-dir>/spec.json`` (``workbench.launch.spec.TrainSpec``), then every 
    broadcasts the plan as a dict; a planning error is broadcast instead, so every rank stops;
 3. every rank checks the plan (``check_plan``) before running it, against the run's ZeRO stage,
    precision and recomputation too: a bad plan fails everywhere at the same point, and no rank
-   waits in a collective for one that gave up;
+   waits in a collective for one that gave up; then every rank makes the process groups of the
+   plan's groups that no earlier plan needed (``GroupRegistry.ensure``: on demand, in an order
+   derived from the plan alone, so the same on every rank);
 4. ``StepExecutor.run`` does the micro-steps (or lockstep passes) and the stage's gradient
    reduction; the optimizer steps.
 
@@ -538,7 +540,9 @@ class Trainer:
                 torch.cuda.set_rng_state(rng["cuda"], device)
             self.resume_state = None
         self.step = start
-        registry = GroupRegistry(world, self.cost.degrees, shapes=self.cost.shapes)
+        # no process group yet: each step's plan gets its groups' ones when it first needs them (on every rank,
+        # in the plan's order, before it runs; workbench.runtime.groups says why)
+        registry = GroupRegistry(world, self.cost.degrees, shapes=self.cost.shapes, eager=False)
         executor = StepExecutor(model, registry, self.attn, device=device, zero=zero)
         planner = None
         if self.rank == 0:
@@ -600,6 +604,9 @@ class Trainer:
                 # recomputation is refused here, naming both
                 check_plan(plan, lengths, world, registry.degrees, zero_stage=zero.zero_stage,
                            precision=zero.precision, recompute=zero.recompute, shapes=registry.shapes)
+                # every rank holds this same plan (broadcast above, checked alike): the process groups it needs
+                # and no earlier plan made are made now, by every rank in plan_rank_sets' order
+                registry.ensure(plan)
                 if self.rank == 0:
                     runs.append_jsonl(self.run_dir / runs.PLANS_FILE, {
                         "step": step, "attempt": self.attempt, "batch_id": batch.batch_id,
