@@ -80,7 +80,7 @@ def test_kv_replication_and_head_limit():
     cost13 = CostModel(load_profile("a100-40g-flexsp"), m13, ClusterSpec(num_gpus=64))
     assert cost13.degrees == (1, 2, 4, 8)
     cp13 = CostModel(load_profile("a100-40g-flexsp"), m13, ClusterSpec(num_gpus=64), strategy="cp")
-    assert cp13.degrees == (1, 2, 4, 8, 16, 32, 64)
+    assert cp13.degrees == (1, 2, 4, 8, 16, 24, 32, 48, 64)  # context parallelism of any size: every candidate
 
 
 def _llama3(strategy, n=64, **kw):
@@ -123,10 +123,10 @@ def test_strategies_and_their_shapes():
     uly, cp, auto = _llama3("ulysses"), _llama3("cp"), _llama3("auto")
     # Ulysses is capped by the 32 query heads (past the 8 KV heads K and V are replicated)
     assert uly.shapes == tuple((d, 1) for d in (1, 2, 4, 8, 16, 32)) and uly.ulysses_limit() == 32
-    assert cp.shapes == tuple((d, d) for d in (1, 2, 4, 8, 16, 32, 64))
+    assert cp.shapes == tuple((d, d) for d in (1, 2, 4, 8, 16, 24, 32, 48, 64))  # CP of any size
     assert _llama3("ring").shapes == cp.shapes and _llama3("ring").strategy == "cp"
-    assert auto.degrees == (1, 2, 4, 8, 16, 32, 64)
-    assert {d for d, c in auto.shapes if c > 1} == {2, 4, 8, 16, 32, 64}
+    assert auto.degrees == (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    assert {d for d, c in auto.shapes if c > 1} == {2, 4, 8, 16, 24, 32, 48, 64}
     assert all(c > 1 for d, c in auto.shapes if d == 64)  # Ulysses alone cannot run 64
     # a degree's per-sequence figures without a split are the least over its splits
     s = np.array([2_000, 60_000, 500_000])

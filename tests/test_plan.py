@@ -80,8 +80,8 @@ def test_validate_rejects_every_kind_of_broken_plan(small_cost):
         (_replace_group(p, 0, big, ranks=(2, 3, 4, 5)), "not an aligned block"),
         # wrong size
         (_replace_group(p, 0, big, ranks=(0, 1, 2)), "has 3 ranks, not 4"),
-        # not a candidate degree
-        (_replace_group(p, 1, 0, degree=3, ranks=(0, 1, 2)), "not a candidate degree"),
+        # degree 3 is a candidate on one node of 8 (every degree up to the node), but Ulysses over 3 splits no 32 heads
+        (_replace_group(p, 1, 0, degree=3, ranks=(0, 1, 2)), "not one of the cost model's shapes"),
         # length mismatch
         (_replace_group(p, 1, 0, lengths=(501,)), "has length 500 in the batch but 501"),
         # empty group
@@ -96,6 +96,10 @@ def test_validate_rejects_every_kind_of_broken_plan(small_cost):
     for bad, match in cases:
         with pytest.raises(PlanError, match=match):
             validate(bad, s, c, small_cost)
+    # a degree the cluster was not given
+    with pytest.raises(PlanError, match="not a candidate degree"):
+        validate(_replace_group(p, 1, 0, degree=3, ranks=(0, 1, 2)), s, dataclasses.replace(c, degrees=(1, 2, 4, 8)),
+                 small_cost)
     # memory overflow: 9000 tokens at degree 1 need ~40 GB of activations
     over = build_plan("x", [[(2, [4]), (1, [0]), (1, [1, 2, 3])]], s, small_cost)
     with pytest.raises(PlanError, match="GB per GPU of activations but the budget"):

@@ -121,9 +121,9 @@ def test_plan_and_simulate_through_the_scenario(small_lockstep):
 
 
 def test_cluster_degrees_fit_the_nodes():
-    assert aligned_degrees(12, 3) == (1,)  # 2, 4, 8 would straddle 3-GPU nodes
+    assert aligned_degrees(12, 3) == (1, 3, 6, 9, 12)  # within a 3-GPU node, then 1 to 4 whole nodes
     assert aligned_degrees(16, 8) == (1, 2, 4, 8, 16)
-    assert Scenario(num_gpus=3, gpus_per_node=3, model="tiny", profile="cpu-gloo-tiny").cluster().degrees == (1,)
+    assert Scenario(num_gpus=3, gpus_per_node=3, model="tiny", profile="cpu-gloo-tiny").cluster().degrees == (1, 2, 3)
     assert Scenario(num_gpus=4, gpus_per_node=8).cluster().gpus_per_node == 4  # capped at the cluster
 
 

@@ -27,7 +27,8 @@ def test_70b_uses_grouped_query_attention():
 
 def test_cluster_defaults_and_round_trip():
     c = ClusterSpec(num_gpus=64)
-    assert c.degrees == (1, 2, 4, 8, 16, 32, 64)
+    # divisors of the node (8), whole nodes in 2^a and 3 x 2^a (1, 2, 3, 4, 6, 8 nodes), the cluster
+    assert c.degrees == (1, 2, 4, 8, 16, 24, 32, 48, 64)
     assert ClusterSpec.from_json(c.to_json()) == c
     # ZeRO shares (FlexSP): 16 bytes/param x share
     m = get_model("7b")
@@ -39,7 +40,6 @@ def test_cluster_defaults_and_round_trip():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(num_gpus=0), "num_gpus must be a positive integer"),
     (dict(num_gpus=12, gpus_per_node=8), "multiple of gpus_per_node"),
-    (dict(num_gpus=8, degrees=(1, 3)), "straddle nodes|divide"),
     (dict(num_gpus=8, degrees=(1, 16)), "outside 1..num_gpus"),
     (dict(num_gpus=8, zero_stage=4), "zero_stage"),
     (dict(num_gpus=8, usable_memory_fraction=1.5), "usable_memory_fraction"),
@@ -142,3 +142,55 @@ def test_bad_split_residual_table_is_one_clear_error(tmp_path, table, match):
     with pytest.raises(ValueError, match=r"p\.json: ") as e:
         load_profile(tmp_path / "p.json")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("n, g, want", [
+    (6, 6, (1, 2, 3, 4, 5, 6)),  # one node: every degree up to it
+    (3, 8, (1, 2, 3)),  # fewer GPUs than a node
+    (24, 8, (1, 2, 4, 8, 16, 24)),  # 1, 2, 3 nodes
+    (48, 8, (1, 2, 4, 8, 16, 24, 32, 48)),  # 1, 2, 3, 4, 6 nodes
+    (40, 8, (1, 2, 4, 8, 16, 24, 32, 40)),  # 5 nodes: the cluster itself
+    (12, 4, (1, 2, 4, 8, 12)),
+    (12, 3, (1, 3, 6, 9, 12)),  # 1, 2, 3, 4 nodes of 3
+])
+def test_candidate_degrees_by_hand(n, g, want):
+    from workbench.specs import candidate_degrees
+
+    assert candidate_degrees(n, g) == want
+    assert ClusterSpec(num_gpus=n, gpus_per_node=min(g, n) if n < g else g).degrees == want
+
+
+def _maximal_chains_brute_force(ds):
+    """Every subset of ds in which each divides the next and no element of ds can be added."""
+    import itertools
+
+    out = set()
+    for r in range(1, len(ds) + 1):
+        for sub in itertools.combinations(sorted(ds), r):
+            if all(b % a == 0 for a, b in zip(sub, sub[1:])):
+                out.add(sub)
+    def extendable(c):
+        return any(all((x % y == 0 or y % x == 0) for y in c) and x not in c for x in ds)
+    return {c for c in out if not extendable(c)}
+
+
+@pytest.mark.parametrize("ds", [(1, 2, 3, 4, 5, 6), (1, 2, 4, 8, 16, 24, 32, 48, 64), (1, 2, 4, 8, 12), (3, 4, 6, 12),
+                                (1, 2, 4, 8, 16, 24, 32, 40)])
+def test_degree_chains_are_the_maximal_divisibility_chains(ds):
+    from workbench.specs import degree_chains
+
+    got = degree_chains(ds)
+    assert set(got) == _maximal_chains_brute_force(ds) and len(got) == len(set(got))
+    pow2 = tuple(d for d in ds if d & (d - 1) == 0)
+    if pow2 and 1 in ds:
+        assert set(pow2) <= set(got[0])  # the powers of two first: a power-of-two set plans as before
+    assert degree_chains((1, 2, 4, 8)) == ((1, 2, 4, 8),)
+
+
+def test_any_degree_is_accepted_and_costed_across_nodes_where_its_blocks_straddle():
+    c = ClusterSpec(num_gpus=16, gpus_per_node=8, degrees=(1, 3, 8, 16))
+    assert c.degrees == (1, 3, 8, 16)
+    # blocks of 3 on 16 GPUs: [6, 9) straddles the node boundary at 8; 8 and 16 are whole nodes
+    assert [c.crosses_nodes(d) for d in (1, 2, 3, 4, 8, 16)] == [False, False, True, False, False, True]
+    one = ClusterSpec(num_gpus=6, gpus_per_node=6)  # one node: nothing crosses
+    assert not any(one.crosses_nodes(d) for d in one.degrees)

@@ -101,8 +101,9 @@ class Scenario:
     optimizer: str = "adamw"
     """Optimizer whose states the memory model counts: ``adamw``, ``sgd-momentum`` or ``sgd``."""
     degrees: tuple[int, ...] = ()
-    """Candidate sequence-parallel degrees; empty: every power of two whose aligned groups fit the
-    nodes."""
+    """Candidate sequence-parallel degrees, any integers up to ``num_gpus``; empty:
+    ``workbench.specs.candidate_degrees`` (every degree up to a node, whole nodes in twos and threes,
+    the cluster)."""
     strategy: str = DEFAULT_STRATEGY
     """How a group splits its attention (``workbench.cost``): ``ulysses`` (heads scattered by an
     all-to-all, capped by the heads), ``cp`` (context parallelism: K/V all-gathered; ``ring`` is its
@@ -266,8 +267,7 @@ class Scenario:
 
     def cluster(self):
         """The ClusterSpec: ``gpus_per_node`` capped at ``num_gpus``, memory from the profile when
-        not given, and (when ``degrees`` is empty) every power of two whose aligned groups fit the
-        nodes. Raises ValueError for a cluster that cannot be laid out."""
+        not given, and (when ``degrees`` is empty) ``aligned_degrees``. Raises ValueError for a cluster that cannot be laid out."""
         from workbench.specs import ClusterSpec
 
         per = min(self.gpus_per_node, self.num_gpus)
@@ -405,14 +405,13 @@ class Scenario:
 
 
 def aligned_degrees(num_gpus: int, gpus_per_node: int) -> tuple[int, ...]:
-    """Powers of two up to ``num_gpus`` whose aligned groups do not straddle nodes (each divides
-    or is a multiple of ``gpus_per_node``)."""
-    out, d = [], 1
-    while d <= num_gpus:
-        if gpus_per_node % d == 0 or d % gpus_per_node == 0:
-            out.append(d)
-        d *= 2
-    return tuple(out)
+    """The default candidate degrees of ``num_gpus`` GPUs in nodes of ``gpus_per_node``
+    (``workbench.specs.candidate_degrees``: every degree up to a node, whole nodes in twos and
+    threes, the cluster). The name is kept from when these were the powers of two whose aligned
+    groups did not straddle nodes."""
+    from workbench.specs import candidate_degrees
+
+    return candidate_degrees(num_gpus, gpus_per_node)
 
 
 # ---- caches: the same settings give the same (immutable) objects --------------------------------

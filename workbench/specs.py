@@ -20,6 +20,9 @@ __all__ = [
     "RopeScaling",
     "FAMILIES",
     "ClusterSpec",
+    "candidate_degrees",
+    "degree_chains",
+    "MAX_CHAINS",
     "ComputeCurve",
     "HardwareProfile",
     "MODEL_PRESETS",
@@ -314,6 +317,72 @@ def _powers_of_two_upto(n: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def candidate_degrees(num_gpus: int, gpus_per_node: int) -> tuple[int, ...]:
+    """The default candidate SP degrees of ``num_gpus`` GPUs in nodes of ``gpus_per_node``, chosen so
+    that no GPU need sit idle because a count is not a power of two (docs/solver.md, "Groups of any
+    size"):
+
+    - one node (``num_gpus <= gpus_per_node``): every degree from 1 to ``num_gpus``;
+    - several nodes: the degrees dividing the node size (a group never straddles nodes), the node
+      size times ``2^a`` and ``3 x 2^a`` up to the cluster (whole nodes: 1, 2, 3, 4, 6, 8, 12, ...
+      of them), and the cluster itself.
+
+    Every other multiple of the node size (5 or 7 nodes of a 64-node cluster) is left out: each adds
+    divisibility chains to search (``degree_chains``) for groups a mix of these already comes close to
+    (bench/any_size.py measures the trade-off)."""
+    n, g = int(num_gpus), int(gpus_per_node)
+    if n <= g:
+        return tuple(range(1, n + 1))
+    out = {d for d in range(1, g + 1) if g % d == 0} | {n}
+    for k in (1, 3):
+        m = k
+        while m * g <= n:
+            out.add(m * g)
+            m *= 2
+    return tuple(sorted(out))
+
+
+MAX_CHAINS = 24
+"""``degree_chains`` keeps at most this many chains (the first in its order)."""
+
+
+def degree_chains(degrees) -> tuple[tuple[int, ...], ...]:
+    """The maximal divisibility chains of a set of degrees: the subsets in which each degree divides
+    the next, not extendable by another degree of the set. Groups of one chain's degrees pack into
+    aligned blocks (a group of degree ``d`` on ranks ``[k*d, (k+1)*d)``) for any mix whose degrees sum
+    to at most the cluster, which is what the planners search (``workbench.solve.run_planner`` runs a
+    planner over the chains and keeps the fastest plan). Order: the chain holding the set's powers of
+    two first (the only chain of a power-of-two set: plans as before), then the others by their
+    largest degree, descending, then lexicographically; at most ``MAX_CHAINS``."""
+    ds = sorted({int(d) for d in degrees})
+    if not ds:
+        return ()
+    succ = {d: [e for e in ds if e > d and e % d == 0 and not any(d < f < e and f % d == 0 and e % f == 0 for f in ds)]
+            for d in ds}
+    starts = [d for d in ds if not any(e < d and d % e == 0 for e in ds)]
+    out: list[tuple[int, ...]] = []
+
+    def walk(chain: list[int]) -> None:
+        if len(out) > 4 * MAX_CHAINS:
+            return
+        nxt = succ[chain[-1]]
+        if not nxt:
+            out.append(tuple(chain))
+            return
+        for e in nxt:
+            walk(chain + [e])
+
+    for d in starts:
+        walk([d])
+    pow2 = tuple(d for d in ds if d & (d - 1) == 0)
+
+    def key(c: tuple[int, ...]):
+        holds_pow2 = bool(pow2) and set(pow2) <= set(c)
+        return (not holds_pow2, -c[-1], c)
+
+    return tuple(sorted(set(out), key=key))[:MAX_CHAINS]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ClusterSpec(_JsonMixin):
     """The GPUs a step is planned for."""
@@ -328,8 +397,9 @@ class ClusterSpec(_JsonMixin):
     """Share of GPU memory the planner may fill (FlexSP ran 28 GB of a 40 GB A100: 0.7); the rest
     covers allocator fragmentation, communication buffers and kernels' workspace."""
     degrees: tuple[int, ...] = ()
-    """Candidate sequence-parallel degrees, each dividing the next (default: powers of two up to
-    ``num_gpus``)."""
+    """Candidate sequence-parallel degrees, any integers from 1 to ``num_gpus`` (default:
+    ``candidate_degrees``: every degree up to a node, whole nodes in twos and threes, the cluster).
+    A plan's groups use the degrees of one divisibility chain (``degree_chains``)."""
     zero_stage: int = 3
     """ZeRO stage of the model states sharding over all ranks (0, 1, 2 or 3). It fixes how a step
     executes (``execution``): ZeRO-3 in lockstep passes, ZeRO 0-2 barrier-free."""
@@ -357,24 +427,27 @@ class ClusterSpec(_JsonMixin):
             f"ClusterSpec.usable_memory_fraction must be in (0, 1], got {self.usable_memory_fraction!r}",
         )
         _require(self.zero_stage in (0, 1, 2, 3), f"ClusterSpec.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        degrees = tuple(int(d) for d in self.degrees) if self.degrees else _powers_of_two_upto(self.num_gpus)
+        degrees = tuple(int(d) for d in self.degrees) if self.degrees else candidate_degrees(self.num_gpus,
+                                                                                             self.gpus_per_node)
         object.__setattr__(self, "degrees", tuple(sorted(set(degrees))))
         for d in self.degrees:
             _require(
                 1 <= d <= self.num_gpus,
                 f"ClusterSpec: degree {d} is outside 1..num_gpus ({self.num_gpus}); drop it from degrees",
             )
-            _require(
-                self.gpus_per_node % d == 0 or d % self.gpus_per_node == 0,
-                f"ClusterSpec: degree {d} neither divides nor is a multiple of gpus_per_node ({self.gpus_per_node}), "
-                f"so its aligned groups would straddle nodes; use powers of two",
-            )
-        for lo, hi in zip(self.degrees, self.degrees[1:]):
-            _require(
-                hi % lo == 0,
-                f"ClusterSpec: degrees {list(self.degrees)} must each divide the next ({lo} does not divide {hi}) "
-                f"so that aligned groups of every mix pack without gaps; use powers of two",
-            )
+
+    @property
+    def chains(self) -> tuple[tuple[int, ...], ...]:
+        """The divisibility chains of ``degrees`` (``degree_chains``): the degree sets one plan's groups use."""
+        return degree_chains(self.degrees)
+
+    def crosses_nodes(self, degree: int) -> bool:
+        """Whether a group of ``degree`` ranks may span nodes: larger than a node, or (on several
+        nodes) a size that does not divide the node's, whose aligned blocks straddle a node boundary
+        somewhere (so every group of that size is costed with the inter-node link: the slowest block
+        sets a collective's pace where they run together)."""
+        d, g = int(degree), self.gpus_per_node
+        return d > g or (self.num_gpus > g and g % d != 0)
 
     @property
     def num_nodes(self) -> int:

@@ -594,10 +594,11 @@ class CostModel:
 
     # ---- links: within a node or across nodes -------------------------------------------------
     def crosses_nodes(self, degree: int) -> bool:
-        """Whether a group of ``degree`` ranks spans nodes. Groups are aligned blocks whose degree
-        divides the node size or is a multiple of it (``ClusterSpec`` checks), so exactly those
-        larger than a node do."""
-        return int(degree) > self.cluster.gpus_per_node
+        """Whether a group (or a Ulysses sub-group) of ``degree`` ranks spans nodes
+        (``ClusterSpec.crosses_nodes``): larger than a node, or, on several nodes, a size that does
+        not divide the node's (some of its aligned blocks straddle a node boundary, so all are costed
+        across nodes)."""
+        return self.cluster.crosses_nodes(degree)
 
     def _table_gbps(self, table: dict[int, float], inter: dict[int, float], d: int, crosses: bool | None = None) -> float:
         """Bandwidth of a ``d``-rank collective from ``table`` (``inter``: the profile's own inter-node
@@ -901,6 +902,31 @@ class CostModel:
         ``time`` takes each sequence's least over the counts of swapped blocks (``least_offload_ms``),
         so that no group of any plan is faster; else itself."""
         return self._view("_bounds", _bound_view=True) if self.swap and not self._bound_view else self
+
+    def restricted(self, degrees) -> "CostModel":
+        """This cost model over some of its degrees (one divisibility chain: ``ClusterSpec.chains``):
+        a copy whose ``degrees``, ``shapes`` and ``cluster.degrees`` keep only those, and whose
+        per-shape caches start afresh (``plain_limit``: the longest sequence the kept shapes hold).
+        Every time and memory figure is the same as this model's. Itself when nothing is dropped."""
+        keep = tuple(sorted({int(d) for d in degrees} & set(self.degrees)))
+        if keep == self.degrees:
+            return self
+        if not keep:
+            raise ValueError(f"none of the degrees {sorted({int(d) for d in degrees})} is a candidate degree "
+                             f"{list(self.degrees)}")
+        views = self.__dict__.setdefault("_restricted_views", {})
+        view = views.get(keep)
+        if view is None:
+            view = copy.copy(self)
+            view._shapes = tuple(x for x in self._shapes if x[0] in keep)
+            view.degrees = keep
+            view.cluster = dataclasses.replace(self.cluster, degrees=keep)
+            view._plain_limit = None
+            view._unswapped = None
+            view._bounds = None
+            view._restricted_views = {}
+            views[keep] = view
+        return view
 
     def _view(self, slot: str, **attrs) -> "CostModel":
         """A copy of this cost model with ``attrs`` set, made once and kept in ``slot`` (its own too)."""

@@ -60,7 +60,7 @@ import numpy as np
 
 from workbench.cost import CostModel
 
-__all__ = ["lower_bound_ms", "lockstep_lower_bound_ms", "packing_bound_ms", "lockstep_packing_bound_ms", "lockstep_pass_bound_ms",
+__all__ = ["lower_bound_ms", "lockstep_lower_bound_ms", "pair_bound_ms", "packing_bound_ms", "lockstep_packing_bound_ms", "lockstep_pass_bound_ms",
            "step_bound_ms"]
 
 
@@ -90,7 +90,7 @@ def lower_bound_ms(lengths, cost: CostModel) -> float:
         return cost.step_end_ms()
     cost.check_feasible(s)
     if cost.execution == "lockstep":
-        return lockstep_lower_bound_ms(s, cost)
+        return max(lockstep_lower_bound_ms(s, cost), pair_bound_ms(s, cost))
     n = cost.cluster.num_gpus
     shapes = list(cost.shapes)  # every (degree, cp) a group may take
     single = np.full((len(shapes), s.size), np.inf)  # time(s, d) + overhead(d), inf where d cannot hold s
@@ -129,7 +129,46 @@ def lower_bound_ms(lengths, cost: CostModel) -> float:
     else:
         t_lb = min(float(b[lo]), need(float(b[lo - 1])))
     t_lb = _slot_bound(t_lb, single, work, gpu_mem, cost)
-    return t_lb + cost.step_end_ms()
+    return max(t_lb + cost.step_end_ms(), pair_bound_ms(s, cost))
+
+def pair_bound_ms(lengths, cost: CostModel) -> float:
+    """A bound from the two longest sequences (by their fastest single-group time), in ms, for any
+    placement of groups on contiguous rank ranges. Put the longest on a shape of degree ``d1`` and
+    the second on one of ``d2``: where ``d1 + d2`` exceeds the cluster the two groups share a rank
+    (any two ranges of those sizes overlap), which runs both, so it is busy for at least both
+    single-group times less what they share: the group's constant where both are one group, else
+    the packed call's constant a lockstep pass shares (in other passes or micro-steps, longer
+    still); where they fit side by side, the longer of the two. The bound is the
+    least of that over every pair of shapes that hold them, plus a pass's constant cost (lockstep)
+    and the step's end. It sees what the GPU-time bounds cannot: a cluster the longest sequence fills
+    leaves no room beside it, so the second waits for it or stretches it (24 GPUs, a 1M and a 200K
+    sequence of Llama-3-8B: the 1M needs all 24). 0 for fewer than two sequences."""
+    cost = cost.bound_view()  # where groups may swap blocks, each sequence at its least
+    s = np.asarray(lengths, dtype=np.int64)
+    if s.size < 2:
+        return 0.0
+    cost.check_feasible(s)
+    n = cost.cluster.num_gpus
+    shapes = list(cost.shapes)
+    single = np.full((len(shapes), s.size), np.inf)
+    for k, (d, cp) in enumerate(shapes):
+        ok = cost.memory(s, d, cp) <= cost.memory_budget_gb
+        single[k] = np.where(ok, cost.time(s, d, cp) + cost.group_overhead_ms(d, cp), np.inf)
+    order = np.argsort(-single.min(axis=0), kind="stable")
+    a, b = single[:, order[0]], single[:, order[1]]
+    degs = np.array([d for d, _ in shapes])
+    lockstep = cost.execution == "lockstep"
+    # what the two share on a common rank: one group's constant where they are one group (same
+    # shape), else the packed call's constant in a lockstep pass, nothing in free execution
+    shared = np.full((len(shapes), len(shapes)), float(cost.call_overhead_ms()) if lockstep else 0.0)
+    np.fill_diagonal(shared, [max(float(cost.group_overhead_ms(d, cp)), shared[0, 0]) for d, cp in shapes])
+    side = (degs[:, None] + degs[None, :]) <= n
+    load = np.where(side, np.maximum(a[:, None], b[None, :]), a[:, None] + b[None, :] - shared)
+    best = float(load.min())
+    if lockstep:
+        best = max(best, float(cost.pass_comm_ms())) + float(cost.pass_overhead_ms())
+    return best + float(cost.step_end_ms())
+
 
 def lockstep_lower_bound_ms(lengths, cost: CostModel) -> float:
     """A bound no lockstep plan beats (one group or several per rank in a pass), in ms.
