@@ -119,6 +119,9 @@ def _add_batch_args(p: argparse.ArgumentParser) -> None:
                         f"about a second on 2 cores); plans depend only on the inputs, --seed and --effort")
     p.add_argument("--time-limit", type=positive_float, default=None, metavar="S",
                    help="wall-clock safety cap per step (s; default: ten times the effort and more)")
+    p.add_argument("--degrees", default=None, metavar="D1,D2,...",
+                   help="candidate SP group sizes, any integers up to --gpus (default: every size up to a node, whole "
+                        "nodes in twos and threes, the cluster; docs/solver.md)")
 
 
 def _strategy(text: str) -> str:
@@ -147,6 +150,8 @@ def scenario_from_args(args, **extra) -> Scenario:
     if hasattr(args, "batch_tokens"):
         fields.update(batch_tokens=args.batch_tokens, batch_size=args.batch_size, effort=args.effort,
                       time_limit=args.time_limit)
+        if getattr(args, "degrees", None):
+            fields["degrees"] = tuple(_positive_list(args.degrees, "--degrees"))
         if args.batch_tokens is None and args.batch_size is None and not is_length_list(fields["source"]):
             raise CliError(f"give --batch-tokens T or --batch-size B to draw global batches from {fields['source']!r} "
                            f"(or pass the batch itself as --lengths L1,L2,...)")
@@ -302,6 +307,9 @@ def cmd_plan(args) -> int:
     print(f"{plan.planner} [{plan.status}] {batch_len} sequences, {tokens:,} tokens on {sc.num_gpus} GPUs")
     print(f"  makespan {plan.makespan_ms:,.1f} ms, lower bound {plan.lower_bound_ms:,.1f} ms (gap {plan.gap:.1%}), "
           f"solved in {plan.solve_seconds:.2f}s")
+    used = {r for ms in plan.micro_steps for g in ms.groups for r in g.ranks}
+    print(f"  idle GPU-time {plan.idle_share:.1%} of the step" + (
+        f" ({plan.num_gpus - len(used)} of {plan.num_gpus} GPUs in no group)" if len(used) < plan.num_gpus else ""))
     if plan.execution == "lockstep":
         print(f"  ZeRO-{plan.zero_stage}: {len(plan.micro_steps)} lockstep pass(es), every rank in every pass; a pass lasts "
               f"as long as its busiest rank (at least FSDP's {plan.pass_comm_ms:,.0f} ms of gathers and reduces) "
@@ -479,7 +487,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-fraction", type=positive_float, default=None, metavar="F",
                    help="share of device memory plans may fill (default 0.7)")
     g.add_argument("--degrees", default=None, metavar="D1,D2,...",
-                   help="candidate SP degrees (default: powers of two up to the world size)")
+                   help="candidate SP group sizes, any integers up to the world size (default: every size up to a node, "
+                        "whole nodes in twos and threes, the world)")
     g.add_argument("--strategy", default=None, type=_strategy, metavar="|".join(STRATEGIES[:3]) + "|cp:C",
                    help=f"how each group splits its attention (default {DEFAULT_STRATEGY}): ulysses (heads), cp "
                         f"(context parallelism; ring is its older name), auto (each group its fastest split u x cp)")

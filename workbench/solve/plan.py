@@ -178,6 +178,24 @@ class Plan:
         return self.makespan_ms / self.lower_bound_ms - 1.0 if self.lower_bound_ms > 0 else 0.0
 
     @property
+    def idle_share(self) -> float:
+        """The GPU-time in which GPUs wait with nothing of their own to compute, as a share of the
+        step's GPU-time (``num_gpus x makespan``): in a lockstep pass each rank waits for the pass's
+        busiest (its load against the largest); in free execution each rank waits from the end of its
+        own work to the end of the last rank's (``timeline``); a rank in no group waits throughout.
+        What no plan avoids (collectives, the optimizer step) is not counted as waiting."""
+        if not self.micro_steps or self.makespan_ms <= 0:
+            return 0.0
+        n = self.num_gpus
+        if self.execution == "lockstep":
+            idle = sum(float(load.max()) * n - float(load.sum()) for load in pass_loads(self) if load.size)
+        else:
+            t = timeline(self)
+            busy = np.asarray(t["rank_busy_ms"], dtype=np.float64)
+            idle = float((float(t["compute_end_ms"]) - busy).clip(min=0.0).sum())
+        return max(0.0, idle / (n * self.makespan_ms))
+
+    @property
     def num_sequences(self) -> int:
         return sum(len(g.sequences) for m in self.micro_steps for g in m.groups)
 
@@ -197,6 +215,7 @@ class Plan:
             "makespan_ms": self.makespan_ms,
             "lower_bound_ms": self.lower_bound_ms,
             "gap": self.gap,
+            "idle_share": self.idle_share,
             "solve_seconds": self.solve_seconds,
             "num_gpus": self.num_gpus,
             "grad_sync_ms": self.grad_sync_ms,
