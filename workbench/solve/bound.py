@@ -60,7 +60,8 @@ import numpy as np
 
 from workbench.cost import CostModel
 
-__all__ = ["lower_bound_ms", "lockstep_lower_bound_ms", "pair_bound_ms", "packing_bound_ms", "lockstep_packing_bound_ms", "lockstep_pass_bound_ms",
+__all__ = ["lower_bound_ms", "lockstep_lower_bound_ms", "pair_bound_ms", "packing_bound_ms", "lockstep_packing_bound_ms",
+           "lockstep_pass_bound_ms",
            "step_bound_ms"]
 
 
