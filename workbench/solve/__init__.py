@@ -90,10 +90,10 @@ def _over_chains(fn: PlannerFn, s: np.ndarray, cost: CostModel, chains, opts: Pl
     so each run sees one chain (``CostModel.restricted``). The first chain (the one holding the
     powers of two: on a power-of-two cluster the plan of before) is always searched, with ``opts``;
     each other, in order of its lower bound, only while that bound is more than ``CHAIN_MARGIN``
-    under the first chain's bound and the fastest plan so far, at most ``MAX_EXTRA_CHAINS`` of them, each with the same effort and
-    wall-clock cap on a clock of its own (the plan stays a function of the inputs). The plan's
-    lower bound is the one over every candidate shape (``lower_bound_ms``
-    on ``cost``), so its gap tells the truth about all of them; ``stats["chains"]`` lists each chain's
+    under the first chain's bound and the fastest plan so far, at most ``MAX_EXTRA_CHAINS`` of them,
+    each with the same effort and wall-clock cap on a clock of its own (the plan stays a function of
+    the inputs). The plan's lower bound is the one over every candidate shape (``lower_bound_ms`` on
+    ``cost``), so its gap tells the truth about all of them; ``stats["chains"]`` lists each chain's
     degrees, bound and plan (None: not searched). Returns ``(plan, capped)``: whether a cap ended a
     chain's search."""
     views = []
