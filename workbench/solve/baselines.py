@@ -178,7 +178,9 @@ def plan_best_static(lengths, cost: CostModel, opts: PlanOptions) -> Plan:
     """The static degree with the smallest makespan for this batch."""
     t0 = time.perf_counter()
     s = np.asarray(lengths, dtype=np.int64)
-    lo = static_max_degree(cost, int(s.max()))
+    # the longest sequence's degree, or more: under offload auto a sequence that offloads may fit a
+    # smaller group than a shorter one that does not (1M offloaded on 2 GPUs, 200K needing 4)
+    lo = max(static_max_degree(cost, int(s.max())), int(cost.min_degree(s).max()))
     best: Plan | None = None
     for d in cost.degrees:
         if d < lo:
