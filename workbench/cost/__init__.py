@@ -903,6 +903,17 @@ class CostModel:
         so that no group of any plan is faster; else itself."""
         return self._view("_bounds", _bound_view=True) if self.swap and not self._bound_view else self
 
+    def chain_view(self) -> "CostModel":
+        """This cost model over one divisibility chain of its degrees (``workbench.specs.degree_chains``),
+        where the planners' aligned blocks pack: itself when its degrees are one chain (every
+        power-of-two set is), else ``restricted`` to the first (the one holding the powers of two).
+        A planner called directly plans over that chain; ``workbench.solve.run_planner`` searches the
+        others too."""
+        from workbench.specs import degree_chains
+
+        chains = degree_chains(self.degrees)
+        return self if len(chains) <= 1 else self.restricted(chains[0])
+
     def restricted(self, degrees) -> "CostModel":
         """This cost model over some of its degrees (one divisibility chain: ``ClusterSpec.chains``):
         a copy whose ``degrees``, ``shapes`` and ``cluster.degrees`` keep only those, and whose

@@ -18,6 +18,7 @@ from workbench.solve.effort import DEFAULT_EFFORT
 from workbench.solve.options import Cancelled, PlanOptions
 from workbench.solve.bound import lower_bound_ms
 from workbench.solve.plan import Plan, PlanError, build_plan, plan_from_dict, timeline, validate, with_swap
+from workbench.specs import degree_chains
 
 __all__ = [
     "Plan", "PlanError", "PlanOptions", "Cancelled", "InfeasibleError", "build_plan", "lower_bound_ms",
@@ -80,8 +81,12 @@ chain's bound and the fastest plan so far: where the bounds are that close the f
 is as good as another's could be within the planners' usual gap, and the search would only cost time
 (64 GPUs x 512 sequences: the four chains' bounds within 1%)."""
 
-MAX_EXTRA_CHAINS = 3
-"""... and at most this many chains beyond the first."""
+MAX_EXTRA_CHAINS = 2
+"""... and at most this many chains beyond the first ..."""
+
+EXTRA_EFFORT = 0.5
+"""... each with this share of the plan's effort: at most twice the first chain's search in all, and
+only where a chain's bound says it may pay (bench/any_size.py measures what that buys)."""
 
 
 def _over_chains(fn: PlannerFn, s: np.ndarray, cost: CostModel, chains, opts: PlanOptions,
@@ -92,8 +97,8 @@ def _over_chains(fn: PlannerFn, s: np.ndarray, cost: CostModel, chains, opts: Pl
     powers of two: on a power-of-two cluster the plan of before) is always searched, with ``opts``;
     each other, in order of its lower bound, only while that bound is more than ``CHAIN_MARGIN``
     under the first chain's bound and the fastest plan so far, at most ``MAX_EXTRA_CHAINS`` of them,
-    each with the same effort and wall-clock cap on a clock of its own (the plan stays a function of
-    the inputs). The plan's lower bound is the one over every candidate shape (``lower_bound_ms`` on
+    each with ``EXTRA_EFFORT`` of the effort on a clock of its own (the plan stays a function of the
+    inputs). The plan's lower bound is the one over every candidate shape (``lower_bound_ms`` on
     ``cost``), so its gap tells the truth about all of them; ``stats["chains"]`` lists each chain's
     degrees, bound and plan (None: not searched). Plans are compared as they will run: with the
     blocks each group swaps under ``full`` (``with_swap``; a plan that loses without swap can win
@@ -124,7 +129,7 @@ def _over_chains(fn: PlannerFn, s: np.ndarray, cost: CostModel, chains, opts: Pl
         if extra >= MAX_EXTRA_CHAINS or bound >= min(best.makespan_ms, tried[0]["bound_ms"]) * (1 - CHAIN_MARGIN):
             continue
         extra += 1
-        o, clock = dataclasses.replace(opts, clock=None).start()
+        o, clock = dataclasses.replace(opts, clock=None, effort=opts.effort * EXTRA_EFFORT).start()
         o.report(0.0, f"chain {views[k].degrees}: bound {bound:,.0f} ms under the best plan's {best.makespan_ms:,.0f}")
         plan = fn(s, views[k], o)
         capped = capped or clock.capped
@@ -222,7 +227,7 @@ def run_planner(
     opts, clock = PlanOptions(seed=seed, effort=effort, time_limit=time_limit, max_len=max_len, progress=progress,
                               cancel=cancel).start()
     opts.report(0.0, f"{name}: planning {s.size} sequences on {cost.cluster.num_gpus} GPUs")
-    chains = () if name.startswith(SINGLE_DEGREE) else cost.cluster.chains
+    chains = () if name.startswith(SINGLE_DEGREE) else degree_chains(cost.degrees)
     capped = False
     if len(chains) <= 1:
         plan = fn(s, cost, opts)

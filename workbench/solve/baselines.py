@@ -203,6 +203,7 @@ def plan_min_degree(lengths, cost: CostModel, opts: PlanOptions) -> Plan:
     """Each sequence on the smallest degree its memory needs (Megatron's dynamic context
     parallelism), scheduled longest first onto whichever group of that degree finishes it first."""
     t0 = time.perf_counter()
+    cost = cost.chain_view()  # mixed degrees: one divisibility chain, so that aligned blocks pack
     s = np.asarray(lengths, dtype=np.int64)
     cost.check_feasible(s)
     deg = cost.min_degree(s)
@@ -390,6 +391,7 @@ def greedy_rule_plans(lengths, cost: CostModel, opts: PlanOptions, *, deadline: 
     when a sequence fits no group."""
     from workbench.solve.bound import lower_bound_ms
 
+    cost = cost.chain_view()
     opts, clock = opts.start()
     s = np.asarray(lengths, dtype=np.int64)
     cost.check_feasible(s)
@@ -411,6 +413,7 @@ def plan_greedy(lengths, cost: CostModel, opts: PlanOptions, *, deadline: float 
     """Heterogeneous greedy plan: the fastest of ``greedy_rule_plans`` (so greedy is never behind
     min-degree). ``stats["rules_skipped"]`` counts the rules a ``deadline`` cut."""
     t0 = time.perf_counter()
+    cost = cost.chain_view()  # mixed degrees: one divisibility chain, so that aligned blocks pack
     plans = greedy_rule_plans(lengths, cost, opts, deadline=deadline)
     best = min(plans, key=lambda p: p.makespan_ms)
     if len(plans) < 3:

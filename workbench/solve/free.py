@@ -145,6 +145,7 @@ def plan_free(lengths, cost: CostModel, opts: PlanOptions | None = None, *, buck
     """
     if cost.execution != "free":
         raise ValueError(f"plan_free plans free (ZeRO 0-2) steps; this cost model is {cost.execution}")
+    cost = cost.chain_view()  # groups on aligned blocks: one divisibility chain of the degrees
     opts, clock = (opts or PlanOptions()).start()
     warm_up()
     start = clock.now()

@@ -994,6 +994,7 @@ def plan_lockstep(lengths, cost: CostModel, opts: PlanOptions | None = None, *, 
     """
     if cost.execution != "lockstep":
         raise ValueError(f"plan_lockstep plans ZeRO-3 (lockstep) steps; this cost model is {cost.execution}")
+    cost = cost.chain_view()  # groups on aligned blocks: one divisibility chain of the degrees
     opts, clock = (opts or PlanOptions()).start()
     multi = MULTI_GROUP if multi is None else bool(multi)
     warm_up()

@@ -132,6 +132,7 @@ def candidate_layouts(lengths, cost: CostModel) -> list[tuple[str, tuple[int, ..
     first: the static layout of the degree the longest sequence needs, the work-proportional
     layouts, the other homogeneous layouts, then ``k`` replicas of the needed degree with the rest
     of the GPUs at one smaller degree. Raises InfeasibleError when a sequence fits no group."""
+    cost = cost.chain_view()  # replicas of mixed degrees: one divisibility chain, so that they pack
     s = np.asarray(lengths, dtype=np.int64)
     cost.check_feasible(s)
     n = cost.cluster.num_gpus
