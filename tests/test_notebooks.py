@@ -136,14 +136,52 @@ def test_tour_runs_headless(demo):
     assert shares == sorted(shares, reverse=True) and shares[-1] < 0.05
     assert off["longest_on_8"]["with offload"] > 4 * off["longest_on_8"]["without offload"]
     assert off["batch_1m"]["auto"] < 0.9 * off["batch_1m"]["none"] and off["batch_1m_swapped_blocks"] > 0
+    _check_tour_any_size(nb, tour["any_size"], run.spec()["parameters"])
     figs = {p.name for p in (run.path / "figures").glob("*.html")}
     assert {"lengths_histogram.html", "clipped.html", "timeline_static_max.html", "timeline_heterogeneous.html",
-            "planners.html", "gpu_time.html", "memory_per_gpu.html"} <= figs
+            "planners.html", "gpu_time.html", "memory_per_gpu.html", "timeline_powers_of_two_48.html",
+            "timeline_any_size_48.html"} <= figs
     # every term the tour relies on is explained in it
     text = " ".join(c.source for c in nb.cells if c.cell_type == "markdown")
     for term in ("**lower bound**", "**degree**", "**micro-steps**", "**Imbalance**", "**gradient sync**",
                  "**max context**", "**activations**"):
         assert term in text, term
+
+
+def _check_tour_any_size(nb, got: dict, params: dict) -> None:
+    """The tour's section 10 (groups of any size) against run_planner on the same 48-GPU scenario,
+    planned here: the step, its bound, the idle share, the GPUs in no group and the groups, with the
+    powers of two only and with the default candidate degrees; and the numbers its text shows."""
+    import numpy as np
+
+    from workbench.scenario import Scenario
+    from workbench.solve import run_planner
+
+    batch = np.array([1048576, 204800, 51200, 8192])
+    shown = " ".join(o.get("data", {}).get("text/markdown", "") for c in nb.cells if c.get("id") == "00-24-any-size"
+                     for o in c.outputs)
+    refs = {}
+    for key, degrees in (("powers_of_two", (1, 2, 4, 8, 16, 32)), ("any_size", ())):
+        sc = Scenario(model="llama3-8b", profile="h100-80g", num_gpus=48, gpus_per_node=8, zero_stage=3, recompute=True,
+                      source=",".join(map(str, batch)), degrees=degrees, effort=params["effort"], seed=params["seed"])
+        ref = run_planner("flexsp", batch, sc.cost(), seed=params["seed"], effort=params["effort"], max_len=sc.resolved_max_len())
+        groups = [g for m in ref.micro_steps for g in m.groups]
+        free = 48 - len({r for g in groups for r in g.ranks})
+        v = got[key]
+        assert v["degrees"] == (list(degrees) or [1, 2, 4, 8, 16, 24, 32, 48])
+        assert v["step_s"] == pytest.approx(ref.makespan_ms / 1e3, rel=1e-9)
+        assert v["lower_bound_s"] == pytest.approx(ref.lower_bound_ms / 1e3, rel=1e-9)
+        assert v["idle_share"] == pytest.approx(ref.idle_share, abs=1e-12) and v["idle_gpus"] == free
+        assert [(g["degree"], g["split"], g["ranks"]) for g in v["groups"]] == [
+            (g.degree, f"{g.ulysses}x{g.cp}", [g.ranks[0], g.ranks[-1]]) for g in groups]
+        gap = 100 * (ref.makespan_ms / ref.lower_bound_ms - 1)
+        assert f"| {v['step_s']:.2f} | {gap:.1f}% | {100 * ref.idle_share:.1f}% | {free} |" in shown
+        refs[key] = (ref, free)
+    (p2, free2), (pa, free_a) = refs["powers_of_two"], refs["any_size"]
+    # the case docs/solver.md quotes: with the powers of two 13 GPUs have no group; with any size none does
+    assert free2 == 13 and free_a == 0 and pa.makespan_ms < 0.8 * p2.makespan_ms
+    assert (f"**{free2} of 48 GPUs have no group** and\n**{100 * p2.idle_share:.1f}%**" in shown
+            and f"idle GPU-time **{100 * pa.idle_share:.1f}%**, step **{pa.makespan_ms / 1e3:.1f} s**" in shown)
 
 
 @pytest.mark.slow

@@ -377,6 +377,175 @@ def test_solver_threaded_shows_plans_first_then_the_pass_bound():
 
 
 # ------------------------------------------------------------------------------------------------
+# Solver panel: groups of any size (issue 35)
+# ------------------------------------------------------------------------------------------------
+
+# Llama-3-8B on H100s, ZeRO-3 with recomputation: docs/solver.md's "Groups of any size" figures
+ANY_SIZE = dict(model="llama3-8b", profile="h100-80g", zero_stage=3, recompute=True, planner="flexsp")
+BATCH_48 = (1048576, 204800, 51200, 8192)
+BATCH_6 = (102400, 30720, 8192, 8192, 4096)
+
+
+def _reference(**fields):
+    """The plan of the same scenario made outside the panel: run_planner on its cost model."""
+    from workbench.solve import run_planner
+
+    sc = Scenario(**fields)
+    s = np.asarray([int(x) for x in sc.source.split(",")], dtype=np.int64)
+    return sc, run_planner(sc.planner, s, sc.cost(), seed=sc.seed, effort=sc.effort, time_limit=sc.time_limit,
+                           max_len=sc.resolved_max_len())
+
+
+def _idle_by_hand(plan) -> tuple[float, int]:
+    """Idle GPU-time over the step's (every rank waits for its pass's busiest) and the GPUs in no group."""
+    n = plan.num_gpus
+    idle = sum(float(ld.max()) * n - float(ld.sum()) for ld in pass_loads(plan))
+    used = set()
+    for m in plan.micro_steps:
+        for g in m.groups:
+            assert list(g.ranks) == list(range(g.ranks[0], g.ranks[0] + g.degree))  # a contiguous range
+            used |= set(g.ranks)
+    return idle / (n * plan.makespan_ms), n - len(used)
+
+
+def _idle_words(share: float, free: int, n: int) -> str:
+    return f"idle GPU-time {100 * share:.1f}%" + (f" ({free} of {n} GPUs in no group)" if free else "")
+
+
+def _check_panel_shows(panel, res, ref) -> None:
+    """The panel's plan, status line, table and timeline against the reference plan."""
+    plan = res["flexsp"]
+    assert plan.makespan_ms == pytest.approx(ref.makespan_ms, rel=1e-9)
+    assert plan.lower_bound_ms == pytest.approx(ref.lower_bound_ms, rel=1e-9)
+    groups = lambda p: sorted((g.degree, g.cp, tuple(g.ranks), tuple(g.lengths)) for m in p.micro_steps for g in m.groups)  # noqa: E731
+    assert groups(plan) == groups(ref)
+    share, free = _idle_by_hand(ref)
+    assert ref.idle_share == pytest.approx(share, abs=1e-12)
+    status = html.unescape(panel.status.value)
+    assert (f"flexsp {ref.makespan_ms / 1e3:.3f}s per step, lower bound {ref.lower_bound_ms / 1e3:.3f}s "
+            f"(gap {100 * ref.gap:.1f}%)") in status
+    assert _idle_words(share, free, ref.num_gpus) + ", " in status
+    row = next(r for r in panel.planner_table() if r["planner"] == "flexsp")
+    assert row["idle_share"] == pytest.approx(share, abs=1e-12) and row["idle_gpus"] == free
+    assert "idle GPU-time" in panel.table.value and f"{100 * share:.1f}%" in panel.table.value
+    # the timeline: one bar per group over its ranks (any size, any offset), every rank labelled
+    bars = [t for t in panel.fig_timeline.data if t.type == "bar" and str(t.name).startswith("degree")]
+    drawn = sorted((int(t.name.split()[1]), y, w) for t in bars for y, w in zip(t.y, t.width))
+    want = sorted((g.degree, (g.ranks[0] + g.ranks[-1]) / 2, g.ranks[-1] - g.ranks[0] + 0.86)
+                  for m in ref.micro_steps for g in m.groups)
+    assert [d for d, _, _ in drawn] == [d for d, _, _ in want]
+    assert [y for _, y, _ in drawn] == pytest.approx([y for _, y, _ in want])
+    assert [w for _, _, w in drawn] == pytest.approx([w for _, _, w in want])
+    assert len({t.marker.color for t in bars}) == len(bars)  # every degree its own colour
+    assert list(panel.fig_timeline.layout.yaxis.tickvals) == list(range(ref.num_gpus))
+    # a GPU in no group waits the whole pass: drawn as a wait on its row
+    waits = [t for t in panel.fig_timeline.data if t.name == "waiting for the pass to end"]
+    idle_rows = set(range(ref.num_gpus)) - {r for m in ref.micro_steps for g in m.groups for r in g.ranks}
+    assert idle_rows <= ({int(y) for t in waits for y in t.y})
+
+
+def test_solver_panel_plans_48_gpus_in_nodes_of_8_with_groups_of_any_size():
+    """48 GPUs (6 nodes of 8): the panel offers 48 and the cluster's candidate degrees (divisors of the
+    node, whole nodes in twos and threes, the cluster), and shows the plan run_planner makes for the
+    same scenario, with its idle share: one 48-GPU group, none idle. Restricted to the powers of two
+    (the degree toggles, as a user clicks them) 13 GPUs are in no group."""
+    from widgets import SolverPanel
+
+    fields = dict(ANY_SIZE, num_gpus=48, gpus_per_node=8, source=",".join(map(str, BATCH_48)))
+    sc, ref = _reference(**fields)
+    panel = SolverPanel(sc, auto=False)
+    assert panel.w_gpus.value == 48 and panel.w_per_node.value == 8
+    assert {8, 16, 24, 40, 48, 56, 64, 512} <= set(panel.w_gpus.options) and 12 not in panel.w_gpus.options
+    assert list(panel._degree_buttons) == [1, 2, 4, 8, 16, 24, 32, 48]  # 1,2,4,8 | 8x(1,2,4) | 8x(3,6) | the cluster
+    assert panel.w_degrees_auto.value and all(b.disabled for b in panel._degree_buttons.values())
+    assert panel.scenario.degrees == () and panel.scenario.cluster().degrees == (1, 2, 4, 8, 16, 24, 32, 48)
+    assert "1·2·4·8·16·32 | 1·2·4·8·16·48 | 1·2·4·8·24·48" in html.unescape(panel.degrees_line.value)
+    res = panel.solve(["flexsp"])
+    _check_panel_shows(panel, res, ref)
+    assert [(g.degree, g.cp) for m in ref.micro_steps for g in m.groups] == [(48, 6)]  # 8x6 over every GPU
+    assert "idle GPU-time 0.0%, " in html.unescape(panel.status.value)
+    chains = {tuple(c["degrees"]): c for c in ref.stats["chains"]}
+    assert f"flexsp planned 1·2·4·8·16·32 ({chains[(1, 2, 4, 8, 16, 32)]['swapped_ms'] / 1e3:.3f}s)" in html.unescape(
+        panel.degrees_line.value)
+    # the powers of two only, chosen on the toggles: untick auto (every candidate on), then 24 and 48
+    panel.w_degrees_auto.value = False
+    assert all(b.value and not b.disabled for b in panel._degree_buttons.values())
+    panel._degree_buttons[24].value = False
+    panel._degree_buttons[48].value = False
+    assert panel.scenario.degrees == (1, 2, 4, 8, 16, 32)
+    sc2, ref2 = _reference(**dict(fields, degrees=(1, 2, 4, 8, 16, 32)))
+    assert panel.scenario.cluster() == sc2.cluster()
+    # this time through the threaded path a click takes (its lockstep pass bound, seconds here, not awaited)
+    panel.set(compare=False)
+    assert panel.request_solve(debounce=False) is not None and panel.wait_idle(120)
+    panel._bounds.cancel()
+    res2 = panel.result
+    assert list(res2) == ["flexsp"] and res2.scenario.degrees == (1, 2, 4, 8, 16, 32)
+    _check_panel_shows(panel, res2, ref2)
+    share, free = _idle_by_hand(ref2)
+    assert free == 13 and share > 0.25  # 48 - 32 - 2 - 1 GPUs have no group
+    assert "(13 of 48 GPUs in no group)" in html.unescape(panel.status.value)
+    assert ref2.makespan_ms > 1.3 * ref.makespan_ms
+
+
+def test_lengths_panel_static_degree_that_does_not_divide_the_gpus():
+    """48 GPUs: a static layout of degree 32 has one replica and leaves 16 GPUs idle; the control says
+    so, and the token-balanced loads are those of that one replica (every sequence on it)."""
+    from widgets import LengthsPanel
+
+    sc = Scenario(**dict(ANY_SIZE, num_gpus=48, gpus_per_node=8, source=",".join(map(str, BATCH_48))))
+    panel = LengthsPanel(sc, auto=False)
+    labels = {v: k for k, v in panel.w_degree.options}
+    assert list(labels) == [1, 2, 4, 8, 16, 24, 32, 48]
+    assert labels[32] == "32 (1 replica, 16 GPUs idle)" and labels[16] == "16 (3 replicas)" and labels[48] == "48 (1 replica)"
+    panel.set(static_degree=32, batches=1)
+    imb = panel.refresh()["imbalance"]
+    cost = sc.cost()
+    assert (imb["degree"], imb["replicas"], imb["idle_gpus"]) == (32, 1, 16)
+    assert imb["batches"][0]["loads_ms"] == pytest.approx([float(cost.time(list(BATCH_48), 32).sum())
+                                                          + cost.group_overhead_ms(32)])
+
+
+def test_solver_panel_plans_one_node_of_6_gpus():
+    """One node of 6 GPUs: every degree 1..6 is a candidate; the plan run_planner makes for the same
+    scenario (groups of 6) is what the panel shows, with no GPU idle; with the powers of two only one
+    GPU has no group; with groups of 3 only they sit on ranks 0-2 and 3-5 (an offset that is
+    not a power of two). The GPU count and node size are reached through the controls, as a user
+    picks them."""
+    from widgets import SolverPanel
+
+    panel = SolverPanel(Scenario(**dict(ANY_SIZE, num_gpus=8, gpus_per_node=8, source=",".join(map(str, BATCH_6)))),
+                        auto=False)
+    assert 6 in panel.w_per_node.options
+    panel.w_per_node.value = 6  # 8 GPUs are not whole nodes of 6: said beside the cluster controls
+    assert panel.w_gpus.value == 8 and "multiple of gpus_per_node" in panel.n_cluster.value
+    assert [1, 2, 3, 4, 5, 6, 12, 18] == [x for x in panel.w_gpus.options if x != 8][:8]
+    panel.w_gpus.value = 6
+    assert panel.n_cluster.value == "" and (panel.scenario.num_gpus, panel.scenario.gpus_per_node) == (6, 6)
+    assert list(panel._degree_buttons) == [1, 2, 3, 4, 5, 6]
+    sc, ref = _reference(**dict(ANY_SIZE, num_gpus=6, gpus_per_node=6, source=",".join(map(str, BATCH_6))))
+    assert panel.scenario.cluster() == sc.cluster()
+    res = panel.solve(["flexsp"])
+    _check_panel_shows(panel, res, ref)
+    assert _idle_by_hand(ref)[1] == 0
+    assert {g.degree for m in ref.micro_steps for g in m.groups} - {1, 2, 4, 8}  # a size not a power of two
+    panel.set(degrees=(1, 2, 4))
+    assert [(d, b.value) for d, b in panel._degree_buttons.items()] == [(1, True), (2, True), (3, False), (4, True),
+                                                                        (5, False), (6, False)]
+    _, ref2 = _reference(**dict(ANY_SIZE, num_gpus=6, gpus_per_node=6, source=",".join(map(str, BATCH_6)),
+                                degrees=(1, 2, 4)))
+    res2 = panel.solve(["flexsp"])
+    _check_panel_shows(panel, res2, ref2)
+    assert _idle_by_hand(ref2)[1] == 1 and "(1 of 6 GPUs in no group)" in html.unescape(panel.status.value)
+    assert ref2.makespan_ms > ref.makespan_ms
+    panel.set(degrees=(3,))
+    _, ref3 = _reference(**dict(ANY_SIZE, num_gpus=6, gpus_per_node=6, source=",".join(map(str, BATCH_6)), degrees=(3,)))
+    _check_panel_shows(panel, panel.solve(["flexsp"]), ref3)
+    threes = [t for t in panel.fig_timeline.data if t.name == "degree 3"]
+    assert threes and 4.0 in list(threes[0].y)  # a group of 3 on ranks 3-5
+
+
+# ------------------------------------------------------------------------------------------------
 # Lengths panel
 # ------------------------------------------------------------------------------------------------
 
@@ -423,9 +592,14 @@ def test_token_balanced_loads_by_hand():
     loads = res["batches"][0]["loads_ms"]
     assert res["replicas"] == 2
     assert loads == pytest.approx([t(1000) + c, 3 * t(100) + c])
-    assert res["batches"][0]["tokens"] == [1000, 300]
+    assert res["batches"][0]["tokens"] == [1000, 300] and res["idle_gpus"] == 0
+    # a degree that does not divide the GPUs: 8 // 3 = 2 replicas, 2 GPUs idle; 650 tokens each again
+    res3 = token_balanced_loads([np.array([1000, 100, 100, 100])], cost, 3)
+    c3, t3 = cost.group_overhead_ms(3), (lambda s: float(cost.time([s], 3)[0]))  # noqa: E731
+    assert res3["replicas"] == 2 and res3["idle_gpus"] == 2
+    assert res3["batches"][0]["loads_ms"] == pytest.approx([t3(1000) + c3, 3 * t3(100) + c3])
     with pytest.raises(ValueError, match="candidate degree"):
-        token_balanced_loads([np.array([1])], cost, 3)
+        token_balanced_loads([np.array([1])], Scenario(**dict(SMALL, degrees=(1, 2, 4, 8))).cost(), 3)
 
 
 def test_lengths_policy_split_keeps_every_token():

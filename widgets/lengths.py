@@ -23,6 +23,12 @@ __all__ = ["LengthsPanel"]
 _FILE = "(a file...)"
 
 
+def _degree_label(d: int, n: int) -> str:
+    """A static degree as the control says it: ``8 (6 replicas)``, ``32 (1 replica, 16 GPUs idle)``."""
+    r, idle = n // d, n % d
+    return f"{d} ({r} replica{'' if r == 1 else 's'}" + (f", {idle} GPU{'' if idle == 1 else 's'} idle)" if idle else ")")
+
+
 class LengthsPanel(ScenarioSource, Panel):
     """Look at a length source the way the planner will see it.
 
@@ -164,7 +170,7 @@ class LengthsPanel(ScenarioSource, Panel):
                         want = static_max_degree(cost, sc.resolved_max_len() or max(degs))
                     except ValueError:
                         want = max(degs)
-                self.w_degree.options = [(f"{d} ({sc.num_gpus // d} replicas)", d) for d in degs]
+                self.w_degree.options = [(_degree_label(d, sc.num_gpus), d) for d in degs]
                 self.w_degree.value = want
             except ValueError:
                 pass

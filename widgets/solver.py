@@ -13,6 +13,7 @@ peak memory on CUDA).
 
 from __future__ import annotations
 
+import html
 import re
 import threading
 import time
@@ -25,10 +26,28 @@ from widgets._base import (LatestWorker, Panel, ScenarioSource, figure_box, figu
 from workbench.cost.offload import OFFLOAD_CHOICES
 from workbench.scenario import DEFAULT_PLANNERS, DEFAULT_STRATEGY, STRATEGIES, Scenario
 
-__all__ = ["SolverPanel", "SolveResult"]
+__all__ = ["SolverPanel", "SolveResult", "idle_text"]
 
-_GPUS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
-_PER_NODE = [1, 2, 4, 8, 16]
+_PER_NODE = list(range(1, 17))
+"""GPUs per node the control offers (any size; another comes in through :meth:`SolverPanel.set`)."""
+_MAX_GPUS = 8192
+
+
+def _gpu_counts(per_node: int, current: int | None = None) -> list[int]:
+    """The GPU counts the control offers for nodes of ``per_node``: every count in one node, then every
+    whole number of nodes up to 64, then 2^a and 3 x 2^a nodes (up to ``_MAX_GPUS`` GPUs), plus
+    ``current``. Any count a node size allows is valid (``ClusterSpec``); the list only keeps the
+    dropdown short. One that is not valid (``current``, set from code) is shown with its note."""
+    g = max(1, int(per_node))
+    out = set(range(1, g + 1)) | {g * k for k in range(1, 65) if g * k <= _MAX_GPUS}
+    for first in (64, 96):
+        k = first
+        while g * k <= _MAX_GPUS:
+            out.add(g * k)
+            k *= 2
+    if current is not None:
+        out.add(int(current))
+    return sorted(out)
 
 
 def _pow2_upto(n: int, lo: int = 1) -> list[int]:
@@ -41,6 +60,18 @@ def _pow2_upto(n: int, lo: int = 1) -> list[int]:
 
 def _ctx_label(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def idle_text(plan) -> str:
+    """A plan's idle GPU-time as the panel says it: ``idle GPU-time 29.6% (13 of 48 GPUs in no group)``
+    (the share of the step's GPU-time in which GPUs wait, ``Plan.idle_share``; the GPUs no group uses)."""
+    used = {r for m in plan.micro_steps for g in m.groups for r in g.ranks}
+    free = plan.num_gpus - len(used)
+    return f"idle GPU-time {100 * plan.idle_share:.1f}%" + (f" ({free} of {plan.num_gpus} GPUs in no group)" if free else "")
+
+
+def _chain(c) -> str:
+    return "·".join(map(str, c))
 
 
 class SolveResult(dict):
@@ -122,8 +153,10 @@ class SolverPanel(ScenarioSource, Panel):
                                    layout=W.Layout(width="330px"))
         self.w_tokenizer = path_control("tokenizer", "path/to/tokenizer.json (empty: byte-level)", width="330px")
         self.w_column = path_control("column", "text column (auto)", width="200px")
-        self.w_gpus = W.Dropdown(options=_GPUS, description="GPUs", style=st, layout=lay)
-        self.w_per_node = W.Dropdown(options=_PER_NODE, description="GPUs per node", style=st, layout=lay)
+        # any count: every count in one node, then whole nodes (the options follow GPUs per node)
+        self.w_gpus = W.Dropdown(options=_gpu_counts(8), value=8, description="GPUs", style=st, layout=lay,
+                                 tooltip="any count: up to one node, or whole nodes")
+        self.w_per_node = W.Dropdown(options=_PER_NODE, value=8, description="GPUs per node", style=st, layout=lay)
         self.w_memory = W.BoundedFloatText(min=0.5, max=4096, step=1, description="GPU memory (GB)", style=st,
                                            layout=lay)
         self.w_fraction = W.FloatSlider(min=0.3, max=1.0, step=0.05, description="usable share", style=st,
@@ -159,7 +192,9 @@ class SolverPanel(ScenarioSource, Panel):
                                       tooltip="planner search per step, in reference seconds (about a second each on 2 cores)")
         self.w_compare = W.Checkbox(value=True, description="every planner side by side", indent=False,
                                     layout=W.Layout(width="210px"))
-        self.w_degrees_auto = W.ToggleButton(value=True, description="auto", tooltip="every aligned power of two",
+        self.w_degrees_auto = W.ToggleButton(value=True, description="auto",
+                                             tooltip="the cluster's candidate degrees: every size up to a node, whole "
+                                                     "nodes in twos and threes, the cluster (untick to choose)",
                                              layout=W.Layout(width="56px"))
         self.w_degrees = W.HBox(layout=W.Layout(flex_flow="row wrap"))
         self._degree_buttons: dict[int, W.ToggleButton] = {}
@@ -169,6 +204,9 @@ class SolverPanel(ScenarioSource, Panel):
         self.n_data = W.HTML()
         self.n_degrees = W.HTML()
         self.n_planner = W.HTML()
+        self.degrees_line = W.HTML()
+        """The candidate degrees' divisibility chains (a plan's groups use one chain), and after a solve
+        what the chosen planner found on each."""
 
         self.b_solve = W.Button(description="Solve now", icon="play", button_style="primary",
                                 tooltip="plan the batch with the settings above")
@@ -222,6 +260,7 @@ class SolverPanel(ScenarioSource, Panel):
                    layout=W.Layout(flex_flow="row wrap")),
             W.HBox([W.Label("candidate degrees", layout=W.Layout(width="130px")), self.w_degrees_auto, self.w_degrees,
                     self.n_degrees], layout=W.Layout(align_items="center", flex_flow="row wrap")),
+            self.degrees_line,
             W.HBox([self.w_planner, self.w_effort, self.w_compare, self.n_planner], layout=W.Layout(flex_flow="row wrap")),
         ])
         actions = W.HBox([self.b_solve, self.b_cancel, self.progress, self.b_train],
@@ -277,10 +316,9 @@ class SolverPanel(ScenarioSource, Panel):
         """Show ``sc`` in the controls (without scheduling a solve)."""
         self._quiet += 1
         try:
-            if sc.num_gpus not in self.w_gpus.options:
-                self.w_gpus.options = sorted({*self.w_gpus.options, sc.num_gpus})
             if sc.gpus_per_node not in self.w_per_node.options:
                 self.w_per_node.options = sorted({*self.w_per_node.options, sc.gpus_per_node})
+            self.w_gpus.options = _gpu_counts(sc.gpus_per_node, sc.num_gpus)
             self.w_model.value = sc.model
             self.w_source.value = sc.source
             self.w_tokenizer.value = sc.tokenizer or ""
@@ -307,6 +345,10 @@ class SolverPanel(ScenarioSource, Panel):
         finally:
             self._quiet -= 1
         self._base = sc
+        try:
+            self._show_degrees(sc)
+        except ValueError:  # a cluster that cannot be laid out: said beside its control when checked
+            self.degrees_line.value = ""
 
     @staticmethod
     def _profile_memory(sc: Scenario) -> float:
@@ -341,10 +383,11 @@ class SolverPanel(ScenarioSource, Panel):
         self.w_max_len.value = sc.max_len or 0
 
     def _set_degree_buttons(self, n: int, per: int, chosen: Sequence[int]) -> None:
-        from workbench.scenario import aligned_degrees
+        """One toggle per candidate degree of ``n`` GPUs in nodes of ``per`` (``candidate_degrees``, any
+        integers) and per degree in ``chosen`` beyond them; ``chosen`` empty: auto (every candidate)."""
+        from workbench.specs import candidate_degrees
 
-        per = min(per, n)
-        options = aligned_degrees(n, per) if n % per == 0 else tuple(_pow2_upto(n))
+        options = sorted(set(candidate_degrees(n, per)) | {int(d) for d in chosen if 1 <= int(d) <= n})
         buttons = []
         self._degree_buttons = {}
         for d in options:
@@ -433,6 +476,10 @@ class SolverPanel(ScenarioSource, Panel):
             chosen = () if self.w_degrees_auto.value else tuple(d for d, b in self._degree_buttons.items() if b.value)
             self._quiet += 1
             try:
+                if owner is self.w_per_node:  # the counts offered follow the node size; the count chosen stays
+                    cur = int(self.w_gpus.value)
+                    self.w_gpus.options = _gpu_counts(int(self.w_per_node.value), cur)
+                    self.w_gpus.value = cur
                 self._set_degree_buttons(int(self.w_gpus.value), int(self.w_per_node.value),
                                          [d for d in chosen if d <= int(self.w_gpus.value)])
             finally:
@@ -484,7 +531,30 @@ class SolverPanel(ScenarioSource, Panel):
             self.status.value = note_html(f"cannot plan: {str(e).splitlines()[0]}", "error")
             return None
         self._mark(None)
+        self._show_degrees(sc)
         return sc
+
+    def _show_degrees(self, sc: Scenario, plan=None) -> None:
+        """The candidate degrees and their divisibility chains under the degree toggles; with ``plan``
+        also the chains its planner searched, each with the step of its plan as it runs, and those it
+        left out (``stats["chains"]``)."""
+        cl = sc.cluster()
+        chains = cl.chains
+        text = (f"candidates {', '.join(map(str, cl.degrees))}: "
+                + (f"{len(chains)} divisibility chains (a plan's groups come from one of them, " if len(chains) > 1
+                   else "one divisibility chain (")
+                + "a group of degree d on ranks [k·d, (k+1)·d)): " + " | ".join(_chain(c) for c in chains))
+        tried = (plan.stats.get("chains") if plan is not None else None) or []
+        if tried:
+            def step(c: dict) -> float:  # the chain's plan as it runs (with swapped blocks), where recorded
+                return c["swapped_ms"] if c.get("swapped_ms") is not None else c["makespan_ms"]
+
+            done = [c for c in tried if c.get("makespan_ms") is not None]
+            skip = [c for c in tried if c.get("makespan_ms") is None]
+            text += (f". {plan.planner} planned " + ", ".join(f"{_chain(c['degrees'])} ({step(c) / 1e3:.3f}s)" for c in done)
+                     + ("; not searched (a bound too close to the best plan's, or two chains beyond the first already): "
+                        + ", ".join(_chain(c["degrees"]) for c in skip) if skip else ""))
+        self.degrees_line.value = f"<div style='color:#555;font-size:12px;max-width:980px'>{html.escape(text)}</div>"
 
     # ------------------------------------------------------------------------------------------
     # solving
@@ -664,6 +734,7 @@ class SolverPanel(ScenarioSource, Panel):
                 return
             self._mark(None)
             self._status_line(res)
+            self._show_degrees(sc, res[chosen])
             self._draw_all()
             if res.pass_bound_pending:
                 self._bounds.submit(res)
@@ -686,7 +757,7 @@ class SolverPanel(ScenarioSource, Panel):
             packing += ", the lockstep pass bound on its way"
         self.status.value = note_html(
             f"plan #{self.solves}: {chosen} {p.makespan_ms / 1e3:.3f}s per step, lower bound "
-            f"{p.lower_bound_ms / 1e3:.3f}s (gap {100 * p.gap:.1f}%){packing}, {len(p.micro_steps)} "
+            f"{p.lower_bound_ms / 1e3:.3f}s (gap {100 * p.gap:.1f}%){packing}, {idle_text(p)}, {len(p.micro_steps)} "
             f"{'lockstep pass(es) (ZeRO-3)' if p.execution == 'lockstep' else 'micro-step(s), barrier-free'}, "
             f"{len(res)} planner(s) in {res.seconds:.1f}s", "ok")
 
@@ -724,6 +795,7 @@ class SolverPanel(ScenarioSource, Panel):
             ("planner", "planner", None), ("makespan_ms", "step (s)", lambda v: f"{v / 1e3:.3f}"),
             ("gap", "over LB", lambda v: f"{100 * v:.1f}%"),
             ("packing_gap", "over packing bound", lambda v: f"{100 * v:.1f}%"),
+            ("idle_share", "idle GPU-time", lambda v: f"{100 * v:.1f}%"), ("idle_gpus", "GPUs in no group", "d"),
             ("micro_steps", "passes" if res.scenario.zero_stage == 3 else "micro-steps", "d"),
             ("groups", "groups", "d"), ("degrees", "degrees", lambda v: ",".join(map(str, v))),
             ("splits", "splits (u x cp)", lambda v: ", ".join(v)),

@@ -88,7 +88,8 @@ def policy_effect(raw: Any, max_len: int | None, policy: str) -> dict:
 
 def token_balanced_loads(batches: Sequence[Any], cost, degree: int) -> dict:
     """The load of every replica of a static layout (all sequences on SP groups of ``degree``,
-    data parallel over ``num_gpus / degree`` replicas) when each replica gets the same number of
+    data parallel over ``num_gpus // degree`` replicas; a degree that does not divide the GPUs leaves
+    ``num_gpus % degree`` of them idle, ``idle_gpus``) when each replica gets the same number of
     tokens, as a token-balanced data loader deals them: each batch's sequences, in their order,
     are cut into consecutive runs of about ``tokens / replicas`` tokens (a sequence goes to the
     replica its first token falls in). A replica's load is the cost model's time of its sequences
@@ -99,10 +100,10 @@ def token_balanced_loads(batches: Sequence[Any], cost, degree: int) -> dict:
     ``{"degree", "replicas", "batches": [{"loads_ms", "tokens", "imbalance"}], "mean_imbalance"}``
     with imbalance = slowest replica / mean replica, and ``too_long``: sequences whose activations do
     not fit one group of that degree (the layout could not run them at all; their time is still
-    counted). Raises ValueError for a degree that is not a candidate or does not divide the GPUs."""
+    counted). Raises ValueError for a degree that is not a candidate."""
     n = int(cost.cluster.num_gpus)
     d = int(degree)
-    if d not in cost.degrees or n % d:
+    if d not in cost.degrees or d > n:
         raise ValueError(f"degree {d} is not a candidate degree of this cluster ({list(cost.degrees)})")
     reps = n // d
     out = []
@@ -119,7 +120,7 @@ def token_balanced_loads(batches: Sequence[Any], cost, degree: int) -> dict:
         too_long = int((cost.memory(s, d) > cost.memory_budget_gb).sum())
         out.append({"loads_ms": [float(x) for x in loads], "tokens": [int(x) for x in toks],
                     "imbalance": float(loads.max() / mean) if mean > 0 else 1.0, "too_long": too_long})
-    return {"degree": d, "replicas": reps, "batches": out,
+    return {"degree": d, "replicas": reps, "idle_gpus": n - reps * d, "batches": out,
             "mean_imbalance": float(np.mean([b["imbalance"] for b in out])) if out else 1.0,
             "too_long": int(sum(b["too_long"] for b in out))}
 

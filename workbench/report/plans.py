@@ -16,14 +16,38 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 __all__ = ["timeline_data", "timeline_figure", "planner_rows", "planners_figure", "work_breakdown", "work_figure",
-           "DEGREE_COLORS"]
+           "DEGREE_COLORS", "idle_gpus", "idle_share"]
 
 DEGREE_COLORS = {1: "#4C78A8", 2: "#72B7B2", 4: "#54A24B", 8: "#EECA3B", 16: "#F58518", 32: "#E45756",
-                 64: "#B279A2", 128: "#9D755D", 256: "#FF9DA6", 512: "#BAB0AC", 1024: "#439894"}
+                 64: "#B279A2", 128: "#9D755D", 256: "#FF9DA6", 512: "#BAB0AC", 1024: "#439894",
+                 # groups of any size (docs/solver.md): whole nodes in threes, sizes inside a node
+                 3: "#88D27A", 6: "#B6992D", 12: "#9ECAE9", 24: "#D67195", 48: "#79706E", 96: "#FFBF79",
+                 192: "#83BCB6", 384: "#D6A5C9", 768: "#F2CF5B", 5: "#FF9D98", 7: "#8F6D31"}
+_MORE_COLORS = ("#1F77B4", "#FF7F0E", "#2CA02C", "#D62728", "#9467BD", "#8C564B", "#E377C2", "#7F7F7F", "#BCBD22",
+                "#17BECF")
 
 
 def _color(d: int) -> str:
-    return DEGREE_COLORS.get(int(d), "#888888")
+    """A degree's colour: its own for the usual sizes, else one of ten more by the size (so two odd sizes
+    in one plan rarely share one)."""
+    d = int(d)
+    return DEGREE_COLORS.get(d) or _MORE_COLORS[d % len(_MORE_COLORS)]
+
+
+def idle_gpus(plan: Mapping[str, Any]) -> int:
+    """How many of a plan's GPUs are in no group of any micro-step (they wait the whole step)."""
+    used = {int(r) for m in plan["micro_steps"] for g in m["groups"] for r in g["ranks"]}
+    return int(plan["num_gpus"]) - len(used)
+
+
+def idle_share(plan: Mapping[str, Any]) -> float:
+    """The plan's idle GPU-time as a share of the step (``Plan.idle_share``; the JSON's ``idle_share``,
+    computed for plans written before it was)."""
+    if plan.get("idle_share") is not None:
+        return float(plan["idle_share"])
+    from workbench.solve.plan import plan_from_dict
+
+    return plan_from_dict(plan).idle_share
 
 
 def _split(g: Mapping[str, Any]) -> str:
@@ -142,8 +166,9 @@ def timeline_figure(plan: Mapping[str, Any], title: str | None = None, *, max_la
 
 
 def planner_rows(plans: Mapping[str, Mapping[str, Any]], packing_bound_ms: float | None = None) -> list[dict]:
-    """One row of plain data per planner: makespan, lower bound, gap, micro-steps, groups,
-    degrees and splits (``"u x c"``) used, imbalance, solve seconds and status; with ``packing_bound_ms`` (the step's
+    """One row of plain data per planner: makespan, lower bound, gap, idle GPU-time (``idle_share``, of the
+    step's) and GPUs in no group (``idle_gpus``), micro-steps, groups, degrees and splits (``"u x c"``) used,
+    imbalance, solve seconds and status; with ``packing_bound_ms`` (the step's
     ``workbench.solve.bound.step_bound_ms``) also ``packing_gap``, the makespan over it."""
     rows = []
     for name, p in plans.items():
@@ -153,6 +178,7 @@ def planner_rows(plans: Mapping[str, Mapping[str, Any]], packing_bound_ms: float
                         key=lambda x: (-x[0], x[1]))
         rows.append({"planner": name, "makespan_ms": float(p["makespan_ms"]), "lower_bound_ms": float(p["lower_bound_ms"]),
                      "gap": float(p["makespan_ms"]) / float(p["lower_bound_ms"]) - 1 if p["lower_bound_ms"] else 0.0,
+                     "idle_share": idle_share(p), "idle_gpus": idle_gpus(p),
                      "micro_steps": len(p["micro_steps"]), "groups": sum(len(m["groups"]) for m in p["micro_steps"]),
                      "degrees": degs, "splits": [f"{d // c}x{c}" for d, c in splits],
                      "imbalance": tl["imbalance"], "grad_sync_ms": tl["grad_sync_ms"],
@@ -182,10 +208,11 @@ def planners_figure(plans: Mapping[str, Mapping[str, Any]], title: str = "Every 
                 marker_color=["#E45756" if r["planner"].startswith("static") or r["planner"] == "best-static" else "#4C78A8"
                               for r in rows],
                 text=text, textposition="auto", insidetextanchor="start",
-                customdata=[[r["micro_steps"], ", ".join(map(str, r["degrees"])), r["solve_seconds"], ", ".join(r["splits"])]
-                            for r in rows],
+                customdata=[[r["micro_steps"], ", ".join(map(str, r["degrees"])), r["solve_seconds"], ", ".join(r["splits"]),
+                             100 * r["idle_share"], r["idle_gpus"]] for r in rows],
                 hovertemplate="%{y}: %{x:.3f}s per step<br>%{customdata[0]} micro-step(s), degrees %{customdata[1]}"
-                              "<br>splits (ulysses x cp) %{customdata[3]}<br>solved in %{customdata[2]:.2f}s<extra></extra>")
+                              "<br>splits (ulysses x cp) %{customdata[3]}<br>idle GPU-time %{customdata[4]:.1f}% "
+                              "(%{customdata[5]} GPU(s) in no group)<br>solved in %{customdata[2]:.2f}s<extra></extra>")
     if rows:
         lb = min(r["lower_bound_ms"] for r in rows) / 1e3
         fig.add_vline(x=lb, line_dash="dash", line_color="#222", annotation_text=f"lower bound {lb:.2f}s",
