@@ -378,7 +378,7 @@ def test_more_processes_than_cores_or_gpus_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(nproc=4, group_sizes=(3,)), "group size 3 cannot be formed from 4"),
+    (dict(nproc=4, group_sizes=(5,)), "group size 5 cannot be formed from 4"),
     (dict(nproc=2, group_sizes=(4,)), "group size 4 cannot be formed from 2"),
     (dict(model="gpt5"), "unknown model 'gpt5'"),
     (dict(max_len=100_000), "exceeds model tiny's context"),
@@ -510,9 +510,10 @@ def test_cp_grid_measures_every_cp_size_and_the_splits_the_heads_allow():
     assert cp_grid([2, 4], [4]) == ([2, 4], [[2, 2], [4, 4]])
     assert cp_grid([2, 4, 8], [2, 4, 8]) == ([2, 4, 8], [[2, 2], [4, 4], [8, 8], [8, 2], [8, 4]])
     assert cp_grid([], []) == ([], [])
-    # the tiny model (4 query heads, 2 KV heads) on 4 ranks; switched off with cp=False
+    # the tiny model (4 query heads, 2 KV heads) on 4 ranks: CP collectives at every group size (3 on its
+    # block of 3 ranks, tests/test_profile_sizes.py), micro-steps at 2 and 4; switched off with cp=False
     res = ProfileSpec(model="tiny", nproc=4).resolved("cpu")
-    assert res["cp_sizes"] == [2, 4] and res["cp_splits"] == [[2, 2], [4, 4], [4, 2]]
+    assert res["cp_sizes"] == [2, 3, 4] and res["cp_splits"] == [[2, 2], [4, 4], [4, 2]]
     # 1 x c micro-steps also run the longest length the curves are fitted to (CP's extra grows with it)
     assert res["cp_packs"] == res["group_packs"] + [[4096]] and max(max(p) for p in res["fit_packs"]) == 4096
     assert cp_packs([[256], [4096]], [[64], [4096]]) == [[256], [4096]]

@@ -148,10 +148,11 @@ def test_profile_drives_plan_simulate_train_and_check(profiled):
 
 def test_four_ranks_measure_cp_sub_groups_of_every_size_and_a_2x2_split(tmp_path):
     """4 gloo ranks (on however many cores): CP's collectives on the strided sub-groups of 2 (ranks
-    {0,2} and {1,3}) and of 4, real micro-steps of 1 x 2, 1 x 4 and 2 x 2, all three on the CP packs
-    (the SP packs and the longest fitted length); the profile's all-gather at 2 is CP's, at 4 FSDP's;
-    the extras at 2 and 4, and 2 x 2's residual beyond them. A small grid, no real steps (what they
-    add is the 2-rank test's)."""
+    {0,2} and {1,3}), on the block {0,1,2} for 3 (rank 3 idle) and of 4, real micro-steps of 1 x 2,
+    1 x 4 and 2 x 2 (none at 3: micro-steps stay at the power-of-two sizes), all three on the CP packs
+    (the SP packs and the longest fitted length); the profile's all-gather at 2 and 3 is CP's, at 4
+    FSDP's; the extras at 2 and 4, and 2 x 2's residual beyond them. A small grid, no real steps
+    (what they add is the 2-rank test's)."""
     from workbench.launch import process
     from workbench.profile import load_result, prepare_profile, start_profile
     from workbench.profile.result import PROFILER_VERSION
@@ -163,7 +164,7 @@ def test_four_ranks_measure_cp_sub_groups_of_every_size_and_a_2x2_split(tmp_path
     assert st.state == "done", run.log_tail(30)
     meas = json.loads((run.path / "measurements.json").read_text())
     cp = {(c["kind"], c["group_size"], c["stride"]) for c in meas["collectives"] if c["kind"].startswith("cp_")}
-    assert cp == {(k, c, 4 // c) for k in ("cp_allgather", "cp_reduce_scatter") for c in (2, 4)}
+    assert cp == {(k, c, s) for k in ("cp_allgather", "cp_reduce_scatter") for c, s in ((2, 2), (3, 1), (4, 1))}
     splits = {(g["degree"], g["cp"]) for g in meas["groups"]}
     assert splits == {(1, 1), (2, 1), (4, 1), (2, 2), (4, 4), (4, 2)}
     packs = {s: sorted(tuple(g["pack"]) for g in meas["groups"] if (g["degree"], g["cp"]) == s) for s in splits}
@@ -171,7 +172,8 @@ def test_four_ranks_measure_cp_sub_groups_of_every_size_and_a_2x2_split(tmp_path
     assert packs[2, 1] == sorted([(256,), (32,) * 8])
     res = load_result(run)
     prof = res.profile
-    assert set(prof.allgather_gbps) == {2, 4} and set(prof.reduce_scatter_latency_ms) == {2, 4}
+    assert set(prof.allgather_gbps) == {2, 3, 4} and set(prof.reduce_scatter_latency_ms) == {2, 3, 4}
+    assert set(prof.all_to_all_gbps) == {2, 3, 4}
     assert prof.allgather_gbps[2] == pytest.approx(res.collective_fits["cp_allgather"][2]["gbps"])
     assert prof.allgather_gbps[4] == pytest.approx(res.collective_fits["allgather"][4]["gbps"])
     assert set(prof.cp_overhead_ms) == {2, 4} and set(prof.cp_token_ms) == {2, 4}

@@ -275,6 +275,8 @@ def cmd_cost(args) -> int:
               f"offloads its group's block inputs (docs/offload.md)")
     else:
         print(f"offload: none ({cost.offload_note})")
+    # the link figures of these degrees' shapes that are interpolated or extrapolated, not measured (issue 35)
+    print(cost.estimated_links_note(degrees))
     print(f"{'length':>9} {'degree':>6} {'u x cp':>7} {'time_ms':>11} {'ulysses_ms':>10} {'cp_ms':>9} {'memory_gb':>10} "
           f"{'host_gb':>8} fits")
     def num(r, k, w):

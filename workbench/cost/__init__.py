@@ -204,6 +204,24 @@ def _interp_latency(table: dict[int, float], d: int) -> float:
     return _interp(table, d, log_values=False) if table else 0.0
 
 
+def _interp_source(table: dict[int, float], d: int) -> tuple[str, list[int]]:
+    """How ``_interp`` gets the figure of group size ``d`` from ``table``: ``("measured", [d])``,
+    ``("interpolated", [lo, hi])`` (the measured sizes either side, linear in log(d)),
+    ``("extrapolated", [k])`` (beyond the measured sizes: the nearest one's figure ``k`` held) or
+    ``("none", [])`` (an empty table)."""
+    keys = sorted(int(k) for k in table)
+    d = int(d)
+    if not keys:
+        return "none", []
+    if d in keys:
+        return "measured", [d]
+    if d < keys[0]:
+        return "extrapolated", [keys[0]]
+    if d > keys[-1]:
+        return "extrapolated", [keys[-1]]
+    return "interpolated", [max(k for k in keys if k < d), min(k for k in keys if k > d)]
+
+
 def _envelope_splits(cands, budget: float, r_max: float) -> set[int]:
     """The CP sizes of ``cands`` (``(c, o, k, g, m)`` per split, in increasing c) that are the fastest
     split holding a group somewhere in ``1 <= S <= top``, ``0 <= r <= r_max``, where split c takes
@@ -637,6 +655,96 @@ class CostModel:
             return f"the profile's entries for groups over {p.gpus_per_node} GPUs (measured across nodes)"
         return (f"profile {p.name} has no inter-node figures: groups over {self.cluster.gpus_per_node} ranks are "
                 f"costed as if within a node (measure across nodes, or give inter_node_all_to_all_gbps)")
+
+    LINK_KINDS = ("all_to_all", "p2p", "allreduce", "allgather", "reduce_scatter")
+    """The collectives ``link_source`` knows (the profile's ``<kind>_gbps`` tables)."""
+
+    def link_source(self, kind: str, size: int, *, crosses: bool | None = None) -> dict:
+        """Where the bandwidth of a ``size``-rank ``kind`` collective comes from: the table the cost
+        model reads (as ``link_gbps``, ``cp_link_gbps`` and the all-rank collectives do: within a node
+        or, when the ranks span nodes, ``crosses``, None: ``crosses_nodes(size)``, across nodes; the
+        all-to-all table for ``p2p`` without its own, the all-reduce's for an all-gather or a
+        reduce-scatter without theirs) and how the figure is had from it. Pure (no torch).
+
+        Returns ``{"kind", "size", "across_nodes", "table", "source", "sizes", "gbps"}``:
+        ``source`` ``measured`` (``sizes`` ``[size]``), ``interpolated`` (between the measured
+        ``sizes`` ``[lo, hi]``, linear in log(size) on log(bandwidth): a power law through both),
+        ``extrapolated`` (beyond every measured size: the figure of the nearest, ``sizes`` ``[k]``,
+        held constant) or ``none`` (the profile has no such table: ``gbps`` 0, the collective is not
+        priced). Raises ValueError for an unknown kind."""
+        p = self.profile
+        d = int(size)
+        if kind == "all_to_all" or (kind == "p2p" and not p.p2p_gbps):
+            name, table, inter_name, inter = ("all_to_all_gbps", p.all_to_all_gbps, "inter_node_all_to_all_gbps",
+                                              p.inter_node_all_to_all_gbps)
+        elif kind == "p2p":
+            name, table, inter_name, inter = "p2p_gbps", p.p2p_gbps, "inter_node_p2p_gbps", p.inter_node_p2p_gbps
+        elif kind in ("allreduce", "allgather", "reduce_scatter"):
+            own = {"allreduce": p.allreduce_gbps, "allgather": p.allgather_gbps,
+                   "reduce_scatter": p.reduce_scatter_gbps}[kind]
+            name = f"{kind}_gbps" if own else "allreduce_gbps"
+            table, inter_name, inter = own or p.allreduce_gbps, "inter_node_allreduce_gbps", p.inter_node_allreduce_gbps
+        else:
+            raise ValueError(f"unknown link kind {kind!r}; one of {', '.join(self.LINK_KINDS)}")
+        across = self.crosses_nodes(d) if crosses is None else bool(crosses)
+        intra_part, inter_part = _node_split(table, p.gpus_per_node)
+        if not table:
+            used, label = {}, name
+        elif across and inter:
+            used, label = inter, inter_name
+        elif across and inter_part:
+            used, label = inter_part, f"{name} over {p.gpus_per_node} ranks"
+        elif across:
+            used, label = table, name
+        else:
+            used = intra_part
+            label = name if len(intra_part) == len(table) else f"{name} up to {p.gpus_per_node} ranks"
+        source, sizes = _interp_source(used, d)
+        return {"kind": kind, "size": d, "across_nodes": across, "table": label, "source": source, "sizes": sizes,
+                "gbps": _interp_bw(used, d) if used else 0.0}
+
+    def estimated_links(self, degrees=None) -> list[dict]:
+        """The link figures plans over ``degrees`` (default the cost model's) use that no measurement
+        gave: ``link_source`` of every ``all_to_all`` over a shape's Ulysses ranks ``u > 1`` and every
+        CP ``allgather`` and ``reduce_scatter`` over its ``cp > 1`` ranks, for the strategy's shapes
+        of those degrees, the interpolated and extrapolated ones only (once each, by kind and size)."""
+        keep = {int(d) for d in (degrees if degrees is not None else self.degrees)}
+        seen, out = set(), []
+        for d, c in self._shapes:
+            if d not in keep:
+                continue
+            u = d // c
+            asks = ([("all_to_all", u, None)] if u > 1 else []) + \
+                ([(k, c, self.crosses_nodes(d)) for k in ("allgather", "reduce_scatter")] if c > 1 else [])
+            for kind, n, crosses in asks:
+                src = self.link_source(kind, n, crosses=crosses)
+                key = (kind, n, src["across_nodes"])
+                if key in seen or src["source"] in ("measured", "none"):
+                    continue
+                seen.add(key)
+                out.append(src)
+        return sorted(out, key=lambda r: (self.LINK_KINDS.index(r["kind"]), r["across_nodes"], r["size"]))
+
+    def estimated_links_note(self, degrees=None) -> str:
+        """``estimated_links`` in one line (what ``workbench cost`` prints): the group sizes whose link
+        figures are interpolated between measured sizes (in brackets) or extrapolated beyond them
+        (the measured size whose figure is held), by collective; says so when every one was measured."""
+        rows = self.estimated_links(degrees)
+        if not rows:
+            return f"links: every group size's figure measured (profile {self.profile.name})"
+        names = {"all_to_all": "all-to-all", "allgather": "CP all-gather", "reduce_scatter": "CP reduce-scatter"}
+        groups: dict[tuple, list[int]] = {}
+        for r in rows:  # sorted by kind, then within a node before across, then size
+            key = (r["kind"], r["source"], r["across_nodes"], tuple(r["sizes"]), r["table"])
+            groups.setdefault(key, []).append(r["size"])
+        parts = []
+        for (kind, how, across, frm, table), sizes in groups.items():
+            own = "" if table == f"{kind}_gbps" else f" ({table})"
+            where = " across nodes" if across else ""
+            frm_s = f"between {frm[0]} and {frm[1]}" if how == "interpolated" else f"{frm[0]}'s figure"
+            parts.append(f"{names[kind]}{own} {how} at {', '.join(map(str, sizes))}{where} ({frm_s})")
+        return ("links not measured at their group size (log-log between measured sizes, the nearest one's figure "
+                "beyond them): " + "; ".join(parts))
 
     # ---- per-sequence costs -------------------------------------------------------------------
     def compute_ms(self, lengths, degree: int, cp: int | None = None) -> np.ndarray:
@@ -1527,6 +1635,8 @@ class CostModel:
             "profile_kind": self.profile.provenance.get("kind"),
             "gpus_per_node": self.cluster.gpus_per_node,
             "inter_node_degrees": [int(d) for d in degrees if self.crosses_nodes(d)],
+            # the link figures these degrees' shapes use that were interpolated or extrapolated (link_source)
+            "estimated_links": self.estimated_links(degrees),
             "link_gbps": {str(d): self.link_gbps("all_to_all", d) for d in degrees if d > 1},
             "inter_node_source": self.inter_node_source(),
         }

@@ -36,6 +36,7 @@ from workbench.profile.result import MEASUREMENTS_FILE, RESULT_FILE, ProfileResu
 
 __all__ = ["ProfileSpec", "prepare_profile", "start_profile", "load_result", "check_fidelity", "ProfileResult",
            "build_result", "read_profile_spec", "default_grid", "default_step_cases", "head_token_counts", "cp_grid", "cp_packs",
+           "default_group_sizes", "micro_step_sizes", "cp_blocks",
            "fsdp_unit_bytes", "gpu_count", "MEASURE_MODULE", "RESULT_FILE",
            "MEASUREMENTS_FILE", "nnls", "fit_curve", "fit_pack_curve", "trimmed_median", "ape", "error_summary",
            "DEVICES", "ATTENTION"]
@@ -133,6 +134,57 @@ def default_step_cases(world: int, max_len: int, sp_degree: int | None = None) -
         {"name": "free-heavy", "execution": "free", "micro_steps": [heavy]},
         {"name": "free-mixed", "execution": "free", "micro_steps": mixed},
     ]
+
+
+EVERY_SIZE_UP_TO = 8
+"""``default_group_sizes`` measures every group size up to this one (a node of 8 GPUs: every degree
+the planner may give it); above it, the sizes that tile a node or whole nodes."""
+
+
+def default_group_sizes(world: int, node: int | None = None) -> list[int]:
+    """The group sizes a profile of ``world`` ranks (nodes of ``node``, default one node of all of
+    them) measures its collectives at: the sizes a run on this machine can plan
+    (``workbench.specs.candidate_degrees``: every degree up to a node), capped in count so that a
+    profile's time grows slowly with the world:
+
+    - every size from 2 to ``min(node, 8)`` (3, 5, 6 and 7 included: groups of any size);
+    - above 8, within a node its divisors and the sizes ``2^a`` and ``3 x 2^a`` (12, 16, 24, 32, 48, ...);
+      across nodes whole nodes in the same steps (``node x 2^a``, ``node x 3 x 2^a``, as
+      ``candidate_degrees`` plans them); and the world itself.
+
+    A size that does not divide the world is measured on its aligned blocks (``[k*d, (k+1)*d)``) with
+    the ranks left over idle. Other sizes are interpolated by the cost model (``CostModel.link_source``
+    says which)."""
+    n = int(world)
+    g = int(node or n)
+    if n < 2:
+        return []
+    out = set(range(2, min(g, n, EVERY_SIZE_UP_TO) + 1))
+    out |= {d for d in range(2, min(g, n) + 1) if g % d == 0}
+    for base, top in ((1, g), (3, g), (g, n), (3 * g, n)):
+        m = base
+        while m <= min(top, n):
+            if m >= 2:
+                out.add(m)
+            m *= 2
+    out.add(n)
+    return sorted(out)
+
+
+def micro_step_sizes(group_sizes, world: int) -> list[int]:
+    """The group sizes whose real SP and CP micro-steps a profile runs (``sp_overhead_ms``,
+    ``cp_overhead_ms``, ...): those of ``group_sizes`` that are powers of two dividing ``world`` (as
+    before groups of any size: every rank in a block, and the quick profile's time kept). The
+    micro-step extras of other sizes are interpolated in log(d) by the cost model, clamped at the ends."""
+    return [int(d) for d in group_sizes if int(world) % int(d) == 0 and int(d) & (int(d) - 1) == 0]
+
+
+def cp_blocks(cp_sizes, group_sizes) -> dict[int, int]:
+    """For each CP size ``c``, the group whose strided CP sub-groups its collectives are measured
+    on: the largest of ``group_sizes`` that ``c`` divides (``c`` itself at least: then the sub-group
+    is an aligned block of ``c`` ranks). With power-of-two sizes that is the largest group, as before."""
+    sizes = [int(d) for d in group_sizes]
+    return {int(c): max([d for d in sizes if d % int(c) == 0] or [int(c)]) for c in cp_sizes}
 
 
 def cp_grid(group_sizes, ulysses_sizes) -> tuple[list[int], list[list[int]]]:
@@ -252,7 +304,9 @@ class ProfileSpec:
     trim: float = 0.2
     """Share of the fastest and of the slowest repetitions dropped before the median."""
     group_sizes: tuple = ()
-    """Group sizes of the collectives (default: every power of two that divides ``nproc``)."""
+    """Group sizes of the collectives, any from 2 to ``nproc`` (default: :func:`default_group_sizes`,
+    every size up to 8, then the ones that tile the ranks); real SP micro-steps run at those of them
+    :func:`micro_step_sizes` keeps."""
     message_bytes: tuple = ()
     """Per-rank buffer sizes of the collectives (default by device and mode)."""
     collective_reps: int | None = None
@@ -345,9 +399,9 @@ class ProfileSpec:
             bad("trim", "must be in [0, 0.5)", self.trim)
         gs = tuple(int(d) for d in self.group_sizes) if self.group_sizes else ()
         for d in gs:
-            if d < 2 or d > self.nproc or self.nproc % d or d & (d - 1):
+            if d < 2 or d > self.nproc:
                 raise ValueError(f"group size {d} cannot be formed from {self.nproc} process(es): group sizes must be "
-                                 f"powers of two from 2 to --nproc that divide it (aligned blocks of ranks)")
+                                 f"from 2 to --nproc")
         object.__setattr__(self, "group_sizes", tuple(sorted(set(gs))))
         mb = tuple(int(x) for x in self.message_bytes) if self.message_bytes else ()
         if any(x < 64 for x in mb):
@@ -387,20 +441,23 @@ class ProfileSpec:
         held = [list(p) for p in self.heldout_packs] or ([] if self.fit_packs else grid["heldout"])
         fit_keys = {tuple(p) for p in fit}
         held = [p for p in held if tuple(p) not in fit_keys]
-        groups = list(self.group_sizes) or [d for d in (2 ** i for i in range(1, 12)) if d <= self.nproc
-                                            and self.nproc % d == 0]
-        sp = [d for d in groups if m.heads % d == 0 and (m.kv_heads % d == 0 or d % m.kv_heads == 0)]
+        groups = list(self.group_sizes) or default_group_sizes(self.nproc)
+        # the collectives at every size of ``groups``; real micro-steps at the power-of-two divisors among them
+        steps_at = micro_step_sizes(groups, self.nproc)
+        sp = [d for d in steps_at if m.heads % d == 0 and (m.kv_heads % d == 0 or d % m.kv_heads == 0)]
         dtype = self.dtype or ("bfloat16" if dev == "cuda" else "float32")
         dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
         # the runtime computes in fp32 or bf16; a big model's three copies of its states would not fit
         run_steps = self.steps and dtype != "float16" and m.params() <= 200e6
-        cp_sizes, cp_splits = cp_grid(groups, sp) if self.cp else ([], [])
+        # CP collectives at every group size (each on the largest group it divides: cp_blocks), CP micro-steps
+        # at the micro-step sizes' splits
+        cp_sizes, cp_splits = (groups, cp_grid(steps_at, sp)[1]) if self.cp else ([], [])
         group_packs = [list(p) for p in self.group_packs] or grid["groups"]
         return {
             "device": dev, "dtype": dtype, "max_len": max_len, "fit_packs": fit, "heldout_packs": held,
             "warmup": self.warmup if self.warmup is not None else (1 if self.quick else 2),
             "reps": self.reps if self.reps is not None else (5 if self.quick else 9),
-            "trim": float(self.trim), "group_sizes": groups,
+            "trim": float(self.trim), "group_sizes": groups, "micro_step_sizes": steps_at,
             "message_bytes": list(self.message_bytes) or list(MESSAGE_BYTES[(dev, self.quick)]),
             "collective_reps": self.collective_reps or (9 if self.quick else 15),
             "collective_inner": int(self.collective_inner),

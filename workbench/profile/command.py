@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reps", type=positive_int, default=None, help="timed samples per pack (default 5 quick, 9 full)")
     g.add_argument("--warmup", type=int, default=None, help="untimed runs per pack (default 1 quick, 2 full)")
     g.add_argument("--group-sizes", type=_int_list, default=None, metavar="D1,D2",
-                   help="collective group sizes (default: every power of two dividing --nproc)")
+                   help="collective group sizes, any from 2 to --nproc (default: every size up to 8, then the ones "
+                        "that tile the ranks; SP micro-steps at the powers of two dividing --nproc)")
     g.add_argument("--oversubscribe", action="store_true",
                    help="allow more processes than CPU cores (measures the contention such a run has)")
     g.add_argument("--run-root", default=None, metavar="DIR", help="the run store (default runs, or $WORKBENCH_RUNS)")

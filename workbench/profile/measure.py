@@ -13,16 +13,19 @@ ranks that share a machine contend as they do in training):
    (embedding, final norm, head and loss) is timed too, at three lengths, so the fit can take its
    per-token part out of the blocks' curves. Per rank the trimmed median; the agreed figure is the
    median over ranks (every rank's is kept).
-2. **collectives**: for every group size, the Ulysses all-to-all (``all_to_all_single`` on every
-   aligned block at once, as concurrent SP groups run it), ``collective_inner`` calls back to back
-   per repetition, at several message sizes so latency and bandwidth can both be fitted; the
+2. **collectives**: for every group size (``workbench.profile.default_group_sizes``: every size up
+   to 8, 3 and 6 included, then the ones that tile the ranks; a size that does not divide the world
+   runs on its aligned blocks, the ranks left over idle), the Ulysses all-to-all
+   (``all_to_all_single`` on every aligned block at once, as concurrent SP groups run it),
+   ``collective_inner`` calls back to back per repetition, at several message sizes so latency and bandwidth can both be fitted; the
    all-reduce of the whole world (gradient sync); FSDP's all-gather and reduce-scatter over the
    world, also at the sizes of the model's FSDP units; point-to-point ring steps inside each block
    (ring attention); context parallelism's K/V all-gather and gradient reduce-scatter for every CP
-   size c, on the strided CP sub-groups of the largest group (all at once, as the CP attention runs
-   them). Agreed over ranks the same way.
+   size c, on the strided CP sub-groups of the largest group c divides (all at once, as the CP
+   attention runs them). Agreed over ranks the same way.
 3. **SP groups**: one micro-step of the runtime's own sequence-parallel path (slices, Ulysses
-   all-to-alls around the varlen attention, forward and backward) for every group size and a few
+   all-to-alls around the varlen attention, forward and backward) for every micro-step size
+   (``workbench.profile.micro_step_sizes``: the power-of-two group sizes dividing the world) and a few
    packs, all blocks at once; what it costs beyond the compute and collective fits is the
    profile's per-degree ``sp_overhead_ms``. The same for context-parallel splits
    (``CPAttention``: ``1 x c`` for every c, and ``u x c`` of the largest group where the heads
@@ -65,7 +68,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -275,7 +278,8 @@ def measure_compute(spec: ModelSpec, packs: Sequence[Sequence[int]], *, attn: Ca
 def measure_collectives(registry, group_sizes: Sequence[int], message_bytes: Sequence[int], *,
                         device: torch.device | str = "cpu", warmup: int = 1, reps: int = 5, inner: int = 4,
                         trim: float = 0.2, kinds: Sequence[str] = ("all_to_all", "allreduce", "p2p"),
-                        fsdp_bytes: Sequence[int] = (), cp_sizes: Sequence[int] = (), cp_degree: int | None = None,
+                        fsdp_bytes: Sequence[int] = (), cp_sizes: Sequence[int] = (),
+                        cp_degree: int | Mapping[int, int] | None = None,
                         progress: Callable[[str], None] | None = None) -> list[dict]:
     """Time collectives under an initialised process group; every rank must call this together.
 
@@ -288,15 +292,18 @@ def measure_collectives(registry, group_sizes: Sequence[int], message_bytes: Seq
     FSDP unit's parameters or gradients: the sizes a pass moves). ``cp_allgather`` and
     ``cp_reduce_scatter`` (with ``cp_sizes``): context parallelism's K/V all-gather and gradient
     reduce-scatter, for each CP size c on the strided CP sub-groups of the groups of ``cp_degree``
-    ranks (default the world) split ``(cp_degree/c) x c`` (ranks ``r0 + a + u*[0, c)``: every
-    sub-group at once, as the CP attention runs them), the full buffer ``message_bytes``. Each
+    ranks (default the world; a mapping gives each c its own: ``workbench.profile.cp_blocks``) split
+    ``(cp_degree/c) x c`` (ranks ``r0 + a + u*[0, c)``: every sub-group at once, as the CP attention
+    runs them), the full buffer ``message_bytes``. A group size (or CP block) that does not divide
+    the world runs on its aligned blocks while the ranks left over wait at the barriers. Each
     timed repetition is ``inner`` calls back to back after a barrier; a point is the trimmed median
-    of a rank's repetitions per call, agreed over ranks (median). Every rank must call this
-    together; the registry must hold the ``(cp_degree, c)`` splits.
+    of a rank's repetitions per call, agreed over the ranks that took part (median). Every rank must
+    call this together; the registry must hold the ``(cp_degree, c)`` splits.
 
     Returns ``[{"kind", "group_size", "message_bytes", "ms", "per_rank"}]`` (``message_bytes``:
-    per rank for all-to-all and ring steps, the full buffer for the others; CP points also carry
-    ``"stride"``, the ``u`` between a sub-group's ranks)."""
+    per rank for all-to-all and ring steps, the full buffer for the others; ``per_rank``: the ranks
+    that took part, and ``"idle_ranks"`` when some did not; CP points also carry ``"stride"``, the
+    ``u`` between a sub-group's ranks)."""
     dev = torch.device(device)
     world, rank = dist.get_world_size(), dist.get_rank()
     clock = Clock(dev)
@@ -327,21 +334,31 @@ def measure_collectives(registry, group_sizes: Sequence[int], message_bytes: Seq
     for kind in ("allgather", "reduce_scatter"):
         if kind in kinds and world > 1:
             jobs += [(kind, world, m) for m in fsdp_sizes]
-    top = int(cp_degree or world)
+    tops = ({int(c): int(t) for c, t in cp_degree.items()} if isinstance(cp_degree, Mapping)
+            else {int(c): int(cp_degree or world) for c in cp_sizes})
     for kind in ("cp_allgather", "cp_reduce_scatter"):
         if kind in kinds:
             jobs += [(kind, int(c), m) for c in cp_sizes for m in message_bytes]
     for kind, d, m in jobs:
         lo = rank // d * d
         extra = {}
-        if kind in _WORLD_KINDS:
+        # a size that does not divide the world: its aligned blocks run, the ranks left over idle
+        top = tops.get(d, world) if kind.startswith("cp_") else (world if kind in _WORLD_KINDS else d)
+        busy = rank // top * top + top <= world
+        idle = [r for r in range(world) if r // top * top + top > world]
+        if not busy:
+            group = None
+        elif kind in _WORLD_KINDS:
             group = None
         elif kind.startswith("cp_"):
             block = rank // top * top
             group = registry.subgroups(tuple(range(block, block + top)), d, rank)[1]
-            extra = {"stride": top // d}
         else:
             group = registry.get(tuple(range(lo, lo + d)))
+        if kind.startswith("cp_"):
+            extra = {"stride": top // d}
+        if idle:
+            extra["idle_ranks"] = idle
         numel = max(d, int(m) // 4 // d * d)
         send = torch.randn(numel, device=dev)
         recv = torch.empty_like(send)
@@ -349,17 +366,23 @@ def measure_collectives(registry, group_sizes: Sequence[int], message_bytes: Seq
             send = send[: numel // d].clone()
         elif kind in ("reduce_scatter", "cp_reduce_scatter"):  # the full buffer in, a shard out
             recv = recv[: numel // d].clone()
-        fn = _collective_call(kind, send, recv, group, lo + (rank - lo + 1) % d, lo + (rank - lo - 1) % d)
+        fn = (_collective_call(kind, send, recv, group, lo + (rank - lo + 1) % d, lo + (rank - lo - 1) % d)
+              if busy else _idle)
         t = timed(fn)
-        med, per_rank = agree([t], dev)
-        points.append({"kind": kind, "group_size": int(d), "message_bytes": int(numel * 4), "ms": med[0],
-                       "per_rank": [p[0] for p in per_rank], **extra})
+        _, per_rank = agree([t], dev)
+        took_part = [p[0] for r, p in enumerate(per_rank) if r not in idle]
+        points.append({"kind": kind, "group_size": int(d), "message_bytes": int(numel * 4),
+                       "ms": float(statistics.median(took_part)), "per_rank": took_part, **extra})
         if progress is not None:
             progress(f"{kind} d={d} {numel * 4:,} B")
     return points
 
 
 _WORLD_KINDS = ("allreduce", "allgather", "reduce_scatter")
+
+
+def _idle() -> None:
+    """What a rank outside every block of a size that does not divide the world runs: nothing."""
 
 
 def _collective_call(kind: str, send: torch.Tensor, recv: torch.Tensor, group, nxt: int, prv: int) -> Callable[[], None]:
@@ -993,19 +1016,21 @@ class Profiler:
         self._progress(0.0, f"compute: {len(packs)} packs, {res['warmup']} warm-up + {res['reps']} timed samples each "
                             f"(warming up)")
 
-        registry, sp_sizes = None, []
+        registry, sp_sizes, cp_tops = None, [], {}
         if dist.is_initialized() and self.world > 1:
             from workbench.runtime.groups import GroupRegistry
 
             # Ulysses must be able to split the model's heads over the group (collectives need not); the CP
             # sizes' collectives run on the strided sub-groups of the largest group, their micro-steps as
             # the splits cp_grid chose (workbench.profile.cp_grid)
-            cp_shapes = {tuple(x) for x in res.get("cp_splits") or []}
-            if res.get("cp_sizes"):
-                top = max(res["group_sizes"])
-                cp_shapes |= {(top, c) for c in res["cp_sizes"]}
+            # (each CP size on the largest group it divides, workbench.profile.cp_blocks); micro-steps run at the
+            # micro-step sizes only (workbench.profile.micro_step_sizes), the collectives at every group size
+            from workbench.profile import cp_blocks
+
+            cp_tops = cp_blocks(res.get("cp_sizes") or [], res["group_sizes"])
+            cp_shapes = {tuple(x) for x in res.get("cp_splits") or []} | {(t, c) for c, t in cp_tops.items()}
             registry = GroupRegistry(self.world, [1, *res["group_sizes"]], shapes=sorted(cp_shapes))
-            sp_sizes = [d for d in res["group_sizes"]
+            sp_sizes = [d for d in res.get("micro_step_sizes", res["group_sizes"])
                         if model.heads % d == 0 and (model.kv_heads % d == 0 or d % model.kv_heads == 0)]
 
         def on_sample(j: int, n: int) -> None:
@@ -1051,7 +1076,7 @@ class Profiler:
             collectives = measure_collectives(registry, sizes, res["message_bytes"], device=device,
                                               reps=res["collective_reps"], inner=res["collective_inner"],
                                               trim=res["trim"], fsdp_bytes=fsdp, cp_sizes=cp_sizes,
-                                              cp_degree=max(sizes, default=1),
+                                              cp_degree=cp_tops,
                                               kinds=("all_to_all", "allreduce", "p2p", "allgather", "reduce_scatter",
                                                      "cp_allgather", "cp_reduce_scatter"),
                                               progress=on_coll)
@@ -1089,7 +1114,8 @@ class Profiler:
                 "grid": {"fit_packs": fit, "heldout_packs": held, "max_len": res["max_len"],
                          "group_packs": res["group_packs"], "head_tokens": res.get("head_tokens"),
                          "message_bytes": res["message_bytes"], "fsdp_bytes": res.get("fsdp_bytes"),
-                         "group_sizes": res["group_sizes"], "step_cases": [c["name"] for c in cases],
+                         "group_sizes": res["group_sizes"], "micro_step_sizes": res.get("micro_step_sizes"),
+                         "step_cases": [c["name"] for c in cases],
                          "cp_sizes": res.get("cp_sizes"), "cp_splits": res.get("cp_splits"),
                          "cp_packs": res.get("cp_packs"),
                          "optimizer": res.get("optimizer")},
