@@ -188,7 +188,7 @@ class Scenario:
             _check_int("degrees", d, 1)
         object.__setattr__(self, "degrees", tuple(sorted({int(d) for d in self.degrees})))
         if strategy_problem(self.strategy) is not None:
-            _fail("strategy", self.strategy, f"must be one of {', '.join(STRATEGIES)} or cp:C (C a power of two)")
+            _fail("strategy", self.strategy, f"must be one of {', '.join(STRATEGIES)} or cp:C (C a positive integer)")
         if not isinstance(self.recompute, bool):
             _fail("recompute", self.recompute, "must be true or false")
         _check_int("samples", self.samples, 1, optional=True)

@@ -141,7 +141,7 @@ smaller than C context parallelism over all of it."""
 
 def strategy_problem(strategy) -> str | None:
     """Why ``strategy`` is not one (one line naming the choices), or None: a name of ``STRATEGIES``
-    or ``cp:C`` with C a positive power of two."""
+    or ``cp:C`` with C a positive integer (context parallelism of any size)."""
     s = str(strategy)
     if s in STRATEGIES:
         return None
@@ -150,9 +150,9 @@ def strategy_problem(strategy) -> str | None:
             c = int(s[3:])
         except ValueError:
             c = 0
-        if c >= 1 and c & (c - 1) == 0:
+        if c >= 1:
             return None
-        return f"strategy {s!r}: the CP size after 'cp:' must be a power of two, e.g. cp:2"
+        return f"strategy {s!r}: the CP size after 'cp:' must be a positive integer, e.g. cp:2 or cp:3"
     return f"unknown strategy {s!r}; choose one of {', '.join(STRATEGIES)} or cp:C (a fixed CP size, e.g. cp:2)"
 
 DEFAULT_STRATEGY = "auto"
@@ -1514,17 +1514,18 @@ class CostModel:
         """One line saying why sequence ``index`` of ``length`` tokens fits no group."""
         need_total = self.memory([length], 1)[0]
         d_need = math.ceil(need_total / self.memory_budget_gb)
-        d_pow2 = 1 << max(0, (d_need - 1).bit_length())
+        # the smallest candidate degree that many GPUs' budgets add up to (the need itself past them)
+        d_fit = min([d for d in self.cluster.degrees if d >= d_need], default=d_need)
         gpus = self.cluster.num_gpus
         kept = (f" even with its block inputs in host memory ({self.host_budget_gb:,.0f} GB per GPU)"
                 if self._offload_ok else "")
         msg = (f"sequence {index} ({length:,} tokens) needs {need_total:,.1f} GB of activations{kept}, so degree "
-               f"{d_pow2} on {self.cluster.gpu_memory_gb:g} GB GPUs ({self.memory_budget_gb:.1f} GB per GPU for "
+               f"{d_fit} on {self.cluster.gpu_memory_gb:g} GB GPUs ({self.memory_budget_gb:.1f} GB per GPU for "
                f"activations)")
-        if d_pow2 > gpus:
+        if d_fit > gpus:
             msg += f"; the cluster has {gpus} GPUs"
-        elif not self.degree_supported(d_pow2):
-            msg += f"; {self.degree_limit_reason(d_pow2)}"
+        elif not self.degree_supported(d_fit):
+            msg += f"; {self.degree_limit_reason(d_fit)}"
         else:
             msg += f"; candidate degrees are {list(self.degrees)}"
         if not self.recompute:
