@@ -333,6 +333,7 @@ def test_solver_threaded_requests_are_debounced_and_the_latest_wins():
     assert list(panel.fig_timeline.layout.yaxis.tickvals) == list(range(32))
 
 
+@pytest.mark.serial  # a cancellation within 4 s: beside a heavy test on 2 cores it took 7.6 s (2026-11-28)
 def test_solver_a_newer_request_cancels_a_running_solve():
     from widgets import SolverPanel
 
