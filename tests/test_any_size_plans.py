@@ -252,3 +252,29 @@ def test_an_old_power_of_two_plan_loads_and_validates_unchanged():
     assert {4, 2, 1} <= set(cluster.degrees)
     validate(p, np.array([6000, 3000, 500, 700]), cluster)
     assert 0.0 <= p.idle_share < 1.0
+
+
+def test_a_cap_that_ends_only_another_chains_search_is_said(monkeypatch):
+    """48 GPUs, the 1M-token batch: the first chain is searched on the plan's clock, another on a clock
+    of its own. When only that one's wall-clock cap passes, the plan says it depends on the machine
+    (its stats and reason), as when the plan's own cap passes."""
+    import workbench.solve as ws
+
+    cost = CostModel(load_profile("h100-80g"), get_model("llama3-8b"),
+                     ClusterSpec(num_gpus=48, gpus_per_node=8, gpu_memory_gb=80, usable_memory_fraction=0.9),
+                     strategy="auto", recompute=True)
+    s = np.array([1048576, 204800, 51200, 8192])
+    calm = run_planner("flexsp", s, cost)
+    assert not calm.stats["effort"]["capped"] and "wall-clock cap" not in calm.reason
+    assert sum(c["makespan_ms"] is not None for c in calm.stats["chains"]) >= 2  # another chain was searched
+    start = ws.PlanOptions.start
+
+    def tiny_cap_for_other_chains(self):
+        opts, clock = start(self)
+        if self.effort < 1.0:  # the other chains' share of the effort
+            clock.cap_s = 1e-6
+        return opts, clock
+
+    monkeypatch.setattr(ws.PlanOptions, "start", tiny_cap_for_other_chains)
+    p = run_planner("flexsp", s, cost)
+    assert p.stats["effort"]["capped"] and "another divisibility chain" in p.reason and "depends on the machine" in p.reason
