@@ -309,14 +309,6 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
 # --------------------------------------------------------------------------------------------
 
 
-def _powers_of_two_upto(n: int) -> tuple[int, ...]:
-    out, d = [], 1
-    while d <= n:
-        out.append(d)
-        d *= 2
-    return tuple(out)
-
-
 def candidate_degrees(num_gpus: int, gpus_per_node: int) -> tuple[int, ...]:
     """The default candidate SP degrees of ``num_gpus`` GPUs in nodes of ``gpus_per_node``, chosen so
     that no GPU need sit idle because a count is not a power of two (docs/solver.md, "Groups of any
