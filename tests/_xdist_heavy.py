@@ -1,26 +1,27 @@
-"""``make test`` in parallel, with the heavy tests one at a time per lane (pytest-xdist hooks;
-conftest.py imports them).
+"""``make test`` in parallel, with the heavy tests at most two at once and never two timed ones
+(pytest-xdist hooks; conftest.py imports them).
 
 A heavy test is one marked ``slow``: it starts a torchrun tree (2-4 ranks, a supervisor, a planning
 worker), a papermill kernel, or JupyterLab and Chromium. A test marked ``serial`` is fast but checks
 what a time-limited solver finds in its time, which a heavy test beside it would starve. Heavy tests
-run in two lanes, each one test at a time:
+run in lanes:
 
 - the *timed* lane: heavy tests whose checks depend on time (a stop within 5 s, a killed rank
   noticed within 10 s, a rendezvous timeout, the browser's waits) and the ``serial`` ones (first of
-  all). It is handed to one worker first, so it starts at once and runs beside fast tests while
-  they last.
-- the *untimed* lane: heavy tests also marked ``untimed``, whose checks hold however loaded the
-  machine is (exact results, files written, refusals; their only clocks are generous timeouts).
-  It is queued last, so the worker that runs the fast tests takes it after them and runs it beside
-  the timed lane.
+  all). It is one work unit, handed to the first worker at once: its tests run one at a time.
+- the *untimed* units, one per module: heavy tests also marked ``untimed``, whose checks hold however
+  loaded the machine is (exact results, files written, refusals; their only clocks are generous
+  timeouts). A worker takes one only once the ``serial`` tests are done, and, while a timed test
+  runs, only when no third worker runs an untimed one: so a timed check shares the cores with at
+  most one heavy run, a ``serial`` one with fast tests only. Once the timed lane is done, two untimed
+  modules may run side by side.
+- the fast tests, one work unit per module (a module-scoped fixture is built once).
 
-So at most two heavy tests run at once, and a timed check shares the cores with at most one untimed
-run. Before the second lane (one lane for all heavy tests) the other worker idled for most of the run:
-the fast tests take about 2 minutes on one core, the heavy ones 11, and most heavy tests keep only
-about one core busy (process start-up, rendezvous, waiting on children). The scheduler keeps each
-module's fast tests in one work unit, so a module-scoped fixture is built once. Without xdist, or
-with ``-n 0``, nothing changes.
+A worker asking for work takes the timed lane if no one has it, else an untimed module if one may
+start, else a fast module, else waits for one of those to become possible. So the heavy runs start
+early on both workers and the fast tests fill the end: with the untimed tests in one lane, queued
+after the fast tests, that lane ran alone at the end for about five minutes while the other worker,
+done with the timed lane, had nothing left. Without xdist, or with ``-n 0``, nothing changes.
 
 Why a scheduler and not ``--dist loadgroup`` with an ``xdist_group`` mark: loadgroup passes the
 group inside the test id, and with pytest 9.2 that rewrite silently stops taking effect
@@ -47,7 +48,8 @@ HEAVY = "heavy"
 """The work unit (xdist scope) of the timed lane: heavy tests whose checks depend on time."""
 
 UNTIMED = "heavy-untimed"
-"""The work unit of the untimed lane: heavy tests whose checks hold however loaded the machine is."""
+"""The lane of heavy tests whose checks hold however loaded the machine is; its work units are
+``heavy-untimed::<module>``, one per module."""
 
 _INPUT_KEY = "workbench_heavy_tests_file"
 
@@ -59,7 +61,7 @@ def is_heavy(item) -> bool:
 
 
 def lane(item) -> str | None:
-    """The work unit of a heavy test (``HEAVY`` or ``UNTIMED``), None for a fast one."""
+    """The lane of a heavy test (``HEAVY`` or ``UNTIMED``), None for a fast one."""
     if not is_heavy(item):
         return None
     untimed = item.get_closest_marker("untimed") is not None and item.get_closest_marker("serial") is None
@@ -93,8 +95,8 @@ def pytest_configure_node(node):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Worker: the timed lane first, the fast tests, the untimed lane last (the scheduler keeps
-    collection order), and each heavy test's lane written for the scheduler. Every worker collects
+    """Worker: the timed lane's tests in the order they run (the ``serial`` ones first), and each
+    heavy test's work unit written for the scheduler (with the serial ones). Every worker collects
     the same tests and writes the same file."""
     path = getattr(config, "workerinput", {}).get(_INPUT_KEY)
     if path is None:
@@ -105,7 +107,10 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: 1 if lane(item) == HEAVY and item.get_closest_marker("serial") is None
                else order[lane(item)])
     tmp = f"{path}.{os.getpid()}"
-    Path(tmp).write_text(json.dumps({item.nodeid: lane(item) for item in items if is_heavy(item)}))
+    units = {item.nodeid: lane(item) if lane(item) == HEAVY else f"{UNTIMED}::{item.nodeid.split('::', 1)[0]}"
+             for item in items if is_heavy(item)}
+    serial = [item.nodeid for item in items if item.get_closest_marker("serial") is not None]
+    Path(tmp).write_text(json.dumps({"units": units, "serial": serial}))
     os.replace(tmp, path)
 
 
@@ -116,23 +121,69 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class HeavyApartScheduling(LoadScopeScheduling):
-        """LoadScope with three kinds of scope: the timed lane (one unit, first), each module's fast
-        tests, and the untimed lane (one unit, last)."""
+        """LoadScope whose work units are the timed lane, each module's untimed tests and each
+        module's fast tests, handed out by what may run beside what (the module docstring)."""
 
         def __init__(self, config, log=None):
             super().__init__(config, log)
-            self._heavy: dict[str, str] | None = None
+            self._units: dict[str, str] | None = None
+            self._serial: set[str] = set()
             # the work queue follows collection order, where the workers put the heavy tests first
             config.option.loadscopereorder = False
 
+        def _read_lanes(self) -> None:
+            path = config._workbench_heavy_dir / "heavy.json"
+            try:
+                d = json.loads(path.read_text())
+                self._units, self._serial = dict(d["units"]), set(d["serial"])
+            except (OSError, ValueError, KeyError) as e:  # never run heavy tests side by side unknowingly
+                raise RuntimeError(f"the workers did not list their heavy tests in {path} ({e}); run "
+                                   f"without -n") from None
+
         def _split_scope(self, nodeid: str) -> str:
-            if self._heavy is None:  # first called once every worker has collected (and written)
-                path = config._workbench_heavy_dir / "heavy.json"
-                try:
-                    self._heavy = dict(json.loads(path.read_text()))
-                except (OSError, ValueError) as e:  # never run heavy tests side by side unknowingly
-                    raise RuntimeError(f"the workers did not list their heavy tests in {path} ({e}); run "
-                                       f"without -n") from None
-            return self._heavy.get(nodeid) or nodeid.split("::", 1)[0]
+            if self._units is None:  # first called once every worker has collected (and written)
+                self._read_lanes()
+            return self._units.get(nodeid) or nodeid.split("::", 1)[0]
+
+        # ---- which unit a worker takes ------------------------------------------------------------
+        def _pending(self, node, kind: str) -> list[str]:
+            """The node's tests not yet done, of one kind: ``timed`` (the timed lane), ``serial`` (the
+            timed lane's first tests) or ``untimed`` (any untimed module)."""
+            out = []
+            for scope, unit in self.assigned_work.get(node, {}).items():
+                if (scope.startswith(UNTIMED + "::") if kind == "untimed" else scope == HEAVY):
+                    out += [t for t, done in unit.items() if not done and (kind != "serial" or t in self._serial)]
+            return out
+
+        def _untimed_may_start(self, node) -> bool:
+            """Whether ``node`` may take an untimed module now: no other worker still has a serial
+            test, and while another runs the timed lane, no third worker has an untimed module."""
+            others = [n for n in self.assigned_work if n is not node]
+            if any(self._pending(n, "serial") for n in others):
+                return False
+            timed = [n for n in others if self._pending(n, "timed")]
+            return not timed or not any(self._pending(n, "untimed") for n in others if n not in timed)
+
+        def _next_scope(self, node) -> str | None:
+            if HEAVY in self.workqueue:
+                return HEAVY
+            untimed = [s for s in self.workqueue if s.startswith(UNTIMED + "::")]
+            if untimed and self._untimed_may_start(node):
+                return untimed[0]
+            fast = [s for s in self.workqueue if s != HEAVY and not s.startswith(UNTIMED + "::")]
+            return fast[0] if fast else None  # None: only untimed modules are left, and they must wait
+
+        def _assign_work_unit(self, node) -> None:
+            scope = self._next_scope(node)
+            if scope is None:
+                return
+            self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+        def mark_test_complete(self, node, item_index: int, duration: float = 0) -> None:
+            super().mark_test_complete(node, item_index, duration)
+            for other in self.nodes:  # a finished test can let a waiting worker start an untimed module
+                if other is not node:
+                    self._reschedule(other)
 
     return HeavyApartScheduling(config, log)

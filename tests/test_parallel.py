@@ -1,8 +1,9 @@
 """``make test``'s parallel scheme (``_xdist_heavy.py``), checked on a small suite of its own run by a
-real ``pytest -n 2``: the timed lane (``slow`` and ``serial`` tests) on one worker, one at a time,
-started first, the ``serial`` ones before the rest; the untimed lane (``slow`` and ``untimed``) one
-at a time, after the fast tests of the worker that runs it; never more than one test of each lane
-at once; the fast tests beside them, each module on one worker (its module fixture built once)."""
+real ``pytest -n 3`` (``make test`` runs one worker per core; three workers let every rule bind): the
+timed lane (``slow`` and ``serial`` tests) on one worker, one at a time, started first, the ``serial``
+ones before the rest and beside no heavy test; each module's untimed tests (``slow`` and
+``untimed``) on one worker, one at a time, started while the timed lane still runs, never two of
+them beside a timed test; each module's fast tests on one worker (its module fixture built once)."""
 
 from __future__ import annotations
 
@@ -80,25 +81,33 @@ def _one_at_a_time(rows: list[dict]) -> None:
         assert b["t0"] >= a["t1"], f"{a['name']} and {b['name']} overlapped"
 
 
-def test_heavy_tests_run_in_two_lanes_one_at_a_time(tmp_path):
+def _overlap(a: dict, b: dict) -> bool:
+    return a["t0"] < b["t1"] and b["t0"] < a["t1"]
+
+
+def test_heavy_tests_run_in_lanes_beside_at_most_one_other(tmp_path):
     pytest.importorskip("xdist")
     _suite(tmp_path)
-    rows = _run(tmp_path, "-n", "2")
+    rows = _run(tmp_path, "-n", "3")
     heavy = sorted((r for r in rows if ":heavy" in r["name"]), key=lambda r: r["t0"])
     untimed = sorted((r for r in rows if ":untimed" in r["name"]), key=lambda r: r["t0"])
     fast = [r for r in rows if ":fast" in r["name"]]
     assert len(heavy) == 9 and len(untimed) == 6 and len(fast) == 12  # 2 slow, 1 serial, 2 untimed per module
     _one_at_a_time(heavy)
-    _one_at_a_time(untimed)
     worker = heavy[0]["worker"]
     mine = sorted((r for r in rows if r["worker"] == worker and ":fixture" not in r["name"]), key=lambda r: r["t0"])
     assert ":heavy" in mine[0]["name"], "the timed lane's worker starts with it"
     assert [r["name"].split(":")[1] for r in heavy[:3]] == ["heavy_serial"] * 3, "the serial tests first"
-    # the other worker ran fast tests while the timed lane ran
-    assert any(r["worker"] != worker and r["t0"] < heavy[-1]["t1"] for r in fast)
-    # the untimed lane after the fast tests of its worker, beside the timed lane
-    other = untimed[0]["worker"]
-    assert all(u["t0"] >= f["t1"] for u in untimed for f in fast if f["worker"] == other)
+    for s in heavy[:3]:
+        assert not [u["name"] for u in untimed if _overlap(s, u)], f"an untimed test ran beside {s['name']}"
+    for m in ("test_a", "test_b", "test_c"):  # each module's untimed tests: one worker, one at a time
+        _one_at_a_time([u for u in untimed if u["name"].startswith(m + ":")])
+    for t in heavy[3:]:  # beside a timed test, at most one untimed test at any moment
+        near = [u for u in untimed if _overlap(t, u)]
+        assert not any(_overlap(a, b) for i, a in enumerate(near) for b in near[i + 1:]), \
+            f"two untimed tests ran beside {t['name']}: {[u['name'] for u in near]}"
+    # the untimed modules start while the timed lane runs, not after every fast test
+    assert untimed[0]["t0"] < heavy[-1]["t0"]
     # a module's fast tests on one worker: its module fixture built once
     fixtures = defaultdict(int)
     for r in rows:
