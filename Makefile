@@ -2,7 +2,8 @@
 #   make demo   create .venv, install, run the tour and solver notebooks headless plus a short CPU
 #               training run, and write the explained report runs/<id>/report.html
 #   make test   create .venv, install, run the tests in parallel (one pytest worker per core; the
-#               multi-process, notebook and browser tests in two lanes: see tests/_xdist_heavy.py)
+#               multi-process, notebook and browser tests in lanes: see tests/_xdist_heavy.py)
+#               (make test-fast: only the tests that start no torchrun, kernel or browser)
 # And, once installed:
 #   make lab    JupyterLab on the notebooks (token on, bound to 127.0.0.1; LAB_PORT=8888)
 # On a GPU machine, without any set-up (the machine's own python3 and its CUDA torch; no .venv):
@@ -22,7 +23,7 @@ LAB_PORT ?= 8888
 # make gpu-check GPU_CHECK_ARGS="--parts attention --budget-s 120": rerun pieces (docs/gpu-check.md)
 GPU_CHECK_ARGS ?=
 
-.PHONY: demo test install bench lint clean lab gpu-check
+.PHONY: demo test test-fast install bench lint clean lab gpu-check
 
 $(STAMP): pyproject.toml Makefile workbench/installer.py
 	$(PY) -m venv $(VENV)
@@ -47,10 +48,16 @@ lab: $(STAMP)
 	WORKBENCH_RUNS=$(CURDIR)/runs $(BIN)/jupyter lab --notebook-dir=notebooks --ServerApp.ip=127.0.0.1 \
 	  --ServerApp.port=$(LAB_PORT) --no-browser $$( [ "$$(id -u)" = 0 ] && echo --allow-root )
 
-# tests/_xdist_heavy.py runs the heavy (slow) tests one at a time in two lanes: the timed ones from the
-# start on one worker, the untimed ones after the fast tests on another. The ten slowest are listed at the end.
+# tests/_xdist_heavy.py runs the heavy (slow) tests at most two at once: the timed ones one at a time from
+# the start on one worker, each module's untimed ones on whichever worker is free, the fast tests filling
+# the end. The ten slowest are listed at the end.
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --durations=10 $(PYTEST_ARGS)
+
+# the edit-test loop: the tests that start no torchrun, kernel or browser and need no quiet cores
+# (not slow, not serial); make test stays the whole suite
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow and not serial" --durations=5 $(PYTEST_ARGS)
 
 # no $(STAMP): the check runs with $(PY) as it is (numpy and a CUDA torch), from this folder
 gpu-check:
