@@ -78,13 +78,18 @@ def test_plan_text_reports_the_packing_bound_by_hand():
 def test_plan_says_on_stderr_before_a_long_pass_bound():
     """The lockstep pass bound takes seconds from a few hundred sequences up (20 s over 673 Llama-3-8B
     sequences on 64 H100s): over 256 sequences the text report says so on stderr before it starts;
-    over fewer it says nothing, and stdout holds the report alone either way."""
-    args = ("plan", "--lengths", "wikipedia", "--gpus", "8", "--zero-stage", "3")
-    many = run_cli(*args, "--batch-size", "300")
-    few = run_cli(*args, "--batch-size", "200")
-    assert "# the lockstep pass bound over 300 sequences" in many.stderr, many.stderr
+    at 256 it says nothing, and stdout holds the report alone either way. The count is the rule, so
+    the batches are short sequences (10-19 tokens) on 2 GPUs, whose bound takes milliseconds."""
+    def args(n):
+        lengths = ",".join(str(10 + k % 10) for k in range(n))
+        return ("plan", "--lengths", lengths, "--gpus", "2", "--gpus-per-node", "2", "--model", "1b",
+                "--zero-stage", "3", "--planner", "greedy")
+    many = run_cli(*args(257))
+    few = run_cli(*args(256))
+    assert "lockstep pass(es)" in many.stdout and "lockstep pass(es)" in few.stdout  # a lockstep plan: the bound runs
+    assert "# the lockstep pass bound over 257 sequences" in many.stderr, many.stderr
     assert "lockstep pass bound" not in few.stderr, few.stderr
-    assert "lockstep pass bound over" not in many.stdout and "300 sequences" in many.stdout
+    assert "lockstep pass bound over" not in many.stdout and "257 sequences" in many.stdout
 
 
 def test_simulate_json_shape():
