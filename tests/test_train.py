@@ -284,15 +284,97 @@ def _ok(p: subprocess.CompletedProcess, run_dir: Path) -> None:
     assert status(run_dir)["state"] == "done"
 
 
-@pytest.fixture(scope="module")
-def sgd_reference(tmp_path_factory):
-    """One SGD step on one rank with static:1 under ZeRO-0 (a plain model on one process: the
-    single-process update)."""
-    d = tmp_path_factory.mktemp("ref") / "run"
-    p = _train(d, "--nproc", "1", "--planner", "static:1", "--steps", "1", "--seed", "7", "--optimizer", "sgd",
-               "--lr", "0.5", "--checkpoint-every", "1", "--zero-stage", "0", *SMALL)
-    _ok(p, d)
-    return d
+# Runs that no check needs through ``workbench train`` run several to a torchrun tree: this file is
+# the worker (``__main__`` below), and each rank runs the real trainer (``Trainer.run``) on each run
+# folder in turn. The launcher's and supervisor's side (the CLI, a run's final ``done``, resumes,
+# the error lines) is checked by the runs still started through ``workbench train``: the loss run,
+# every resume, the max-context refusal and the missing spec.json.
+
+TREE_TIMEOUT = 480  # s: a tree of several runs that takes longer than this has hung
+
+SMALL_SETTINGS = {"model": "tiny", "max_len": 512, "batch_tokens": 4096, "time_limit": 0.5}  # SMALL, for prepare_train
+
+
+class Tree:
+    """The runs of one torchrun tree: ``dirs[name]`` is each run's folder, ``codes[name]`` each
+    rank's exit status of ``Trainer.run`` on it (0 done, 1 failed)."""
+
+    def __init__(self, dirs: dict[str, Path], codes: dict[str, list[int]], log: str) -> None:
+        self.dirs, self.codes, self.log = dirs, codes, log
+
+    def ok(self, name: str) -> Path:
+        """The run ``name``, checked to have trained all its steps on every rank."""
+        d = self.dirs[name]
+        st = status(d)
+        assert self.codes[name] == [0] * len(self.codes[name]), f"{name}: exit statuses {self.codes[name]}\n{self.log[-4000:]}"
+        assert st["error"] is None and st["step"] == read_train_spec(d).steps, st
+        return d
+
+
+def _tree_worker(out: str, run_dirs: list[str]) -> int:
+    """Rank side of a tree: ``Trainer.run`` on each run folder in turn, then this rank's exit
+    statuses written to ``out/rank<k>.json``. Each run's process group meets on a store of its own
+    (rank 0 picks a free loopback port and passes it through torchrun's store): torch names a default
+    group's keys by a count that restarts after ``destroy_process_group``, so a second group on
+    torchrun's store would read the first one's gloo addresses and hang."""
+    import datetime
+    import gc
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed import TCPStore
+
+    from workbench.runtime.train import DistEnv, Trainer
+
+    rank = int(os.environ["RANK"])
+    agent = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                     timeout=datetime.timedelta(seconds=TREE_TIMEOUT))
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # rank 0 hosts each run's store (env://)
+    codes = {}
+    for k, d in enumerate(run_dirs):
+        if rank == 0:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                agent.set(f"run{k}_port", str(s.getsockname()[1]))
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = agent.get(f"run{k}_port").decode()
+        codes[d] = Trainer(Path(d), DistEnv.from_env()).run()
+        if dist.is_initialized():  # a run that failed in a step returns with its group up
+            dist.destroy_process_group()
+        gc.collect()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(codes))
+    return 0
+
+
+def _tree(root: Path, nproc: int, settings: dict[str, dict]) -> Tree:
+    """Prepare each run (``prepare_train``, as ``workbench train`` does: ``settings[name]`` over
+    SMALL_SETTINGS on the CPU) in ``root/name``, then train them all in one torchrun tree of
+    ``nproc`` ranks."""
+    from _torchrun import communicate_or_kill
+
+    from workbench import runs
+
+    dirs = {}
+    for name, s in settings.items():
+        run, _, _ = prepare_train({**SMALL_SETTINGS, "nproc": nproc, "device": "cpu", **s}, root=root, name=name)
+        runs.update_status(run.path, attempt=1)  # the first attempt, as the launcher records it
+        dirs[name] = run.path
+    out = root / "tree"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__, str(out),
+           *map(str, dirs.values())]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+    stdout, stderr = communicate_or_kill(proc, TREE_TIMEOUT, "torchrun")
+    print(f"{len(dirs)} runs on {nproc} ranks in one tree: {time.monotonic() - t0:.1f}s, exit {proc.returncode}")
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}"
+    per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return Tree(dirs, {name: [c[str(d)] for c in per_rank] for name, d in dirs.items()}, stdout + stderr)
+
+
+SGD = {"steps": 1, "seed": 7, "optimizer": "sgd", "lr": 0.5, "checkpoint_every": 1}
+ZSET = {"planner": "greedy", "seed": 3, "optimizer": "sgd", "lr": 0.2, "momentum": 0.9}
 
 
 def _planners_for_equality() -> list[str]:
@@ -304,13 +386,57 @@ def _planners_for_equality() -> list[str]:
     return names
 
 
+SGD_CASES = [(p, 3) for p in _planners_for_equality()] + [("greedy", 0), ("greedy", 2)]
+
+
+def _sgd_name(planner: str, stage: int) -> str:
+    return f"sgd-{planner.replace(':', '')}-zero{stage}"
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> Tree:
+    """One SGD step on 4 ranks for each planner and stage of ``SGD_CASES``; and SGD with momentum
+    under ZeRO-3: 4 steps with a checkpoint after each (``zero-ref``, the uninterrupted run) and 2
+    with one checkpoint (``zero-a``, resumed on 2 ranks later). One tree; beside it,
+    ``sgd-reference``: one SGD step on one rank with static:1 under ZeRO-0 (a plain model on one
+    process, the trainer started alone: the single-process update)."""
+    root = tmp_path_factory.mktemp("four")
+    ref, _, _ = prepare_train({**SMALL_SETTINGS, **SGD, "nproc": 1, "device": "cpu", "planner": "static:1",
+                               "zero_stage": 0}, root=root, name="sgd-reference")
+    p = subprocess.run([sys.executable, "-m", "workbench.runtime.train", "--run-dir", str(ref.path)], capture_output=True,
+                       text=True, cwd=ROOT, timeout=RUN_TIMEOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    tree = _tree(root, 4, {**{_sgd_name(pl, st): {**SGD, "planner": pl, "zero_stage": st} for pl, st in SGD_CASES},
+                           "zero-ref": {**ZSET, "steps": 4, "checkpoint_every": 1},
+                           "zero-a": {**ZSET, "steps": 2, "checkpoint_every": 2}})
+    tree.dirs["sgd-reference"], tree.codes["sgd-reference"] = ref.path, [p.returncode]
+    return tree
+
+
+LOSS_SETTINGS = {"planner": "greedy", "seed": 1, "optimizer": "adamw", "lr": 3e-3}
+LOSS_ARGS = ["--nproc", "2", "--planner", "greedy", "--seed", "1", "--optimizer", "adamw", "--lr", "3e-3", *SMALL]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Tree:
+    """One tree of 2 ranks: ``resume`` (the loss run's settings, 3 steps, a checkpoint after the
+    last), ``zero-b`` (SGD with momentum under ZeRO-1, 2 steps, a checkpoint after the last),
+    ``states`` (one AdamW step under ZeRO-2), and last the two that must fail on every rank:
+    ``plan-world`` (plans made for 1 rank) and ``plan-stage`` (plans made for ZeRO-0 in a ZeRO-3 run)."""
+    return _tree(tmp_path_factory.mktemp("two"), 2, {
+        "resume": {**LOSS_SETTINGS, "steps": 3, "checkpoint_every": 3},
+        "zero-b": {**ZSET, "zero_stage": 1, "steps": 2, "checkpoint_every": 2},
+        "states": {"zero_stage": 2, "optimizer": "adamw", "steps": 1, "checkpoint_every": 0},
+        "plan-world": {"planner": "greedy", "steps": 2, "debug": {"plan_num_gpus": 1}, "timeout_s": 60},
+        "plan-stage": {"planner": "greedy", "steps": 2, "debug": {"plan_zero_stage": 0}, "timeout_s": 60},
+    })
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("planner, stage", [(p, 3) for p in _planners_for_equality()] + [("greedy", 0), ("greedy", 2)])
-def test_one_sgd_step_same_params_on_4_ranks(sgd_reference, tmp_path, planner, stage):
-    d = tmp_path / "run"
-    p = _train(d, "--nproc", "4", "--planner", planner, "--steps", "1", "--seed", "7", "--optimizer", "sgd",
-               "--lr", "0.5", "--checkpoint-every", "1", "--zero-stage", str(stage), *SMALL)
-    _ok(p, d)
+@pytest.mark.parametrize("planner, stage", SGD_CASES)
+def test_one_sgd_step_same_params_on_4_ranks(four_ranks, planner, stage):
+    sgd_reference = four_ranks.ok("sgd-reference")
+    d = four_ranks.ok(_sgd_name(planner, stage))
     plan = json.loads((d / "plans.jsonl").read_text().splitlines()[0])["plan"]
     assert plan["num_gpus"] == 4 and plan["planner"].startswith(planner.split(":")[0])
     # planned for the stage the run holds its states in, and run that way
@@ -333,9 +459,6 @@ def test_one_sgd_step_same_params_on_4_ranks(sgd_reference, tmp_path, planner, s
     assert r0["loss"] == pytest.approx(metrics(sgd_reference)[0]["loss"], rel=1e-5)
     assert r0["loss"] == r3["loss"]  # the global loss, the same on every rank
     assert {"predicted_ms", "measured_ms", "peak_memory_mb", "tokens", "micro_steps"} <= set(r0)
-
-
-LOSS_ARGS = ["--nproc", "2", "--planner", "greedy", "--seed", "1", "--optimizer", "adamw", "--lr", "3e-3", *SMALL]
 
 
 @pytest.fixture(scope="module")
@@ -362,10 +485,9 @@ def test_loss_falls_on_the_embedded_corpus(loss_run):
 
 
 @pytest.mark.slow
-def test_resume_continues_exactly(loss_run, tmp_path):
+def test_resume_continues_exactly(loss_run, two_ranks):
     n = 3
-    d = tmp_path / "run"
-    _ok(_train(d, "--steps", str(n), "--checkpoint-every", str(n), *LOSS_ARGS), d)
+    d = two_ranks.ok("resume")  # the loss run's settings, 3 steps, a checkpoint after the last
     assert (d / "checkpoints" / f"step_{n}.dcp").is_dir()  # ZeRO-3 (the default): a sharded checkpoint
     # restart the same run folder with one more step, as the README does (naming only the steps): it
     # continues from the checkpoint with the run's own settings (its 2 ranks, not the CLI default 1)
@@ -388,26 +510,21 @@ def test_resume_continues_exactly(loss_run, tmp_path):
     assert (d / "spec.json").read_bytes() == before
 
 
-ZARGS = ["--planner", "greedy", "--seed", "3", "--optimizer", "sgd", "--lr", "0.2", "--momentum", "0.9", *SMALL]
-
-
 def _update_error(got: dict, ref: dict, before: dict) -> float:
     """Worst relative difference of two updates from the same weights ``before``, over the tensors."""
     return max(float((got[k] - before[k] - (ref[k] - before[k])).norm() / (ref[k] - before[k]).norm()) for k in ref)
 
 
 @pytest.mark.slow
-def test_checkpoints_resume_on_another_world_and_stage(tmp_path):
+def test_checkpoints_resume_on_another_world_and_stage(four_ranks, two_ranks):
     """SGD with momentum (the optimizer state matters, and its update is linear in it): a ZeRO-3
     run saved on 4 ranks resumes on 2 (DCP reshards the folder); a ZeRO-1 run's whole file resumes
     under ZeRO-3 on 4, and its sharded folder under ZeRO-2 on 2; each step after a resume gives the
     uninterrupted run's loss and weights."""
-    ref = tmp_path / "ref"
-    _ok(_train(ref, "--nproc", "4", "--steps", "4", "--checkpoint-every", "1", *ZARGS), ref)
+    ref = four_ranks.ok("zero-ref")  # 4 ranks, ZeRO-3, 4 steps, a checkpoint after each
     loss = {s: r["loss"] for s, r in metrics(ref).items()}
     # ZeRO-3, 4 ranks -> 2 ranks
-    a = tmp_path / "a"
-    _ok(_train(a, "--nproc", "4", "--steps", "2", "--checkpoint-every", "2", *ZARGS), a)
+    a = four_ranks.ok("zero-a")  # 4 ranks, ZeRO-3, 2 steps, a checkpoint after the last
     assert sorted(x.name for x in (a / "checkpoints").iterdir()) == ["step_2.dcp"]
     p = workbench("train", "--run-dir", str(a), "--steps", "3", "--nproc", "2", "--change", "--quiet")
     _ok(p, a)
@@ -416,8 +533,7 @@ def test_checkpoints_resume_on_another_world_and_stage(tmp_path):
     assert metrics(a)[2]["loss"] == pytest.approx(loss[2], rel=1e-5)
     assert _update_error(params_of(a, 3), params_of(ref, 3), params_of(ref, 2)) < 1e-4
     # ZeRO-1 (whole file, consolidated optimizer states), 2 ranks -> ZeRO-3, 4 ranks
-    b = tmp_path / "b"
-    _ok(_train(b, "--nproc", "2", "--zero-stage", "1", "--steps", "2", "--checkpoint-every", "2", *ZARGS), b)
+    b = two_ranks.ok("zero-b")  # 2 ranks, ZeRO-1, 2 steps, a checkpoint after the last
     assert (b / "checkpoints" / "step_2.pt").is_file()
     assert _update_error(params_of(b, 2), params_of(ref, 2), params_of(ref, 1)) < 1e-4
     p = workbench("train", "--run-dir", str(b), "--steps", "3", "--nproc", "4", "--zero-stage", "3", "--change",
@@ -435,13 +551,11 @@ def test_checkpoints_resume_on_another_world_and_stage(tmp_path):
 
 
 @pytest.mark.slow
-def test_model_states_in_metrics_match_the_memory_model(tmp_path):
+def test_model_states_in_metrics_match_the_memory_model(two_ranks):
     from workbench.cost.memory import model_states
     from workbench.models import get_model
 
-    d = tmp_path / "run"
-    _ok(_train(d, "--nproc", "2", "--zero-stage", "2", "--optimizer", "adamw", "--steps", "1", "--checkpoint-every",
-               "0", *SMALL), d)
+    d = two_ranks.ok("states")  # 2 ranks, ZeRO-2, one AdamW step
     for rank in (0, 1):
         got = metrics(d, rank)[0]["model_states"]
         want = model_states(get_model("tiny"), zero_stage=2, num_ranks=2, precision="fp32", optimizer="adamw", rank=rank)
@@ -458,22 +572,29 @@ def _assert_failed(p: subprocess.CompletedProcess, run_dir: Path, words: str) ->
     assert last.startswith("workbench train: error:") and words in last, p.stderr
 
 
-@pytest.mark.slow
-def test_plan_for_another_world_size_fails_on_every_rank(tmp_path):
-    d = tmp_path / "run"
-    p = _train(d, "--nproc", "2", "--planner", "greedy", "--steps", "2", "--debug-plan-gpus", "1",
-               "--timeout", "60", *SMALL)
-    _assert_failed(p, d, "the plan is for 1 ranks but this run has 2")
-    assert not (d / "metrics.jsonl").exists()
+def _assert_failed_on_every_rank(tree: Tree, name: str, words: str) -> None:
+    """Run ``name`` of ``tree`` failed on each rank (its exit status, its own failure record), and the
+    run's status says why."""
+    d = tree.dirs[name]
+    assert tree.codes[name] == [1] * len(tree.codes[name]), f"{name}: exit statuses {tree.codes[name]}"
+    st = status(d)
+    assert st["state"] == "failed" and words in st["error"], st
+    for rank in range(len(tree.codes[name])):
+        failure = json.loads((d / "failures" / f"rank{rank}.json").read_text())
+        assert words in failure["error"], (rank, failure)
 
 
 @pytest.mark.slow
-def test_a_plan_for_another_stage_is_refused_on_every_rank(tmp_path):
-    d = tmp_path / "run"
-    p = _train(d, "--nproc", "2", "--planner", "greedy", "--steps", "2", "--debug-plan-zero-stage", "0",
-               "--timeout", "60", *SMALL)
-    _assert_failed(p, d, "the plan is free (ZeRO 0-2) but this run is ZeRO-3 (lockstep); plan for ZeRO-3")
-    assert not (d / "metrics.jsonl").exists()
+def test_plan_for_another_world_size_fails_on_every_rank(two_ranks):
+    _assert_failed_on_every_rank(two_ranks, "plan-world", "the plan is for 1 ranks but this run has 2")
+    assert not (two_ranks.dirs["plan-world"] / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_a_plan_for_another_stage_is_refused_on_every_rank(two_ranks):
+    _assert_failed_on_every_rank(two_ranks, "plan-stage",
+                                 "the plan is free (ZeRO 0-2) but this run is ZeRO-3 (lockstep); plan for ZeRO-3")
+    assert not (two_ranks.dirs["plan-stage"] / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow
@@ -513,3 +634,9 @@ def test_a_max_context_no_group_holds_is_refused_before_the_run_exists(tmp_path)
     assert 4 < d <= 8 and all(c > 1 for c in cost.splits(d)) and cost.memory([4096], 4, cost.splits(4)[0])[0] > \
         cost.memory_budget_gb
     assert not any(tmp_path.iterdir())
+
+
+if __name__ == "__main__":  # a rank of a tree of runs (_tree)
+    from workbench.util import exit_process
+
+    exit_process(_tree_worker(sys.argv[1], sys.argv[2:]))
