@@ -200,14 +200,33 @@ def test_token_data_reads_documents_under_the_max_context_policy(tmp_path, cache
         TokenData(src, max_len=8, policy="error", seed=0, tokenizer=str(tok_file))
 
 
-def test_stdlib_with_a_tokenizer_is_cached(cache_dir, tok_file):
-    from workbench.data.corpus import stdlib_documents
+def test_stdlib_with_a_tokenizer_is_cached(cache_dir, tok_file, monkeypatch):
+    """``stdlib`` with a tokenizer is a text source of the standard library's files, tokenised into the
+    cache in listing order, the files that cannot be trained on counted as skips. Tokenising all of it
+    (~30 MB) takes most of a minute, so the listing the cache reads is narrowed to its first 60 files
+    and every file that is not UTF-8 (the skips); each document's tokens equal the tokenizer's own."""
+    from workbench.data import corpus
+
+    every = corpus.stdlib_documents()
+
+    def not_utf8(d):
+        try:
+            Path(d.path).read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            return True
+        return False
+
+    bad = [d for d in every if not_utf8(d)]
+    docs = list(every[:60]) + [d for d in bad if d not in every[:60]]
+    monkeypatch.setattr(corpus, "stdlib_documents", lambda limit=None: docs if limit is None else docs[:limit])
 
     c = token_cache("stdlib", tokenizer=tok_file)
-    docs = stdlib_documents()
     assert len(c) + sum(c.skipped.values()) == len(docs)
+    assert c.skipped.get("not UTF-8", 0) == len(bad), c.skipped
     first = docs[int(c.places[0]) - 1]
     assert c.document(0).tolist() == reference_ids(tok_file, Path(first.path).read_text(encoding="utf-8"))
+    last = docs[int(c.places[-1]) - 1]
+    assert c.document(len(c) - 1).tolist() == reference_ids(tok_file, Path(last.path).read_text(encoding="utf-8"))
     assert text_source("stdlib") is None  # without a tokenizer stdlib stays the byte corpus
 
 
