@@ -151,15 +151,16 @@ def test_four_ranks_measure_cp_sub_groups_of_every_size_and_a_2x2_split(tmp_path
     {0,2} and {1,3}), on the block {0,1,2} for 3 (rank 3 idle) and of 4, real micro-steps of 1 x 2,
     1 x 4 and 2 x 2 (none at 3: micro-steps stay at the power-of-two sizes), all three on the CP packs
     (the SP packs and the longest fitted length); the profile's all-gather at 2 and 3 is CP's, at 4
-    FSDP's; the extras at 2 and 4, and 2 x 2's residual beyond them. A small grid, no real steps
-    (what they add is the 2-rank test's)."""
+    FSDP's; the extras at 2 and 4, and 2 x 2's residual beyond them. A small grid, few collective
+    samples, no real steps (what they add is the 2-rank test's)."""
     from workbench.launch import process
     from workbench.profile import load_result, prepare_profile, start_profile
     from workbench.profile.result import PROFILER_VERSION
 
     run = prepare_profile(nproc=4, model="tiny", quick=True, root=tmp_path, name="p4", device="cpu", oversubscribe=True,
                           max_len=512, reps=2, warmup=1, steps=False, fit_packs=[[64], [128], [256], [512], [32] * 8],
-                          heldout_packs=[[96]], group_packs=[[256], [32] * 8], message_bytes=[8192, 131072])
+                          heldout_packs=[[96]], group_packs=[[256], [32] * 8], message_bytes=[8192, 131072],
+                          collective_reps=3, collective_inner=2)
     st = process.wait(start_profile(run), timeout=600)
     assert st.state == "done", run.log_tail(30)
     meas = json.loads((run.path / "measurements.json").read_text())
@@ -211,7 +212,9 @@ def test_a_profile_run_stops(tmp_path):
     from workbench.launch import process
     from workbench.profile import prepare_profile, start_profile
 
-    run = prepare_profile(nproc=2, model="tiny", quick=False, root=tmp_path, name="long", device="cpu", reps=1000)
+    # a quick grid with 1,000 timed samples a pack: minutes of measuring, its first sample within seconds
+    run = prepare_profile(nproc=2, model="tiny", quick=True, root=tmp_path, name="long", device="cpu", max_len=512,
+                          reps=1000, warmup=1, steps=False)
     handle = start_profile(run)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
