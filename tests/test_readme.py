@@ -154,23 +154,61 @@ def _doc_id(path: Path) -> str:
     return str(path.relative_to(ROOT))
 
 
+RUNNER = """
+import contextlib, io, json, sys
+from workbench.cli import main
+
+out = []
+for args in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            rc = main(args)
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+    out.append([rc, err.getvalue()[-2000:]])
+print("RESULTS " + json.dumps(out))
+"""
+"""Runs each command given as JSON through the console script's own ``main``, one after another in
+one interpreter (an interpreter start per command cost more than most of them), and prints each
+exit status and the end of its stderr."""
+
+_RAN: set[str] = set()
+"""The commands that ran and exited 0 in this session, as their parsed arguments: a doc that shows
+the same command (``--effort 1`` is the default effort) does not run it again."""
+
+
+def _key(args: list[str]) -> str:
+    ns = vars(_cli().parse_args(args))
+    return repr(sorted((k, repr(v)) for k, v in ns.items() if k != "func"))
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=_doc_id)
 def test_every_command_in_the_doc_parses_and_the_quick_ones_run(doc, tmp_path):
     """The bash blocks: every command parses (or exists, for scripts and make targets); the quick
-    read-only ``workbench`` commands run and exit 0."""
+    read-only ``workbench`` commands run and exit 0 (one interpreter runs a doc's commands in turn;
+    a command another doc ran in this session with the same parsed arguments is not run twice)."""
+    import json
+
     to_run = []
     for line, parse_only in _lines(doc):
         args = _check_line(line, _doc_id(doc), parse_fully=not _synopsis(line))
         if args is not None and not parse_only and not _synopsis(line):
             to_run.append(args)
+    to_run = [a for a in to_run if _key(a) not in _RAN]
+    if not to_run:
+        return
     env = dict(os.environ, WORKBENCH_RUNS=str(tmp_path / "runs"), OMP_NUM_THREADS="1")
-    exe = Path(sys.executable).with_name("workbench")
-    for args in to_run:
-        cmd = [str(exe), *args] if exe.exists() else [sys.executable, "-m", "workbench.cli", *args]
-        p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
-        assert p.returncode == 0, (f"{_doc_id(doc)}: `workbench {' '.join(args)}` exited {p.returncode} (a command that "
-                                   f"needs your files or takes long: put {PARSE_ONLY} --> on the line before its "
-                                   f"block):\n{p.stderr[-2000:]}")
+    p = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(to_run)], capture_output=True, text=True,
+                       cwd=tmp_path, env=env, timeout=600)
+    assert p.returncode == 0 and "RESULTS " in p.stdout, p.stderr[-4000:]
+    results = json.loads(p.stdout.rsplit("RESULTS ", 1)[1])
+    assert len(results) == len(to_run)
+    for args, (rc, err) in zip(to_run, results):
+        assert rc == 0, (f"{_doc_id(doc)}: `workbench {' '.join(args)}` exited {rc} (a command that "
+                         f"needs your files or takes long: put {PARSE_ONLY} --> on the line before its "
+                         f"block):\n{err}")
+        _RAN.add(_key(args))
 
 
 def test_the_readme_shows_the_commands_a_newcomer_needs():
