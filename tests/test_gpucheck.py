@@ -205,21 +205,30 @@ def test_nccl_world_of_one_steps_with_gloo():
     assert c["name"] == "gloo (world 1)" and c["status"] == "ok" and "return their input" in c["detail"]
 
 
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory):
+    """One ``--cpu-rehearsal`` of every part, the offload part included (``--parts`` naming them all: each
+    part's share is its own, as when it runs alone), read by the two rehearsal tests below."""
+    out = tmp_path_factory.mktemp("rehearsal") / "gc"
+    p = subprocess.run([sys.executable, "-m", "workbench.gpucheck", "--cpu-rehearsal", "--parts", ",".join(gpucheck.PARTS),
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900, env=_env())
+    return out, p
+
+
 @pytest.mark.slow
 @pytest.mark.untimed
-def test_cpu_rehearsal_runs_every_part(tmp_path):
+def test_cpu_rehearsal_runs_every_part(rehearsal):
     from workbench.cost import activation_bytes_per_token
     from workbench.cost.memory import model_states
     from workbench.profile import check_fidelity
     from workbench.models import get_model
 
-    out = tmp_path / "gc"
-    p = subprocess.run([sys.executable, "-m", "workbench.gpucheck", "--cpu-rehearsal", "--out", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600, env=_env())
+    out, p = rehearsal
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.loads((out / "result.json").read_text())
     by = {x["name"]: x for x in res["parts"]}
-    assert res["rehearsal"] and [x["status"] for x in res["parts"]] == ["ok"] * len(gpucheck.DEFAULT_PARTS), \
+    assert res["rehearsal"] and [x["name"] for x in res["parts"]] == list(gpucheck.PARTS)
+    assert [x["status"] for x in res["parts"]] == ["ok"] * len(gpucheck.PARTS), \
         {k: (v["status"], v["summary"]) for k, v in by.items()}
     # peak: the best row is the peak
     rows = by["peak"]["data"]["peak"]["rows"]
@@ -463,21 +472,20 @@ def test_the_offload_part_chooses_the_model_and_lengths_on_a_gpu(tmp_path, monke
 
 @pytest.mark.slow
 @pytest.mark.untimed
-def test_cpu_rehearsal_of_the_offload_part(tmp_path):
-    """``--cpu-rehearsal --parts offload``: three ``workbench train`` runs of the tiny model (ZeRO-3,
-    fp32, --recompute) through the part's code; the host bytes the runs recorded are the offloaded
-    inputs (every block's but the last: (layers - 1) x hidden x 4 bytes a token), the plan's host_gb
-    every block's, and the ratios the part reports are recomputed here from the run folders."""
+def test_cpu_rehearsal_of_the_offload_part(rehearsal):
+    """The offload part of the rehearsal (``--cpu-rehearsal``, the part named in ``--parts``): four
+    ``workbench train`` runs of the tiny model (ZeRO-3, fp32, --recompute) through the part's code; the
+    host bytes the runs recorded are the offloaded inputs (every block's but the last: (layers - 1) x
+    hidden x 4 bytes a token), the plan's host_gb every block's, and the ratios the part reports are
+    recomputed here from the run folders."""
     from workbench import runs
     from workbench.cost.offload import swap_blocks
     from workbench.models import get_model
 
-    out = tmp_path / "gc"
-    p = subprocess.run([sys.executable, "-m", "workbench.gpucheck", "--cpu-rehearsal", "--parts", "offload", "--out",
-                        str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600, env=_env())
+    out, p = rehearsal
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.loads((out / "result.json").read_text())
-    (part,) = res["parts"]
+    (part,) = [x for x in res["parts"] if x["name"] == "offload"]
     assert part["status"] == "ok" and part["summary"].endswith("rehearsal: not judged"), part["summary"]
     d = part["data"]
     m = get_model("tiny")
