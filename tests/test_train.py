@@ -3,7 +3,8 @@
 Fast tests (no processes): spec.json validation, preparing and resuming rules, the supervisor's
 argument list, token data, resource checks. Slow tests (``-m slow``): real torchrun runs of the
 tiny model on CPU with gloo, 1 to 4 ranks, through the ``workbench train`` CLI and the launcher
-API: the same parameters after one SGD step whatever the plan and world size, a falling loss, an
+API, and (the runs whose checks need neither) the trainer itself on each run of one shared
+torchrun tree, this file being its worker: the same parameters after one SGD step whatever the plan and world size, a falling loss, an
 exact resume that keeps the run's own settings, and clear errors (and no hang) on bad input.
 Faults (kills, signals, corrupt checkpoints, sockets) are in test_faults.py.
 """
@@ -284,20 +285,22 @@ def _ok(p: subprocess.CompletedProcess, run_dir: Path) -> None:
     assert status(run_dir)["state"] == "done"
 
 
-# Runs that no check needs through ``workbench train`` run several to a torchrun tree: this file is
-# the worker (``__main__`` below), and each rank runs the real trainer (``Trainer.run``) on each run
-# folder in turn. The launcher's and supervisor's side (the CLI, a run's final ``done``, resumes,
-# the error lines) is checked by the runs still started through ``workbench train``: the loss run,
-# every resume, the max-context refusal and the missing spec.json.
+# Runs that no check needs through ``workbench train`` share one torchrun tree of 4 ranks: this file
+# is the worker (``__main__`` below), and the first ``nproc`` ranks run the real trainer
+# (``Trainer.run``) on each run folder in turn, as a world of ``nproc`` (the other ranks wait). The
+# launcher's and supervisor's side (the CLI, a run's final ``done``, resumes, the error lines) is
+# checked by the runs still started through ``workbench train``: the loss run, every resume, the
+# max-context refusal and the missing spec.json.
 
 TREE_TIMEOUT = 480  # s: a tree of several runs that takes longer than this has hung
+TREE_RANKS = 4
 
 SMALL_SETTINGS = {"model": "tiny", "max_len": 512, "batch_tokens": 4096, "time_limit": 0.5}  # SMALL, for prepare_train
 
 
 class Tree:
-    """The runs of one torchrun tree: ``dirs[name]`` is each run's folder, ``codes[name]`` each
-    rank's exit status of ``Trainer.run`` on it (0 done, 1 failed)."""
+    """The runs of one torchrun tree: ``dirs[name]`` is each run's folder, ``codes[name]`` the exit
+    status of ``Trainer.run`` on each of its ranks (0 done, 1 failed)."""
 
     def __init__(self, dirs: dict[str, Path], codes: dict[str, list[int]], log: str) -> None:
         self.dirs, self.codes, self.log = dirs, codes, log
@@ -311,12 +314,13 @@ class Tree:
         return d
 
 
-def _tree_worker(out: str, run_dirs: list[str]) -> int:
-    """Rank side of a tree: ``Trainer.run`` on each run folder in turn, then this rank's exit
-    statuses written to ``out/rank<k>.json``. Each run's process group meets on a store of its own
-    (rank 0 picks a free loopback port and passes it through torchrun's store): torch names a default
-    group's keys by a count that restarts after ``destroy_process_group``, so a second group on
-    torchrun's store would read the first one's gloo addresses and hang."""
+def _tree_worker(out: str, runs_: list[str]) -> int:
+    """Rank side of a tree: for each ``"<nproc>=<run folder>"`` in turn, the first ``nproc`` ranks run
+    ``Trainer.run`` on it as a world of ``nproc``; then each rank writes its exit statuses to
+    ``out/rank<k>.json``. Each run's process group meets on a store of its own (rank 0 picks a free
+    loopback port and passes it through torchrun's store): torch names a default group's keys by a
+    count that restarts after ``destroy_process_group``, so a second group on torchrun's store would
+    read the first one's gloo addresses and hang."""
     import datetime
     import gc
     import socket
@@ -331,13 +335,16 @@ def _tree_worker(out: str, run_dirs: list[str]) -> int:
                      timeout=datetime.timedelta(seconds=TREE_TIMEOUT))
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # rank 0 hosts each run's store (env://)
     codes = {}
-    for k, d in enumerate(run_dirs):
+    for k, item in enumerate(runs_):
+        nproc, _, d = item.partition("=")
         if rank == 0:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 agent.set(f"run{k}_port", str(s.getsockname()[1]))
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = agent.get(f"run{k}_port").decode()
+        port = agent.get(f"run{k}_port").decode()  # also keeps the ranks in step, run by run
+        if rank >= int(nproc):
+            continue
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=nproc, LOCAL_WORLD_SIZE=nproc)
         codes[d] = Trainer(Path(d), DistEnv.from_env()).run()
         if dist.is_initialized():  # a run that failed in a step returns with its group up
             dist.destroy_process_group()
@@ -346,35 +353,38 @@ def _tree_worker(out: str, run_dirs: list[str]) -> int:
     return 0
 
 
-def _tree(root: Path, nproc: int, settings: dict[str, dict]) -> Tree:
-    """Prepare each run (``prepare_train``, as ``workbench train`` does: ``settings[name]`` over
-    SMALL_SETTINGS on the CPU) in ``root/name``, then train them all in one torchrun tree of
-    ``nproc`` ranks."""
+def _tree(root: Path, settings: dict[str, dict]) -> Tree:
+    """Prepare each run (``prepare_train``, as ``workbench train`` does: ``settings[name]``, with its
+    ``nproc``, over SMALL_SETTINGS on the CPU) in ``root/name``, then train them all, in order, in
+    one torchrun tree."""
     from _torchrun import communicate_or_kill
 
     from workbench import runs
 
-    dirs = {}
+    dirs, nprocs = {}, {}
     for name, s in settings.items():
-        run, _, _ = prepare_train({**SMALL_SETTINGS, "nproc": nproc, "device": "cpu", **s}, root=root, name=name)
+        run, spec, _ = prepare_train({**SMALL_SETTINGS, "device": "cpu", **s}, root=root, name=name)
         runs.update_status(run.path, attempt=1)  # the first attempt, as the launcher records it
-        dirs[name] = run.path
+        dirs[name], nprocs[name] = run.path, spec.nproc
     out = root / "tree"
     out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__, str(out),
-           *map(str, dirs.values())]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={TREE_RANKS}", __file__,
+           str(out), *(f"{nprocs[name]}={d}" for name, d in dirs.items())]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
     stdout, stderr = communicate_or_kill(proc, TREE_TIMEOUT, "torchrun")
-    print(f"{len(dirs)} runs on {nproc} ranks in one tree: {time.monotonic() - t0:.1f}s, exit {proc.returncode}")
+    print(f"{len(dirs)} runs in one tree: {time.monotonic() - t0:.1f}s, exit {proc.returncode}")
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}"
-    per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
-    return Tree(dirs, {name: [c[str(d)] for c in per_rank] for name, d in dirs.items()}, stdout + stderr)
+    per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(TREE_RANKS)]
+    return Tree(dirs, {name: [per_rank[r][str(d)] for r in range(nprocs[name])] for name, d in dirs.items()},
+                stdout + stderr)
 
 
 SGD = {"steps": 1, "seed": 7, "optimizer": "sgd", "lr": 0.5, "checkpoint_every": 1}
 ZSET = {"planner": "greedy", "seed": 3, "optimizer": "sgd", "lr": 0.2, "momentum": 0.9}
+LOSS_SETTINGS = {"planner": "greedy", "seed": 1, "optimizer": "adamw", "lr": 3e-3}
+LOSS_ARGS = ["--nproc", "2", "--planner", "greedy", "--seed", "1", "--optimizer", "adamw", "--lr", "3e-3", *SMALL]
 
 
 def _planners_for_equality() -> list[str]:
@@ -394,49 +404,37 @@ def _sgd_name(planner: str, stage: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory) -> Tree:
-    """One SGD step on 4 ranks for each planner and stage of ``SGD_CASES``; and SGD with momentum
-    under ZeRO-3: 4 steps with a checkpoint after each (``zero-ref``, the uninterrupted run) and 2
-    with one checkpoint (``zero-a``, resumed on 2 ranks later). One tree; beside it,
-    ``sgd-reference``: one SGD step on one rank with static:1 under ZeRO-0 (a plain model on one
-    process, the trainer started alone: the single-process update)."""
-    root = tmp_path_factory.mktemp("four")
-    ref, _, _ = prepare_train({**SMALL_SETTINGS, **SGD, "nproc": 1, "device": "cpu", "planner": "static:1",
-                               "zero_stage": 0}, root=root, name="sgd-reference")
-    p = subprocess.run([sys.executable, "-m", "workbench.runtime.train", "--run-dir", str(ref.path)], capture_output=True,
-                       text=True, cwd=ROOT, timeout=RUN_TIMEOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert p.returncode == 0, p.stderr[-3000:]
-    tree = _tree(root, 4, {**{_sgd_name(pl, st): {**SGD, "planner": pl, "zero_stage": st} for pl, st in SGD_CASES},
-                           "zero-ref": {**ZSET, "steps": 4, "checkpoint_every": 1},
-                           "zero-a": {**ZSET, "steps": 2, "checkpoint_every": 2}})
-    tree.dirs["sgd-reference"], tree.codes["sgd-reference"] = ref.path, [p.returncode]
-    return tree
+def tree(tmp_path_factory) -> Tree:
+    """Every run here that no check needs through ``workbench train``, in one tree:
 
-
-LOSS_SETTINGS = {"planner": "greedy", "seed": 1, "optimizer": "adamw", "lr": 3e-3}
-LOSS_ARGS = ["--nproc", "2", "--planner", "greedy", "--seed", "1", "--optimizer", "adamw", "--lr", "3e-3", *SMALL]
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> Tree:
-    """One tree of 2 ranks: ``resume`` (the loss run's settings, 3 steps, a checkpoint after the
-    last), ``zero-b`` (SGD with momentum under ZeRO-1, 2 steps, a checkpoint after the last),
-    ``states`` (one AdamW step under ZeRO-2), and last the two that must fail on every rank:
-    ``plan-world`` (plans made for 1 rank) and ``plan-stage`` (plans made for ZeRO-0 in a ZeRO-3 run)."""
-    return _tree(tmp_path_factory.mktemp("two"), 2, {
-        "resume": {**LOSS_SETTINGS, "steps": 3, "checkpoint_every": 3},
-        "zero-b": {**ZSET, "zero_stage": 1, "steps": 2, "checkpoint_every": 2},
-        "states": {"zero_stage": 2, "optimizer": "adamw", "steps": 1, "checkpoint_every": 0},
-        "plan-world": {"planner": "greedy", "steps": 2, "debug": {"plan_num_gpus": 1}, "timeout_s": 60},
-        "plan-stage": {"planner": "greedy", "steps": 2, "debug": {"plan_zero_stage": 0}, "timeout_s": 60},
+    - one SGD step on 4 ranks for each planner and stage of ``SGD_CASES``, and ``sgd-reference``: one
+      SGD step on one rank with static:1 under ZeRO-0 (a plain model on one process: the
+      single-process update);
+    - SGD with momentum under ZeRO-3 on 4 ranks: 4 steps with a checkpoint after each (``zero-ref``,
+      the uninterrupted run) and 2 with one checkpoint (``zero-a``); on 2 ranks under ZeRO-1, 2 steps
+      with one checkpoint (``zero-b``);
+    - on 2 ranks: ``resume`` (the loss run's settings, 3 steps, a checkpoint after the last),
+      ``states`` (one AdamW step under ZeRO-2), and last the two that must fail on every rank:
+      ``plan-world`` (plans made for 1 rank) and ``plan-stage`` (plans made for ZeRO-0 in a ZeRO-3
+      run)."""
+    return _tree(tmp_path_factory.mktemp("tree"), {
+        **{_sgd_name(pl, st): {**SGD, "nproc": 4, "planner": pl, "zero_stage": st} for pl, st in SGD_CASES},
+        "sgd-reference": {**SGD, "nproc": 1, "planner": "static:1", "zero_stage": 0},
+        "zero-ref": {**ZSET, "nproc": 4, "steps": 4, "checkpoint_every": 1},
+        "zero-a": {**ZSET, "nproc": 4, "steps": 2, "checkpoint_every": 2},
+        "zero-b": {**ZSET, "nproc": 2, "zero_stage": 1, "steps": 2, "checkpoint_every": 2},
+        "resume": {**LOSS_SETTINGS, "nproc": 2, "steps": 3, "checkpoint_every": 3},
+        "states": {"nproc": 2, "zero_stage": 2, "optimizer": "adamw", "steps": 1, "checkpoint_every": 0},
+        "plan-world": {"nproc": 2, "planner": "greedy", "steps": 2, "debug": {"plan_num_gpus": 1}, "timeout_s": 60},
+        "plan-stage": {"nproc": 2, "planner": "greedy", "steps": 2, "debug": {"plan_zero_stage": 0}, "timeout_s": 60},
     })
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("planner, stage", SGD_CASES)
-def test_one_sgd_step_same_params_on_4_ranks(four_ranks, planner, stage):
-    sgd_reference = four_ranks.ok("sgd-reference")
-    d = four_ranks.ok(_sgd_name(planner, stage))
+def test_one_sgd_step_same_params_on_4_ranks(tree, planner, stage):
+    sgd_reference = tree.ok("sgd-reference")
+    d = tree.ok(_sgd_name(planner, stage))
     plan = json.loads((d / "plans.jsonl").read_text().splitlines()[0])["plan"]
     assert plan["num_gpus"] == 4 and plan["planner"].startswith(planner.split(":")[0])
     # planned for the stage the run holds its states in, and run that way
@@ -463,9 +461,10 @@ def test_one_sgd_step_same_params_on_4_ranks(four_ranks, planner, stage):
 
 @pytest.fixture(scope="module")
 def loss_run(tmp_path_factory):
-    """30 AdamW steps of the tiny model on the embedded corpus, 2 ranks."""
+    """15 AdamW steps of the tiny model on the embedded corpus, 2 ranks (the loss falls by more than
+    1.5 over them: three times what the test asks)."""
     d = tmp_path_factory.mktemp("loss") / "run"
-    p = _train(d, "--steps", "30", "--checkpoint-every", "0", *LOSS_ARGS)
+    p = _train(d, "--steps", "15", "--checkpoint-every", "0", *LOSS_ARGS)
     _ok(p, d)
     return d
 
@@ -473,21 +472,21 @@ def loss_run(tmp_path_factory):
 @pytest.mark.slow
 def test_loss_falls_on_the_embedded_corpus(loss_run):
     m = metrics(loss_run)
-    assert sorted(m) == list(range(30))
+    assert sorted(m) == list(range(15))
     first = np.mean([m[s]["loss"] for s in range(5)])
-    last = np.mean([m[s]["loss"] for s in range(25, 30)])
+    last = np.mean([m[s]["loss"] for s in range(10, 15)])
     assert last < first - 0.5, f"loss {first:.3f} -> {last:.3f}"
     st = status(loss_run)
-    assert st["step"] == 30 and st["exit_code"] == 0
+    assert st["step"] == 15 and st["exit_code"] == 0
     assert st["resolved"]["max_len"] == 512 and st["resolved"]["backend"] == "gloo"
-    assert len((loss_run / "plans.jsonl").read_text().splitlines()) == 30
+    assert len((loss_run / "plans.jsonl").read_text().splitlines()) == 15
     assert not (loss_run / "checkpoints").exists()
 
 
 @pytest.mark.slow
-def test_resume_continues_exactly(loss_run, two_ranks):
+def test_resume_continues_exactly(loss_run, tree):
     n = 3
-    d = two_ranks.ok("resume")  # the loss run's settings, 3 steps, a checkpoint after the last
+    d = tree.ok("resume")  # the loss run's settings, 3 steps, a checkpoint after the last
     assert (d / "checkpoints" / f"step_{n}.dcp").is_dir()  # ZeRO-3 (the default): a sharded checkpoint
     # restart the same run folder with one more step, as the README does (naming only the steps): it
     # continues from the checkpoint with the run's own settings (its 2 ranks, not the CLI default 1)
@@ -516,15 +515,15 @@ def _update_error(got: dict, ref: dict, before: dict) -> float:
 
 
 @pytest.mark.slow
-def test_checkpoints_resume_on_another_world_and_stage(four_ranks, two_ranks):
+def test_checkpoints_resume_on_another_world_and_stage(tree):
     """SGD with momentum (the optimizer state matters, and its update is linear in it): a ZeRO-3
     run saved on 4 ranks resumes on 2 (DCP reshards the folder); a ZeRO-1 run's whole file resumes
     under ZeRO-3 on 4, and its sharded folder under ZeRO-2 on 2; each step after a resume gives the
     uninterrupted run's loss and weights."""
-    ref = four_ranks.ok("zero-ref")  # 4 ranks, ZeRO-3, 4 steps, a checkpoint after each
+    ref = tree.ok("zero-ref")  # 4 ranks, ZeRO-3, 4 steps, a checkpoint after each
     loss = {s: r["loss"] for s, r in metrics(ref).items()}
     # ZeRO-3, 4 ranks -> 2 ranks
-    a = four_ranks.ok("zero-a")  # 4 ranks, ZeRO-3, 2 steps, a checkpoint after the last
+    a = tree.ok("zero-a")  # 4 ranks, ZeRO-3, 2 steps, a checkpoint after the last
     assert sorted(x.name for x in (a / "checkpoints").iterdir()) == ["step_2.dcp"]
     p = workbench("train", "--run-dir", str(a), "--steps", "3", "--nproc", "2", "--change", "--quiet")
     _ok(p, a)
@@ -533,7 +532,7 @@ def test_checkpoints_resume_on_another_world_and_stage(four_ranks, two_ranks):
     assert metrics(a)[2]["loss"] == pytest.approx(loss[2], rel=1e-5)
     assert _update_error(params_of(a, 3), params_of(ref, 3), params_of(ref, 2)) < 1e-4
     # ZeRO-1 (whole file, consolidated optimizer states), 2 ranks -> ZeRO-3, 4 ranks
-    b = two_ranks.ok("zero-b")  # 2 ranks, ZeRO-1, 2 steps, a checkpoint after the last
+    b = tree.ok("zero-b")  # 2 ranks, ZeRO-1, 2 steps, a checkpoint after the last
     assert (b / "checkpoints" / "step_2.pt").is_file()
     assert _update_error(params_of(b, 2), params_of(ref, 2), params_of(ref, 1)) < 1e-4
     p = workbench("train", "--run-dir", str(b), "--steps", "3", "--nproc", "4", "--zero-stage", "3", "--change",
@@ -551,11 +550,11 @@ def test_checkpoints_resume_on_another_world_and_stage(four_ranks, two_ranks):
 
 
 @pytest.mark.slow
-def test_model_states_in_metrics_match_the_memory_model(two_ranks):
+def test_model_states_in_metrics_match_the_memory_model(tree):
     from workbench.cost.memory import model_states
     from workbench.models import get_model
 
-    d = two_ranks.ok("states")  # 2 ranks, ZeRO-2, one AdamW step
+    d = tree.ok("states")  # 2 ranks, ZeRO-2, one AdamW step
     for rank in (0, 1):
         got = metrics(d, rank)[0]["model_states"]
         want = model_states(get_model("tiny"), zero_stage=2, num_ranks=2, precision="fp32", optimizer="adamw", rank=rank)
@@ -585,16 +584,16 @@ def _assert_failed_on_every_rank(tree: Tree, name: str, words: str) -> None:
 
 
 @pytest.mark.slow
-def test_plan_for_another_world_size_fails_on_every_rank(two_ranks):
-    _assert_failed_on_every_rank(two_ranks, "plan-world", "the plan is for 1 ranks but this run has 2")
-    assert not (two_ranks.dirs["plan-world"] / "metrics.jsonl").exists()
+def test_plan_for_another_world_size_fails_on_every_rank(tree):
+    _assert_failed_on_every_rank(tree, "plan-world", "the plan is for 1 ranks but this run has 2")
+    assert not (tree.dirs["plan-world"] / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow
-def test_a_plan_for_another_stage_is_refused_on_every_rank(two_ranks):
-    _assert_failed_on_every_rank(two_ranks, "plan-stage",
+def test_a_plan_for_another_stage_is_refused_on_every_rank(tree):
+    _assert_failed_on_every_rank(tree, "plan-stage",
                                  "the plan is free (ZeRO 0-2) but this run is ZeRO-3 (lockstep); plan for ZeRO-3")
-    assert not (two_ranks.dirs["plan-stage"] / "metrics.jsonl").exists()
+    assert not (tree.dirs["plan-stage"] / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow
