@@ -1,14 +1,27 @@
-"""A test file's own worker run under torchrun, and what its ranks found gathered into one file.
+"""Test files' worker runs under torchrun, and what their ranks found gathered into one file.
 
-The multi-process test files (``test_runtime_dist.py``, ``test_runtime_zero.py``,
-``test_gpu_dist.py``, ``test_hf_dist.py``) run themselves as the worker: ``python -m
-torch.distributed.run --standalone --nproc-per-node N <the test file> <args>``. Each rank checks
-its part and returns a dict; :func:`gather_to_file` collects them on rank 0 as ``{rank: dict}``;
-the pytest side starts the launch once per module with :func:`run_worker` and reads that file.
+A multi-process test file either runs itself as the worker (``python -m torch.distributed.run
+--standalone --nproc-per-node N <the test file> <args>``, started once per module by
+:func:`run_worker`), or lends its checks to the *shared 4-rank world* (:func:`shared_world`): one
+torchrun tree of 4 gloo ranks that runs the checks of every such file the session collected (this
+file is its worker), so the ranks' start-up (torch, torch._dynamo, the process group: about 3 s of
+CPU a rank, 15 s a tree) is paid once instead of once per file. A file still runs alone: its
+session then launches the world with its checks only. Each rank checks its part and returns a dict;
+:func:`gather_to_file` collects them on rank 0 as ``{rank: dict}``.
+
+A file takes part in the shared world by defining, besides a module-scoped fixture that calls
+:func:`shared_world`:
+
+- ``world_checks(*args)`` (rank side): the list of ``check(registry, rank) -> dict`` to run;
+- ``world_prepare(folder)`` (pytest side, optional): writes what its checks read into ``folder`` and
+  returns the ``args`` (strings) for ``world_checks``;
+- ``WORLD_SHAPES`` (optional): the ``(degree, cp)`` splits its checks need process groups for, and
+  ``DIST_TIMEOUT_S`` (the collective timeout it asks for; the world takes the shortest).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -94,3 +107,92 @@ def assert_all_ranks(results: dict, key: str, world: int) -> None:
     assert len(per_rank) == world
     bad = {r: v for r, v in per_rank.items() if not v["ok"]}
     assert not bad, f"{key} failed on ranks {sorted(bad)}: {bad}"
+
+
+# ------------------------------------------------------------------------------------------------
+# the shared 4-rank world
+# ------------------------------------------------------------------------------------------------
+
+SHARED_WORLD = 4
+SHARED_DEGREES = (1, 2, 4)
+SHARED_RUN_TIMEOUT_S = 1200
+_SHARED_FIXTURE_CACHE: dict = {}
+
+
+def _shared_modules(session) -> list:
+    """The collected test modules (in collection order) that take part in the shared world: those
+    with ``world_checks`` and a selected test."""
+    mods: list = []
+    for item in session.items:
+        mod = getattr(item, "module", None)
+        if mod is not None and hasattr(mod, "world_checks") and mod not in mods:
+            mods.append(mod)
+    return mods
+
+
+def shared_world(request, tmp_path_factory, module_name: str) -> dict:
+    """Pytest side: ``{rank: dict}`` of ``module_name``'s checks in the shared 4-rank world. The
+    first call of a session launches it for every taking-part module the session collected (each
+    ``world_prepare`` first); under pytest-xdist the workers share it through a lock and a file in
+    the run's common temporary folder, so whichever worker asks first runs it and the others read it."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    key = str(root)
+    if key not in _SHARED_FIXTURE_CACHE:
+        folder = root / "shared-world"
+        with FileLock(str(root / "shared-world.lock")):
+            done = folder / "results.json"
+            if not done.exists():
+                folder.mkdir(exist_ok=True)
+                mods = _shared_modules(request.session)
+                if module_name not in [m.__name__ for m in mods]:
+                    mods.append(sys.modules[module_name])
+                spec = []
+                for mod in mods:
+                    prep = getattr(mod, "world_prepare", None)
+                    sub = folder / mod.__name__
+                    sub.mkdir(exist_ok=True)
+                    spec.append([mod.__name__, list(prep(sub)) if prep else []])
+                out = folder / "gathered.json"
+                per_rank = run_worker(__file__, str(out), json.dumps(spec), nproc=SHARED_WORLD,
+                                      timeout=SHARED_RUN_TIMEOUT_S, out=out)
+                done.write_text(json.dumps(per_rank))
+            _SHARED_FIXTURE_CACHE[key] = json.loads(done.read_text())
+    per_rank = _SHARED_FIXTURE_CACHE[key]
+    assert all(module_name in res for res in per_rank.values()), \
+        f"the shared world ran without {module_name}'s checks (it ran {sorted(per_rank['0'])})"
+    return {r: res[module_name] for r, res in per_rank.items()}
+
+
+def _shared_worker(out_path: str, spec_json: str) -> int:
+    """Rank side of the shared world: each taking-part module's checks, in order, on one process
+    group and one registry (the union of the modules' splits), gathered as ``{rank: {module: dict}}``."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    spec = json.loads(spec_json)
+    mods = [(importlib.import_module(name), args) for name, args in spec]
+    shapes = sorted({tuple(s) for mod, _ in mods for s in getattr(mod, "WORLD_SHAPES", ())})
+    timeout_s = min(getattr(mod, "DIST_TIMEOUT_S", 90) for mod, _ in mods)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    rank = dist.get_rank()
+    from workbench.runtime.groups import GroupRegistry
+
+    registry = GroupRegistry(dist.get_world_size(), list(SHARED_DEGREES), shapes=shapes)
+    results: dict = {}
+    for mod, args in mods:
+        mine = results.setdefault(mod.__name__, {})
+        for check in mod.world_checks(*args):
+            mine.update(check(registry, rank))
+    gather_to_file(results, out_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_shared_worker(sys.argv[1], sys.argv[2]))

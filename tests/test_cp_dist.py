@@ -1,8 +1,6 @@
-"""Context parallelism on real processes: 4 gloo ranks under ONE torchrun launch, every check
-against an independent single-process reference.
-
-Run as a script under torchrun this file is the worker (as test_runtime_dist.py); the pytest
-tests below launch it once and assert on its JSON results.
+"""Context parallelism on real processes: 4 gloo ranks of the shared torchrun world
+(``tests/_torchrun.py``: one launch runs the checks of every file that takes part), every check
+against an independent single-process reference; the pytest tests below assert on its JSON results.
 
 - attention: ``CPAttention`` of splits 2x2, 1x4 and 1x2 (and 2x2 / 1x4 with one KV head, so the
   Ulysses part repeats K/V) against single-process causal attention on the whole sequences,
@@ -27,16 +25,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from _torchrun import assert_all_ranks, by_check, run_checks, run_worker
+from _torchrun import assert_all_ranks, by_check, shared_world
 
 # its slow tests check exact results, not times: make test runs them in the untimed lane (tests/_xdist_heavy.py)
 pytestmark = pytest.mark.untimed
 
 WORLD = 4
-SHAPES = ((2, 2), (4, 2), (4, 4))
-"""The splits the worker's registry makes sub-groups for: 1x2, 2x2, 1x4 (and every Ulysses-only one)."""
+WORLD_SHAPES = ((2, 2), (4, 2), (4, 4))
+"""The splits the world's registry makes sub-groups for: 1x2, 2x2, 1x4 (and every Ulysses-only one)."""
 DIST_TIMEOUT_S = 90
-RUN_TIMEOUT_S = 600
 HERE = Path(__file__).resolve().parent
 ATTN_LENGTHS = [7, 1, 12, 5, 30, 3]
 STEP_LENGTHS = [33, 6, 1, 50, 7, 2, 19, 4, 23]
@@ -517,11 +514,10 @@ def _check_refusals(registry, rank: int) -> dict:
     return {"refuse_unmade_split": res}
 
 
-def _worker(data_dir: str, out_path: str) -> int:
-    sys.path.insert(0, str(HERE))
-    checks = [_check_attention, _check_kernels, _check_collectives, _check_steps,
-              lambda reg, rank: _check_hf(reg, rank, data_dir), _check_refusals]
-    return run_checks(out_path, checks, shapes=SHAPES, timeout_s=DIST_TIMEOUT_S)
+def world_checks(data_dir: str) -> list:
+    """The checks this file runs in the shared world (``tests/_torchrun.py``), in order."""
+    return [_check_attention, _check_kernels, _check_collectives, _check_steps,
+            lambda reg, rank: _check_hf(reg, rank, data_dir), _check_refusals]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -529,27 +525,30 @@ def _worker(data_dir: str, out_path: str) -> int:
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cp_results(tmp_path_factory):
-    """The HF reference made here (transformers, when installed), then the worker launched once."""
-    torch = pytest.importorskip("torch")
-    data = tmp_path_factory.mktemp("cpdist")
-    data_arg = ""
+def world_prepare(folder: Path) -> list[str]:
+    """Pytest side, before the launch: the HF reference (transformers, when installed) written to
+    ``folder``; the argument of :func:`world_checks` ("" without transformers)."""
+    import torch
+
     try:
         import transformers  # noqa: F401
     except ImportError:
-        pass
-    else:
-        from _hf_models import hf_batch_loss, hf_logits, make_hf_model
+        return [""]
+    from _hf_models import hf_batch_loss, hf_logits, make_hf_model
 
-        gen = torch.Generator().manual_seed(11)
-        seqs = [torch.randint(0, 300, (n,), generator=gen) for n in HF_LENGTHS]
-        ref = make_hf_model("llama", data / "llama", seed=20)
-        torch.save({"sequences": seqs, "logits": [hf_logits(ref, s) for s in seqs], "loss": hf_batch_loss(ref, seqs)},
-                   data / "llama.pt")
-        data_arg = str(data)
-    out = data / "results.json"
-    return by_check(run_worker(__file__, data_arg, str(out), nproc=WORLD, timeout=RUN_TIMEOUT_S, out=out))
+    gen = torch.Generator().manual_seed(11)
+    seqs = [torch.randint(0, 300, (n,), generator=gen) for n in HF_LENGTHS]
+    ref = make_hf_model("llama", folder / "llama", seed=20)
+    torch.save({"sequences": seqs, "logits": [hf_logits(ref, s) for s in seqs], "loss": hf_batch_loss(ref, seqs)},
+               folder / "llama.pt")
+    return [str(folder)]
+
+
+@pytest.fixture(scope="module")
+def cp_results(request, tmp_path_factory):
+    """This file's checks in the shared 4-rank world (launched once a session, ``tests/_torchrun.py``)."""
+    pytest.importorskip("torch")
+    return by_check(shared_world(request, tmp_path_factory, __name__))
 
 
 def _assert_all_ranks(results: dict, key: str) -> None:
@@ -618,7 +617,3 @@ def test_hugging_face_llama_logits_under_cp_match_transformers(cp_results):
 @pytest.mark.slow
 def test_a_split_without_process_groups_is_refused_everywhere(cp_results):
     _assert_all_ranks(cp_results, "refuse_unmade_split")
-
-
-if __name__ == "__main__":
-    sys.exit(_worker(sys.argv[1], sys.argv[2]))

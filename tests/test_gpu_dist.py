@@ -1,7 +1,6 @@
-"""The NCCL path's rules and flash-attn inside Ulysses, checked on 4 gloo ranks under ONE torchrun launch.
-
-Run as a script under torchrun this file is the worker; the pytest tests below launch it once and
-assert on its JSON results.
+"""The NCCL path's rules and flash-attn inside Ulysses, checked on the 4 gloo ranks of the shared
+torchrun world (``tests/_torchrun.py``: one launch runs the checks of every file that takes part);
+the pytest tests below assert on its JSON results.
 
 - Every collective the runtime makes (the step of every ZeRO stage with heterogeneous plans, the
   stage's gradient reduction, clipping, the optimizer's consolidation for a checkpoint, the
@@ -17,15 +16,14 @@ assert on its JSON results.
 
 from __future__ import annotations
 
-import datetime
 import sys
 from pathlib import Path
 
 import pytest
-from _torchrun import gather_to_file, run_worker
+from _torchrun import shared_world
 
 WORLD = 4
-RUN_TIMEOUT_S = 600
+DIST_TIMEOUT_S = 120
 HERE = Path(__file__).resolve().parent
 
 # what ProcessGroupNCCL implements (torch 2.x): the others (monitored_barrier) are gloo's alone
@@ -158,23 +156,26 @@ def _exercise_runtime(registry, rank: int) -> None:
     dist.barrier()
 
 
-def _worker(out_path: str) -> int:
-    import torch
+def _check_audit(_shared_registry, rank: int) -> dict:
+    """Every collective of a training run's work, recorded: the registry of process groups made
+    under the auditor too (its ``new_group`` calls), then the runtime exercised."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    rank = dist.get_rank()
     from workbench.runtime.groups import GroupRegistry
 
     records: list = []
     undo = _install_auditor(records)
-    registry = GroupRegistry(dist.get_world_size(), [1, 2, 4])
-    _exercise_runtime(registry, rank)
-    undo()
-    results = {"audit": records, **_check_flash_ulysses(registry, rank)}
-    gather_to_file(results, out_path)
-    return 0
+    try:
+        registry = GroupRegistry(dist.get_world_size(), [1, 2, 4])
+        _exercise_runtime(registry, rank)
+    finally:
+        undo()
+    return {"audit": records}
+
+
+def world_checks() -> list:
+    """The checks this file runs in the shared world (``tests/_torchrun.py``), in order."""
+    return [_check_audit, _check_flash_ulysses]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -183,9 +184,9 @@ def _worker(out_path: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def gpu_dist(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpudist") / "results.json"
-    per_rank = run_worker(__file__, str(out), nproc=WORLD, timeout=RUN_TIMEOUT_S, out=out)
+def gpu_dist(request, tmp_path_factory):
+    """This file's checks in the shared 4-rank world (launched once a session, ``tests/_torchrun.py``)."""
+    per_rank = shared_world(request, tmp_path_factory, __name__)
     return [per_rank[str(r)] for r in range(WORLD)]  # in rank order
 
 
@@ -213,8 +214,3 @@ def test_flash_attention_inside_ulysses(gpu_dist, d):
     for rank, res in enumerate(gpu_dist):
         r = res[f"flash_ulysses_d{d}"]
         assert r["ok"], f"rank {rank}: {r}"
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(HERE))
-    sys.exit(_worker(sys.argv[1]))

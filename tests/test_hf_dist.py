@@ -2,8 +2,8 @@
 through the CLI: a user's tiny model and JSONL with their tokenizer, trained from ``--init`` on 4
 ranks, exported, loaded back into transformers.
 
-The first part is one torchrun launch of 4 ranks (this file is the worker, as in
-test_runtime_dist.py): each rank loads the tiny Llama 3.1 / Qwen2 / Mistral weights with
+The first part runs on the 4 ranks of the shared torchrun world (``tests/_torchrun.py``: one launch
+runs the checks of every file that takes part): each rank loads the tiny Llama 3.1 / Qwen2 / Mistral weights with
 ``load_initial_weights``, runs a plan mixing degrees 4, 2 and 1 (Ulysses all-to-alls, an idle rank)
 and compares the logits of its slices with transformers' logits of the whole sequences (fp32,
 relative error <= 1e-5), and the step's loss with transformers' loss of the batch.
@@ -11,7 +11,6 @@ relative error <= 1e-5), and the step's loss with transformers' loss of the batc
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import subprocess
@@ -19,11 +18,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from _torchrun import gather_to_file, run_worker
+from _torchrun import shared_world
 
 WORLD = 4
 TOL = 1e-5
-RUN_TIMEOUT_S = 300
+DIST_TIMEOUT_S = 90
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = [33, 6, 1, 50, 7, 2, 19, 4, 97]
 # micro-step 0: a degree-2 group (ranks 0-1) and a degree-1 group on rank 2 (rank 3 idle);
@@ -86,16 +85,9 @@ def _check_kind(registry, rank: int, folder: Path, ref: dict) -> dict:
             "loss_rel": loss_rel, "compared_tokens": compared, "degrees": sorted(degrees)}
 
 
-def _worker(data_dir: str, out_path: str) -> int:
+def _check_kinds(registry, rank: int, data_dir: str) -> dict:
     import torch
-    import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
-    rank = dist.get_rank()
-    from workbench.runtime.groups import GroupRegistry
-
-    registry = GroupRegistry(dist.get_world_size(), [1, 2, 4])
     results = {}
     for kind in ("llama", "qwen2", "mistral"):
         ref = torch.load(Path(data_dir) / f"{kind}.pt", weights_only=True)
@@ -103,8 +95,13 @@ def _worker(data_dir: str, out_path: str) -> int:
             results[kind] = _check_kind(registry, rank, Path(data_dir) / kind, ref)
         except Exception as e:  # noqa: BLE001 - reported per rank; every rank runs the same collectives
             results[kind] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    gather_to_file(results, out_path)
-    return 0
+    return results
+
+
+def world_checks(data_dir: str) -> list:
+    """The checks this file runs in the shared world (``tests/_torchrun.py``); none without
+    transformers (its tests are skipped then)."""
+    return [lambda registry, rank: _check_kinds(registry, rank, data_dir)] if data_dir else []
 
 
 # ------------------------------------------------------------------------------------------------
@@ -112,21 +109,32 @@ def _worker(data_dir: str, out_path: str) -> int:
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def dist_results(tmp_path_factory):
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
+def world_prepare(data: Path) -> list[str]:
+    """Pytest side, before the launch: each kind's tiny model and transformers' logits and loss of
+    the batch written to ``data``; the argument of :func:`world_checks` ("" without transformers)."""
+    import torch
+
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return [""]
     from _hf_models import KINDS, hf_batch_loss, hf_logits, make_hf_model
 
-    data = tmp_path_factory.mktemp("hfdist")
     gen = torch.Generator().manual_seed(11)
     seqs = [torch.randint(0, 300, (n,), generator=gen) for n in LENGTHS]
     for i, kind in enumerate(KINDS):
         ref = make_hf_model(kind, data / kind, seed=20 + i)
         torch.save({"sequences": seqs, "logits": [hf_logits(ref, s) for s in seqs], "loss": hf_batch_loss(ref, seqs)},
                    data / f"{kind}.pt")
-    out = data / "results.json"
-    return run_worker(__file__, str(data), str(out), nproc=WORLD, timeout=RUN_TIMEOUT_S, out=out)
+    return [str(data)]
+
+
+@pytest.fixture(scope="module")
+def dist_results(request, tmp_path_factory):
+    """This file's checks in the shared 4-rank world (launched once a session, ``tests/_torchrun.py``)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    return shared_world(request, tmp_path_factory, __name__)
 
 
 @pytest.mark.slow
@@ -224,7 +232,3 @@ def test_own_model_and_jsonl_train_from_init_on_4_ranks_and_export(tmp_path):
                        torch_varlen_attention)
         assert rel_err(hf_logits(back, s), got) <= TOL
         assert rel_err(hf_logits(back, s), hf_logits(ref, s)) > 1e-4  # the step did change the weights
-
-
-if __name__ == "__main__":
-    sys.exit(_worker(sys.argv[1], sys.argv[2]))

@@ -13,14 +13,14 @@ against an independent reference:
   that plus up to the plain MLP's backward gradients the memory model does not count;
 - one SGD step of a plan mixing Ulysses x CP groups, some of them offloading, and the same plan with
   swapped blocks besides (``tests/test_swap.py`` has the one-process checks), on 4 gloo ranks under
-  ZeRO-0 and ZeRO-3, against the same plan without either (fp32, 1e-5; slow, one torchrun launch);
+  ZeRO-0 and ZeRO-3, against the same plan without either (fp32, 1e-5; slow, on the shared torchrun
+  world of ``tests/_torchrun.py``);
 - ``check_plan`` refuses offload without recomputation and unknown levels, in one line.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import pytest
 import torch
@@ -440,11 +440,11 @@ def test_check_plan_refuses_offload_without_recomputation_and_unknown_levels():
         check_plan(odd, lengths, 1)
 
 
-# ---- 4 gloo ranks: one torchrun launch ------------------------------------------------------------
+# ---- 4 gloo ranks: the shared torchrun world (tests/_torchrun.py) -----------------------------------
 
 WORLD = 4
 DIST_TIMEOUT_S = 60
-RUN_TIMEOUT_S = 600
+WORLD_SHAPES = ((4, 2),)
 FP32_RTOL = 1e-5
 LR = 0.5
 DIST_LENGTHS = [300, 33, 6, 150, 41, 7, 90, 19]
@@ -528,19 +528,17 @@ def _check_offload_steps(registry, rank) -> dict:
     return out
 
 
-def _worker(out_path: str) -> int:
-    from _torchrun import run_checks
-
-    return run_checks(out_path, [_check_offload_steps], shapes=((4, 2),), timeout_s=DIST_TIMEOUT_S)
+def world_checks() -> list:
+    """The checks this file runs in the shared world (``tests/_torchrun.py``)."""
+    return [_check_offload_steps]
 
 
 @pytest.fixture(scope="module")
-def offload_results(tmp_path_factory):
-    """The worker launched once under torchrun (4 gloo ranks, its own session)."""
-    from _torchrun import by_check, run_worker
+def offload_results(request, tmp_path_factory):
+    """This file's checks in the shared 4-rank world (launched once a session, ``tests/_torchrun.py``)."""
+    from _torchrun import by_check, shared_world
 
-    out = tmp_path_factory.mktemp("offload") / "results.json"
-    return by_check(run_worker(__file__, str(out), nproc=WORLD, timeout=RUN_TIMEOUT_S, out=out))
+    return by_check(shared_world(request, tmp_path_factory, __name__))
 
 
 @pytest.mark.slow
@@ -596,7 +594,3 @@ def test_a_step_with_swapping_groups_equals_the_step_without(offload_results, st
     assert per_rank["0"]["swap_mb"][1] == 0.0 and per_rank["3"]["swap_mb"][1] == 0.0
     spec = get_model("tiny")
     assert per_rank["3"]["host_mb"][1] == pytest.approx(per_rank["3"]["rows"][1] * (spec.layers - 1) * spec.hidden * 4 / 2**20)
-
-
-if __name__ == "__main__":
-    sys.exit(_worker(sys.argv[1]))

@@ -1,18 +1,16 @@
-"""Multi-process checks of the runtime, on CPU with gloo, in ONE torchrun launch of 4 ranks.
+"""Multi-process checks of the runtime, on CPU with gloo, on the 4 ranks of the shared torchrun world
+(``tests/_torchrun.py``: one launch runs the checks of every file that takes part).
 
-Run as a script under torchrun this file is the worker: it checks Ulysses attention against
-single-process attention (forward and backward) and, for several random heterogeneous plans,
-the all-reduced gradient (ZeRO-0, free micro-steps) against a single-process full-batch
-reference, and writes one JSON result per check. The pytest tests below launch it once and assert
-on each result. The other ZeRO stages and lockstep passes: test_runtime_zero.py.
+Its checks compare Ulysses attention against single-process attention (forward and backward)
+and, for several random heterogeneous plans, the all-reduced gradient (ZeRO-0, free micro-steps)
+against a single-process full-batch reference, one JSON result per check; the pytest tests below
+assert on each result. The other ZeRO stages and lockstep passes: test_runtime_zero.py.
 """
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-from _torchrun import assert_all_ranks, by_check, run_checks, run_worker
+from _torchrun import assert_all_ranks, by_check, shared_world
 
 # its slow tests check exact results, not times: make test runs them in the untimed lane (tests/_xdist_heavy.py)
 pytestmark = pytest.mark.untimed
@@ -20,7 +18,6 @@ pytestmark = pytest.mark.untimed
 WORLD = 4
 N_PLANS = 6
 DIST_TIMEOUT_S = 90
-RUN_TIMEOUT_S = 300
 
 
 # ------------------------------------------------------------------------------------------------
@@ -211,8 +208,9 @@ def _check_misc(registry, rank: int) -> dict:
     return results
 
 
-def _worker(out_path: str) -> int:
-    return run_checks(out_path, [_check_ulysses, _check_gradients, _check_misc], timeout_s=DIST_TIMEOUT_S)
+def world_checks() -> list:
+    """The checks this file runs in the shared world (``tests/_torchrun.py``), in order."""
+    return [_check_ulysses, _check_gradients, _check_misc]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -221,10 +219,9 @@ def _worker(out_path: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def dist_results(tmp_path_factory):
-    """Launch the worker once under torchrun (its own session, so a timeout ends every rank)."""
-    out = tmp_path_factory.mktemp("dist") / "results.json"
-    return by_check(run_worker(__file__, str(out), nproc=WORLD, timeout=RUN_TIMEOUT_S, out=out))
+def dist_results(request, tmp_path_factory):
+    """This file's checks in the shared 4-rank world (launched once a session, ``tests/_torchrun.py``)."""
+    return by_check(shared_world(request, tmp_path_factory, __name__))
 
 
 def _assert_all_ranks(results: dict, key: str) -> None:
@@ -276,7 +273,3 @@ def test_random_plans_cover_every_degree_and_idle_ranks(dist_results):
         idle += sum(v["idle_records"] for v in dist_results[f"grad_plan{p}"].values())
     assert degrees == {1, 2, 4}
     assert idle > 0, "no plan left a rank idle in a micro-step"
-
-
-if __name__ == "__main__":
-    sys.exit(_worker(sys.argv[1]))

@@ -1,6 +1,5 @@
-"""ZeRO stages on real processes: 4 gloo ranks under ONE torchrun launch, the tiny model.
-
-Run as a script under torchrun this file is the worker; the pytest tests below launch it once and
+"""ZeRO stages on real processes: 4 gloo ranks of the shared torchrun world (``tests/_torchrun.py``:
+one launch runs the checks of every file that takes part), the tiny model; the pytest tests below
 assert on its JSON results. Every check compares with an independent single-process reference:
 
 - exactness: one SGD step (and one AdamW step) of heterogeneous plans under ZeRO-0, 1, 2 and 3
@@ -27,17 +26,14 @@ O(1) error (e.g. a rank's share of the batch is 25-50% of the gradient).
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-from _torchrun import assert_all_ranks, by_check, run_checks, run_worker
+from _torchrun import assert_all_ranks, by_check, shared_world
 
 # its slow tests check exact steps and counted bytes, not times: make test runs them in the untimed lane (tests/_xdist_heavy.py)
 pytestmark = pytest.mark.untimed
 
 WORLD = 4
 DIST_TIMEOUT_S = 60
-RUN_TIMEOUT_S = 900
 FP32_RTOL = 1e-5
 FP64_RTOL = 1e-9
 BF16_RTOL = 1e-2
@@ -300,8 +296,9 @@ def _check_memory(registry, rank) -> dict:
     return out
 
 
-def _worker(out_path: str) -> int:
-    return run_checks(out_path, [_check_exact, _check_memory], timeout_s=DIST_TIMEOUT_S)
+def world_checks() -> list:
+    """The checks this file runs in the shared world (``tests/_torchrun.py``), in order."""
+    return [_check_exact, _check_memory]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -310,10 +307,9 @@ def _worker(out_path: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def zero_results(tmp_path_factory):
-    """Launch the worker once under torchrun (its own session, so a timeout ends every rank)."""
-    out = tmp_path_factory.mktemp("zero") / "results.json"
-    return by_check(run_worker(__file__, str(out), nproc=WORLD, timeout=RUN_TIMEOUT_S, out=out))
+def zero_results(request, tmp_path_factory):
+    """This file's checks in the shared 4-rank world (launched once a session, ``tests/_torchrun.py``)."""
+    return by_check(shared_world(request, tmp_path_factory, __name__))
 
 
 def _assert_all_ranks(results: dict, key: str) -> None:
@@ -384,7 +380,3 @@ def test_gradients_after_the_reduce_match_the_memory_model(zero_results, stage):
         assert g["measured"] == pytest.approx(g["model"], rel=MEMORY_RTOL), (r, g)
         if stage == 2:
             assert g["measured"] < v["measured"]["gradients"] / 2
-
-
-if __name__ == "__main__":
-    sys.exit(_worker(sys.argv[1]))
