@@ -39,7 +39,8 @@ def own(tmp_path):
 def test_solver_plans_a_config_path_on_tokenised_text(own):
     from widgets import SolverPanel
 
-    panel = SolverPanel(Scenario(num_gpus=8, gpus_per_node=8, batch_tokens=20_000, effort=0.3), auto=False)
+    # a 4,000-token batch (~25 sequences): the panel's lockstep pass bound on 20,000 tokens took 4 s of CPU
+    panel = SolverPanel(Scenario(num_gpus=8, gpus_per_node=8, batch_tokens=4_000, effort=0.3), auto=False)
     panel.set(model=str(own / "mymodel"), source=str(own / "corpus.jsonl"), tokenizer=str(own / "tokenizer.json"))
     assert panel.w_model.value == str(own / "mymodel") and panel.w_tokenizer.value.endswith("tokenizer.json")
     res = panel.solve(["greedy"])
