@@ -391,7 +391,7 @@ def test_export_loads_back_into_transformers_with_the_same_logits(hf_dirs, tmp_p
     check_weights(model_from_config(folder), out)
 
 
-def test_export_shards_dtypes_and_refusals(hf_dirs, tmp_path):
+def test_export_shards_dtypes_and_refusals(hf_dirs, tmp_path, capsys):
     from safetensors import safe_open
 
     from workbench.runtime.weights import export_run
@@ -404,19 +404,28 @@ def test_export_shards_dtypes_and_refusals(hf_dirs, tmp_path):
         assert f.get_tensor(next(iter(f.keys()))).dtype == torch.bfloat16
     model, note = _ours(tmp_path / "sharded")  # our loader reads our shards
     assert "sharded" in note
-    # refusals: an existing non-empty folder (nothing overwritten), a step that does not exist, no checkpoint
+    # refusals: an existing non-empty folder (nothing overwritten), a step that does not exist, no checkpoint;
+    # through the CLI's own entry in this process (the console script runs `workbench export` in the test above,
+    # and an interpreter importing torch for each refusal cost more than the rest of the test)
+    from workbench.cli import main
+
+    def refused(*args):
+        capsys.readouterr()
+        rc = main(["export", *args])
+        return rc, capsys.readouterr().err
+
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "keep.txt").write_text("mine")
-    p = workbench("export", str(run.path), "--out", str(tmp_path / "busy"))
-    assert p.returncode == 2 and "already exists and is not an empty folder" in p.stderr
+    rc, err = refused(str(run.path), "--out", str(tmp_path / "busy"))
+    assert rc == 2 and "already exists and is not an empty folder" in err
     assert (tmp_path / "busy" / "keep.txt").read_text() == "mine"
-    p = workbench("export", str(run.path), "--out", str(tmp_path / "x"), "--step", "7")
-    assert p.returncode == 2 and "no checkpoint at step 7; it has step(s) 2" in p.stderr
+    rc, err = refused(str(run.path), "--out", str(tmp_path / "x"), "--step", "7")
+    assert rc == 2 and "no checkpoint at step 7; it has step(s) 2" in err
     from workbench.training import prepare_train
 
     bare, _, _ = prepare_train({"steps": 1}, root=tmp_path / "runs", name="bare")
-    p = workbench("export", str(bare.path), "--out", str(tmp_path / "y"))
-    assert p.returncode == 2 and "has no checkpoint" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    rc, err = refused(str(bare.path), "--out", str(tmp_path / "y"))
+    assert rc == 2 and "has no checkpoint" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
