@@ -79,13 +79,36 @@ def _gone_within(pids, seconds: float) -> float:
     return time.monotonic() - t0
 
 
-def test_stop_ends_every_process_within_5s(tmp_path):
-    run, h = _start(tmp_path, "stop")
+def test_a_live_run_listens_on_loopback_refuses_a_second_start_and_stops_within_5s(tmp_path):
+    """One live run checked three ways, in this order (each was a test with a run of its own): every
+    socket it listens on is on the loopback interface; a second start, through the API and through
+    ``workbench train --run-dir``, is refused and changes nothing; a stop ends every process of it
+    within 5 s, status ``stopped``."""
+    psutil = pytest.importorskip("psutil")
+    run, h = _start(tmp_path, "live")
     try:
         st = _wait_for_step(run, 2, h)
         pids = _all_pids(st)
+        # every socket the run listens on is on the loopback interface
+        pid_set = {p for p, _ in pids}
+        listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in pid_set]
+        assert listening, "the run's rendezvous store and gloo listen somewhere"
+        owners = {c.pid for c in listening}
+        assert st.pids["supervisor"] in owners  # the rendezvous store, hosted by the supervisor (torchrun)
+        for c in listening:
+            assert ipaddress.ip_address(c.laddr.ip).is_loopback, f"pid {c.pid} listens on {c.laddr}"
+        # a second start on the running run, through the API and through the CLI, changes nothing
+        spec_before = run.file("spec.json").read_bytes()
+        status_before = run.status()
         with pytest.raises(ValueError, match="already running"):
             launch.start(run, nproc=2)
+        p = subprocess.run(_workbench("train", "--run-dir", str(run.path), "--steps", "500"), capture_output=True,
+                           text=True, cwd=ROOT, timeout=120)
+        assert p.returncode == 2 and "already running" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+        assert run.file("spec.json").read_bytes() == spec_before
+        after = run.status()
+        assert after.attempt == status_before.attempt and after.pids["supervisor"] == status_before.pids["supervisor"]
+        # a stop ends every process within 5 s
         t0 = time.monotonic()
         final = launch.stop(h)
         took = time.monotonic() - t0
@@ -214,52 +237,6 @@ def test_killing_workbench_train_itself_stops_the_run(tmp_path):
     assert st.state == "stopped" and "the process that started it" in (st.note or ""), st.to_dict()
 
 
-def test_sockets_listen_on_loopback_only(tmp_path):
-    psutil = pytest.importorskip("psutil")
-    run, h = _start(tmp_path, "net")
-    try:
-        st = _wait_for_step(run, 1, h)
-        pids = {p for p, _ in _all_pids(st)}
-        listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in pids]
-    finally:
-        launch.stop(run)
-    assert listening, "the run's rendezvous store and gloo listen somewhere"
-    owners = {c.pid for c in listening}
-    assert st.pids["supervisor"] in owners  # the rendezvous store, hosted by the supervisor (torchrun)
-    for c in listening:
-        assert ipaddress.ip_address(c.laddr.ip).is_loopback, f"pid {c.pid} listens on {c.laddr}"
-
-
-def test_two_runs_at_once(tmp_path):
-    a, ha = _start(tmp_path, "a", steps=3)
-    b, hb = _start(tmp_path, "b", steps=3)
-    try:
-        sa, sb = launch.wait(ha, timeout=TIMEOUT), launch.wait(hb, timeout=TIMEOUT)
-    finally:
-        launch.stop(a)
-        launch.stop(b)
-    assert sa.state == sb.state == "done", (sa.to_dict(), sb.to_dict())
-    assert [s.step for s in a.steps()] == [s.step for s in b.steps()] == [1, 2, 3]
-    # same seed and settings: the same losses, though they ran side by side
-    assert a.losses() == pytest.approx(b.losses(), rel=1e-6)
-
-
-def test_a_second_start_on_a_running_run_changes_nothing(tmp_path):
-    run, h = _start(tmp_path, "busy")
-    try:
-        _wait_for_step(run, 1, h)
-        spec_before = run.file("spec.json").read_bytes()
-        status_before = run.status()
-        p = subprocess.run(_workbench("train", "--run-dir", str(run.path), "--steps", "500"), capture_output=True,
-                           text=True, cwd=ROOT, timeout=120)
-        assert p.returncode == 2 and "already running" in p.stderr and len(p.stderr.strip().splitlines()) == 1
-        assert run.file("spec.json").read_bytes() == spec_before
-        after = run.status()
-        assert after.attempt == status_before.attempt and after.pids["supervisor"] == status_before.pids["supervisor"]
-    finally:
-        launch.stop(run)
-
-
 def _flip_bytes(path: Path, n: int = 64) -> None:
     data = bytearray(path.read_bytes())
     for k in range(n):
@@ -268,15 +245,42 @@ def _flip_bytes(path: Path, n: int = 64) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory) -> dict:
+    """Three runs started at once, 3 steps with a checkpoint after each: ``ck0`` and ``twin`` (ZeRO-0,
+    whole files; the same seed and settings) and ``ck3`` (ZeRO-3, sharded folders). Returns, by name,
+    ``(run, final status, steps, losses)`` as they ended, before test_corrupt_and_empty_checkpoints
+    damages and resumes ``ck0`` and ``ck3``."""
+    root = tmp_path_factory.mktemp("ck")
+    started = {}
+    try:
+        for name, stage in (("ck0", 0), ("twin", 0), ("ck3", 3)):
+            run, _, _ = prepare_train({**SETTINGS, "steps": 3, "nproc": 2, "checkpoint_every": 1, "zero_stage": stage},
+                                      root=root, name=name)
+            started[name] = (run, launch.start(run, nproc=2))
+        final = {name: launch.wait(h, timeout=TIMEOUT) for name, (_, h) in started.items()}
+    finally:
+        for run, _ in started.values():
+            launch.stop(run)
+    return {name: (run, final[name], [s.step for s in run.steps()], run.losses()) for name, (run, _) in started.items()}
+
+
+def test_two_runs_at_once(checkpointed):
+    (_, sa, steps_a, losses_a), (_, sb, steps_b, losses_b) = checkpointed["ck0"], checkpointed["twin"]
+    assert sa.state == sb.state == "done", (sa.to_dict(), sb.to_dict())
+    assert steps_a == steps_b == [1, 2, 3]
+    # same seed and settings: the same losses, though they ran side by side (with a third run)
+    assert losses_a == pytest.approx(losses_b, rel=1e-6)
+
+
 @pytest.mark.parametrize("stage", [0, 3])
-def test_corrupt_and_empty_checkpoints(tmp_path, stage):
+def test_corrupt_and_empty_checkpoints(checkpointed, stage):
     """Whole files (ZeRO-0) and sharded folders (ZeRO-3): a damaged and an empty checkpoint are
     skipped, naming the file, and the run resumes from the newest good one; none good: one line."""
     from workbench.runtime.checkpoint import full_model_state, verify_checkpoint
 
-    run, spec, _ = prepare_train({**SETTINGS, "steps": 3, "nproc": 2, "checkpoint_every": 1, "zero_stage": stage},
-                                 root=tmp_path, name="ck")
-    assert launch.wait(launch.start(run, nproc=2), timeout=TIMEOUT).state == "done"
+    run, first_status, _, _ = checkpointed[f"ck{stage}"]
+    assert first_status.state == "done", first_status.to_dict()
     good = full_model_state(run.path, 1)
     ck = run.path / "checkpoints"
     if stage == 3:
