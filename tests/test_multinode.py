@@ -7,11 +7,12 @@ rebuilding the same spec, the Slurm script's syntax, and the one-line refusals o
 (--device cuda without a GPU, --attention flash without flash-attn or CUDA).
 
 Slow (real torchrun "nodes" of 2 processes each on this machine, gloo, the tiny model): one
-heterogeneous plan whose groups span the node boundary gives the single-process update (ZeRO-3,
-and ZeRO-0 through the emitted torchrun commands); a stand-in ``srun`` runs the Slurm script;
-node 1 killed mid-run fails both nodes' runs naming it and leaves no process; a stop from the run
-store ends both nodes; an endpoint that does not answer, a node 0 left alone, another --nproc and
-another spec on the second node each end in one line with nothing left running.
+heterogeneous plan whose groups span the node boundary gives the single-process update (ZeRO-3
+through the emitted torchrun commands, then resumed by both nodes; ZeRO-0 through the Slurm script
+under a stand-in ``srun``); node 1 killed mid-run fails both nodes' runs naming it and leaves no
+process; a stop from the run store ends both nodes; an endpoint that does not answer, a node 0 left
+alone, another --nproc and another spec on the second node each end in one line with nothing left
+running.
 """
 
 from __future__ import annotations
@@ -473,13 +474,34 @@ def _assert_same_update(run_dir: Path, reference: Path) -> dict:
     return plan
 
 
+def _emitted_commands(run_root: Path, name: str, *args: str) -> list[list[str]]:
+    """``workbench train --emit torchrun``'s command per node, split as a shell reads them (lines
+    continued with backslashes); emitting starts and writes nothing."""
+    p = subprocess.run([*_exe(), "train", "--emit", "torchrun", "--nproc", "2", "--nnodes", "2", "--device", "cpu",
+                        "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--run-root", str(run_root), "--name", name,
+                        *args], capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=120)
+    assert p.returncode == 0, p.stderr
+    cmds = [shlex.split(ln) for ln in p.stdout.replace("\\\n", " ").splitlines() if ln and not ln.startswith("#")]
+    assert len(cmds) == 2 and [c[c.index("--node-rank") + 1] for c in cmds] == ["0", "1"]
+    assert not (run_root / name).exists()  # emitting starts and writes nothing
+    return cmds
+
+
 @pytest.mark.slow
 def test_two_nodes_give_the_single_process_update(hetero_reference, tmp_path):
-    nodes = Nodes(tmp_path, "mn3", EXACT)
-    outs = nodes.wait()
-    d = nodes.run_dir
-    for k, (code, _, err) in enumerate(outs):
-        assert code == 0, f"node {k}:\n{err[-3000:]}\n" + "\n".join(runs.tail_lines(d / 'log.txt', 40))
+    """ZeRO-3 (the default) over two nodes, started by the commands ``--emit torchrun`` prints, each
+    node's line run by its own shell in another folder; then both nodes resume it. (ZeRO-0's update
+    over two nodes: the Slurm test below.)"""
+    cmds = _emitted_commands(tmp_path / "s", "mn3", *EXACT)
+    procs = []
+    for c in cmds:  # each node's shell runs its line
+        procs.append(subprocess.Popen([*c, "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      cwd=tmp_path, env=_env(), start_new_session=True))
+        time.sleep(0.5)
+    d = tmp_path / "s" / "mn3"
+    for k, pr in enumerate(procs):
+        _, err = communicate_or_kill(pr, TIMEOUT, f"node {k}")
+        assert pr.returncode == 0, f"node {k}:\n{err[-3000:]}\n" + "\n".join(runs.tail_lines(d / 'log.txt', 40))
     plan = _assert_same_update(d, hetero_reference)
     assert plan["execution"] == "lockstep"  # ZeRO-3, the default
     run = runs.load_run(d)
@@ -509,31 +531,6 @@ def test_two_nodes_give_the_single_process_update(hetero_reference, tmp_path):
     _none_left(d)
 
 
-@pytest.mark.slow
-def test_emitted_torchrun_commands_run_two_local_nodes(hetero_reference, tmp_path):
-    port = _free_port()
-    p = subprocess.run([*_exe(), "train", "--emit", "torchrun", "--nproc", "2", "--nnodes", "2", "--device", "cpu",
-                        "--zero-stage", "0", "--rdzv-endpoint", f"127.0.0.1:{port}", "--run-root", str(tmp_path / "s"),
-                        "--name", "emitted", *EXACT], capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=120)
-    assert p.returncode == 0, p.stderr
-    # one command per node (continued over lines with backslashes, as a shell reads them)
-    cmds = [shlex.split(ln) for ln in p.stdout.replace("\\\n", " ").splitlines() if ln and not ln.startswith("#")]
-    assert len(cmds) == 2 and [c[c.index("--node-rank") + 1] for c in cmds] == ["0", "1"]
-    assert not (tmp_path / "s" / "emitted").exists()  # emitting starts and writes nothing
-    procs = []
-    for c in cmds:  # each node's shell runs its line
-        procs.append(subprocess.Popen([*c, "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      cwd=tmp_path, env=_env(), start_new_session=True))
-        time.sleep(0.5)
-    for k, pr in enumerate(procs):
-        _, err = communicate_or_kill(pr, TIMEOUT, f"node {k}")
-        assert pr.returncode == 0, f"node {k}: {err[-3000:]}"
-    d = tmp_path / "s" / "emitted"
-    plan = _assert_same_update(d, hetero_reference)
-    assert plan["execution"] == "free" and runs.load_run(d).status().state == "done"
-    _none_left(d)
-
-
 FAKE_SRUN = r'''#!{python}
 """A stand-in srun: starts the command once per node of the job on this machine, with the node's
 SLURM_NODEID, and (--kill-on-bad-exit) ends the others when one fails."""
@@ -558,13 +555,13 @@ sys.exit(max(abs(p.returncode) for p in procs))
 
 
 @pytest.mark.slow
-def test_slurm_script_under_a_stand_in_srun(tmp_path):
+def test_slurm_script_under_a_stand_in_srun(hetero_reference, tmp_path):
+    """The script ``--emit slurm`` prints, run by bash with a stand-in ``srun`` starting one node per
+    job node: a ZeRO-0 run (free micro-steps) whose update over the two nodes is the single process's."""
     port = _free_port()
     p = subprocess.run([*_exe(), "train", "--emit", "slurm", "--nproc", "2", "--nnodes", "2", "--device", "cpu",
                         "--rdzv-endpoint", f":{port}", "--run-root", str(tmp_path / "shared"), "--name", "sl",
-                        "--steps", "2", "--model", "tiny", "--max-len", "256", "--batch-tokens", "1024",
-                        "--checkpoint-every", "0", "--time-limit", "0.5"], capture_output=True, text=True, cwd=ROOT,
-                       env=_env(), timeout=120)
+                        "--zero-stage", "0", *EXACT], capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=120)
     assert p.returncode == 0, p.stderr
     script = tmp_path / "job.sbatch"
     script.write_text(p.stdout)
@@ -581,8 +578,9 @@ def test_slurm_script_under_a_stand_in_srun(tmp_path):
     d = tmp_path / "shared" / "sl"
     assert job.returncode == 0, job.stderr[-3000:]
     run = runs.load_run(d)
-    assert run.status().state == "done" and run.status().step == 2
+    assert run.status().state == "done" and run.status().step == 1
     assert sorted(run.nodes()) == [0, 1] and all(n.state == "done" for n in run.nodes().values())
+    assert _assert_same_update(d, hetero_reference)["execution"] == "free"
     log = (d / "log.txt").read_text()
     assert "--rdzv-id slurm-4242" in log and f"127.0.0.1:{port}" in log
     _none_left(d)
@@ -645,22 +643,26 @@ def test_a_stop_from_the_run_store_ends_both_nodes(tmp_path):
 
 @pytest.mark.slow
 def test_an_endpoint_that_does_not_answer_is_one_line(tmp_path):
+    """Node 1 given an endpoint where nothing listens, and node 0 left alone (it waits for the
+    others, then says how many came), both with a 2 s rendezvous timeout, side by side."""
     dead = _free_port()  # nothing listens there
-    p = subprocess.run([*_exe(), "train", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{dead}",
-                        "--rdzv-timeout", "5", "--run-root", str(tmp_path), "--name", "lonely", "--nproc", "2",
-                        "--device", "cpu", "--quiet", *LONG], capture_output=True, text=True, cwd=ROOT, env=_env(),
-                       timeout=120)
-    last = p.stderr.strip().splitlines()[-1]
-    assert p.returncode == 1 and f"node 1: the rendezvous endpoint 127.0.0.1:{dead} did not answer within 5 s" in last
+    common = ["--nnodes", "2", "--rdzv-timeout", "2", "--run-root", str(tmp_path), "--nproc", "2", "--device", "cpu",
+              "--quiet", *LONG]
+    lonely = subprocess.Popen([*_exe(), "train", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{dead}", "--name",
+                               "lonely", *common], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              env=_env(), start_new_session=True)
+    alone = subprocess.Popen([*_exe(), "train", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+                              "--name", "alone", *common], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=ROOT, env=_env(), start_new_session=True)
+    _, err = communicate_or_kill(lonely, 120, "node 1")
+    last = err.strip().splitlines()[-1]
+    assert lonely.returncode == 1 and f"node 1: the rendezvous endpoint 127.0.0.1:{dead} did not answer within 2 s" in last, \
+        err[-2000:]
+    _, err = communicate_or_kill(alone, 120, "node 0")
+    last = err.strip().splitlines()[-1]
+    assert alone.returncode == 1 and "waited 2 s but only 1 of 2 node(s) joined" in last, err[-2000:]
     assert runs.read_status(tmp_path / "lonely", 1).state == "failed"
     _none_left(tmp_path / "lonely")
-    # node 0 alone waits for the others, then says how many came
-    p = subprocess.run([*_exe(), "train", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint",
-                        f"127.0.0.1:{_free_port()}", "--rdzv-timeout", "5", "--run-root", str(tmp_path), "--name",
-                        "alone", "--nproc", "2", "--device", "cpu", "--quiet", *LONG], capture_output=True, text=True,
-                       cwd=ROOT, env=_env(), timeout=120)
-    last = p.stderr.strip().splitlines()[-1]
-    assert p.returncode == 1 and "waited 5 s but only 1 of 2 node(s) joined" in last, p.stderr[-2000:]
     _none_left(tmp_path / "alone")
 
 
@@ -676,9 +678,10 @@ def test_another_nproc_or_spec_on_the_second_node_is_one_line(tmp_path):
         nodes.kill()
     assert c1 == 2 and len(e1.strip().splitlines()) == 1 and "nproc: 2 on node 0, 1 here" in e1, e1
     _none_left(tmp_path / "store" / "mismatch")
-    # each node with its own run store (no shared path): the nodes compare themselves at start
+    # each node with its own run store (no shared path): the nodes compare themselves at start (the
+    # spec case on one process a node: its process counts agree, its planners do not)
     cases = [("apart-nproc", [["--nproc", "2"], ["--nproc", "1"]], "started 1 process(es) but the run has 2 per node"),
-             ("apart-spec", [["--planner", "greedy"], ["--planner", "static:1"]],
+             ("apart-spec", [["--nproc", "1", "--planner", "greedy"], ["--nproc", "1", "--planner", "static:1"]],
               "runs another spec than node 0 (planner: 'greedy' on node 0, 'static:1' here)")]
     for name, per_node, words in cases:
         nodes = Nodes(tmp_path, name, [*LONG, "--timeout", "60"], per_node=per_node, roots=[tmp_path / "a", tmp_path / "b"])
