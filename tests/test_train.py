@@ -282,15 +282,17 @@ def _train(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
 def _ok(p: subprocess.CompletedProcess, run_dir: Path) -> None:
     log = (run_dir / "log.txt").read_text()[-4000:] if (run_dir / "log.txt").exists() else ""
     assert p.returncode == 0, f"exit {p.returncode}\n{p.stderr[-3000:]}\n{log}"
-    assert status(run_dir)["state"] == "done"
+    st = status(run_dir)
+    assert st["state"] == "done" and st["exit_code"] == 0, st
 
 
 # Runs that no check needs through ``workbench train`` share one torchrun tree of 4 ranks: this file
 # is the worker (``__main__`` below), and the first ``nproc`` ranks run the real trainer
 # (``Trainer.run``) on each run folder in turn, as a world of ``nproc`` (the other ranks wait). The
 # launcher's and supervisor's side (the CLI, a run's final ``done``, resumes, the error lines) is
-# checked by the runs still started through ``workbench train``: the loss run, every resume, the
-# max-context refusal and the missing spec.json.
+# checked by the runs still started through ``workbench train``: every resume (each ends ``done``,
+# exit code 0), the max-context refusal and the missing spec.json; a new run started by
+# ``workbench train`` that ends ``done`` is in test_profile_run.py and test_trace.py.
 
 TREE_TIMEOUT = 480  # s: a tree of several runs that takes longer than this has hung
 TREE_RANKS = 4
@@ -413,7 +415,9 @@ def tree(tmp_path_factory) -> Tree:
     - SGD with momentum under ZeRO-3 on 4 ranks: 4 steps with a checkpoint after each (``zero-ref``,
       the uninterrupted run) and 2 with one checkpoint (``zero-a``); on 2 ranks under ZeRO-1, 2 steps
       with one checkpoint (``zero-b``);
-    - on 2 ranks: ``resume`` (the loss run's settings, 3 steps, a checkpoint after the last),
+    - on 2 ranks: ``loss`` (15 AdamW steps on the embedded corpus, no checkpoint; the loss falls by
+      more than 1.5 over them: three times what test_loss_falls_on_the_embedded_corpus asks),
+      ``resume`` (the loss run's settings, 3 steps, a checkpoint after the last),
       ``states`` (one AdamW step under ZeRO-2), and last the two that must fail on every rank:
       ``plan-world`` (plans made for 1 rank) and ``plan-stage`` (plans made for ZeRO-0 in a ZeRO-3
       run)."""
@@ -423,6 +427,7 @@ def tree(tmp_path_factory) -> Tree:
         "zero-ref": {**ZSET, "nproc": 4, "steps": 4, "checkpoint_every": 1},
         "zero-a": {**ZSET, "nproc": 4, "steps": 2, "checkpoint_every": 2},
         "zero-b": {**ZSET, "nproc": 2, "zero_stage": 1, "steps": 2, "checkpoint_every": 2},
+        "loss": {**LOSS_SETTINGS, "nproc": 2, "steps": 15, "checkpoint_every": 0},
         "resume": {**LOSS_SETTINGS, "nproc": 2, "steps": 3, "checkpoint_every": 3},
         "states": {"nproc": 2, "zero_stage": 2, "optimizer": "adamw", "steps": 1, "checkpoint_every": 0},
         "plan-world": {"nproc": 2, "planner": "greedy", "steps": 2, "debug": {"plan_num_gpus": 1}, "timeout_s": 60},
@@ -459,32 +464,23 @@ def test_one_sgd_step_same_params_on_4_ranks(tree, planner, stage):
     assert {"predicted_ms", "measured_ms", "peak_memory_mb", "tokens", "micro_steps"} <= set(r0)
 
 
-@pytest.fixture(scope="module")
-def loss_run(tmp_path_factory):
-    """15 AdamW steps of the tiny model on the embedded corpus, 2 ranks (the loss falls by more than
-    1.5 over them: three times what the test asks)."""
-    d = tmp_path_factory.mktemp("loss") / "run"
-    p = _train(d, "--steps", "15", "--checkpoint-every", "0", *LOSS_ARGS)
-    _ok(p, d)
-    return d
-
-
 @pytest.mark.slow
-def test_loss_falls_on_the_embedded_corpus(loss_run):
+def test_loss_falls_on_the_embedded_corpus(tree):
+    loss_run = tree.ok("loss")  # 2 ranks: every rank trained its 15 steps
     m = metrics(loss_run)
     assert sorted(m) == list(range(15))
     first = np.mean([m[s]["loss"] for s in range(5)])
     last = np.mean([m[s]["loss"] for s in range(10, 15)])
     assert last < first - 0.5, f"loss {first:.3f} -> {last:.3f}"
     st = status(loss_run)
-    assert st["step"] == 15 and st["exit_code"] == 0
+    assert st["step"] == 15
     assert st["resolved"]["max_len"] == 512 and st["resolved"]["backend"] == "gloo"
     assert len((loss_run / "plans.jsonl").read_text().splitlines()) == 15
     assert not (loss_run / "checkpoints").exists()
 
 
 @pytest.mark.slow
-def test_resume_continues_exactly(loss_run, tree):
+def test_resume_continues_exactly(tree):
     n = 3
     d = tree.ok("resume")  # the loss run's settings, 3 steps, a checkpoint after the last
     assert (d / "checkpoints" / f"step_{n}.dcp").is_dir()  # ZeRO-3 (the default): a sharded checkpoint
@@ -497,7 +493,7 @@ def test_resume_continues_exactly(loss_run, tree):
     assert st["resolved"]["world_size"] == 2
     plans = [json.loads(x) for x in (d / "plans.jsonl").read_text().splitlines()]
     assert plans[-1]["plan"]["num_gpus"] == 2 and plans[-1]["step"] == n
-    ref = metrics(loss_run)[n]["loss"]
+    ref = metrics(tree.ok("loss"))[n]["loss"]
     got = metrics(d)[n]["loss"]
     assert got == pytest.approx(ref, rel=1e-6, abs=0), f"resumed step {n + 1} loss {got} vs uninterrupted {ref}"
     # a different setting on resume is refused before anything starts, naming it and only it (every
