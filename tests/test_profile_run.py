@@ -133,14 +133,13 @@ def test_profile_drives_plan_simulate_train_and_check(profiled):
         assert s["predicted_ms"] - s["planner_cpu_ms"] == pytest.approx(s["run_predicted_ms"], rel=1e-9)
     text = run_cli("profile", "--check", "t2", "--profile", "p2", "--run-root", str(root)).stdout
     assert "| step |" in text and "| lockstep pass |" in text
-    # without --profile: the one the run planned with
-    assert json.loads(run_cli("profile", "--check", "t2", "--run-root", str(root), "--json").stdout)["profile"] == \
-        chk["profile"]
     # a ZeRO-0 run of the same: free micro-steps, compared group by group
     tr = run_cli("train", "--nproc", "2", "--model", "tiny", "--lengths", "300,200,150,100,60,40", "--planner", "greedy",
                  "--steps", "3", "--seed", "0", "--profile", str(out), "--run-root", str(root), "--name", "t0",
                  "--quiet", "--checkpoint-every", "0", "--zero-stage", "0")
     free = json.loads(run_cli("profile", "--check", "t0", "--run-root", str(root), "--json").stdout)
+    # without --profile: the one the run planned with (t0 planned with the profile t2's check was given)
+    assert free["profile"] == chk["profile"]
     assert free["execution"] == "free" and free["groups"] and not free["passes"]
     assert all(s["predicted_ms"] - s["planner_cpu_ms"] == pytest.approx(s["run_predicted_ms"], rel=1e-9)
                for s in free["steps"])
