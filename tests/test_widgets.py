@@ -27,6 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # a small planning scenario: 8 A100-40G, 7B, 256K-token batches (memory binds at ~5.9K tokens per GPU)
 SMALL = dict(num_gpus=8, gpus_per_node=8, samples=20_000, batch_tokens=262_144, effort=0.3, source="wikipedia")
+# SMALL's batch cut to 64K tokens (44 sequences up to 16K, memory-bound all the same): its lockstep pass bound
+# takes ~1 s of CPU where SMALL's takes ~6, for the tests that solve through the panel (every such solve bounds)
+QUICK = dict(SMALL, batch_tokens=65_536)
 ACT_BYTES_7B = 4.48e6  # published activation bytes per token of GPT-7B (a100-40g-flexsp), typed in
 
 
@@ -120,7 +123,7 @@ def test_rank_memory_sums_a_lockstep_ranks_groups_in_a_pass():
 def solved():
     from widgets import SolverPanel
 
-    panel = SolverPanel(Scenario(**SMALL), auto=False)
+    panel = SolverPanel(Scenario(**QUICK), auto=False)
     return panel, panel.solve()
 
 
@@ -136,7 +139,7 @@ def test_solver_solve_plans_every_planner_and_draws_them(solved):
     for plan in res.values():
         validate(plan, batch, cost.cluster, cost)  # the same batch, every sequence once, memory within budget
         assert plan.makespan_ms >= plan.lower_bound_ms * (1 - 1e-9)
-    # the timeline shows the chosen planner's plan: one bar per group, every rank labelled. SMALL is
+    # the timeline shows the chosen planner's plan: one bar per group, every rank labelled. QUICK is
     # ZeRO-3, so the plan runs in lockstep passes: a rank serving k groups of a pass pays the
     # packed call's constant once (its later groups are drawn without it)
     plan = res["flexsp"]
@@ -173,11 +176,12 @@ def test_solver_solve_plans_every_planner_and_draws_them(solved):
 def test_solver_zero_control_changes_memory_and_timeline_together():
     """ZeRO-3 (lockstep) against ZeRO-2 (free) for a model both hold (1B on 8 A100-40G): the ZeRO
     control changes the activation budget by the model states ZeRO-2 replicates, and the plans'
-    execution: gradient reduction at the end and no passes under ZeRO-2."""
+    execution: gradient reduction at the end and no passes under ZeRO-2. A 16K-token batch: the
+    ZeRO-3 solve's lockstep pass bound on SMALL's 256K tokens of the 1B took ~25 s of CPU."""
     from widgets import SolverPanel
     from workbench.cost.memory import model_states
 
-    panel = SolverPanel(Scenario(**dict(SMALL, model="1b")), auto=False)
+    panel = SolverPanel(Scenario(**dict(SMALL, model="1b", batch_tokens=16_384)), auto=False)
     res3 = panel.solve(["greedy", "flexsp"])
     budget3 = res3.scenario.cost().memory_budget_gb
     panel.set(zero_stage=2)
@@ -317,7 +321,7 @@ def test_solver_shows_a_broken_constraint_beside_its_control():
 def test_solver_threaded_requests_are_debounced_and_the_latest_wins():
     from widgets import SolverPanel
 
-    panel = SolverPanel(Scenario(**SMALL), auto=True, debounce=0.4)
+    panel = SolverPanel(Scenario(**QUICK), auto=True, debounce=0.4)
     assert panel.wait_idle(120)
     first = panel.solves
     assert first == 1 and panel.result.scenario.num_gpus == 8
@@ -361,7 +365,7 @@ def test_solver_threaded_shows_plans_first_then_the_pass_bound():
     from widgets import SolverPanel
     from workbench.solve.bound import packing_bound_ms, step_bound_ms
 
-    panel = SolverPanel(Scenario(**SMALL), auto=False, debounce=0.0)
+    panel = SolverPanel(Scenario(**QUICK), auto=False, debounce=0.0)
     panel.request_solve()
     assert panel.wait_idle(120)
     res = panel.result
@@ -1009,7 +1013,7 @@ def test_driving_the_panels_never_imports_torch_into_the_kernel(tmp_path):
         from widgets import LaunchPanel, LengthsPanel, RunsPanel, SolverPanel, Workbench
         from workbench.profile.machine import ensure_machine_profile
         from workbench.scenario import Scenario
-        sc = Scenario(**{SMALL!r})
+        sc = Scenario(**{QUICK!r})
         SolverPanel(sc, auto=False).solve()
         LengthsPanel(sc, auto=False).refresh()
         wb = Workbench(sc, root={str(store)!r}, auto=False)
@@ -1046,12 +1050,12 @@ def test_background_threads_never_print(capsys):
     lands in whichever cell ran last)."""
     from widgets import LengthsPanel, SolverPanel
 
-    panels = [SolverPanel(Scenario(**SMALL), auto=True, debounce=0.05), LengthsPanel(Scenario(**SMALL), auto=True)]
+    panels = [SolverPanel(Scenario(**QUICK), auto=True, debounce=0.05), LengthsPanel(Scenario(**QUICK), auto=True)]
     for p in panels:
         assert p.wait_idle(120)
     panels[0].set(num_gpus=12)  # an error, reported in the panel
     panels[0].set(num_gpus=16)
-    assert panels[0].wait_idle(120)
+    assert panels[0].wait_idle(120, bound=True)  # the lockstep pass bound's thread too
     out = capsys.readouterr()
     assert out.out == "" and out.err == ""
 
@@ -1069,9 +1073,11 @@ def test_hardware_panel_profiles_this_machine(tmp_path):
         pytest.skip("this tree has no profiler (workbench.profile.prepare_profile, issue 10)")
     seen = []
     panel.on_profile(seen.append)
-    # the small grid of test_profile_run.py: what the panel does with a profile run does not depend
-    # on how many lengths it measures (the default quick grid takes 4-5x longer)
-    run = panel.start_profile(nproc=2, model="tiny", quick=True, max_len=512, reps=2, warmup=1)
+    # a smaller grid than test_profile_run.py's: what the panel does with a profile run does not depend
+    # on how many lengths it measures nor how often (the default quick grid takes 4-5x longer; this one
+    # 13 s of CPU where max_len 512 with 2 reps after a warm-up took 19, most of it starting processes)
+    run = panel.start_profile(nproc=2, model="tiny", quick=True, max_len=256, reps=1, warmup=0, collective_reps=1,
+                              min_sample_ms=5.0)
     st = panel.wait(timeout=600)
     assert st.state == "done", run.log_tail(30)
     assert panel.result is not None and panel.profile == panel.result.profile
