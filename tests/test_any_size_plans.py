@@ -127,6 +127,7 @@ def _lockstep_optimum(s, cost, passes=2):
     places = [(d, c, r) for d, c in shapes for r in range(n - d + 1)]
     C, comm, ovh = cost.call_overhead_ms(), cost.pass_comm_ms(), cost.pass_overhead_ms()
     best = math.inf
+    priced: dict[tuple[int, tuple[int, ...]], tuple[float, float]] = {}  # (place, members) -> (memory, time)
     for choice in itertools.product(range(len(places)), range(passes), repeat=len(s)):
         pick = list(zip(choice[0::2], choice[1::2]))
         groups: dict[tuple[int, int], list[int]] = {}
@@ -139,12 +140,15 @@ def _lockstep_optimum(s, cost, passes=2):
                 if q != p:
                     continue
                 d, c, r = places[k]
-                x = s[members]
-                m = float(cost.memory(x, d, c).sum())
+                if (k, tuple(members)) not in priced:  # the same group recurs in many choices: priced once
+                    x = s[members]
+                    priced[k, tuple(members)] = (float(cost.memory(x, d, c).sum()),
+                                                 float(cost.time(x, d, c).sum()) + cost.group_overhead_ms(d, c))
+                m, g_ms = priced[k, tuple(members)]
                 if m > cost.memory_budget_gb:
                     ok = False
                     break
-                load[r:r + d] += float(cost.time(x, d, c).sum()) + cost.group_overhead_ms(d, c)
+                load[r:r + d] += g_ms
                 count[r:r + d] += 1
                 mem[r:r + d] += m
             if not ok or (mem > cost.memory_budget_gb * (1 + 1e-9)).any():
