@@ -23,6 +23,8 @@ MODULE = textwrap.dedent("""
     import json, os, time
     import pytest
 
+    SCALE = float(os.environ.get("SLEEP_SCALE", "1"))  # 0: no sleeps (the order alone is checked)
+
     def record(name, t0, t1):
         with open(os.environ["RECORD"], "a") as f:
             f.write(json.dumps({"name": name, "worker": os.environ.get("PYTEST_XDIST_WORKER"), "t0": t0, "t1": t1}) + "\\n")
@@ -33,22 +35,22 @@ MODULE = textwrap.dedent("""
 
     @pytest.mark.parametrize("i", range(4))
     def test_fast(i, built_once):
-        t0 = time.time(); time.sleep(0.1); record(f"{__name__}:fast{i}", t0, time.time())
+        t0 = time.time(); time.sleep(0.1 * SCALE); record(f"{__name__}:fast{i}", t0, time.time())
 
     @pytest.mark.slow
     @pytest.mark.parametrize("i", range(2))
     def test_heavy(i):
-        t0 = time.time(); time.sleep(0.3); record(f"{__name__}:heavy{i}", t0, time.time())
+        t0 = time.time(); time.sleep(0.3 * SCALE); record(f"{__name__}:heavy{i}", t0, time.time())
 
     @pytest.mark.serial
     def test_serial():
-        t0 = time.time(); time.sleep(0.1); record(f"{__name__}:heavy_serial", t0, time.time())
+        t0 = time.time(); time.sleep(0.1 * SCALE); record(f"{__name__}:heavy_serial", t0, time.time())
 
     @pytest.mark.slow
     @pytest.mark.untimed
     @pytest.mark.parametrize("i", range(2))
     def test_untimed(i):
-        t0 = time.time(); time.sleep(0.3); record(f"{__name__}:untimed{i}", t0, time.time())
+        t0 = time.time(); time.sleep(0.3 * SCALE); record(f"{__name__}:untimed{i}", t0, time.time())
 """)
 
 
@@ -64,12 +66,13 @@ def _suite(root: Path) -> None:
         (root / "tests" / f"{name}.py").write_text(MODULE)
 
 
-def _run(root: Path, *args: str) -> list[dict]:
+def _run(root: Path, *args: str, sleep_scale: float = 1.0) -> list[dict]:
     record = root / "record.jsonl"
     record.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # not this run's xdist worker
+    env.update(RECORD=str(record), SLEEP_SCALE=str(sleep_scale))
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=root,
-                       capture_output=True, text=True, timeout=120, env={**env, "RECORD": str(record)})
+                       capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return [json.loads(x) for x in record.read_text().splitlines()]
 
@@ -118,7 +121,7 @@ def test_heavy_tests_run_in_lanes_beside_at_most_one_other(tmp_path):
 
 def test_without_xdist_nothing_changes(tmp_path):
     _suite(tmp_path)
-    rows = _run(tmp_path, "-p", "no:xdist")
+    rows = _run(tmp_path, "-p", "no:xdist", sleep_scale=0)  # in order, one after another: no overlap to see
     names = [r["name"] for r in sorted(rows, key=lambda r: r["t0"]) if ":fixture" not in r["name"]]
     assert names == [f"{m}:{k}" for m in ("test_a", "test_b", "test_c")
                      for k in ("fast0", "fast1", "fast2", "fast3", "heavy0", "heavy1", "heavy_serial", "untimed0",
