@@ -20,6 +20,10 @@ from pathlib import Path
 import pytest
 from _torchrun import shared_world
 
+# its slow tests check exact results and recorded calls, not times: make test runs them in the untimed
+# lanes (tests/_xdist_heavy.py), as the other files of the shared 4-rank world
+pytestmark = pytest.mark.untimed
+
 WORLD = 4
 TOL = 1e-5
 DIST_TIMEOUT_S = 90
