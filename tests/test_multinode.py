@@ -89,7 +89,8 @@ class Nodes:
     """Two ``workbench train`` commands, one per "node", as two machines' shells would start them."""
 
     def __init__(self, tmp_path: Path, name: str, common: list[str], per_node: list[list[str]] | None = None,
-                 roots: list[Path] | None = None, port: int | None = None, delay: float = 0.5) -> None:
+                 roots: list[Path] | None = None, port: int | None = None, delay: float = 0.5,
+                 node0_prepared: bool = False) -> None:
         self.port = port or _free_port()
         self.roots = roots or [tmp_path / "store"] * 2
         self.name = name
@@ -101,6 +102,11 @@ class Nodes:
             self.procs.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                                cwd=ROOT, env=_env(), start_new_session=True))
             time.sleep(delay)
+            t0 = time.monotonic()
+            while node0_prepared and k == 0 and not (self.roots[0] / name / runs.SPEC_FILE).exists():
+                # node 1 started once node 0 has prepared the run (on a loaded machine 0.5 s may not do)
+                assert self.procs[0].poll() is None and time.monotonic() - t0 < 120, self.procs[0].communicate()
+                time.sleep(0.1)
 
     @property
     def run_dir(self) -> Path:
@@ -670,7 +676,8 @@ def test_an_endpoint_that_does_not_answer_is_one_line(tmp_path):
 def test_another_nproc_or_spec_on_the_second_node_is_one_line(tmp_path):
     # on a shared run store the second node is refused before it starts anything; node 0, left
     # waiting for it, is stopped (its terminal's Ctrl-C) and leaves nothing
-    nodes = Nodes(tmp_path, "mismatch", [*LONG, "--rdzv-timeout", "60"], per_node=[["--nproc", "2"], ["--nproc", "1"]])
+    nodes = Nodes(tmp_path, "mismatch", [*LONG, "--rdzv-timeout", "60"], per_node=[["--nproc", "2"], ["--nproc", "1"]],
+                  node0_prepared=True)
     try:
         _, e1 = nodes.procs[1].communicate(timeout=120)
         c1 = nodes.procs[1].returncode
