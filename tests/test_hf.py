@@ -171,7 +171,22 @@ def test_config_paths_that_are_not_configs(tmp_path):
         get_model("llama-9000")
 
 
-def test_cli_plans_and_costs_a_config_path_and_refuses_a_bad_one(tmp_path):
+def test_cli_plans_and_costs_a_config_path_and_refuses_a_bad_one(tmp_path, capsys):
+    """Through the console script's ``main`` in this process (five interpreters cost more than the checks;
+    the export test runs the console script itself)."""
+    from types import SimpleNamespace
+
+    from workbench.cli import main
+
+    def workbench(*args):
+        capsys.readouterr()
+        try:
+            rc = main(list(args))
+        except SystemExit as e:
+            rc = e.code
+        out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=rc, stdout=out, stderr=err)
+
     d = tmp_path / "m"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(QWEN25_7B))
