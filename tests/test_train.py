@@ -248,20 +248,33 @@ def test_token_data_corpus_documents_and_windows():
         TokenData("100,5000", max_len=4096, policy="error", seed=0)
 
 
-def test_cli_rejects_bad_settings_before_starting(tmp_path):
+def _cli(capsys, *args: str) -> tuple[int, str]:
+    """``workbench *args`` through the console script's entry (``workbench.cli.main``, which the
+    script exits with) in this process: ``(exit status, stderr)``."""
+    from workbench.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def test_cli_rejects_bad_settings_before_starting(tmp_path, capsys):
     for args, words in ((["--planner", "nope"], "unknown planner"),
                         (["--nproc", "64"], "refusing to start: 64 processes"),
                         (["--change"], "--change applies only when resuming")):
-        p = workbench("train", "--steps", "2", "--run-root", str(tmp_path), *args, timeout=120)
-        assert p.returncode == 2, p.stderr
-        lines = p.stderr.strip().splitlines()
-        assert len(lines) == 1 and words in lines[0], p.stderr
+        code, err = _cli(capsys, "train", "--steps", "2", "--run-root", str(tmp_path), *args)
+        assert code == 2, err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and words in lines[0], err
         assert not any(tmp_path.iterdir()), "no run folder for settings that cannot work"
     for where, words in ((tmp_path / "typo", "no run at"), ("", "--run-dir is empty")):
-        p = workbench("train", "--steps", "2", "--run-dir", str(where), timeout=120)
-        assert p.returncode == 2, p.stderr
-        lines = p.stderr.strip().splitlines()
-        assert len(lines) == 1 and words in lines[0], p.stderr
+        code, err = _cli(capsys, "train", "--steps", "2", "--run-dir", str(where))
+        assert code == 2, err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and words in lines[0], err
         assert not any(tmp_path.iterdir()), "no run folder for settings that cannot work"
 
 
