@@ -494,6 +494,7 @@ def _emitted_commands(run_root: Path, name: str, *args: str) -> list[list[str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.untimed  # an exact update and files, whatever the load (tests/_xdist_heavy.py)
 def test_two_nodes_give_the_single_process_update(hetero_reference, tmp_path):
     """ZeRO-3 (the default) over two nodes, started by the commands ``--emit torchrun`` prints, each
     node's line run by its own shell in another folder; then both nodes resume it. (ZeRO-0's update
@@ -561,6 +562,7 @@ sys.exit(max(abs(p.returncode) for p in procs))
 
 
 @pytest.mark.slow
+@pytest.mark.untimed  # an exact update and files, whatever the load (tests/_xdist_heavy.py)
 def test_slurm_script_under_a_stand_in_srun(hetero_reference, tmp_path):
     """The script ``--emit slurm`` prints, run by bash with a stand-in ``srun`` starting one node per
     job node: a ZeRO-0 run (free micro-steps) whose update over the two nodes is the single process's."""
