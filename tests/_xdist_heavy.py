@@ -11,17 +11,20 @@ run in lanes:
   all). It is one work unit, handed to the first worker at once: its tests run one at a time.
 - the *untimed* units, one per module: heavy tests also marked ``untimed``, whose checks hold however
   loaded the machine is (exact results, files written, refusals; their only clocks are generous
-  timeouts). A worker takes one only once the ``serial`` tests are done, and, while a timed test
-  runs, only when no third worker runs an untimed one: so a timed check shares the cores with at
-  most one heavy run, a ``serial`` one with fast tests only. Once the timed lane is done, two untimed
-  modules may run side by side.
+  timeouts). While the timed lane runs, a worker takes one only once the ``serial`` tests are done
+  and no fast module is left, and only when no third worker runs one: so a timed check shares the
+  cores with fast tests, or with at most one heavy run, and a ``serial`` one with fast tests only.
+  Once the timed lane is done, every worker takes untimed modules.
 - the fast tests, one work unit per module (a module-scoped fixture is built once).
 
 A worker asking for work takes the timed lane if no one has it, else an untimed module if one may
-start, else a fast module, else waits for one of those to become possible. So the heavy runs start
-early on both workers and the fast tests fill the end: with the untimed tests in one lane, queued
-after the fast tests, that lane ran alone at the end for about five minutes while the other worker,
-done with the timed lane, had nothing left. Without xdist, or with ``-n 0``, nothing changes.
+start, else a fast module, else waits for one of those to become possible. So the timed lane runs
+beside the fast tests, as it did with one untimed lane, and the untimed modules end the run on
+every worker: with the untimed tests in one lane, queued after the fast tests, that lane ran alone
+for about five minutes at the end while the other worker, done with the timed lane, had nothing
+left. (Starting the untimed modules first, beside the timed lane, made the timed tests slower and
+late ones failed their clocks: the browser's 120 s wait, the Solver panel's 4 s cancellation.)
+Without xdist, or with ``-n 0``, nothing changes.
 
 Why a scheduler and not ``--dist loadgroup`` with an ``xdist_group`` mark: loadgroup passes the
 group inside the test id, and with pytest 9.2 that rewrite silently stops taking effect
@@ -157,12 +160,17 @@ def pytest_xdist_make_scheduler(config, log):
 
         def _untimed_may_start(self, node) -> bool:
             """Whether ``node`` may take an untimed module now: no other worker still has a serial
-            test, and while another runs the timed lane, no third worker has an untimed module."""
+            test; and while another runs the timed lane, only once no fast module is left to run
+            beside it, and when no third worker has an untimed module."""
             others = [n for n in self.assigned_work if n is not node]
             if any(self._pending(n, "serial") for n in others):
                 return False
             timed = [n for n in others if self._pending(n, "timed")]
-            return not timed or not any(self._pending(n, "untimed") for n in others if n not in timed)
+            if not timed:
+                return True
+            if any(s != HEAVY and not s.startswith(UNTIMED + "::") for s in self.workqueue):
+                return False
+            return not any(self._pending(n, "untimed") for n in others if n not in timed)
 
         def _next_scope(self, node) -> str | None:
             if HEAVY in self.workqueue:

@@ -2,8 +2,9 @@
 real ``pytest -n 3`` (``make test`` runs one worker per core; three workers let every rule bind): the
 timed lane (``slow`` and ``serial`` tests) on one worker, one at a time, started first, the ``serial``
 ones before the rest and beside no heavy test; each module's untimed tests (``slow`` and
-``untimed``) on one worker, one at a time, started while the timed lane still runs, never two of
-them beside a timed test; each module's fast tests on one worker (its module fixture built once)."""
+``untimed``) on one worker, one at a time, never two of them beside a timed test; each module's
+fast tests on one worker (its module fixture built once). That the fast tests go beside the timed
+lane first is a choice for speed, seen in the suite's timings, not checked here."""
 
 from __future__ import annotations
 
@@ -109,8 +110,6 @@ def test_heavy_tests_run_in_lanes_beside_at_most_one_other(tmp_path):
         near = [u for u in untimed if _overlap(t, u)]
         assert not any(_overlap(a, b) for i, a in enumerate(near) for b in near[i + 1:]), \
             f"two untimed tests ran beside {t['name']}: {[u['name'] for u in near]}"
-    # the untimed modules start while the timed lane runs, not after every fast test
-    assert untimed[0]["t0"] < heavy[-1]["t0"]
     # a module's fast tests on one worker: its module fixture built once
     fixtures = defaultdict(int)
     for r in rows:
