@@ -108,6 +108,25 @@ def run_cli(*args, check=True):
     return p
 
 
+def cli_main(capsys, *args):
+    """``workbench *args`` through the console script's entry (``workbench.cli.main``, which the script
+    exits with) in this process, for checks of what the command says and returns, where an interpreter
+    per case would cost more than the check (``run_cli`` runs the console script itself). Returns
+    ``(returncode, stdout, stderr)`` as attributes, like ``run_cli``'s CompletedProcess. An exception
+    escaping ``main`` fails the test, as its traceback would show in a terminal."""
+    from types import SimpleNamespace
+
+    from workbench.cli import main
+
+    capsys.readouterr()
+    try:
+        rc = main(list(args))
+    except SystemExit as e:  # argparse's own refusals exit from inside parse_args
+        rc = e.code
+    out, err = capsys.readouterr()
+    return SimpleNamespace(returncode=rc, stdout=out, stderr=err)
+
+
 def seed_machine_profile(root, nproc: int = 2):
     """A machine profile run in the store ``root`` as ``ensure_machine_profile`` leaves one, without
     measuring: the shipped ``cpu-gloo-tiny`` figures stamped with this machine's fingerprint for

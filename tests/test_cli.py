@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import run_cli
+from conftest import cli_main, run_cli
 
 A, B, C = 5.128e-6, 0.1840, 629.4  # FlexSP GPT-7B on A100-40G
 
@@ -130,15 +130,9 @@ def test_bad_input_is_one_clear_line(args, needle, capsys, monkeypatch):
     An exception escaping ``main`` would fail the test here as its traceback would in a terminal."""
     from pathlib import Path
 
-    from workbench.cli import main
-
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
-    capsys.readouterr()
-    try:
-        rc = main(list(args))
-    except SystemExit as e:  # argparse's own refusals exit from inside parse_args
-        rc = e.code
-    err = capsys.readouterr().err
+    p = cli_main(capsys, *args)
+    rc, err = p.returncode, p.stderr
     assert rc == 2, err
     lines = [ln for ln in err.strip().splitlines() if ln.startswith("workbench")]
     assert len(lines) == 1 and needle in lines[0], err

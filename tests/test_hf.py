@@ -174,18 +174,10 @@ def test_config_paths_that_are_not_configs(tmp_path):
 def test_cli_plans_and_costs_a_config_path_and_refuses_a_bad_one(tmp_path, capsys):
     """Through the console script's ``main`` in this process (five interpreters cost more than the checks;
     the export test runs the console script itself)."""
-    from types import SimpleNamespace
-
-    from workbench.cli import main
+    from conftest import cli_main
 
     def workbench(*args):
-        capsys.readouterr()
-        try:
-            rc = main(list(args))
-        except SystemExit as e:
-            rc = e.code
-        out, err = capsys.readouterr()
-        return SimpleNamespace(returncode=rc, stdout=out, stderr=err)
+        return cli_main(capsys, *args)
 
     d = tmp_path / "m"
     d.mkdir()
@@ -399,12 +391,11 @@ def test_export_loads_back_into_transformers_with_the_same_logits(hf_dirs, tmp_p
         assert p.returncode == 0, p.stderr
         stdout = p.stdout
     else:  # the same entry in this process (an interpreter importing torch per kind cost most of the test)
-        from workbench.cli import main
+        from conftest import cli_main
 
-        capsys.readouterr()
-        rc = main(["export", str(run.path), "--out", str(out), "--json"])
-        stdout, err = capsys.readouterr()
-        assert rc == 0, err
+        p = cli_main(capsys, "export", str(run.path), "--out", str(out), "--json")
+        assert p.returncode == 0, p.stderr
+        stdout = p.stdout
     res = json.loads(stdout)
     assert res["step"] == 2 and res["files"] == ["model.safetensors"] and res["dtype"] == "float32"
     back = AutoModelForCausalLM.from_pretrained(str(out)).eval()
@@ -431,12 +422,11 @@ def test_export_shards_dtypes_and_refusals(hf_dirs, tmp_path, capsys):
     # refusals: an existing non-empty folder (nothing overwritten), a step that does not exist, no checkpoint;
     # through the CLI's own entry in this process (the console script runs `workbench export` in the test above,
     # and an interpreter importing torch for each refusal cost more than the rest of the test)
-    from workbench.cli import main
+    from conftest import cli_main
 
     def refused(*args):
-        capsys.readouterr()
-        rc = main(["export", *args])
-        return rc, capsys.readouterr().err
+        p = cli_main(capsys, "export", *args)
+        return p.returncode, p.stderr
 
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "keep.txt").write_text("mine")

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from conftest import cli_main, run_cli
 from workbench.cost import CostModel
 from workbench.cost.offload import exposed_copy_ms, host_link_gbps, mlp_flop_share, offload_saved_bytes_per_token
 from workbench.models import get_model
@@ -200,14 +200,8 @@ def test_offload_flags_on_bad_input_are_one_line(args, needle, capsys):
     """Through the console script's ``main`` in this process (an interpreter per case cost more than the
     checks; ``test_train_refuses_more_host_memory_than_the_machine_has`` runs the real console script's
     refusals). An exception escaping ``main`` fails the test as its traceback would show in a terminal."""
-    from workbench.cli import main
-
-    capsys.readouterr()
-    try:
-        rc = main(list(args))
-    except SystemExit as e:  # argparse's own refusals exit from inside parse_args
-        rc = e.code
-    err = capsys.readouterr().err
+    p = cli_main(capsys, *args)
+    rc, err = p.returncode, p.stderr
     assert rc == 2, err
     lines = [ln for ln in err.strip().splitlines() if ln.strip()]
     assert len(lines) <= 2 and needle in err, err  # argparse prints its usage line first

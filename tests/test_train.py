@@ -251,14 +251,10 @@ def test_token_data_corpus_documents_and_windows():
 def _cli(capsys, *args: str) -> tuple[int, str]:
     """``workbench *args`` through the console script's entry (``workbench.cli.main``, which the
     script exits with) in this process: ``(exit status, stderr)``."""
-    from workbench.cli import main
+    from conftest import cli_main
 
-    capsys.readouterr()
-    try:
-        code = main(list(args))
-    except SystemExit as e:  # argparse's own refusals
-        code = e.code
-    return code, capsys.readouterr().err
+    p = cli_main(capsys, *args)
+    return p.returncode, p.stderr
 
 
 def test_cli_rejects_bad_settings_before_starting(tmp_path, capsys):
