@@ -17,8 +17,7 @@ import nbformat
 import pytest
 
 from workbench import runs
-from workbench.notebook import (NOTEBOOKS, NotebookFailed, coerce_value, find_notebook, notebook_parameters, run_notebook,
-                                strip_notebook)
+from workbench.notebook import NOTEBOOKS, coerce_value, find_notebook, notebook_parameters, run_notebook, strip_notebook
 
 # its slow tests check notebooks' outputs and files, not times: make test runs them in the untimed lane (tests/_xdist_heavy.py)
 pytestmark = pytest.mark.untimed
@@ -100,10 +99,16 @@ def test_parameters_are_parsed_typed_and_checked(tmp_path):
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """``workbench demo`` once, short (2 training steps, 20,000 sampled lengths, a 0.3 effort planner
-    limit): ``(store, report, demo run, the store's (kind, id) right after it, {notebook: its run})``.
-    Its ``00_tour`` and ``04_train`` runs are what the tour and train tests check, so each notebook
-    runs once in this file."""
+    limit), in a store already holding this machine's profile (``seed_machine_profile``), which the
+    demo reuses instead of measuring this machine for 30 s (its measuring branch is checked by
+    ``test_the_demo_says_when_it_measured_this_machine``, the measurement itself by test_widgets.py's
+    ``two_runs`` and test_profile_run.py): ``(store, report, demo run, the store's (kind, id) right
+    after it, {notebook: its run})``. Its ``00_tour``, ``03_solver`` and ``04_train`` runs are
+    what the tour, solver and train tests check, so each of them runs once in this file."""
+    from conftest import seed_machine_profile
+
     root = tmp_path_factory.mktemp("demo")
+    seed_machine_profile(root)
     r = workbench("demo", "--run-root", str(root), "--steps", "2", "--samples", "20000", "--effort", "0.3",
                   timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -213,22 +218,22 @@ def test_hardware_and_lengths_notebooks(tmp_path):
 
 
 @pytest.mark.slow
-def test_solver_notebook_through_the_cli(tmp_path):
+def test_solver_notebook_headless(demo, tmp_path):
+    """The demo's ``03_solver`` run (its default 64 GPUs and 1M-token batches, every planner): the
+    tables, valid plans, the figures, and an executed notebook that strips back to the committed one.
+    The command line's ``-p`` strings arriving typed is the failing-cell test's (a run through
+    ``workbench notebook run``)."""
     from workbench.scenario import Scenario
     from workbench.solve import plan_from_dict, validate
 
-    r = workbench("notebook", "run", "03_solver", "-p", "num_gpus", "16", "-p", "batch_tokens", "262144",
-                  "-p", "effort", "0.3", "-p", "planner", "greedy", "--run-root", str(tmp_path))
-    assert r.returncode == 0, r.stderr[-3000:]
-    run = runs.load_run(r.stdout.strip().splitlines()[-1])
+    run = demo[4]["03_solver"]
     assert run.status().state == "done" and run.kind == "notebook"
-    # the command line's strings arrive typed as the parameters cell declares them
-    assert run.spec()["parameters"] == {"num_gpus": 16, "batch_tokens": 262144, "effort": 0.3, "planner": "greedy"}
+    assert run.spec()["parameters"] == {"samples": 20000, "seed": 0, "effort": 0.3}
     assert errors_in(executed(run, "03_solver")) == []
     rows = json.loads((run.path / "tables" / "planners.json").read_text())
-    assert [r["planner"] for r in rows][0] == "greedy" and len(rows) == 6
+    assert [r["planner"] for r in rows][0] == "flexsp" and len(rows) == 6  # the chosen planner first, then the others
     sc = Scenario.from_dict(json.loads((run.path / "tables" / "scenario.json").read_text()))
-    assert sc.num_gpus == 16 and sc.batch_tokens == 262144
+    assert sc.num_gpus == 64 and sc.batch_tokens == 1_000_000 and sc.samples == 20000 and sc.effort == 0.3
     batch = sc.batches(1)[0].lengths
     plans = json.loads((run.path / "tables" / "plans.json").read_text())
     for p in plans.values():
@@ -261,8 +266,8 @@ def test_train_and_compare_notebooks_share_the_store(demo):
 
     # 05 finds one finished run, trains one more (greedy) and compares the two: in a store holding
     # only that run (the demo's store also holds the run of 04_train's own-model section) and the
-    # demo's profile of this machine, which the new run reuses (measuring it again would add 30 s
-    # here; the demo's test checks the measurement)
+    # profile of this machine the demo's store holds, which the new run reuses (measuring this machine
+    # would add 30 s here; see the demo fixture for where the measurement is checked)
     store = root.parent / "compare"
     shutil.copytree(trained.path, store / trained.path.name)
     (prof_id,) = [i for k, i in demo[3] if k == "profile"]
@@ -278,17 +283,20 @@ def test_train_and_compare_notebooks_share_the_store(demo):
 
 @pytest.mark.slow
 def test_a_failing_cell_fails_the_run_with_its_error_in_one_line(tmp_path):
-    r = workbench("notebook", "run", "03_solver", "-p", "planner", "nope", "--run-root", str(tmp_path))
+    r = workbench("notebook", "run", "03_solver", "-p", "num_gpus", "16", "-p", "effort", "0.3", "-p", "recompute", "true",
+                  "-p", "planner", "nope", "--run-root", str(tmp_path))
     assert r.returncode == 1
+    # the command's run_notebook raised NotebookFailed (the only error it reports this way): the failing
+    # cell's error in one line
     err = [x for x in r.stderr.splitlines() if x.startswith("workbench notebook: error:")]
     assert len(err) == 1 and "ValueError: unknown planner 'nope'" in err[0] and "in cell [" in err[0]
     run = runs.load_run(r.stdout.strip().splitlines()[-1])
+    # the command line's strings arrive typed as the parameters cell declares them
+    assert run.spec()["parameters"] == {"num_gpus": 16, "effort": 0.3, "recompute": True, "planner": "nope"}
     st = run.status()
     assert st.state == "failed" and st.error.startswith("ValueError: unknown planner 'nope'")
     assert "\n" not in st.error
     assert (run.path / "03_solver.ipynb").is_file()  # the executed notebook shows where it stopped
-    with pytest.raises(NotebookFailed, match="unknown planner"):
-        run_notebook("03_solver", {"planner": "nope"}, root=tmp_path)
 
 
 @pytest.mark.slow
@@ -301,11 +309,10 @@ def test_demo_writes_the_explained_offline_report(demo):
     assert html.count("class=\"plotly-graph-div\"") >= 10
     for phrase in ("The clipped sequences.", "Where the gradient sync sits:", "How to read a timeline.", "Glossary",
                    "lower bound, gap", "micro-step", "A real training run on this machine", "faster than static-max",
-                   "Where the predictions come from.", "this machine's quick profile for 2 processes (measured just now",
-                   "How well it predicted.", "The machine's load during the run"):
+                   "Where the predictions come from.", "How well it predicted.", "The machine's load during the run"):
         assert phrase in html, phrase
-    # the demo's run, its three notebooks, this machine's profile (measured first, once) and the training
-    # runs 04_train says it made (the tiny model's, and its own-model section's when that section trains)
+    # the demo's run, its three notebooks, this machine's profile (seeded by the fixture: reused) and the
+    # training runs 04_train says it made (the tiny model's, and its own-model section's when that section trains)
     tables = made["04_train"].path / "tables"
     trained = [json.loads((tables / "train_run.json").read_text())["run"]]
     if (tables / "own_model_run.json").is_file():
@@ -313,18 +320,63 @@ def test_demo_writes_the_explained_offline_report(demo):
     assert [k for k, _ in kinds] == sorted(["demo", "notebook", "notebook", "notebook", "profile"]
                                            + ["train"] * len(trained))
     assert sorted(i for k, i in kinds if k == "train") == sorted(trained)
-    # every training run planned with this machine's profile, and the report says so, with the load
+    # every training run planned with this machine's profile, reused from the store (nothing measured),
+    # and the report says so, with the load
     (prof,) = [runs.load_run(root / i) for k, i in kinds if k == "profile"]
     summary = json.loads(run.file("demo.json").read_text())["machine_profile"]
-    assert summary["measured"] and summary["run"] == prof.id and prof.spec()["fingerprint"]["nproc"] == 2
+    assert not summary["measured"] and summary["run"] == prof.id and prof.spec()["fingerprint"]["nproc"] == 2
     for t in trained:
         t = runs.load_run(root / t)
         assert t.spec()["scenario"]["profile"] == str(prof.file(runs.PROFILE_FILE))
         assert t.status().resolved["profile_from_this_machine"] is True and t.load_average()["samples"] >= 1
     assert "run planned with profile <code>cpu-gloo-tiny-2r</code>" in html
-    # a second demo on this store reuses it, measuring nothing
-    from workbench.demo import _machine_profile
+    assert (f"this machine's quick profile for 2 processes (reused from the run store (profile run <code>{prof.id}</code>)"
+            in html)
 
+
+@pytest.mark.slow
+def test_the_demo_says_when_it_measured_this_machine(demo, tmp_path, monkeypatch):
+    """The demo's branch for a store without this machine's profile, which its run above passes over:
+    ``_machine_profile`` measures through ``ensure_machine_profile`` (a stand-in here, returning the
+    store's profile as measured in 31 s; the measurement itself is test_widgets.py's ``two_runs``,
+    through the Launch panel, and test_profile_run.py's), saying so with its progress a line a phase;
+    a failed measurement is an error and no profile (the run plans with the shipped one); and the
+    report's paragraph on the predictions says the profile was measured just now."""
+    import workbench.profile.machine as machine
+    from workbench.demo import _machine_profile, _prediction_blocks
+
+    root, _, _, kinds, made = demo
+    (prof,) = [runs.load_run(root / i) for k, i in kinds if k == "profile"]
+    calls = []
+
+    def measure(nproc, *, root, progress, **kw):
+        calls.append((nproc, Path(root)))
+        for frac, msg in ((0.0, "starting torchrun"), (0.01, "compute: sample 2/180"), (0.2, "compute: sample 44/180"),
+                          (0.8, "collectives: all_to_all d=2 8,192 B"), (1.0, "done in 31s")):
+            progress(frac, msg)
+        return machine.MachineProfile(path=prof.file(runs.PROFILE_FILE), run=prof, measured=True,
+                                      fingerprint=prof.spec()["fingerprint"], seconds=31.0)
+
+    monkeypatch.setattr(machine, "ensure_machine_profile", measure)
     said = []
-    again, err = _machine_profile(root, said.append)
-    assert err is None and not again.measured and again.run == prof and "reusing" in said[0]
+    got, err = _machine_profile(tmp_path, said.append)
+    assert err is None and got.measured and got.run == prof and calls == [(2, tmp_path)]
+    assert said[0].startswith("demo: measuring this machine first: a quick profile of 2 processes")
+    # one line a phase (a phase's later lines within 5 s are left out), then the time it took
+    assert said[1:-1] == ["demo: profile   0% starting torchrun", "demo: profile   1% compute: sample 2/180",
+                          "demo: profile  80% collectives: all_to_all d=2 8,192 B", "demo: profile 100% done in 31s"]
+    assert re.fullmatch(rf"demo: this machine's profile done in \d+s \({re.escape(str(prof.path))}\)", said[-1])
+
+    def fail(nproc, **kw):
+        raise RuntimeError("measuring this machine (profile run x) failed: rank 1 exited with 1")
+
+    monkeypatch.setattr(machine, "ensure_machine_profile", fail)
+    said = []
+    assert _machine_profile(tmp_path, said.append) == (
+        None, "measuring this machine (profile run x) failed: rank 1 exited with 1")
+    assert said[-1].endswith("failed: rank 1 exited with 1; the run plans with the shipped profile")
+
+    trained = runs.load_run(json.loads((made["04_train"].path / "tables" / "train_run.json").read_text())["run_dir"])
+    text = " ".join(str(b) for kind, b in _prediction_blocks(trained, trained.summary(), got) if kind == "p")
+    assert ("Where the predictions come from." in text and
+            "this machine's quick profile for 2 processes (measured just now, in 31 s;" in text), text
