@@ -7,6 +7,11 @@ and its plotly timeline render, a changed control draws a new plan. ``04_train``
 Stop, ``stopped`` in the panel and in the run store, no process left. Screenshots go to
 ``test-output/browser/`` (or ``$WORKBENCH_TEST_OUTPUT/browser``).
 
+The copies plan and run no more than these checks need (``_BROWSER_COPIES``): the solver plans
+20,000 sampled lengths with flexsp alone at effort 0.3 (the headless runs of ``test_notebooks.py``
+plan the defaults with every planner), and ``04_train`` stops before its own-model section (whose
+training ``test_hf_dist.py`` and the demo's 04_train run check).
+
 Skips with a line saying how to enable it when Playwright or Chromium is missing, unless
 ``WORKBENCH_REQUIRE_BROWSER=1`` (CI sets it), which turns a missing browser into a failure.
 """
@@ -59,6 +64,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_BROWSER_COPIES = {
+    # the Solver panel renders and replans the same with one planner, fewer lengths and less search
+    "03_solver.ipynb": ({"samples": 20000, "effort": 0.3, "compare": False}, None),
+    # the Launch panel's cells only (the own-model section trains a tokenizer, plans and makes a second
+    # panel, on the cores the run being started needs), and the demo's shorter steps: the first one
+    # shows sooner, and the run is stopped after it
+    "04_train.ipynb": ({"max_len": 512, "batch_tokens": 8192}, "04-04"),
+}
+"""For each notebook the browser opens: parameter defaults changed in its copy, and the id of the
+last cell kept (None: all of them)."""
+
+
+def _cheaper_copy(path: Path, params: dict, last_cell: str | None) -> None:
+    """Set ``params`` in the copy's parameters cell (its ``name: type = value  # help`` lines, as
+    JupyterLab shows them) and drop the cells after ``last_cell``."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    if last_cell is not None:
+        ids = [c.get("id") for c in nb.cells]
+        nb.cells = nb.cells[:ids.index(last_cell) + 1]
+    (cell,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    for name, value in params.items():
+        cell.source, n = re.subn(rf"^({name}: \w+ = )[^#\n]*?(\s+#)", rf"\g<1>{value!r}\g<2>", cell.source, flags=re.M)
+        assert n == 1, f"{path.name} has no parameter {name}"
+    nbformat.write(nb, path)
+
+
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """A running JupyterLab over a copy of the notebooks: ``(base_url, token, runs_root, shots)``."""
@@ -66,6 +99,8 @@ def lab(tmp_path_factory):
     work = tmp_path_factory.mktemp("lab")
     nbdir, runs_root, cfg = work / "notebooks", work / "runs", work / "jupyter"
     shutil.copytree(ROOT / "notebooks", nbdir)
+    for name, (params, last_cell) in _BROWSER_COPIES.items():
+        _cheaper_copy(nbdir / name, params, last_cell)
     runs_root.mkdir()
     shots = Path(os.environ.get("WORKBENCH_TEST_OUTPUT") or ROOT / "test-output") / "browser"
     shots.mkdir(parents=True, exist_ok=True)
@@ -141,23 +176,37 @@ def shoot_on_failure(request, page, lab):
 _PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook in the tab shown
 
 
+_POLL_MS = 200
+"""How often a page.wait_for_function condition is checked (Playwright's default is every animation
+frame, which keeps Chromium's renderer busy while a kernel plans or trains on the same cores)."""
+
+_KERNEL_IDLE = ("() => { const ind = document.querySelector('%s .jp-Notebook-ExecutionIndicator');"
+                " const bar = document.querySelector('#jp-main-statusbar');"
+                " return !!ind && ind.getAttribute('data-status') === 'idle' && "
+                "/\\(ipykernel\\)\\s*\\|\\s*Idle/.test(bar ? bar.innerText : ''); }" % _PANEL)
+"""True when this notebook's kernel is connected: its execution indicator and the status bar say idle."""
+
+_KERNEL_DIALOG = ".jp-Dialog .jp-Dialog-button.jp-mod-accept"
+
+
 def _open(page, lab, name: str) -> None:
+    """Open notebook ``name`` and wait for its kernel: by its URL the first time, then from the file
+    browser of the JupyterLab already loaded (loading the page again costs Chromium a few seconds of CPU)."""
     base, token, _, _ = lab
-    page.goto(f"{base}/lab/tree/{name}?token={token}", timeout=120_000)
+    if page.url.startswith(f"{base}/lab"):
+        page.locator(".jp-DirListing-itemText", has_text=re.compile(rf"^{re.escape(name)}$")).first.dblclick()
+        page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current", has_text=name).wait_for(timeout=60_000)
+    else:
+        page.goto(f"{base}/lab/tree/{name}?token={token}", timeout=120_000)
     page.locator(_PANEL).first.wait_for(timeout=120_000)
-    # JupyterLab may ask which kernel to start: the notebook's own (python3) is preselected
-    select = page.locator(".jp-Dialog .jp-Dialog-button.jp-mod-accept", has_text=re.compile("Select"))
-    try:
-        select.wait_for(timeout=5_000)
-        select.click()
-    except Exception:  # noqa: BLE001 - no dialog: the kernel starts by itself
-        pass
-    # the kernel is connected when this notebook's execution indicator and the status bar say idle
-    page.wait_for_function(
-        "() => { const ind = document.querySelector('%s .jp-Notebook-ExecutionIndicator');"
-        " const bar = document.querySelector('#jp-main-statusbar');"
-        " return ind && ind.getAttribute('data-status') === 'idle' && "
-        "/\\(ipykernel\\)\\s*\\|\\s*Idle/.test(bar ? bar.innerText : ''); }" % _PANEL, timeout=120_000)
+    # JupyterLab may ask which kernel to start (the notebook's own, python3, is preselected): accept it
+    # when it asks; else the kernel starts by itself. Whichever comes first, no fixed wait for a dialog
+    page.wait_for_function("() => !!document.querySelector('%s') || (%s)()" % (_KERNEL_DIALOG, _KERNEL_IDLE),
+                           timeout=120_000, polling=_POLL_MS)
+    select = page.locator(_KERNEL_DIALOG, has_text=re.compile("Select"))
+    if select.count():
+        select.first.click()
+    page.wait_for_function(_KERNEL_IDLE, timeout=120_000, polling=_POLL_MS)
 
 
 def _run_all(page) -> None:
@@ -168,7 +217,8 @@ def _run_all(page) -> None:
         page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
         try:
             page.wait_for_function("() => [...document.querySelectorAll('%s .jp-InputArea-prompt')]"
-                                   ".some(e => /\\[(\\*|\\d+)\\]/.test(e.innerText))" % _PANEL, timeout=20_000)
+                                   ".some(e => /\\[(\\*|\\d+)\\]/.test(e.innerText))" % _PANEL, timeout=20_000,
+                                   polling=_POLL_MS)
             return
         except Exception:  # noqa: BLE001 - playwright's TimeoutError: try the menu again
             time.sleep(2)
@@ -207,7 +257,7 @@ def test_solver_notebook_renders_and_replans(lab, page, shoot_on_failure):
     # the timeline is drawn by plotly in the page: bars exist and every rank has a label
     page.wait_for_function("() => [...document.querySelectorAll('.js-plotly-plot')].some(gd => "
                            "gd.layout && gd.layout.yaxis && /rank/.test((gd.layout.yaxis.title||{}).text||'') && "
-                           "gd.querySelectorAll('.barlayer .point').length > 0)", timeout=120_000)
+                           "gd.querySelectorAll('.barlayer .point').length > 0)", timeout=120_000, polling=_POLL_MS)
     assert _timeline_ranks(page) == 64
     labels = page.evaluate("""() => { for (const gd of document.querySelectorAll('.js-plotly-plot')) {
         if (/rank/.test(((gd.layout.yaxis||{}).title||{}).text||''))
@@ -219,7 +269,7 @@ def test_solver_notebook_renders_and_replans(lab, page, shoot_on_failure):
     gpus = page.locator(".widget-dropdown", has=page.locator("label", has_text=re.compile(r"^GPUs$"))).locator("select")
     gpus.select_option(label="16")
     _widget_text(page, r"plan #2: flexsp", timeout=120_000)
-    page.wait_for_function(f"() => ({_js_ranks()}) === 16", timeout=60_000)
+    page.wait_for_function(f"() => ({_js_ranks()}) === 16", timeout=60_000, polling=_POLL_MS)
     page.locator(".widget-html-content", has_text="plan #2").first.scroll_into_view_if_needed()
     page.screenshot(path=str(shots / "solver-16.png"))
     page.locator(".js-plotly-plot").first.scroll_into_view_if_needed()
