@@ -132,8 +132,9 @@ def seed_machine_profile(root, nproc: int = 2):
     measuring: the shipped ``cpu-gloo-tiny`` figures stamped with this machine's fingerprint for
     ``nproc`` processes and the current profiler version, so a CPU launch in that store reuses it
     instead of measuring this machine first (about 30 s on 2 cores). For tests whose checks are not
-    about the measurement; the Launch panel's (``test_widgets.py``'s ``two_runs``) and the demo's
-    measure for real. Returns the profile Run."""
+    about the measurement (the demo's fixture in ``test_notebooks.py`` too); the Launch panel's
+    (``test_widgets.py``'s ``two_runs``) and ``test_profile_run.py`` measure for real. Returns the
+    profile Run."""
     from workbench import runs
     from workbench.profile.machine import MACHINE_MODEL, machine_fingerprint
     from workbench.profile.result import PROFILER_VERSION
