@@ -168,30 +168,27 @@ def shared_world(request, tmp_path_factory, module_name: str) -> dict:
 
 def _shared_worker(out_path: str, spec_json: str) -> int:
     """Rank side of the shared world: each taking-part module's checks, in order, on one process
-    group and one registry (the union of the modules' splits), gathered as ``{rank: {module: dict}}``."""
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
+    group and one registry (the union of the modules' splits; :func:`run_checks`), gathered as
+    ``{rank: {module: dict}}``."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    spec = json.loads(spec_json)
-    mods = [(importlib.import_module(name), args) for name, args in spec]
+    mods = [(importlib.import_module(name), args) for name, args in json.loads(spec_json)]
     shapes = sorted({tuple(s) for mod, _ in mods for s in getattr(mod, "WORLD_SHAPES", ())})
     timeout_s = min(getattr(mod, "DIST_TIMEOUT_S", 90) for mod, _ in mods)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    rank = dist.get_rank()
-    from workbench.runtime.groups import GroupRegistry
+    return run_checks(out_path, [_module_checks(mod, args) for mod, args in mods], degrees=SHARED_DEGREES,
+                      shapes=shapes, timeout_s=timeout_s)
 
-    registry = GroupRegistry(dist.get_world_size(), list(SHARED_DEGREES), shapes=shapes)
-    results: dict = {}
-    for mod, args in mods:
-        mine = results.setdefault(mod.__name__, {})
-        for check in mod.world_checks(*args):
-            mine.update(check(registry, rank))
-    gather_to_file(results, out_path)
-    return 0
+
+def _module_checks(mod, args: list[str]):
+    """One check running all of ``mod``'s world checks (made once the process group is up), their
+    results under the module's name."""
+
+    def check(registry, rank) -> dict:
+        mine: dict = {}
+        for c in mod.world_checks(*args):
+            mine.update(c(registry, rank))
+        return {mod.__name__: mine}
+
+    return check
 
 
 if __name__ == "__main__":
