@@ -149,12 +149,16 @@ def pytest_xdist_make_scheduler(config, log):
             return self._units.get(nodeid) or nodeid.split("::", 1)[0]
 
         # ---- which unit a worker takes ------------------------------------------------------------
+        @staticmethod
+        def _untimed(scope: str) -> bool:
+            return scope.startswith(UNTIMED + "::")
+
         def _pending(self, node, kind: str) -> list[str]:
             """The node's tests not yet done, of one kind: ``timed`` (the timed lane), ``serial`` (the
             timed lane's first tests) or ``untimed`` (any untimed module)."""
             out = []
             for scope, unit in self.assigned_work.get(node, {}).items():
-                if (scope.startswith(UNTIMED + "::") if kind == "untimed" else scope == HEAVY):
+                if (self._untimed(scope) if kind == "untimed" else scope == HEAVY):
                     out += [t for t, done in unit.items() if not done and (kind != "serial" or t in self._serial)]
             return out
 
@@ -168,17 +172,17 @@ def pytest_xdist_make_scheduler(config, log):
             timed = [n for n in others if self._pending(n, "timed")]
             if not timed:
                 return True
-            if any(s != HEAVY and not s.startswith(UNTIMED + "::") for s in self.workqueue):
+            if any(s != HEAVY and not self._untimed(s) for s in self.workqueue):  # a fast module is left
                 return False
             return not any(self._pending(n, "untimed") for n in others if n not in timed)
 
         def _next_scope(self, node) -> str | None:
             if HEAVY in self.workqueue:
                 return HEAVY
-            untimed = [s for s in self.workqueue if s.startswith(UNTIMED + "::")]
+            untimed = [s for s in self.workqueue if self._untimed(s)]
             if untimed and self._untimed_may_start(node):
                 return untimed[0]
-            fast = [s for s in self.workqueue if s != HEAVY and not s.startswith(UNTIMED + "::")]
+            fast = [s for s in self.workqueue if s != HEAVY and not self._untimed(s)]
             return fast[0] if fast else None  # None: only untimed modules are left, and they must wait
 
         def _assign_work_unit(self, node) -> None:
