@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from conftest import run_cli
+from conftest import cli_main, run_cli
 from workbench.cost import CostModel
 from workbench.models import get_model
 from workbench.profile import ProfileSpec, cp_blocks, default_group_sizes, micro_step_sizes
@@ -140,7 +140,8 @@ def test_the_cost_table_and_its_line_name_the_interpolated_and_extrapolated_size
     assert "every group size's figure measured" in cost.estimated_links_note([2])
 
 
-def test_workbench_cost_prints_the_line_and_json_lists_them(tmp_path):
+def test_workbench_cost_prints_the_line_and_json_lists_them(tmp_path, capsys):
+    """The line through the console script; the JSON through its entry in this process."""
     prof = dataclasses.replace(load_profile("cpu-gloo-tiny"), all_to_all_gbps={2: 10.0, 4: 40.0},
                                allgather_gbps={2: 5.0, 4: 20.0}, reduce_scatter_gbps={2: 4.0, 4: 16.0})
     path = tmp_path / "p.json"
@@ -150,7 +151,7 @@ def test_workbench_cost_prints_the_line_and_json_lists_them(tmp_path):
     out = run_cli(*args).stdout
     line = [ln for ln in out.splitlines() if ln.startswith("links not measured")]
     assert len(line) == 1 and "interpolated at 3 (between 2 and 4)" in line[0] and "extrapolated at 6" in line[0]
-    data = json.loads(run_cli(*args, "--json").stdout)
+    data = json.loads(cli_main(capsys, *args, "--json").stdout)
     assert {(r["kind"], r["size"], r["source"]) for r in data["estimated_links"]} == {
         ("allgather", 3, "interpolated"), ("allgather", 6, "extrapolated"),
         ("reduce_scatter", 3, "interpolated"), ("reduce_scatter", 6, "extrapolated")}
@@ -166,14 +167,15 @@ def test_workbench_cost_prints_the_line_and_json_lists_them(tmp_path):
 @pytest.mark.untimed
 def test_a_three_rank_profile_measures_sizes_2_and_3(tmp_path):
     """3 ranks: size 2 on the block {0, 1} while rank 2 waits, size 3 on all of them; CP at 2 on
-    {0, 1}, at 3 the world. A small grid (no real steps, no micro-steps at these sizes)."""
+    {0, 1}, at 3 the world. A small grid (no real steps, no micro-steps at these sizes), one timed
+    sample a pack of one call (no minimum sample length): the test reads which sizes were measured."""
     from workbench.launch import process
     from workbench.profile import load_result, prepare_profile, start_profile
 
     run = prepare_profile(nproc=3, model="tiny", quick=True, root=tmp_path, name="p3", device="cpu", oversubscribe=True,
-                          max_len=256, reps=2, warmup=1, steps=False, fit_packs=[[64], [128], [256], [32] * 4],
+                          max_len=256, reps=1, warmup=1, steps=False, fit_packs=[[64], [128], [256], [32] * 4],
                           heldout_packs=[[96]], group_packs=[[128]], message_bytes=[8192, 65536], collective_reps=3,
-                          collective_inner=2)
+                          collective_inner=2, min_sample_ms=0.0)
     st = process.wait(start_profile(run), timeout=300)
     assert st.state == "done", run.log_tail(30)
     meas = json.loads((run.path / "measurements.json").read_text())
