@@ -12,11 +12,18 @@ import time
 
 import pytest
 
-from conftest import run_cli
+from conftest import cli_main, run_cli
 
 pytestmark = pytest.mark.slow
 
-GRID = ["--max-len", "512", "--reps", "2", "--warmup", "1"]
+GRID = ["--max-len", "256", "--reps", "1", "--warmup", "1"]
+
+
+def _cli(capsys, *args):
+    """``workbench *args`` through the console script's entry in this process; it must succeed."""
+    p = cli_main(capsys, *args)
+    assert p.returncode == 0, (args, p.stderr[-3000:])
+    return p
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +91,7 @@ def test_quick_profile_on_two_gloo_ranks(profiled):
         assert sorted(c["message_bytes"] for c in pts) == sizes and {(c["group_size"], c["stride"]) for c in pts} == {(2, 1)}
         assert all(c["ms"] > 0 and len(c["per_rank"]) == 2 for c in pts)
     resolved = run.spec()["resolved"]
-    packs = resolved["group_packs"] + [[512]]  # and the longest length the curves are fitted to (--max-len 512)
+    packs = resolved["group_packs"] + [[256]]  # and the longest length the curves are fitted to (--max-len 256)
     assert sorted(resolved["cp_packs"]) == sorted(packs)
     cp_rows = [g for g in meas["groups"] if g["cp"] == 2]
     assert sorted(g["pack"] for g in cp_rows) == sorted(packs) and all(g["degree"] == 2 and g["ms"] > 0 for g in cp_rows)
@@ -102,23 +109,25 @@ def test_quick_profile_on_two_gloo_ranks(profiled):
     assert again.cp_attention_factor == prof.cp_attention_factor
 
 
-def test_profile_drives_plan_simulate_train_and_check(profiled):
+def test_profile_drives_plan_simulate_train_and_check(profiled, capsys):
+    """The planning commands and the checks through the console script's entry in this process (they
+    start no process); the training runs through the console script."""
     root, out, _ = profiled
-    plan = json.loads(run_cli("plan", "--lengths", "4096,2048,512,300,200", "--gpus", "2", "--model", "tiny",
+    plan = json.loads(_cli(capsys, "plan", "--lengths", "4096,2048,512,300,200", "--gpus", "2", "--model", "tiny",
                               "--gpu-memory", "1", "--profile", str(out), "--planner", "greedy", "--json").stdout)
     assert plan["makespan_ms"] > 0
-    sim = json.loads(run_cli("simulate", "--lengths", "4096,2048,512,300,200", "--gpus", "2", "--model", "tiny",
+    sim = json.loads(_cli(capsys, "simulate", "--lengths", "4096,2048,512,300,200", "--gpus", "2", "--model", "tiny",
                              "--gpu-memory", "1", "--profile", str(out), "--planners", "static-max,greedy",
                              "--steps", "1", "--quiet", "--json").stdout)
     assert sim["planners"]["greedy"]["mean_step_ms"] > 0
     # the run folder works as --profile too (load_profile reads its profile.json)
-    run_cli("cost", "--lengths", "1024", "--degrees", "1,2", "--gpus", "2", "--model", "tiny", "--profile",
-            str(root / "p2"), "--json")
+    _cli(capsys, "cost", "--lengths", "1024", "--degrees", "1,2", "--gpus", "2", "--model", "tiny", "--profile",
+         str(root / "p2"), "--json")
     tr = run_cli("train", "--nproc", "2", "--model", "tiny", "--lengths", "300,200,150,100,60,40", "--planner", "greedy",
                  "--steps", "3", "--seed", "0", "--profile", str(out), "--run-root", str(root), "--name", "t2",
                  "--quiet", "--checkpoint-every", "0")
     assert tr.returncode == 0
-    chk = json.loads(run_cli("profile", "--check", "t2", "--profile", str(out), "--run-root", str(root), "--json",
+    chk = json.loads(_cli(capsys, "profile", "--check", "t2", "--profile", str(out), "--run-root", str(root), "--json",
                              "--html", str(root / "fidelity.html")).stdout)
     assert chk["run"] == "t2" and chk["skipped_steps"] == 1 and len(chk["steps"]) == 2
     # ZeRO-3 by default: lockstep passes, compared pass by pass, the optimizer step in both figures
@@ -131,13 +140,13 @@ def test_profile_drives_plan_simulate_train_and_check(profiled):
     # (plus the plan-ahead solver's time on the ranks' cores: 2 ranks on this 2-core machine)
     for s in chk["steps"]:
         assert s["predicted_ms"] - s["planner_cpu_ms"] == pytest.approx(s["run_predicted_ms"], rel=1e-9)
-    text = run_cli("profile", "--check", "t2", "--profile", "p2", "--run-root", str(root)).stdout
+    text = _cli(capsys, "profile", "--check", "t2", "--profile", "p2", "--run-root", str(root)).stdout
     assert "| step |" in text and "| lockstep pass |" in text
     # a ZeRO-0 run of the same: free micro-steps, compared group by group
     tr = run_cli("train", "--nproc", "2", "--model", "tiny", "--lengths", "300,200,150,100,60,40", "--planner", "greedy",
                  "--steps", "3", "--seed", "0", "--profile", str(out), "--run-root", str(root), "--name", "t0",
                  "--quiet", "--checkpoint-every", "0", "--zero-stage", "0")
-    free = json.loads(run_cli("profile", "--check", "t0", "--run-root", str(root), "--json").stdout)
+    free = json.loads(_cli(capsys, "profile", "--check", "t0", "--run-root", str(root), "--json").stdout)
     # without --profile: the one the run planned with (t0 planned with the profile t2's check was given)
     assert free["profile"] == chk["profile"]
     assert free["execution"] == "free" and free["groups"] and not free["passes"]
@@ -151,15 +160,16 @@ def test_four_ranks_measure_cp_sub_groups_of_every_size_and_a_2x2_split(tmp_path
     1 x 4 and 2 x 2 (none at 3: micro-steps stay at the power-of-two sizes), all three on the CP packs
     (the SP packs and the longest fitted length); the profile's all-gather at 2 and 3 is CP's, at 4
     FSDP's; the extras at 2 and 4, and 2 x 2's residual beyond them. A small grid, few collective
-    samples, no real steps (what they add is the 2-rank test's)."""
+    samples, one timed sample a pack of one call (no minimum sample length), no real steps (what they
+    add is the 2-rank test's)."""
     from workbench.launch import process
     from workbench.profile import load_result, prepare_profile, start_profile
     from workbench.profile.result import PROFILER_VERSION
 
     run = prepare_profile(nproc=4, model="tiny", quick=True, root=tmp_path, name="p4", device="cpu", oversubscribe=True,
-                          max_len=512, reps=2, warmup=1, steps=False, fit_packs=[[64], [128], [256], [512], [32] * 8],
+                          max_len=512, reps=1, warmup=1, steps=False, fit_packs=[[64], [128], [256], [512], [32] * 8],
                           heldout_packs=[[96]], group_packs=[[256], [32] * 8], message_bytes=[8192, 131072],
-                          collective_reps=3, collective_inner=2)
+                          collective_reps=3, collective_inner=2, min_sample_ms=0.0)
     st = process.wait(start_profile(run), timeout=600)
     assert st.state == "done", run.log_tail(30)
     meas = json.loads((run.path / "measurements.json").read_text())
@@ -212,7 +222,7 @@ def test_a_profile_run_stops(tmp_path):
     from workbench.profile import prepare_profile, start_profile
 
     # a quick grid with 1,000 timed samples a pack: minutes of measuring, its first sample within seconds
-    run = prepare_profile(nproc=2, model="tiny", quick=True, root=tmp_path, name="long", device="cpu", max_len=512,
+    run = prepare_profile(nproc=2, model="tiny", quick=True, root=tmp_path, name="long", device="cpu", max_len=128,
                           reps=1000, warmup=1, steps=False)
     handle = start_profile(run)
     deadline = time.monotonic() + 120
