@@ -297,11 +297,16 @@ def _ok(p: subprocess.CompletedProcess, run_dir: Path) -> None:
 
 # Runs that no check needs through ``workbench train`` share one torchrun tree of 4 ranks: this file
 # is the worker (``__main__`` below), and the first ``nproc`` ranks run the real trainer
-# (``Trainer.run``) on each run folder in turn, as a world of ``nproc`` (the other ranks wait). The
-# launcher's and supervisor's side (the CLI, a run's final ``done``, resumes, the error lines) is
-# checked by the runs still started through ``workbench train``: every resume (each ends ``done``,
-# exit code 0), the max-context refusal and the missing spec.json; a new run started by
-# ``workbench train`` that ends ``done`` is in test_profile_run.py and test_trace.py.
+# (``Trainer.run``) on each run folder in turn, as a world of ``nproc`` (the other ranks wait). A
+# resume in the tree is a later attempt of an earlier run's folder with the spec a resume with
+# ``--change`` writes (``prepare_train(..., allow_changes=True)``, as the CLI does). The launcher's
+# and supervisor's side (the CLI, a run's final ``done``, resumes with and without ``--change``, the
+# error lines) is checked by the runs still started through ``workbench train``: the resume the README
+# shows (test_resume_continues_exactly), a resume onto another world with ``--change``
+# (test_checkpoints_resume_on_another_world_and_stage, each ending ``done`` with exit code 0), and
+# the missing spec.json (the launcher API); the CLI's error line for a run its ranks failed is in
+# test_faults.py (no usable checkpoint), and a new run started by ``workbench train`` that ends
+# ``done`` is in test_profile_run.py and test_trace.py.
 
 TREE_TIMEOUT = 480  # s: a tree of several runs that takes longer than this has hung
 TREE_RANKS = 4
@@ -311,55 +316,71 @@ SMALL_SETTINGS = {"model": "tiny", "max_len": 512, "batch_tokens": 4096, "time_l
 
 class Tree:
     """The runs of one torchrun tree: ``dirs[name]`` is each run's folder, ``codes[name]`` the exit
-    status of ``Trainer.run`` on each of its ranks (0 done, 1 failed)."""
+    status of ``Trainer.run`` on each of its ranks (0 done, 1 failed), ``statuses[name]`` its
+    ``status.json`` as that run (or resume) left it, ``steps[name]`` the steps its spec asked for."""
 
-    def __init__(self, dirs: dict[str, Path], codes: dict[str, list[int]], log: str) -> None:
-        self.dirs, self.codes, self.log = dirs, codes, log
+    def __init__(self, dirs: dict[str, Path], codes: dict[str, list[int]], statuses: dict[str, dict],
+                 steps: dict[str, int], log: str) -> None:
+        self.dirs, self.codes, self.statuses, self.steps, self.log = dirs, codes, statuses, steps, log
 
     def ok(self, name: str) -> Path:
-        """The run ``name``, checked to have trained all its steps on every rank."""
+        """The run (or resume) ``name``, checked to have trained all its steps on every rank."""
         d = self.dirs[name]
-        st = status(d)
+        st = self.statuses[name]
         assert self.codes[name] == [0] * len(self.codes[name]), f"{name}: exit statuses {self.codes[name]}\n{self.log[-4000:]}"
-        assert st["error"] is None and st["step"] == read_train_spec(d).steps, st
+        assert st["error"] is None and st["step"] == self.steps[name], st
         return d
 
 
-def _tree_worker(out: str, runs_: list[str]) -> int:
-    """Rank side of a tree: for each ``"<nproc>=<run folder>"`` in turn, the first ``nproc`` ranks run
-    ``Trainer.run`` on it as a world of ``nproc``; then each rank writes its exit statuses to
-    ``out/rank<k>.json``. Each run's process group meets on a store of its own (rank 0 picks a free
-    loopback port and passes it through torchrun's store): torch names a default group's keys by a
-    count that restarts after ``destroy_process_group``, so a second group on torchrun's store would
-    read the first one's gloo addresses and hang."""
+def _tree_worker(out: str, plan_file: str) -> int:
+    """Rank side of a tree: for each ``{"nproc", "dir", "resume"}`` of the JSON list ``plan_file`` in
+    turn, the first ``nproc`` ranks run ``Trainer.run`` on ``dir`` as a world of ``nproc``; then each
+    rank writes its exit statuses to ``out/rank<k>.json``, and rank 0 each run's status as it ended
+    to ``out/status<i>.json``. A resume (``resume``: the spec a resume with ``--change`` writes) is
+    set up by rank 0 once every rank is done with the run before it, as ``workbench train --run-dir``
+    does: the new spec, then a new attempt in the status. Each run's process group meets on a store
+    of its own (rank 0 picks a free loopback port and passes it through torchrun's store): torch names
+    a default group's keys by a count that restarts after ``destroy_process_group``, so a second group
+    on torchrun's store would read the first one's gloo addresses and hang."""
     import datetime
     import gc
+    import shutil
     import socket
 
     import torch.distributed as dist
     from torch.distributed import TCPStore
 
+    from workbench import runs
     from workbench.runtime.train import DistEnv, Trainer
+    from workbench.util import write_json_atomic
 
     rank = int(os.environ["RANK"])
     agent = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                      timeout=datetime.timedelta(seconds=TREE_TIMEOUT))
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # rank 0 hosts each run's store (env://)
-    codes = {}
-    for k, item in enumerate(runs_):
-        nproc, _, d = item.partition("=")
+    codes: dict[int, int] = {}
+    for k, item in enumerate(json.loads(Path(plan_file).read_text())):
+        nproc, d = int(item["nproc"]), item["dir"]
         if rank == 0:
+            if item["resume"] is not None:
+                while int(agent.add(f"done{k - 1}", 0)) < TREE_RANKS:  # the run before, over on every rank
+                    time.sleep(0.01)
+                write_json_atomic(Path(d, "spec.json"), item["resume"])
+                runs.update_status(d, reopen=True, attempt=runs.read_status(d).attempt + 1, state="starting",
+                                   started=runs.now(), finished=None, error=None, exit_code=None, pids=None)
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 agent.set(f"run{k}_port", str(s.getsockname()[1]))
         port = agent.get(f"run{k}_port").decode()  # also keeps the ranks in step, run by run
-        if rank >= int(nproc):
-            continue
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=nproc, LOCAL_WORLD_SIZE=nproc)
-        codes[d] = Trainer(Path(d), DistEnv.from_env()).run()
-        if dist.is_initialized():  # a run that failed in a step returns with its group up
-            dist.destroy_process_group()
-        gc.collect()
+        if rank < nproc:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+            codes[k] = Trainer(Path(d), DistEnv.from_env()).run()
+            if dist.is_initialized():  # a run that failed in a step returns with its group up
+                dist.destroy_process_group()
+            gc.collect()
+            if rank == 0:
+                shutil.copyfile(Path(d, "status.json"), Path(out, f"status{k}.json"))
+        agent.add(f"done{k}", 1)
     Path(out, f"rank{rank}.json").write_text(json.dumps(codes))
     return 0
 
@@ -367,20 +388,31 @@ def _tree_worker(out: str, runs_: list[str]) -> int:
 def _tree(root: Path, settings: dict[str, dict]) -> Tree:
     """Prepare each run (``prepare_train``, as ``workbench train`` does: ``settings[name]``, with its
     ``nproc``, over SMALL_SETTINGS on the CPU) in ``root/name``, then train them all, in order, in
-    one torchrun tree."""
+    one torchrun tree. ``settings[name]`` with ``"resume": base`` is a resume of the earlier run
+    ``base`` with the rest of its settings given as changes (``--change``)."""
     from _torchrun import communicate_or_kill
 
     from workbench import runs
 
-    dirs, nprocs = {}, {}
+    dirs, nprocs, steps, plan = {}, {}, {}, []
     for name, s in settings.items():
-        run, spec, _ = prepare_train({**SMALL_SETTINGS, "device": "cpu", **s}, root=root, name=name)
-        runs.update_status(run.path, attempt=1)  # the first attempt, as the launcher records it
-        dirs[name], nprocs[name] = run.path, spec.nproc
+        if "resume" in s:
+            base = s["resume"]
+            _, spec, changes = prepare_train({k: v for k, v in s.items() if k != "resume"}, run_dir=dirs[base],
+                                             allow_changes=True)
+            assert changes, f"{name}: a resume that changes nothing"
+            dirs[name], resume = dirs[base], spec.to_dict()
+        else:
+            run, spec, _ = prepare_train({**SMALL_SETTINGS, "device": "cpu", **s}, root=root, name=name)
+            runs.update_status(run.path, attempt=1)  # the first attempt, as the launcher records it
+            dirs[name], resume = run.path, None
+        nprocs[name], steps[name] = spec.nproc, spec.steps
+        plan.append({"nproc": spec.nproc, "dir": str(dirs[name]), "resume": resume})
     out = root / "tree"
     out.mkdir()
+    (out / "plan.json").write_text(json.dumps(plan))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={TREE_RANKS}", __file__,
-           str(out), *(f"{nprocs[name]}={d}" for name, d in dirs.items())]
+           str(out), str(out / "plan.json")]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
@@ -388,12 +420,16 @@ def _tree(root: Path, settings: dict[str, dict]) -> Tree:
     print(f"{len(dirs)} runs in one tree: {time.monotonic() - t0:.1f}s, exit {proc.returncode}")
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}"
     per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(TREE_RANKS)]
-    return Tree(dirs, {name: [per_rank[r][str(d)] for r in range(nprocs[name])] for name, d in dirs.items()},
+    names = list(dirs)
+    return Tree(dirs, {name: [per_rank[r][str(k)] for r in range(nprocs[name])] for k, name in enumerate(names)},
+                {name: json.loads((out / f"status{k}.json").read_text()) for k, name in enumerate(names)}, steps,
                 stdout + stderr)
 
 
-SGD = {"steps": 1, "seed": 7, "optimizer": "sgd", "lr": 0.5, "checkpoint_every": 1}
-ZSET = {"planner": "greedy", "seed": 3, "optimizer": "sgd", "lr": 0.2, "momentum": 0.9}
+# the exactness runs plan inline (plan_ahead false: no planning worker process per run; the plans are
+# the same either way, which test_faults.py's killed-worker run checks step by step)
+SGD = {"steps": 1, "seed": 7, "optimizer": "sgd", "lr": 0.5, "checkpoint_every": 1, "plan_ahead": False}
+ZSET = {"planner": "greedy", "seed": 3, "optimizer": "sgd", "lr": 0.2, "momentum": 0.9, "plan_ahead": False}
 LOSS_SETTINGS = {"planner": "greedy", "seed": 1, "optimizer": "adamw", "lr": 3e-3}
 LOSS_ARGS = ["--nproc", "2", "--planner", "greedy", "--seed", "1", "--optimizer", "adamw", "--lr", "3e-3", *SMALL]
 
@@ -423,24 +459,30 @@ def tree(tmp_path_factory) -> Tree:
       single-process update);
     - SGD with momentum under ZeRO-3 on 4 ranks: 4 steps with a checkpoint after each (``zero-ref``,
       the uninterrupted run) and 2 with one checkpoint (``zero-a``); on 2 ranks under ZeRO-1, 2 steps
-      with one checkpoint (``zero-b``);
+      with one checkpoint (``zero-b``), then resumed (``--change``): to 3 steps on 4 ranks under
+      ZeRO-3 (``zero-b@3``), and to 4 on 2 ranks under ZeRO-2 (``zero-b@4``);
     - on 2 ranks: ``loss`` (15 AdamW steps on the embedded corpus, no checkpoint; the loss falls by
       more than 1.5 over them: three times what test_loss_falls_on_the_embedded_corpus asks),
       ``resume`` (the loss run's settings, 3 steps, a checkpoint after the last),
-      ``states`` (one AdamW step under ZeRO-2), and last the two that must fail on every rank:
-      ``plan-world`` (plans made for 1 rank) and ``plan-stage`` (plans made for ZeRO-0 in a ZeRO-3
-      run)."""
+      ``states`` (one AdamW step under ZeRO-2), and last the three that must fail on every rank:
+      ``plan-world`` (plans made for 1 rank), ``plan-stage`` (plans made for ZeRO-0 in a ZeRO-3
+      run) and ``policy-error`` (a sequence of 5,000 tokens, max context 4,096, policy error: the
+      settings of ``workbench train --lengths 100,5000 --max-len 4096 --policy error``)."""
     return _tree(tmp_path_factory.mktemp("tree"), {
         **{_sgd_name(pl, st): {**SGD, "nproc": 4, "planner": pl, "zero_stage": st} for pl, st in SGD_CASES},
         "sgd-reference": {**SGD, "nproc": 1, "planner": "static:1", "zero_stage": 0},
         "zero-ref": {**ZSET, "nproc": 4, "steps": 4, "checkpoint_every": 1},
         "zero-a": {**ZSET, "nproc": 4, "steps": 2, "checkpoint_every": 2},
         "zero-b": {**ZSET, "nproc": 2, "zero_stage": 1, "steps": 2, "checkpoint_every": 2},
+        "zero-b@3": {"resume": "zero-b", "steps": 3, "nproc": 4, "zero_stage": 3},
+        "zero-b@4": {"resume": "zero-b", "steps": 4, "nproc": 2, "zero_stage": 2},
         "loss": {**LOSS_SETTINGS, "nproc": 2, "steps": 15, "checkpoint_every": 0},
         "resume": {**LOSS_SETTINGS, "nproc": 2, "steps": 3, "checkpoint_every": 3},
-        "states": {"nproc": 2, "zero_stage": 2, "optimizer": "adamw", "steps": 1, "checkpoint_every": 0},
+        "states": {"nproc": 2, "zero_stage": 2, "optimizer": "adamw", "steps": 1, "checkpoint_every": 0, "plan_ahead": False},
         "plan-world": {"nproc": 2, "planner": "greedy", "steps": 2, "debug": {"plan_num_gpus": 1}, "timeout_s": 60},
         "plan-stage": {"nproc": 2, "planner": "greedy", "steps": 2, "debug": {"plan_zero_stage": 0}, "timeout_s": 60},
+        "policy-error": {"nproc": 2, "source": "100,5000", "max_len": 4096, "policy": "error", "batch_tokens": 16384,
+                         "steps": 1, "timeout_s": 60},
     })
 
 
@@ -524,7 +566,8 @@ def test_checkpoints_resume_on_another_world_and_stage(tree):
     """SGD with momentum (the optimizer state matters, and its update is linear in it): a ZeRO-3
     run saved on 4 ranks resumes on 2 (DCP reshards the folder); a ZeRO-1 run's whole file resumes
     under ZeRO-3 on 4, and its sharded folder under ZeRO-2 on 2; each step after a resume gives the
-    uninterrupted run's loss and weights."""
+    uninterrupted run's loss and weights. The first resume goes through ``workbench train --change``;
+    the two of the ZeRO-1 run are resumes in the tree (the spec the CLI writes, a new attempt)."""
     ref = tree.ok("zero-ref")  # 4 ranks, ZeRO-3, 4 steps, a checkpoint after each
     loss = {s: r["loss"] for s, r in metrics(ref).items()}
     # ZeRO-3, 4 ranks -> 2 ranks
@@ -540,16 +583,17 @@ def test_checkpoints_resume_on_another_world_and_stage(tree):
     b = tree.ok("zero-b")  # 2 ranks, ZeRO-1, 2 steps, a checkpoint after the last
     assert (b / "checkpoints" / "step_2.pt").is_file()
     assert _update_error(params_of(b, 2), params_of(ref, 2), params_of(ref, 1)) < 1e-4
-    p = workbench("train", "--run-dir", str(b), "--steps", "3", "--nproc", "4", "--zero-stage", "3", "--change",
-                  "--quiet")
-    _ok(p, b)
-    assert status(b)["resolved"]["execution"] == "lockstep"
+    tree.ok("zero-b@3")  # resumed: 3 steps on 4 ranks under ZeRO-3
+    st = tree.statuses["zero-b@3"]
+    assert st["resumed_from"] == 2 and st["attempt"] == 2 and st["resolved"]["world_size"] == 4
+    assert st["resolved"]["execution"] == "lockstep"
     assert metrics(b)[2]["loss"] == pytest.approx(loss[2], rel=1e-5)
     assert _update_error(params_of(b, 3), params_of(ref, 3), params_of(ref, 2)) < 1e-4
     # and that sharded folder, on 2 ranks under ZeRO-2 (the momentum buffers into ZeroRedundancyOptimizer's shards)
-    p = workbench("train", "--run-dir", str(b), "--steps", "4", "--nproc", "2", "--zero-stage", "2", "--change",
-                  "--quiet")
-    _ok(p, b)
+    tree.ok("zero-b@4")
+    st = tree.statuses["zero-b@4"]
+    assert st["resumed_from"] == 3 and st["attempt"] == 3 and st["resolved"]["world_size"] == 2
+    assert st["resolved"]["zero_stage"] == 2
     assert metrics(b)[3]["loss"] == pytest.approx(loss[3], rel=1e-5)
     assert _update_error(params_of(b, 4), params_of(ref, 4), params_of(ref, 3)) < 1e-4
 
@@ -568,20 +612,12 @@ def test_model_states_in_metrics_match_the_memory_model(tree):
         assert got["optimizer_bytes"] == pytest.approx(want.optimizer_states, rel=0.05)
 
 
-def _assert_failed(p: subprocess.CompletedProcess, run_dir: Path, words: str) -> None:
-    assert p.returncode != 0
-    st = status(run_dir)
-    assert st["state"] == "failed" and words in st["error"], st
-    last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith("workbench train: error:") and words in last, p.stderr
-
-
 def _assert_failed_on_every_rank(tree: Tree, name: str, words: str) -> None:
     """Run ``name`` of ``tree`` failed on each rank (its exit status, its own failure record), and the
     run's status says why."""
     d = tree.dirs[name]
     assert tree.codes[name] == [1] * len(tree.codes[name]), f"{name}: exit statuses {tree.codes[name]}"
-    st = status(d)
+    st = tree.statuses[name]
     assert st["state"] == "failed" and words in st["error"], st
     for rank in range(len(tree.codes[name])):
         failure = json.loads((d / "failures" / f"rank{rank}.json").read_text())
@@ -602,11 +638,17 @@ def test_a_plan_for_another_stage_is_refused_on_every_rank(tree):
 
 
 @pytest.mark.slow
-def test_sequence_over_max_context_with_policy_error(tmp_path):
-    d = tmp_path / "run"
-    p = _train(d, "--nproc", "2", "--lengths", "100,5000", "--max-len", "4096", "--policy", "error",
-               "--steps", "1", "--timeout", "60", "--quiet")
-    _assert_failed(p, d, "length 5,000 > max_len 4,096")
+def test_sequence_over_max_context_with_policy_error(tree):
+    """A set-up error (the data, before any step): every rank stops with exit status 1, the run's
+    status says why, and the first rank to see it reports it. (The CLI's error line for a run its
+    ranks failed: test_faults.py's no usable checkpoint, also a set-up error.)"""
+    name, words = "policy-error", "length 5,000 > max_len 4,096"
+    d = tree.dirs[name]
+    assert tree.codes[name] == [1, 1], f"{name}: exit statuses {tree.codes[name]}"
+    st = tree.statuses[name]
+    assert st["state"] == "failed" and words in st["error"], st
+    assert words in json.loads((d / "failures" / "rank0.json").read_text())["error"]
+    assert not (d / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow
@@ -643,4 +685,4 @@ def test_a_max_context_no_group_holds_is_refused_before_the_run_exists(tmp_path)
 if __name__ == "__main__":  # a rank of a tree of runs (_tree)
     from workbench.util import exit_process
 
-    exit_process(_tree_worker(sys.argv[1], sys.argv[2:]))
+    exit_process(_tree_worker(sys.argv[1], sys.argv[2]))
