@@ -839,13 +839,19 @@ def test_panels_save_figures_and_tables(tmp_path, solved):
 # ------------------------------------------------------------------------------------------------
 
 TINY = dict(max_len=512, batch_tokens=8192, effort=0.3)
+# a smaller quick grid than test_profile_run.py's for the profile runs the panels start: what a panel does with
+# a profile run does not depend on how many lengths it measures nor how often (the default quick grid takes
+# 4-5x longer, ~50 s of CPU for 2 ranks; this one ~9 s, most of it starting processes), and it still prices
+# every term (the fixed costs of a pass and a micro-step, the head)
+SMALL_GRID = dict(max_len=256, reps=1, warmup=0, collective_reps=1, min_sample_ms=5.0)
 
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
     """Two finished 3-step runs (static-max and greedy) made through the Launch panel, in a run store
     whose only cached profile of this machine was damaged (a half-written file): the first launch
-    passes over it and measures this machine, with its progress on the panel."""
+    passes over it and measures this machine on the panel's ``profile_options`` (``SMALL_GRID``),
+    with its progress on the panel."""
     from widgets import LaunchPanel
     from workbench import runs
     from workbench.profile.machine import machine_fingerprint
@@ -855,7 +861,7 @@ def two_runs(tmp_path_factory):
                            root=root)
     damaged.file(runs.PROFILE_FILE).write_text('{"name": "cut sho')
     runs.update_status(damaged.path, state="done")
-    panel = LaunchPanel(root=root, nproc=2, steps=3, follow=False, reattach=False)
+    panel = LaunchPanel(root=root, nproc=2, steps=3, follow=False, reattach=False, profile_options=SMALL_GRID)
     panel.damaged, panel.profile_progress = damaged, []
     panel.progress.observe(lambda ch: panel.progress.max == 100 and panel.profile_progress.append(ch["new"]), names="value")
     done = []
@@ -872,16 +878,20 @@ def two_runs(tmp_path_factory):
 @pytest.mark.slow
 def test_launch_panel_plans_cpu_runs_with_this_machines_profile(two_runs):
     from workbench import runs
-
+    from workbench.profile.machine import find_machine_profile
     from workbench.specs import load_profile
 
     root, (a, b), panel = two_runs
     first, second = panel.machines
     # the first launch passed over the damaged profile and measured this machine (a quick profile
-    # for 2 processes, its progress on the panel up to the end), the second reused it
+    # for 2 processes on the panel's grid, its progress on the panel up to the end), the second reused it
     assert first.measured and not second.measured and first.run == second.run and first.run != panel.damaged
     assert sorted(r.id for r in runs.list_runs(root, kind="profile")) == sorted([panel.damaged.id, first.run.id])
     assert first.run.spec()["fingerprint"]["nproc"] == 2 and first.run.status().state == "done"
+    spec = first.run.spec()
+    assert {k: spec[k] for k in SMALL_GRID} == SMALL_GRID and spec["quick"] is True, spec
+    # measured on a smaller grid, it is this machine's profile all the same: found without any options
+    assert find_machine_profile(2, root=root).run == first.run
     prof = load_profile(first.path)
     assert prof.provenance["fingerprint"]["key"] == first.fingerprint["key"] and prof.pass_overhead_ms
     assert prof.head_ms_per_token and prof.micro_step_ms is not None
@@ -892,6 +902,28 @@ def test_launch_panel_plans_cpu_runs_with_this_machines_profile(two_runs):
         res = r.status().resolved
         assert res["profile_from_this_machine"] is True and not res.get("profile_note")
     assert "planned with this machine's quick profile" in html.unescape(panel.profile_note.value)
+
+
+def test_launch_panel_profile_options_size_only_a_new_measurement(tmp_path):
+    """The panel's ``profile_options`` say how this machine is measured when it has no profile yet:
+    a cached profile (seeded on the default grid, no sizes in its spec) is reused whatever they say,
+    and a setting that is not a size, or a bad size, is refused in one line before anything is
+    measured or the cache is read. (A measurement on them is ``two_runs``'s.)"""
+    from conftest import seed_machine_profile
+    from widgets import LaunchPanel
+    from workbench import runs
+
+    seeded = seed_machine_profile(tmp_path)
+    panel = LaunchPanel(root=tmp_path, follow=False, reattach=False, profile_options={"reps": 1, "max_len": 256})
+    mp = panel.machine_profile_for(2)
+    assert mp.run == seeded and not mp.measured
+    assert "reused from the cache" in panel.profile_note.value
+    for bad, word in (({"steps": False}, "steps"), ({"reps": 0}, "reps"), ({"max_len": 10}, "max_len")):
+        other = LaunchPanel(root=tmp_path, follow=False, reattach=False, profile_options=bad)
+        with pytest.raises(ValueError, match=word) as e:
+            other.machine_profile_for(2)
+        assert len(str(e.value).splitlines()) == 1
+    assert [r.id for r in runs.list_runs(tmp_path, kind="profile")] == [seeded.id]
 
 
 @pytest.mark.slow
@@ -911,39 +943,6 @@ def test_launch_panel_runs_and_shows_progress(two_runs):
     assert "done" in panel.status.value
     spec = json.loads((b.path / runs.SPEC_FILE).read_text())
     assert spec["scenario"]["planner"] == "greedy" and spec["nproc"] == 2 and spec["scenario"]["max_len"] == 512
-
-
-@pytest.mark.slow
-def test_launch_panel_stop_ends_every_process_and_reattach(tmp_path):
-    from widgets import LaunchPanel
-    from workbench import runs
-    from workbench.launch import run_alive
-
-    first = LaunchPanel(root=tmp_path, nproc=2, steps=200, follow=False, reattach=False)
-    finished = []
-    # a profile of its own (the shipped one, another machine's): nothing is measured, the run says so
-    run = first.launch(debug={"step_sleep_s": 0.5}, profile="cpu-gloo-tiny", **TINY)
-    assert first.machine_profile is None and not runs.list_runs(tmp_path, kind="profile")
-    deadline = time.monotonic() + 180
-    while first.refresh().step < 1:
-        assert time.monotonic() < deadline, run.log_tail(30)
-        time.sleep(0.3)
-    assert "cpu-gloo-tiny is from another machine" in first.profile_note.value
-    assert "another machine" in runs.load_run(run.path).summary()["profile_note"]
-    # a new panel (as after a kernel restart or a page reload) finds the live run and follows it
-    second = LaunchPanel(root=tmp_path)
-    assert second.run == run and second.handle is not None and second.state == "running"
-    assert f"{run.id} (reattached): running" in second.status.value
-    second.on_finished(finished.append)
-    st = second.stop()
-    assert st.state == "stopped"
-    second.refresh()
-    assert finished == [run] and second.final.state == "stopped"
-    st = runs.load_run(run.path).status()
-    assert st.state == "stopped" and runs.status_pids(st)
-    assert not run_alive(st), [p for p, t in runs.status_pids(st) if runs.pid_alive(p, t)]
-    assert first.refresh().state == "stopped"  # the panel that started it sees the end too (and reaps)
-    second.close()
 
 
 @pytest.mark.slow
@@ -998,51 +997,116 @@ def test_solver_compares_a_runs_predicted_and_measured_memory(two_runs):
     assert list(panel.fig_run_memory.data[1].y) == pytest.approx([res["measured_gb"][0], res["measured_gb"][1]])
 
 
-@pytest.mark.slow
-def test_driving_the_panels_never_imports_torch_into_the_kernel(tmp_path):
-    """A fresh interpreter drives the planning panels, launches, follows and stops a run with this
-    machine's cached profile, and starts measuring this machine (stopped at once: the measurement
-    itself runs in its own process tree, and the Launch panel's real one is ``two_runs``'s): torch
-    stays out of it (training and profiling are separate process trees)."""
+@pytest.fixture(scope="module")
+def kernel_run(tmp_path_factory):
+    """One fresh interpreter, as a notebook's kernel, that drives the planning panels, reads this
+    machine's cached profile, launches a run with another machine's profile (the shipped
+    ``cpu-gloo-tiny``) and follows it, reattaches a second Launch panel to it (as after a page
+    reload) and stops it from there, writes a cluster script, and starts measuring this machine
+    (stopped at once: the measurement itself runs in its own process tree, and the Launch panel's
+    real one is ``two_runs``'s). Its observations come back as JSON on its last line; one 2-rank run
+    serves the no-torch and the stop-and-reattach checks."""
     from conftest import seed_machine_profile
 
-    store, empty = tmp_path / "runs", tmp_path / "measure"
-    cached = seed_machine_profile(store)  # the launch reuses it instead of measuring this machine for 30 s
+    tmp = tmp_path_factory.mktemp("kernel")
+    store, empty = tmp / "runs", tmp / "measure"
+    cached = seed_machine_profile(store)  # reused instead of measuring this machine for 30 s
     script = textwrap.dedent(f"""
-        import sys, time
+        import json, sys, time
         from widgets import LaunchPanel, LengthsPanel, RunsPanel, SolverPanel, Workbench
+        from workbench import runs
         from workbench.profile.machine import ensure_machine_profile
         from workbench.scenario import Scenario
+        obs = {{}}
         sc = Scenario(**{QUICK!r})
         SolverPanel(sc, auto=False).solve()
         LengthsPanel(sc, auto=False).refresh()
         wb = Workbench(sc, root={str(store)!r}, auto=False)
-        run = wb.launch.launch(steps=50, nproc=2, max_len=512, batch_tokens=8192, debug={{"step_sleep_s": 0.3}})
-        print("PROFILE", wb.launch.machine_profile.run.id, wb.launch.machine_profile.measured)
-        while wb.launch.refresh().step < 1:
+        first = wb.launch
+        mp = first.machine_profile_for(2)  # what a launch without a profile of its own plans with
+        obs["machine_profile"] = [mp.run.id, mp.measured]
+        # a profile of its own (the shipped one, another machine's): nothing is measured, the run says so
+        run = first.launch(steps=200, nproc=2, max_len=512, batch_tokens=8192, debug={{"step_sleep_s": 0.5}},
+                           profile="cpu-gloo-tiny")
+        obs["run"] = run.id
+        obs["launch_machine_profile"] = first.machine_profile is not None
+        obs["profile_runs"] = [r.id for r in runs.list_runs({str(store)!r}, kind="profile")]
+        deadline = time.monotonic() + 180
+        while first.refresh().step < 1:
+            if time.monotonic() > deadline:
+                sys.exit("no step within 180 s: " + run.log_tail(30))
             time.sleep(0.3)
-        st = wb.launch.stop()
-        wb.launch.cluster_script("slurm", nnodes=2, run_root={str(tmp_path / "shared")!r})
-        print("STATE", st.state)
+        obs["first_note"] = first.profile_note.value
+        obs["summary_note"] = runs.load_run(run.path).summary().get("profile_note")
+        # a new panel (as after a kernel restart or a page reload) finds the live run and follows it
+        second = LaunchPanel(root={str(store)!r})
+        obs["second"] = [second.run.id if second.run else None, second.handle is not None, second.state,
+                         second.status.value]
+        finished = []
+        second.on_finished(finished.append)
+        obs["stop_state"] = second.stop().state
+        second.refresh()
+        obs["finished"] = [r.id for r in finished]
+        obs["second_final"] = second.final.state if second.final else None
+        obs["first_after"] = first.refresh().state  # the panel that started it sees the end too (and reaps)
+        second.close()
+        first.cluster_script("slurm", nnodes=2, run_root={str(tmp / "shared")!r})
         # the path that measures this machine: its profile run started, polled with progress, stopped
-        seen = []
+        seen, obs["measure"] = [], None
         try:
             ensure_machine_profile(2, root={str(empty)!r}, timeout=0.0, progress=lambda f, m: seen.append(m))
         except RuntimeError as e:
-            print("MEASURE", e, len(seen))
-        print("TORCH", "torch" in sys.modules)
+            obs["measure"] = [str(e), len(seen)]
+        obs["torch"] = "torch" in sys.modules
+        print(json.dumps(obs))
     """)
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert f"PROFILE {cached.id} False" in p.stdout and "STATE stopped" in p.stdout, p.stdout
-    assert re.search(r"MEASURE measuring this machine \(profile run \S+\) took over 0 s; stopped it [1-9]", p.stdout), \
-        p.stdout
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=400, cwd=ROOT)
+    obs = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 and p.stdout.strip() else None
+    return store, empty, cached, p, obs
+
+
+@pytest.mark.slow
+def test_driving_the_panels_never_imports_torch_into_the_kernel(kernel_run):
+    """The kernel that drove the planning panels, read this machine's cached profile, launched,
+    followed, reattached to and stopped a run, and started measuring this machine never imported
+    torch (training and profiling are separate process trees)."""
     from workbench import runs
     from workbench.launch import run_alive
 
+    store, empty, cached, p, obs = kernel_run
+    assert p.returncode == 0 and obs is not None, p.stderr[-3000:]
+    assert obs["machine_profile"] == [cached.id, False], obs
+    assert obs["stop_state"] == "stopped", obs
+    assert obs["measure"] is not None, "measuring with a 0 s timeout did not raise"
+    assert re.search(r"^measuring this machine \(profile run \S+\) took over 0 s; stopped it$", obs["measure"][0]) \
+        and obs["measure"][1] >= 1, obs
     (measuring,) = runs.list_runs(empty, kind="profile")
     assert not run_alive(measuring.status())
-    assert "TORCH False" in p.stdout
+    assert obs["torch"] is False, "driving the panels imported torch into the kernel"
+
+
+@pytest.mark.slow
+def test_launch_panel_stop_ends_every_process_and_reattach(kernel_run):
+    """``kernel_run``'s run: planned with the shipped profile (nothing measured, the note says it is
+    another machine's), followed by a second panel that found it live, stopped from there with
+    every process ended, and seen ended by the panel that started it."""
+    from workbench import runs
+    from workbench.launch import run_alive
+
+    store, _, cached, p, obs = kernel_run
+    assert p.returncode == 0 and obs is not None, p.stderr[-3000:]
+    run = runs.load_run(store / obs["run"])
+    assert not obs["launch_machine_profile"] and obs["profile_runs"] == [cached.id], obs  # nothing measured
+    assert "cpu-gloo-tiny is from another machine" in obs["first_note"], obs
+    assert "another machine" in obs["summary_note"], obs
+    rid, handle, state, status = obs["second"]
+    assert rid == run.id and handle and state == "running", obs
+    assert f"{run.id} (reattached): running" in status, obs
+    assert obs["stop_state"] == "stopped" and obs["finished"] == [run.id] and obs["second_final"] == "stopped", obs
+    st = run.status()
+    assert st.state == "stopped" and runs.status_pids(st)
+    assert not run_alive(st), [p for p, t in runs.status_pids(st) if runs.pid_alive(p, t)]
+    assert obs["first_after"] == "stopped", obs
 
 
 def test_background_threads_never_print(capsys):
@@ -1073,11 +1137,8 @@ def test_hardware_panel_profiles_this_machine(tmp_path):
         pytest.skip("this tree has no profiler (workbench.profile.prepare_profile, issue 10)")
     seen = []
     panel.on_profile(seen.append)
-    # a smaller grid than test_profile_run.py's: what the panel does with a profile run does not depend
-    # on how many lengths it measures nor how often (the default quick grid takes 4-5x longer; this one
-    # 13 s of CPU where max_len 512 with 2 reps after a warm-up took 19, most of it starting processes)
-    run = panel.start_profile(nproc=2, model="tiny", quick=True, max_len=256, reps=1, warmup=0, collective_reps=1,
-                              min_sample_ms=5.0)
+    # SMALL_GRID: 13 s of CPU for this test where max_len 512 with 2 reps after a warm-up took 19
+    run = panel.start_profile(nproc=2, model="tiny", quick=True, **SMALL_GRID)
     st = panel.wait(timeout=600)
     assert st.state == "done", run.log_tail(30)
     assert panel.result is not None and panel.profile == panel.result.profile
@@ -1090,9 +1151,12 @@ def test_hardware_panel_profiles_this_machine(tmp_path):
     sc = Scenario(model="tiny", profile=panel.profile_ref, num_gpus=2, gpus_per_node=2, source="stdlib",
                   batch_tokens=8192, max_len=1024, policy="split")
     assert sc.plan(planner="greedy").makespan_ms > 0
-    # Stop ends the profile run's whole tree
+    # Stop ends the profile run's whole tree, once both ranks are up (their pids in the status)
     other = panel.start_profile(nproc=2, model="tiny", quick=True)
-    time.sleep(3)
+    deadline = time.monotonic() + 120
+    while len(((cur := other.status()).pids or {}).get("ranks") or {}) < 2:
+        assert time.monotonic() < deadline and cur.state in ("created", "starting", "running"), other.log_tail(30)
+        time.sleep(0.1)
     st = panel.stop()
     assert st.state == "stopped" and not run_alive(runs.load_run(other.path).status())
 

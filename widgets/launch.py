@@ -43,7 +43,8 @@ class LaunchPanel(Panel):
     reports the end anyway (naming what is still alive)."""
 
     def __init__(self, *, root=None, reattach: bool = True, poll_interval: float = 0.5, nproc: int = 2,
-                 steps: int = 20, follow: bool = True, measure_machine: bool = True) -> None:
+                 steps: int = 20, follow: bool = True, measure_machine: bool = True,
+                 profile_options: dict | None = None) -> None:
         self.root = root
         self.poll_interval = float(poll_interval)
         self.follow = follow
@@ -51,6 +52,10 @@ class LaunchPanel(Panel):
         self.measure_machine = measure_machine
         """Whether a CPU run without a profile of its own plans with this machine's quick profile for
         its process count (measured on the first launch, then reused from the run store)."""
+        self.profile_options = dict(profile_options or {})
+        """How this machine is measured when it has no profile yet: ``ProfileSpec`` fields of
+        ``workbench.profile.machine.SIZING_OPTIONS``, e.g. ``{"reps": 2}`` for a quicker, noisier
+        measurement (default: the quick grid). A cached profile is reused whatever sizes measured it."""
         self.machine_profile = None
         """The ``workbench.profile.machine.MachineProfile`` the last launch planned with (None: the
         run named its own profile, or ran on GPUs)."""
@@ -271,8 +276,9 @@ class LaunchPanel(Panel):
 
     def machine_profile_for(self, nproc: int):
         """This machine's quick profile for ``nproc`` processes (``ensure_machine_profile``): the one
-        cached in the run store, or measured now with its progress on the panel. Returns the
-        MachineProfile; raises RuntimeError when measuring fails."""
+        cached in the run store, or measured now (sized by :attr:`profile_options`) with its progress
+        on the panel. Returns the MachineProfile; raises RuntimeError when measuring fails,
+        ValueError for bad :attr:`profile_options`."""
         from workbench.profile.machine import ensure_machine_profile
 
         def show(frac: float, msg: str) -> None:
@@ -282,7 +288,7 @@ class LaunchPanel(Panel):
             self.status.value = note_html(f"measuring this machine first (a quick profile of {nproc} process(es), "
                                           f"kept for later runs): {msg}", "busy")
 
-        mp = ensure_machine_profile(nproc, root=self.root, progress=show)
+        mp = ensure_machine_profile(nproc, root=self.root, progress=show, **self.profile_options)
         self.profile_note.value = note_html(f"planned with {mp.describe()}: {mp.path}", "info")
         return mp
 

@@ -7,14 +7,16 @@ is not. ::
 
     fp = machine_fingerprint(2)                       # CPU model, cores, torch, device, processes
     mp = ensure_machine_profile(2, root="runs")       # the cached quick profile, or measure it now
+    ensure_machine_profile(2, root="runs", reps=2)    # ... measured with 2 samples a pack when there is none
     mp.path, mp.measured, mp.run                      # profile.json, whether it ran now, its profile run
     profile_origin_note(load_profile("cpu-gloo-tiny"), 2)   # "... was measured on another machine ..."
 
 The cache is the run store itself: a machine profile is a quick profile run (kind ``profile``)
 whose spec carries the fingerprint; the newest finished one whose ``profile.json`` loads and says
-the same fingerprint is reused, anything else (another machine, another process count, a failed
-or damaged run) is passed over and a new one measured. Pure Python: never imports torch (the
-torch version comes from the installed package's metadata).
+the same fingerprint is reused (whatever sizes measured it: ``SIZING_OPTIONS``), anything else
+(another machine, another process count, a failed or damaged run) is passed over and a new one
+measured. Pure Python: never imports torch (the torch version comes from the installed package's
+metadata).
 """
 
 from __future__ import annotations
@@ -32,11 +34,17 @@ from typing import Any, Callable, Mapping
 from workbench import runs
 
 __all__ = ["machine_fingerprint", "profile_fingerprint", "describe_fingerprint", "same_machine", "find_machine_profile",
-           "ensure_machine_profile", "MachineProfile", "profile_origin_note", "cpu_name", "MACHINE_MODEL"]
+           "ensure_machine_profile", "MachineProfile", "profile_origin_note", "cpu_name", "MACHINE_MODEL",
+           "SIZING_OPTIONS"]
 
 MACHINE_MODEL = "tiny"
 """The model a machine profile times (quick to measure; other models are scaled from it by FLOPs)."""
 _KEYS = ("cpu", "cores", "torch", "device", "nproc")
+SIZING_OPTIONS = ("max_len", "fit_packs", "heldout_packs", "group_packs", "warmup", "reps", "trim", "message_bytes",
+                  "collective_reps", "collective_inner", "min_sample_ms", "timeout_s")
+"""The ``workbench.profile.ProfileSpec`` fields :func:`ensure_machine_profile` takes to size a new
+measurement: how many lengths, samples and message sizes it times, not what it prices (every
+machine profile measures the same terms, so any of them plans a run here)."""
 
 
 def cpu_name() -> str:
@@ -207,16 +215,29 @@ def find_machine_profile(nproc: int, *, root: str | Path | None = None, device: 
 
 def ensure_machine_profile(nproc: int, *, root: str | Path | None = None, device: str = "cpu",
                            model: str = MACHINE_MODEL, progress: Callable[[float, str], None] | None = None,
-                           timeout: float = 900.0, poll: float = 0.5) -> MachineProfile:
+                           timeout: float = 900.0, poll: float = 0.5, **options: Any) -> MachineProfile:
     """This machine's quick profile for ``nproc`` processes: the cached one
     (:func:`find_machine_profile`), or a quick profile run measured now (a torchrun tree through
     the launcher, oversubscribed when ``nproc`` exceeds the cores, as such a training run is),
     ``progress(fraction, message)`` called while it runs. Returns a MachineProfile. Raises
     RuntimeError (one line, naming the profile run) when the measurement fails or takes longer than
-    ``timeout`` seconds (it is stopped), ValueError for bad arguments."""
-    from workbench.launch import process
-    from workbench.profile import prepare_profile, start_profile
+    ``timeout`` seconds (it is stopped), ValueError for bad arguments.
 
+    ``options`` size a new measurement: the ``ProfileSpec`` fields of :data:`SIZING_OPTIONS`, e.g.
+    ``reps=2`` or ``max_len=1024`` for a quicker, noisier one (default: the quick grid; they are
+    kept in the profile run's spec). They are checked before the cache is read, and they do not
+    decide which profile is reused: a cached profile is this machine's whatever sizes measured it
+    (the fingerprint says whose machine it is; the sizes change how much is timed, not what). To
+    measure again with other sizes, remove the cached profile run."""
+    from workbench.launch import process
+    from workbench.profile import ProfileSpec, prepare_profile, start_profile
+
+    other = sorted(set(options) - set(SIZING_OPTIONS))
+    if other:
+        raise ValueError(f"this machine's profile cannot be measured with option(s) {', '.join(other)}: only its sizes "
+                         f"are chosen ({', '.join(SIZING_OPTIONS)}); to plan with a profile measured otherwise, "
+                         f"measure it with `workbench profile` and give it as the run's profile")
+    ProfileSpec(model=model, nproc=nproc, quick=True, device=device, **options)  # ValueError naming a bad value
     fp = machine_fingerprint(nproc, device=device)
     found = find_machine_profile(nproc, root=root, device=device, model=model, fingerprint=fp)
     if found is not None:
@@ -226,7 +247,8 @@ def ensure_machine_profile(nproc: int, *, root: str | Path | None = None, device
     t0 = time.monotonic()
     run = prepare_profile(nproc=nproc, model=model, quick=True, root=root, device=device,
                           oversubscribe=nproc > (os.cpu_count() or 1), fingerprint=fp,
-                          command=f"this machine's quick profile for {nproc} process(es) (workbench.profile.machine)")
+                          command=f"this machine's quick profile for {nproc} process(es) (workbench.profile.machine)",
+                          **options)
     handle = start_profile(run, stop_with_parent=True)
     last = None
     while True:
