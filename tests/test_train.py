@@ -3,9 +3,11 @@
 Fast tests (no processes): spec.json validation, preparing and resuming rules, the supervisor's
 argument list, token data, resource checks. Slow tests (``-m slow``): real torchrun runs of the
 tiny model on CPU with gloo, 1 to 4 ranks, through the ``workbench train`` CLI and the launcher
-API, and (the runs whose checks need neither) the trainer itself on each run of one shared
-torchrun tree, this file being its worker: the same parameters after one SGD step whatever the plan and world size, a falling loss, an
-exact resume that keeps the run's own settings, and clear errors (and no hang) on bad input.
+API (three launches at once), and (the runs and resumes whose checks need neither) the trainer
+itself on each run of one shared torchrun tree, this file being its worker: the same parameters
+after one SGD step whatever the plan and world size, a falling loss, an exact resume that keeps
+the run's own settings, resumes onto another world and ZeRO stage, and clear errors (and no hang)
+on bad input.
 Faults (kills, signals, corrupt checkpoints, sockets) are in test_faults.py.
 """
 
@@ -35,12 +37,29 @@ RUN_TIMEOUT = 240  # s: a run that takes longer than this has hung
 SMALL = ["--model", "tiny", "--max-len", "512", "--batch-tokens", "4096", "--time-limit", "0.5", "--quiet"]
 
 
+def _workbench_cmd(*args: str) -> list[str]:
+    exe = Path(sys.executable).with_name("workbench")
+    return [str(exe), *args] if exe.exists() else [sys.executable, "-m", "workbench.cli", *args]
+
+
 def workbench(*args: str, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
     """Run the ``workbench`` console entry; returns the CompletedProcess (never raises on status)."""
-    exe = Path(sys.executable).with_name("workbench")
-    cmd = [str(exe), *args] if exe.exists() else [sys.executable, "-m", "workbench.cli", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
+    return subprocess.run(_workbench_cmd(*args), capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
+
+
+def workbench_started(*args: str) -> subprocess.Popen:
+    """The ``workbench`` console entry started, not waited for (``finished`` waits)."""
+    return subprocess.Popen(_workbench_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+
+
+def finished(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
+    """What ``workbench`` returns for a process of ``workbench_started`` once it ends."""
+    from _torchrun import communicate_or_kill
+
+    out, err = communicate_or_kill(proc, timeout, "workbench")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def status(run_dir: Path) -> dict:
@@ -426,8 +445,10 @@ def _tree(root: Path, settings: dict[str, dict]) -> Tree:
                 stdout + stderr)
 
 
-# the exactness runs plan inline (plan_ahead false: no planning worker process per run; the plans are
-# the same either way, which test_faults.py's killed-worker run checks step by step)
+# the exactness runs and the refused plans plan inline (plan_ahead false: no planning worker process per
+# run; the plans are the same either way, which test_faults.py's killed-worker run checks step by step,
+# and a plan is checked against the run where it runs, wherever it was made); the loss and resume runs
+# plan ahead, the default
 SGD = {"steps": 1, "seed": 7, "optimizer": "sgd", "lr": 0.5, "checkpoint_every": 1, "plan_ahead": False}
 ZSET = {"planner": "greedy", "seed": 3, "optimizer": "sgd", "lr": 0.2, "momentum": 0.9, "plan_ahead": False}
 LOSS_SETTINGS = {"planner": "greedy", "seed": 1, "optimizer": "adamw", "lr": 3e-3}
@@ -479,11 +500,39 @@ def tree(tmp_path_factory) -> Tree:
         "loss": {**LOSS_SETTINGS, "nproc": 2, "steps": 15, "checkpoint_every": 0},
         "resume": {**LOSS_SETTINGS, "nproc": 2, "steps": 3, "checkpoint_every": 3},
         "states": {"nproc": 2, "zero_stage": 2, "optimizer": "adamw", "steps": 1, "checkpoint_every": 0, "plan_ahead": False},
-        "plan-world": {"nproc": 2, "planner": "greedy", "steps": 2, "debug": {"plan_num_gpus": 1}, "timeout_s": 60},
-        "plan-stage": {"nproc": 2, "planner": "greedy", "steps": 2, "debug": {"plan_zero_stage": 0}, "timeout_s": 60},
+        "plan-world": {"nproc": 2, "planner": "greedy", "steps": 2, "debug": {"plan_num_gpus": 1}, "timeout_s": 60,
+                       "plan_ahead": False},
+        "plan-stage": {"nproc": 2, "planner": "greedy", "steps": 2, "debug": {"plan_zero_stage": 0}, "timeout_s": 60,
+                       "plan_ahead": False},
         "policy-error": {"nproc": 2, "source": "100,5000", "max_len": 4096, "policy": "error", "batch_tokens": 16384,
                          "steps": 1, "timeout_s": 60},
     })
+
+
+@pytest.fixture(scope="module")
+def launched(tree, tmp_path_factory) -> dict:
+    """The launches that check the launcher's side, started at once (their checks are of results,
+    not times): ``resume``, the README's resume of the tree's ``resume`` run (``workbench train
+    --run-dir D --steps 4``: the steps only); ``zero-a``, the tree's ZeRO-3 run saved on 4 ranks
+    resumed on 2 (``--steps 3 --nproc 2 --change``); ``missing-spec``, ``launch.start`` of a run
+    folder without spec.json (its final status from ``launch.wait``). Also what was there before:
+    ``zero-a checkpoints``, the names in zero-a's checkpoint folder."""
+    from workbench import launch, runs
+
+    before = sorted(x.name for x in (tree.ok("zero-a") / "checkpoints").iterdir())
+    resume = workbench_started("train", "--run-dir", str(tree.ok("resume")), "--steps", "4")
+    zero_a = workbench_started("train", "--run-dir", str(tree.dirs["zero-a"]), "--steps", "3", "--nproc", "2", "--change",
+                               "--quiet")
+    try:
+        run = runs.new_run("train", {}, root=tmp_path_factory.mktemp("launched"), run_id="run")
+        run.file("spec.json").unlink()
+        try:
+            missing = launch.wait(launch.start(run, nproc=2), timeout=RUN_TIMEOUT)
+        finally:
+            launch.stop(run)
+    finally:
+        done = {"resume": finished(resume), "zero-a": finished(zero_a)}
+    return {**done, "missing-spec": missing, "zero-a checkpoints": before}
 
 
 @pytest.mark.slow
@@ -531,14 +580,13 @@ def test_loss_falls_on_the_embedded_corpus(tree):
 
 
 @pytest.mark.slow
-def test_resume_continues_exactly(tree):
+def test_resume_continues_exactly(tree, launched):
     n = 3
     d = tree.ok("resume")  # the loss run's settings, 3 steps, a checkpoint after the last
     assert (d / "checkpoints" / f"step_{n}.dcp").is_dir()  # ZeRO-3 (the default): a sharded checkpoint
-    # restart the same run folder with one more step, as the README does (naming only the steps): it
+    # restarted (``launched``) with one more step, as the README does (naming only the steps): it
     # continues from the checkpoint with the run's own settings (its 2 ranks, not the CLI default 1)
-    p = workbench("train", "--run-dir", str(d), "--steps", str(n + 1))
-    _ok(p, d)
+    _ok(launched["resume"], d)
     st = status(d)
     assert st["resumed_from"] == n and st["attempt"] == 2 and st["step"] == n + 1
     assert st["resolved"]["world_size"] == 2
@@ -562,7 +610,7 @@ def _update_error(got: dict, ref: dict, before: dict) -> float:
 
 
 @pytest.mark.slow
-def test_checkpoints_resume_on_another_world_and_stage(tree):
+def test_checkpoints_resume_on_another_world_and_stage(tree, launched):
     """SGD with momentum (the optimizer state matters, and its update is linear in it): a ZeRO-3
     run saved on 4 ranks resumes on 2 (DCP reshards the folder); a ZeRO-1 run's whole file resumes
     under ZeRO-3 on 4, and its sharded folder under ZeRO-2 on 2; each step after a resume gives the
@@ -572,9 +620,8 @@ def test_checkpoints_resume_on_another_world_and_stage(tree):
     loss = {s: r["loss"] for s, r in metrics(ref).items()}
     # ZeRO-3, 4 ranks -> 2 ranks
     a = tree.ok("zero-a")  # 4 ranks, ZeRO-3, 2 steps, a checkpoint after the last
-    assert sorted(x.name for x in (a / "checkpoints").iterdir()) == ["step_2.dcp"]
-    p = workbench("train", "--run-dir", str(a), "--steps", "3", "--nproc", "2", "--change", "--quiet")
-    _ok(p, a)
+    assert launched["zero-a checkpoints"] == ["step_2.dcp"]
+    _ok(launched["zero-a"], a)  # workbench train --run-dir A --steps 3 --nproc 2 --change
     st = status(a)
     assert st["resumed_from"] == 2 and st["resolved"]["world_size"] == 2 and st["resolved"]["zero_stage"] == 3
     assert metrics(a)[2]["loss"] == pytest.approx(loss[2], rel=1e-5)
@@ -652,13 +699,10 @@ def test_sequence_over_max_context_with_policy_error(tree):
 
 
 @pytest.mark.slow
-def test_missing_spec_json_fails_cleanly(tmp_path):
-    from workbench import launch, runs
+def test_missing_spec_json_fails_cleanly(launched):
+    from workbench import launch
 
-    run = runs.new_run("train", {}, root=tmp_path, run_id="run")
-    run.file("spec.json").unlink()
-    h = launch.start(run, nproc=2)
-    st = launch.wait(h, timeout=RUN_TIMEOUT)
+    st = launched["missing-spec"]  # launch.start on a run folder without spec.json, 2 ranks
     assert st.state == "failed" and "spec.json is missing" in st.error, st
     assert not launch.run_alive(st)
 
