@@ -30,10 +30,12 @@ chosen); a part that would start with less than half its share left is skipped w
 so, a running part that overruns its share (plus a grace) is stopped and keeps what it measured (its
 processes write after every measurement). Without CUDA every part says it needs CUDA and the exit
 status is 0 (the CPU dry run CI runs); otherwise 1 when a part failed. ``--cpu-rehearsal`` runs every
-part on CPU with toy sizes (the tests do, to run this code; its figures mean nothing).
+part on CPU with toy sizes (the tests do, to run this code; its figures mean nothing), the
+``workbench.runtime.bench`` parts in this process (on CPU no CUDA error can take the others down).
 
 This module imports no torch (it runs the torch side, ``workbench.runtime.bench`` and the doctor's
-probes, as subprocesses) and nothing beyond the standard library and the workbench's pure modules.
+probes, as subprocesses; the rehearsal imports it when it runs) and nothing beyond the standard
+library and the workbench's pure modules.
 """
 
 from __future__ import annotations
@@ -323,20 +325,53 @@ class GpuCheck:
 
     def _bench(self, part: str, args: list[str], budget: float, log_name: str | None = None) -> tuple[dict, str | None]:
         """Run ``python -m workbench.runtime.bench PART ARGS`` with ``budget`` seconds (it leaves out
-        what would overrun; stopped at budget + grace); returns (its JSON, why it was stopped or failed)."""
+        what would overrun; stopped at budget + grace); returns (its JSON, why it was stopped or failed).
+        The CPU rehearsal runs it in this process (:meth:`_bench_here`)."""
         res_path = self.out / "parts" / f"{log_name or part}.json"
         res_path.parent.mkdir(parents=True, exist_ok=True)
         if res_path.exists():
             res_path.unlink()
-        cmd = [sys.executable, "-m", "workbench.runtime.bench", part, "--out", str(res_path), "--budget-s", f"{budget:.0f}",
-               *args, *(["--cpu-rehearsal"] if self.rehearsal else [])]
-        why = self._run(cmd, budget + GRACE_S, log_name or part, threads=1 if self.rehearsal else None)
+        argv = [part, "--out", str(res_path), "--budget-s", f"{budget:.0f}", *args,
+                *(["--cpu-rehearsal"] if self.rehearsal else [])]
+        if self.rehearsal:
+            why = self._bench_here(argv, log_name or part)
+        else:
+            why = self._run([sys.executable, "-m", "workbench.runtime.bench", *argv], budget + GRACE_S, log_name or part)
         try:
             data = json.loads(res_path.read_text())
         except (OSError, ValueError):
             data = {}
             why = why or f"it wrote no result (see {self._log(log_name or part)})"
         return data, why
+
+    def _bench_here(self, argv: list[str], log_name: str) -> str | None:
+        """The CPU rehearsal's ``workbench.runtime.bench`` parts (env, peak, attention, train): its
+        ``main(argv)`` in this process, one thread, its output to the part's log. On a GPU each part
+        has a process of its own, so that a CUDA error or an out-of-memory cannot take the others
+        down; on CPU there is neither, and a process each would spend most of its time importing
+        torch. Returns None, or why it did not end well."""
+        import contextlib
+
+        import torch
+        import torch.distributed as dist
+
+        from workbench.runtime import bench
+
+        log = self._log(log_name)
+        threads = torch.get_num_threads()
+        with open(log, "a") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+            f.write(f"$ (in this process) python -m workbench.runtime.bench {' '.join(argv)}\n")
+            f.flush()
+            torch.set_num_threads(1)
+            try:
+                code = bench.main(argv)
+            except SystemExit as e:  # its argument parser's refusal
+                code = e.code
+            finally:
+                torch.set_num_threads(threads)
+                if dist.is_initialized():  # a train part that failed before closing its world of one
+                    dist.destroy_process_group()
+        return None if code in (0, None) else f"exited with status {code} (see {log})"
 
     def _run(self, cmd: list[str], timeout: float, log_name: str, threads: int | None = None) -> str | None:
         """Run ``cmd`` in a session of its own, its output to the part's log and, line by line, to the
@@ -467,7 +502,8 @@ class GpuCheck:
         part.data["best_tokens_per_s"] = best["tokens_per_s"]
 
     def part_train_1b(self, part: Part) -> None:
-        self._train(part, "tiny" if self.rehearsal else "1b", 0, "256,512" if self.rehearsal else "8192,16384,32768,65536")
+        # the rehearsal: one case here, two on train-8b's (a second case on the model the first built)
+        self._train(part, "tiny" if self.rehearsal else "1b", 0, "256" if self.rehearsal else "8192,16384,32768,65536")
 
     def part_train_8b(self, part: Part) -> None:
         self._train(part, "tiny" if self.rehearsal else "llama3-8b", 3,
@@ -489,15 +525,17 @@ class GpuCheck:
         env = _env(1 if self.rehearsal else None)
         part.data = {"model": model, "root": str(root)}
         # 1. the profile, in the precision the run computes in (a profile's default: bf16 on CUDA, fp32 on
-        # CPU), over the packs the run will run (profile_packs)
-        max_len = 512 if self.rehearsal else 4096
-        batch_tokens = 2048 if self.rehearsal else 16384
+        # CPU), over the packs the run will run (profile_packs). The rehearsal's: one sample of one call a
+        # pack and, as the 1B's on a GPU (over 200M parameters), no real steps
+        max_len = 128 if self.rehearsal else 4096
+        batch_tokens = 256 if self.rehearsal else 16384
         big = ((self.env_info.get("gpu") or {}).get("total_memory_bytes") or 0) >= 100 * 2**30
         fit, held = profile_packs(max_len, batch_tokens if big or self.rehearsal else 12288)
         part.data["profile_packs"] = {"fit": fit, "heldout": held}
         prof = prepare_profile(nproc=1, model=model, quick=True, root=root, name=f"profile-{stamp}", device=device,
                                max_len=max_len, fit_packs=fit, heldout_packs=held,
-                               command="workbench.gpucheck (quick profile, 1 process)")
+                               command="workbench.gpucheck (quick profile, 1 process)",
+                               **({"reps": 1, "min_sample_ms": 0.0, "steps": False} if self.rehearsal else {}))
         part.data["profile_run"] = prof.id
         self.say(f"  | profile: {prof.path}")
         st = self._wait(process, start_profile(prof, stop_with_parent=True, env=env), deadline, part.budget_s * 0.6)
@@ -508,7 +546,7 @@ class GpuCheck:
         profile_path = prof.file(runs.PROFILE_FILE)
         part.data["profile"] = str(profile_path)
         # 2. a short training run planned with it
-        settings = {"steps": 6, "nproc": 1, "device": device, "model": model, "source": "stdlib",
+        settings = {"steps": 3 if self.rehearsal else 6, "nproc": 1, "device": device, "model": model, "source": "stdlib",
                     "max_len": max_len, "batch_tokens": batch_tokens,
                     "profile": str(profile_path), "zero_stage": 0, "checkpoint_every": 0, "planner": "greedy",
                     "seed": 0}
@@ -559,7 +597,8 @@ class GpuCheck:
         without offload, then the offloading run at the longest length the memory model and what is
         left of the part's share allow (the short runs' measured step time calibrates the cost
         model's); the targets judged by ``offload_verdicts``. In the rehearsal the figures are
-        computed, not judged (the CPU's resident set is no allocator peak)."""
+        computed, not judged (the CPU's resident set is no allocator peak), and the length is capped
+        at the short runs' own: no longer run, the short offloading run is judged."""
         import dataclasses
 
         from workbench.launch import process
@@ -596,7 +635,7 @@ class GpuCheck:
         # 1. the model and optimizer: the first that the memory model and the time allow
         chosen, notes = None, []
         for model in candidates:
-            ctx = min(get_model(model).max_context, 2048) if self.rehearsal else get_model(model).max_context
+            ctx = min(get_model(model).max_context, short_target) if self.rehearsal else get_model(model).max_context
             for opt in (("adamw", 0.0), ("sgd", 0.9), ("sgd", 0.0)):
                 try:
                     _, spec, _ = prepare_train(settings(model, opt, short_target, "inputs", OFFLOAD_STEPS), dry_run=True,
@@ -626,7 +665,7 @@ class GpuCheck:
             part.status, part.summary = "skip", "; ".join(notes) or "no model fits"
             return
         model, opt, cost, longest, longest_plain, step_ms, lengths = chosen
-        ctx = min(get_model(model).max_context, 2048) if self.rehearsal else get_model(model).max_context
+        ctx = min(get_model(model).max_context, short_target) if self.rehearsal else get_model(model).max_context
         part.data.update(model=model, optimizer=opt[0] + (" momentum" if opt[1] else ""), zero_stage=3,
                          layers=get_model(model).layers, longest_offload=longest, longest_plain=longest_plain,
                          longest_by_memory=cost.longest_sequence(), max_context=ctx, estimate=lengths)
@@ -667,7 +706,8 @@ class GpuCheck:
             long = lo * quantum
         part.data.update(time_factor=factor, long=long,
                          long_limited_by="memory" if long == top and top < ctx - quantum else
-                         "the length cap (the model's max context; 2,048 in the rehearsal)" if long == top else "time")
+                         "the length cap (the model's max context; in the rehearsal the short runs' length)" if long == top
+                         else "time")
         judged = inputs
         if long > short:
             runs_["long_inputs"] = judged = self._offload_run(
@@ -678,7 +718,9 @@ class GpuCheck:
                 part.status, part.summary = "fail", f"the {long:,}-token run did not finish: {judged['error']}"
                 return
         else:
-            part.data["long_note"] = f"no time for a run longer than {short:,} tokens: the short run is judged"
+            part.data["long_note"] = (f"no run longer than {short:,} tokens (" + ("no time for one" if long < top else
+                                                                                   part.data["long_limited_by"])
+                                      + "): the short run is judged")
         part.data["runs"] = runs_
         # 4. the targets
         tokens = judged["steps"][-1]["tokens"]
@@ -949,7 +991,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          f"their shares): parts share it, one that would overrun is skipped or stopped")
     ap.add_argument("--out", default="gpu-check", metavar="DIR", help="where result.json and report.md go (default gpu-check)")
     ap.add_argument("--cpu-rehearsal", action="store_true",
-                    help="run every part on CPU with toy sizes (tests the check's code; figures meaningless)")
+                    help="run every part on CPU with toy sizes (tests the check's code; figures meaningless; the "
+                         "benchmark parts in this process)")
 
 
 def run_check(args) -> int:
