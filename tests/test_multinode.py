@@ -6,17 +6,20 @@ gone (a stand-in store), node records in the run store, joining a run by name, t
 rebuilding the same spec, the Slurm script's syntax, and the one-line refusals of this machine
 (--device cuda without a GPU, --attention flash without flash-attn or CUDA).
 
-Slow (real torchrun "nodes" of 2 processes each on this machine, gloo, the tiny model): one
-heterogeneous plan whose groups span the node boundary gives the single-process update (ZeRO-3
-through the emitted torchrun commands, then resumed by both nodes; ZeRO-0 through the Slurm script
-under a stand-in ``srun``); node 1 killed mid-run fails both nodes' runs naming it and leaves no
-process; a stop from the run store ends both nodes; an endpoint that does not answer, a node 0 left
-alone, another --nproc and another spec on the second node each end in one line with nothing left
-running.
+Slow (real torchrun "nodes" of 1-2 processes each on this machine, gloo, the tiny model; the
+``workbench`` commands that start no process, run in this process: emit, runs show/list/stop): one heterogeneous plan whose
+groups span the node boundary gives the single-process update (computed here from the whole
+batch), under ZeRO-3 through the emitted torchrun commands, then resumed by both nodes, and under
+ZeRO-0 through the Slurm script under a stand-in ``srun``; node 1 (of two processes) killed mid-run
+fails both nodes' runs naming it and leaves no process; a stop from the run store ends both nodes;
+an endpoint that does not answer, a node 0 left alone, another --nproc and another spec on the
+second node each end in one line with nothing left running.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shlex
@@ -39,10 +42,10 @@ from workbench.training import SpecError, prepare_train
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 300
-# a batch whose plan under this memory puts the 500-token sequence (and the next) on a group of all
-# 4 ranks (both nodes) and the rest on groups of 1-2 ranks (the planner's own choice, checked below)
+# a batch whose greedy plan on two nodes of one process under 0.008 GB per device puts the 500-token
+# sequence on the group of both ranks (both nodes) and the rest on single ranks (the planner's own
+# choice, checked below)
 LENGTHS = "500,240,200,90,60,30"
-HETERO = ["--lengths", LENGTHS, "--gpu-memory", "0.005", "--planner", "greedy"]
 
 
 def _exe() -> list[str]:
@@ -58,6 +61,17 @@ def _free_port() -> int:
 
 def _env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def _cli(*args: str) -> tuple[int, str, str]:
+    """The ``workbench`` command line run in this process (its real ``main``, without the start-up of
+    another interpreter): (exit status, stdout, stderr)."""
+    from workbench.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return code, out.getvalue(), err.getvalue()
 
 
 def _procs_of(run_dir: Path) -> list[int]:
@@ -90,17 +104,19 @@ class Nodes:
 
     def __init__(self, tmp_path: Path, name: str, common: list[str], per_node: list[list[str]] | None = None,
                  roots: list[Path] | None = None, port: int | None = None, delay: float = 0.5,
-                 node0_prepared: bool = False) -> None:
+                 node0_prepared: bool = False, nproc: int = 2) -> None:
         self.port = port or _free_port()
         self.roots = roots or [tmp_path / "store"] * 2
         self.name = name
         self.procs = []
         for k in range(2):
-            args = [*_exe(), "train", "--nnodes", "2", "--node-rank", str(k), "--rdzv-endpoint",
-                    f"127.0.0.1:{self.port}", "--run-root", str(self.roots[k]), "--name", name, "--device", "cpu", "--nproc", "2",
-                    "--quiet", *common, *((per_node or [[], []])[k])]
+            args = [*_exe(), "train", "--nnodes", "2", "--node-rank", str(k), "--rdzv-endpoint", f"127.0.0.1:{self.port}",
+                    "--run-root", str(self.roots[k]), "--name", name, "--device", "cpu", "--nproc", str(nproc), "--quiet",
+                    *common, *((per_node or [[], []])[k])]
             self.procs.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                                cwd=ROOT, env=_env(), start_new_session=True))
+            if k == 1:
+                break
             time.sleep(delay)
             t0 = time.monotonic()
             while node0_prepared and k == 0 and not (self.roots[0] / name / runs.SPEC_FILE).exists():
@@ -413,14 +429,13 @@ def test_slurm_script_runs_one_workbench_per_node(tmp_path):
 def test_this_machines_refusals_are_one_line(tmp_path, monkeypatch):
     from workbench import training
 
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU shown, whatever this machine has
     for bad, words in (({"device": "cuda"}, "--device cuda but this machine shows no NVIDIA GPU"),
                        ({"attention": "flash"}, "--attention flash needs CUDA and this run is on CPU")):
-        p = subprocess.run([*_exe(), "train", "--steps", "1", "--run-root", str(tmp_path), "--model", "tiny",
-                            *sum(([f"--{k}", v] for k, v in bad.items()), [])],
-                           capture_output=True, text=True, cwd=ROOT, env=dict(_env(), CUDA_VISIBLE_DEVICES=""),
-                           timeout=120)
-        lines = p.stderr.strip().splitlines()
-        assert p.returncode == 2 and len(lines) == 1 and words in lines[0], p.stderr
+        code, _, err = _cli("train", "--steps", "1", "--run-root", str(tmp_path), "--model", "tiny",
+                            *sum(([f"--{k}", v] for k, v in bad.items()), []))
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and words in lines[0], err
         assert not any(tmp_path.iterdir())
     # a machine with a GPU but no flash-attn, and an fp32 run asking for flash
     monkeypatch.setattr(training, "cuda_visible", lambda: True)
@@ -445,22 +460,39 @@ def test_this_machines_refusals_are_one_line(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def hetero_reference(tmp_path_factory):
-    """The single-process SGD step on the heterogeneous batch (test_train's reference recipe: one
-    rank, static:1, ZeRO-0)."""
-    from test_train import SMALL, _ok, _train
+def hetero_reference() -> dict:
+    """The single-process SGD step on the heterogeneous batch, computed here: the whole batch (the
+    run's token ids for step 0, seed 7) through one plain Transformer, ``batch_loss`` (the definition
+    a distributed step reproduces: mean next-token cross-entropy), ``torch.optim.SGD`` at lr 0.5;
+    {name: weight after the step}."""
+    import torch
 
-    d = tmp_path_factory.mktemp("ref") / "run"
-    _ok(_train(d, "--nproc", "1", "--planner", "static:1", "--steps", "1", "--seed", "7", "--optimizer", "sgd",
-               "--lr", "0.5", "--checkpoint-every", "1", "--zero-stage", "0", "--lengths", LENGTHS, *SMALL), d)
-    return d
+    from workbench.data import GlobalBatchSampler
+    from workbench.data.sequences import TokenData
+    from workbench.models import get_model
+    from workbench.runtime.attention import torch_varlen_attention
+    from workbench.runtime.model import Transformer
+    from workbench.runtime.step import batch_loss
+
+    spec = get_model("tiny")
+    data = TokenData(LENGTHS, max_len=512, policy="split", seed=7, vocab=spec.vocab)
+    assert data.ordered and [int(x) for x in data.lengths] == [int(x) for x in LENGTHS.split(",")]
+    batch = GlobalBatchSampler(data, batch_size=None, batch_tokens=None, seed=7).batch(0)
+    seqs = [torch.from_numpy(data.tokens(int(i))) for i in batch.indices]
+    model = Transformer(spec, seed=7).to(torch.float32)
+    loss = batch_loss(model, seqs, torch_varlen_attention)
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+# one SGD step of the heterogeneous batch on two nodes of one process (LENGTHS), checkpointed
 EXACT = ["--steps", "1", "--seed", "7", "--optimizer", "sgd", "--lr", "0.5", "--checkpoint-every", "1", "--model", "tiny",
-         "--max-len", "512", "--time-limit", "0.5", *HETERO]
+         "--max-len", "512", "--time-limit", "0.5", "--no-plan-ahead", "--lengths", LENGTHS, "--planner", "greedy",
+         "--gpu-memory", "0.008"]
 
 
-def _assert_same_update(run_dir: Path, reference: Path) -> dict:
+def _assert_same_update(run_dir: Path, reference: dict, nproc: int) -> dict:
     from test_train import params_of
 
     from workbench.models import get_model
@@ -469,13 +501,16 @@ def _assert_same_update(run_dir: Path, reference: Path) -> dict:
     plan = json.loads((run_dir / "plans.jsonl").read_text().splitlines()[0])["plan"]
     groups = [g for m in plan["micro_steps"] for g in m["groups"]]
     degrees = {g["degree"] for g in groups}
-    # heterogeneous, and one group spans the node boundary (ranks 0-1 are node 0, 2-3 node 1)
-    assert 4 in degrees and degrees & {1, 2}, degrees
-    assert any(min(g["ranks"]) < 2 <= max(g["ranks"]) for g in groups)
-    ref, got = params_of(reference, 1), params_of(run_dir, 1)
+    world = 2 * nproc
+    # heterogeneous (a group of the whole world and smaller ones), and a group spans the node
+    # boundary (ranks 0..nproc-1 are node 0, the rest node 1)
+    assert world in degrees and min(degrees) < world, degrees
+    assert any(min(g["ranks"]) < nproc <= max(g["ranks"]) for g in groups)
+    got = params_of(run_dir, 1)
     init = Transformer(get_model("tiny"), seed=7).state_dict()
-    assert max(float((ref[k] - init[k]).abs().max()) for k in ref) > 1e-4  # the step moved the weights
-    for name, t in ref.items():
+    assert sorted(got) == sorted(reference)
+    assert max(float((reference[k] - init[k]).abs().max()) for k in reference) > 1e-4  # the step moved the weights
+    for name, t in reference.items():
         np.testing.assert_allclose(got[name].numpy(), t.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
     return plan
 
@@ -483,11 +518,10 @@ def _assert_same_update(run_dir: Path, reference: Path) -> dict:
 def _emitted_commands(run_root: Path, name: str, *args: str) -> list[list[str]]:
     """``workbench train --emit torchrun``'s command per node, split as a shell reads them (lines
     continued with backslashes); emitting starts and writes nothing."""
-    p = subprocess.run([*_exe(), "train", "--emit", "torchrun", "--nproc", "2", "--nnodes", "2", "--device", "cpu",
-                        "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--run-root", str(run_root), "--name", name,
-                        *args], capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=120)
-    assert p.returncode == 0, p.stderr
-    cmds = [shlex.split(ln) for ln in p.stdout.replace("\\\n", " ").splitlines() if ln and not ln.startswith("#")]
+    code, out, err = _cli("train", "--emit", "torchrun", "--nproc", "1", "--nnodes", "2", "--device", "cpu",
+                          "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--run-root", str(run_root), "--name", name, *args)
+    assert code == 0, err
+    cmds = [shlex.split(ln) for ln in out.replace("\\\n", " ").splitlines() if ln and not ln.startswith("#")]
     assert len(cmds) == 2 and [c[c.index("--node-rank") + 1] for c in cmds] == ["0", "1"]
     assert not (run_root / name).exists()  # emitting starts and writes nothing
     return cmds
@@ -496,32 +530,34 @@ def _emitted_commands(run_root: Path, name: str, *args: str) -> list[list[str]]:
 @pytest.mark.slow
 @pytest.mark.untimed  # an exact update and files, whatever the load (tests/_xdist_heavy.py)
 def test_two_nodes_give_the_single_process_update(hetero_reference, tmp_path):
-    """ZeRO-3 (the default) over two nodes, started by the commands ``--emit torchrun`` prints, each
-    node's line run by its own shell in another folder; then both nodes resume it. (ZeRO-0's update
-    over two nodes: the Slurm test below.)"""
+    """ZeRO-3 (the default) over two nodes of one process each, started by the commands ``--emit
+    torchrun`` prints, each node's line run by its own shell in another folder; then both nodes
+    resume it. (ZeRO-0's update over two nodes: the Slurm test below; node records of nodes of two
+    processes: the kill test.)"""
     cmds = _emitted_commands(tmp_path / "s", "mn3", *EXACT)
     procs = []
-    for c in cmds:  # each node's shell runs its line
+    for k, c in enumerate(cmds):  # each node's shell runs its line
         procs.append(subprocess.Popen([*c, "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       cwd=tmp_path, env=_env(), start_new_session=True))
-        time.sleep(0.5)
+        if k == 0:
+            time.sleep(0.5)
     d = tmp_path / "s" / "mn3"
     for k, pr in enumerate(procs):
         _, err = communicate_or_kill(pr, TIMEOUT, f"node {k}")
         assert pr.returncode == 0, f"node {k}:\n{err[-3000:]}\n" + "\n".join(runs.tail_lines(d / 'log.txt', 40))
-    plan = _assert_same_update(d, hetero_reference)
+    plan = _assert_same_update(d, hetero_reference, nproc=1)
     assert plan["execution"] == "lockstep"  # ZeRO-3, the default
     run = runs.load_run(d)
     st = run.status()
-    assert st.state == "done" and st.resolved["world_size"] == 4 and st.resolved["nnodes"] == 2
+    assert st.state == "done" and st.resolved["world_size"] == 2 and st.resolved["nnodes"] == 2
     nodes_ = run.nodes()  # one run, two node records
     assert sorted(nodes_) == [0, 1] and all(n.state == "done" for n in nodes_.values())
-    assert {tuple(sorted(n.pids["ranks"])) for n in nodes_.values()} == {("0", "1"), ("2", "3")}
-    assert sorted({r["rank"] for r in run.metrics()}) == [0, 1, 2, 3]
-    show = subprocess.run([*_exe(), "runs", "show", "mn3", "--root", str(d.parent)], capture_output=True, text=True)
-    assert "node 0 (" in show.stdout and "node 1 (" in show.stdout and ": done, attempt 1" in show.stdout
-    listed = subprocess.run([*_exe(), "runs", "list", "--json", "--root", str(d.parent)], capture_output=True, text=True)
-    assert [r["id"] for r in json.loads(listed.stdout)["runs"]] == ["mn3"]  # one run, not one per node
+    assert {tuple(sorted(n.pids["ranks"])) for n in nodes_.values()} == {("0",), ("1",)}
+    assert sorted({r["rank"] for r in run.metrics()}) == [0, 1]
+    _, show, _ = _cli("runs", "show", "mn3", "--root", str(d.parent))
+    assert "node 0 (" in show and "node 1 (" in show and ": done, attempt 1" in show, show
+    _, listed, _ = _cli("runs", "list", "--json", "--root", str(d.parent))
+    assert [r["id"] for r in json.loads(listed)["runs"]] == ["mn3"]  # one run, not one per node
     _none_left(d)
     # both nodes resume it from its (sharded) checkpoint for one more step
     port = _free_port()
@@ -565,15 +601,16 @@ sys.exit(max(abs(p.returncode) for p in procs))
 @pytest.mark.untimed  # an exact update and files, whatever the load (tests/_xdist_heavy.py)
 def test_slurm_script_under_a_stand_in_srun(hetero_reference, tmp_path):
     """The script ``--emit slurm`` prints, run by bash with a stand-in ``srun`` starting one node per
-    job node: a ZeRO-0 run (free micro-steps) whose update over the two nodes is the single process's."""
+    job node: a ZeRO-0 run (free micro-steps) over two nodes of one process each whose update is the
+    single process's (the same plan as the ZeRO-3 test's)."""
     port = _free_port()
-    p = subprocess.run([*_exe(), "train", "--emit", "slurm", "--nproc", "2", "--nnodes", "2", "--device", "cpu",
-                        "--rdzv-endpoint", f":{port}", "--run-root", str(tmp_path / "shared"), "--name", "sl",
-                        "--zero-stage", "0", *EXACT], capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=120)
-    assert p.returncode == 0, p.stderr
+    code, out, err = _cli("train", "--emit", "slurm", "--nproc", "1", "--nnodes", "2", "--device", "cpu",
+                          "--rdzv-endpoint", f":{port}", "--run-root", str(tmp_path / "shared"), "--name", "sl",
+                          "--zero-stage", "0", *EXACT)
+    assert code == 0, err
     script = tmp_path / "job.sbatch"
-    script.write_text(p.stdout)
-    assert "#SBATCH --gpus-per-node" not in p.stdout  # a CPU rehearsal asks for no GPUs
+    script.write_text(out)
+    assert "#SBATCH --gpus-per-node" not in out  # a CPU rehearsal asks for no GPUs
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     (bin_ / "srun").write_text(FAKE_SRUN.replace("{python}", sys.executable))
@@ -588,7 +625,7 @@ def test_slurm_script_under_a_stand_in_srun(hetero_reference, tmp_path):
     run = runs.load_run(d)
     assert run.status().state == "done" and run.status().step == 1
     assert sorted(run.nodes()) == [0, 1] and all(n.state == "done" for n in run.nodes().values())
-    assert _assert_same_update(d, hetero_reference)["execution"] == "free"
+    assert _assert_same_update(d, hetero_reference, nproc=1)["execution"] == "free"
     log = (d / "log.txt").read_text()
     assert "--rdzv-id slurm-4242" in log and f"127.0.0.1:{port}" in log
     _none_left(d)
@@ -605,8 +642,10 @@ def _wait_for_steps(run_dir: Path, n: int, nodes: Nodes) -> None:
         time.sleep(0.3)
 
 
-LONG = ["--steps", "200", "--model", "tiny", "--max-len", "256", "--batch-tokens", "1024", "--checkpoint-every", "0",
-        "--time-limit", "0.5", "--debug-step-sleep", "0.3"]
+# a run that trains for a minute or more: the same 1,024-token batch every step (a list of lengths: no
+# corpus for each rank to read), 0.3 s of sleep a step, no checkpoints
+LONG = ["--steps", "200", "--model", "tiny", "--max-len", "256", "--lengths", "256,256,256,128,64,64", "--checkpoint-every",
+        "0", "--time-limit", "0.5", "--debug-step-sleep", "0.3"]
 
 
 @pytest.mark.slow
@@ -628,21 +667,24 @@ def test_node_1_killed_fails_both_nodes_naming_it(tmp_path):
     st, n0, n1 = run.status(), runs.read_status(d, 0), runs.read_status(d, 1)
     assert st.state == "failed" and "node 1" in st.error
     assert n0.state == "failed" and "node 1" in n0.error and n1.state == "failed" and "SIGKILL" in n1.error
+    # node k holds ranks 2k and 2k+1 (its record), and both nodes' metrics make the run's
+    assert {tuple(sorted(n.pids["ranks"])) for n in (n0, n1)} == {("0", "1"), ("2", "3")}
+    assert sorted({r["rank"] for r in run.metrics()}) == [0, 1, 2, 3]
     _none_left(d)
 
 
 @pytest.mark.slow
 def test_a_stop_from_the_run_store_ends_both_nodes(tmp_path):
-    nodes = Nodes(tmp_path, "stopped", LONG)
+    """``workbench runs stop`` on a run of two nodes (one process each) while it trains."""
+    nodes = Nodes(tmp_path, "stopped", LONG, nproc=1)
     d = nodes.run_dir
     try:
         _wait_for_steps(d, 1, nodes)
-        p = subprocess.run([*_exe(), "runs", "stop", "stopped", "--root", str(d.parent)], capture_output=True,
-                           text=True, timeout=120)
+        code, out, err = _cli("runs", "stop", "stopped", "--root", str(d.parent))
         outs = nodes.wait(timeout=60)
     finally:
         nodes.kill()
-    assert p.returncode == 0 and "no process left here" in p.stdout, p.stdout + p.stderr
+    assert code == 0 and "no process left here" in out, out + err
     assert all(code != 0 for code, _, _ in outs)
     assert runs.load_run(d).status().state == "stopped"
     assert {runs.read_status(d, k).state for k in (0, 1)} == {"stopped"}
@@ -675,30 +717,34 @@ def test_an_endpoint_that_does_not_answer_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.untimed  # refusals and nothing left, whatever the load: its only clocks are generous timeouts (60 s and up)
 def test_another_nproc_or_spec_on_the_second_node_is_one_line(tmp_path):
-    # on a shared run store the second node is refused before it starts anything; node 0, left
-    # waiting for it, is stopped (its terminal's Ctrl-C) and leaves nothing
-    nodes = Nodes(tmp_path, "mismatch", [*LONG, "--rdzv-timeout", "60"], per_node=[["--nproc", "2"], ["--nproc", "1"]],
-                  node0_prepared=True)
-    try:
-        _, e1 = nodes.procs[1].communicate(timeout=120)
-        c1 = nodes.procs[1].returncode
-    finally:
-        nodes.kill()
-    assert c1 == 2 and len(e1.strip().splitlines()) == 1 and "nproc: 2 on node 0, 1 here" in e1, e1
-    _none_left(tmp_path / "store" / "mismatch")
-    # each node with its own run store (no shared path): the nodes compare themselves at start (the
-    # spec case on one process a node: its process counts agree, its planners do not)
-    cases = [("apart-nproc", [["--nproc", "2"], ["--nproc", "1"]], "started 1 process(es) but the run has 2 per node"),
+    """Three pairs of nodes side by side. On a shared run store the second node is refused before it
+    starts anything; node 0, left waiting for it, is stopped (its terminal's Ctrl-C) and leaves
+    nothing. With a run store each (no shared path) the nodes compare themselves at start: another
+    --nproc, and another spec (on one process a node: its process counts agree, its planners do not)."""
+    apart = [("apart-nproc", [["--nproc", "2"], ["--nproc", "1"]], "started 1 process(es) but the run has 2 per node"),
              ("apart-spec", [["--nproc", "1", "--planner", "greedy"], ["--nproc", "1", "--planner", "static:1"]],
               "runs another spec than node 0 (planner: 'greedy' on node 0, 'static:1' here)")]
-    for name, per_node, words in cases:
-        nodes = Nodes(tmp_path, name, [*LONG, "--timeout", "60"], per_node=per_node, roots=[tmp_path / "a", tmp_path / "b"])
-        try:
-            outs = nodes.wait(timeout=180)
-        finally:
+    started = []
+    try:
+        for name, per_node, _ in apart:
+            started.append(Nodes(tmp_path, name, [*LONG, "--timeout", "60"], per_node=per_node,
+                                 roots=[tmp_path / "a", tmp_path / "b"]))
+        shared = Nodes(tmp_path, "mismatch", [*LONG, "--rdzv-timeout", "60"], per_node=[["--nproc", "2"], ["--nproc", "1"]],
+                       node0_prepared=True)
+        started.append(shared)
+        _, e1 = shared.procs[1].communicate(timeout=120)
+        c1 = shared.procs[1].returncode
+        shared.kill()
+        outs = [nodes.wait(timeout=180) for nodes in started[:2]]
+    finally:
+        for nodes in started:
             nodes.kill()
-        for k, (code, _, err) in enumerate(outs):
+    assert c1 == 2 and len(e1.strip().splitlines()) == 1 and "nproc: 2 on node 0, 1 here" in e1, e1
+    _none_left(tmp_path / "store" / "mismatch")
+    for (name, _, words), out in zip(apart, outs):
+        for k, (code, _, err) in enumerate(out):
             last = err.strip().splitlines()[-1]
             assert code == 1 and "node 1 (" in last and words in last, f"{name}, node {k}: {err[-2000:]}"
         for r in (tmp_path / "a", tmp_path / "b"):
