@@ -1,7 +1,9 @@
 """Training a user can trust: real torchrun runs (tiny model, gloo, 2 ranks) hit with the faults
 users cause, checked by pid.
 
-- stop: every process of the run gone within 5 s, status ``stopped``;
+- stop: every process of the run gone within 5 s, status ``stopped``, from the process that
+  started it (``workbench train`` on SIGTERM or SIGHUP) and from one that did not (a restarted
+  kernel attaching to the run it left);
 - SIGKILL of rank 0 (what the out-of-memory killer sends) and of rank 1: ``failed`` within 10 s,
   the failing rank named with its signal, no process left (the plan-ahead worker and the
   multiprocessing resource tracker included);
@@ -12,6 +14,11 @@ users cause, checked by pid.
   from the previous good one, saying which file was skipped; none usable: one line;
 - two runs at once, and a second start on a running run refused without touching its spec;
 - every socket the run listens on is on the loopback interface.
+
+Runs that are checked for different things share a run where one does not end it: the killed-rank
+runs are the two runs at once, the killed planning worker's run is the ZeRO-3 checkpoint run. The
+checkpoint tests and the killed worker check results, not times (``untimed``); the rest check time
+bounds.
 """
 
 from __future__ import annotations
@@ -30,11 +37,11 @@ import pytest
 from workbench import launch, runs
 from workbench.training import prepare_train
 
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 180
 SETTINGS = dict(model="tiny", max_len=256, batch_tokens=1024, effort=0.5, device="cpu")
+LIVE = dict(SETTINGS, steps=400, nproc=2, checkpoint_every=0, debug={"step_sleep_s": 0.2})
+"""A run that trains until it is stopped or killed (a step every 0.2 s at least)."""
 
 
 def _workbench(*args: str) -> list[str]:
@@ -55,7 +62,7 @@ def _wait_for_step(run: runs.Run, step: int, handle=None) -> runs.RunStatus:
         if handle is not None and launch.poll(handle) is not None or st.final:
             pytest.fail(f"run ended before step {step}: {st.to_dict()}\n{run.log_tail(40)}")
         assert time.monotonic() - t0 < TIMEOUT, f"no step {step} after {TIMEOUT}s:\n" + "\n".join(run.log_tail(40))
-        time.sleep(0.2)
+        time.sleep(0.1)
 
 
 def _all_pids(st: runs.RunStatus) -> list[tuple[int, int | None]]:
@@ -65,9 +72,8 @@ def _all_pids(st: runs.RunStatus) -> list[tuple[int, int | None]]:
     return pids
 
 
-def _start(tmp_path: Path, name: str, steps: int = 400, **extra) -> tuple[runs.Run, launch.RunHandle]:
-    run, spec, _ = prepare_train({**SETTINGS, "steps": steps, "nproc": 2, "checkpoint_every": 0,
-                                  "debug": {"step_sleep_s": 0.2}, **extra}, root=tmp_path, name=name)
+def _start(root: Path, name: str, **extra) -> tuple[runs.Run, launch.RunHandle]:
+    run, spec, _ = prepare_train({**LIVE, **extra}, root=root, name=name)
     return run, launch.start(run, nproc=2)
 
 
@@ -79,16 +85,32 @@ def _gone_within(pids, seconds: float) -> float:
     return time.monotonic() - t0
 
 
-def test_a_live_run_listens_on_loopback_refuses_a_second_start_and_stops_within_5s(tmp_path):
-    """One live run checked three ways, in this order (each was a test with a run of its own): every
-    socket it listens on is on the loopback interface; a second start, through the API and through
-    ``workbench train --run-dir``, is refused and changes nothing; a stop ends every process of it
-    within 5 s, status ``stopped``."""
+@pytest.mark.slow
+def test_a_run_its_kernel_left_listens_on_loopback_refuses_a_second_start_and_stops_within_5s(tmp_path):
+    """A process starts a run and goes away (a notebook kernel restarted); this process, which did
+    not start it, finds it in the store and attaches to it, then checks it (each was a test with a
+    run of its own): every socket it listens on is on the loopback interface; a second start,
+    through the API and through ``workbench train --run-dir``, is refused and changes nothing; a
+    stop through the attached handle ends every process of it within 5 s, status ``stopped``. (A
+    stop from the process that started the run, its own handle: test_signal_to_workbench_train_stops_the_run.)"""
     psutil = pytest.importorskip("psutil")
-    run, h = _start(tmp_path, "live")
+    script = f"""
+from workbench import launch
+from workbench.training import prepare_train
+run, spec, _ = prepare_train({LIVE!r}, root={str(tmp_path)!r}, name="orphan")
+launch.start(run, nproc=2)
+print(run.path)
+"""
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr
+    run = runs.load_run("orphan", root=tmp_path)
     try:
-        st = _wait_for_step(run, 2, h)
+        st = _wait_for_step(run, 2)
         pids = _all_pids(st)
+        h = launch.attach(run)
+        assert h is not None and h.process is None and h.pid == run.status().pids["supervisor"]
+        assert launch.poll(h) is None  # still running, seen from a process that did not start it
         # every socket the run listens on is on the loopback interface
         pid_set = {p for p, _ in pids}
         listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in pid_set]
@@ -112,87 +134,75 @@ def test_a_live_run_listens_on_loopback_refuses_a_second_start_and_stops_within_
         t0 = time.monotonic()
         final = launch.stop(h)
         took = time.monotonic() - t0
+        left = _alive(pids)
     finally:
         launch.stop(run)
     assert final.state == "stopped", final.to_dict()
-    assert not _alive(pids) and took < 5.0, f"stop took {took:.1f}s"
-    assert h.process.returncode is not None
+    assert not left and took < 5.0, f"stop took {took:.1f}s, alive after it: {left}"
     # a stopped run reads as stopped, not as failed, and nothing of it is alive
     assert runs.load_run(run.path).status().state == "stopped"
+    assert launch.attach(run) is None
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_sigkill_of_a_rank_fails_the_run_and_leaves_nothing(tmp_path, rank):
-    run, h = _start(tmp_path, f"kill{rank}")
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory) -> dict:
+    """Two runs of the same seed and settings started at once, ``kill0`` and ``kill1``; once both
+    have trained 3 steps side by side, SIGKILL to rank 0 of the first and to rank 1 of the second
+    at the same moment. Returns, by the rank killed: ``run``, ``before`` (its status just before
+    the kills), ``pids`` (every process it recorded), ``gone`` (seconds from the kill until none of
+    them was alive; None when some outlived 10 s), ``final`` (``launch.wait``'s status)."""
+    root = tmp_path_factory.mktemp("kill")
+    started = {}
+    out = {}
     try:
-        st = _wait_for_step(run, 2, h)
-        pids = _all_pids(st)
-        os.kill(st.pids["ranks"][str(rank)], signal.SIGKILL)
-        took = _gone_within(pids, 10.0)
-        final = launch.wait(h, timeout=10)
+        for rank in (0, 1):
+            started[rank] = _start(root, f"kill{rank}")
+        for run, h in started.values():
+            _wait_for_step(run, 3, h)
+        for rank, (run, _) in started.items():
+            st = run.status()
+            out[rank] = {"run": run, "before": st, "pids": _all_pids(st)}
+        for rank in started:
+            os.kill(out[rank]["before"].pids["ranks"][str(rank)], signal.SIGKILL)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10.0 and any("gone" not in o for o in out.values()):
+            for o in out.values():
+                if "gone" not in o and not _alive(o["pids"]):
+                    o["gone"] = time.monotonic() - t0
+            time.sleep(0.05)
+        for rank, (_, h) in started.items():
+            out[rank].setdefault("gone", None)
+            out[rank]["final"] = launch.wait(h, timeout=10)
     finally:
-        launch.stop(run)
+        for run, _ in started.values():
+            launch.stop(run)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sigkill_of_a_rank_fails_the_run_and_leaves_nothing(killed, rank):
+    k = killed[rank]
+    final = k["final"]
+    assert k["gone"] is not None, f"still alive 10 s after the kill: {_alive(k['pids'])}"
     assert final.state == "failed" and final.failing_rank == rank and final.signal == "SIGKILL", final.to_dict()
     assert f"rank {rank} killed by SIGKILL" in final.error
     assert final.exit_codes[str(rank)] == -signal.SIGKILL
     assert final.log_tail, "the failing rank's last log lines (or the run's) are in the status"
-    print(f"rank {rank} killed: every process gone after {took:.1f}s")
+    print(f"rank {rank} killed: every process gone after {k['gone']:.1f}s")
 
 
-def test_a_killed_plan_ahead_worker_costs_time_not_the_run(tmp_path):
-    from workbench.scenario import Scenario
-    from workbench.solve import plan_from_dict, run_planner
-    from workbench.solve.ahead import plan_lengths
-    from widgets import LaunchPanel
-
-    steps = 10  # 2 before the kill; the rest leave time to open a panel on the live run
-    # a panel built once first, so that the one opened on the live run below does not pay its first
-    # imports (seconds under load, when the 8 steps left could end the run before it attaches)
-    LaunchPanel(root=tmp_path, follow=False, reattach=False).close()
-    run, h = _start(tmp_path, "worker", steps=steps)
-    try:
-        st = _wait_for_step(run, 2, h)
-        # the planning worker itself (the recorded workers also hold multiprocessing's resource tracker)
-        worker = [p for p in st.pids["workers"] if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
-        assert len(worker) == 1, st.pids
-        os.kill(worker[0], signal.SIGKILL)
-        t0 = time.monotonic()
-        while not run.status().warnings:
-            assert time.monotonic() - t0 < 60 and launch.poll(h) is None, run.log_tail(30)
-            time.sleep(0.1)
-        # a Launch panel opened now (a notebook reattaching) shows the warning beside the progress
-        panel = LaunchPanel(root=tmp_path, follow=False)
-        assert panel.run == run, "the panel reattached to the live run"
-        panel.refresh()
-        shown = panel.status.value
-        panel.close()
-        final = launch.wait(h, timeout=TIMEOUT)
-    finally:
-        launch.stop(run)
-    assert "warning: the planning worker process died" in shown and "planning the remaining steps inline" in shown
-    assert final.state == "done" and final.step == steps, final.to_dict()
-    assert [s.step for s in run.steps()] == list(range(1, steps + 1))
-    # said once: in the status (what `workbench runs show` and the Launch panel print) and in the log
-    assert len(final.warnings) == 1, final.warnings
-    note = final.warnings[0]
-    assert f"pid {worker[0]} killed by SIGKILL" in note and "planning the remaining steps inline" in note
-    assert run.file("log.txt").read_text().count(f"pid {worker[0]} killed by SIGKILL") == 1
-    assert final.resolved["planning"].startswith("inline")
-    show = subprocess.run(_workbench("runs", "show", "worker", "--root", str(tmp_path)), capture_output=True,
-                          text=True, timeout=60).stdout
-    assert f"warning: {note}" in show
-    # every step ran the planner's own plan of its batch, before the kill and after it
-    sc = Scenario.from_dict(final.resolved["scenario"])
-    rows = [json.loads(x) for x in run.file("plans.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(steps))
-    for r in rows:
-        plan = plan_from_dict(r["plan"])
-        want = run_planner(sc.planner, plan_lengths(plan), sc.cost(), seed=sc.seed, effort=sc.effort, time_limit=sc.time_limit,
-                           max_len=sc.max_len, batch_id=r["batch_id"]).to_dict()
-        got = dict(r["plan"])
-        for d in (got, want):
-            d.pop("solve_seconds")
-        assert got == want, r["step"]
+@pytest.mark.slow
+def test_two_runs_at_once(killed):
+    """Two runs of the same seed and settings side by side (the killed-rank runs, both training
+    when the kills came): the same losses. (Two runs at once that both end ``done``: the checkpoint
+    runs, test_corrupt_and_empty_checkpoints.)"""
+    a, b = killed[0]["before"], killed[1]["before"]
+    assert a.state == b.state == "running" and min(a.step, b.step) >= 3, (a.to_dict(), b.to_dict())
+    losses_a, losses_b = killed[0]["run"].losses(), killed[1]["run"].losses()
+    assert {1, 2, 3} <= set(losses_a) & set(losses_b), (losses_a, losses_b)
+    both = sorted(set(losses_a) & set(losses_b))
+    assert [losses_a[s] for s in both] == pytest.approx([losses_b[s] for s in both], rel=1e-6)
 
 
 def _train_in_a_terminal(tmp_path: Path, name: str, **streams) -> tuple[subprocess.Popen, runs.Run]:
@@ -209,23 +219,58 @@ def _train_in_a_terminal(tmp_path: Path, name: str, **streams) -> tuple[subproce
     return proc, run
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
-def test_signal_to_workbench_train_stops_the_run(tmp_path, sig):
-    proc, run = _train_in_a_terminal(tmp_path, "sig", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@pytest.fixture(scope="module")
+def signalled(tmp_path_factory) -> dict:
+    """``workbench train`` started twice at once, as a user starts it in a terminal; once both runs
+    have trained 2 steps, SIGTERM to the first command and SIGHUP to the second at the same moment.
+    Returns, by signal: ``run``, ``proc`` (the command, ended), ``out`` and ``err`` (its output),
+    ``took`` (seconds from the signal until the command ended; None when it outlived 30 s) and
+    ``left`` (the run's processes alive when it ended)."""
+    root = tmp_path_factory.mktemp("sig")
+    started = {}
+    out = {}
     try:
-        pids = _all_pids(_wait_for_step(run, 2))
-        proc.send_signal(sig)
-        out, err = proc.communicate(timeout=30)
-        _gone_within(pids, 5.0)
+        for sig in SIGNALS:
+            started[sig] = _train_in_a_terminal(root, signal.Signals(sig).name, stdout=subprocess.PIPE,
+                                                stderr=subprocess.PIPE)
+        pids = {sig: _all_pids(_wait_for_step(run, 2)) for sig, (_, run) in started.items()}
+        t0 = time.monotonic()
+        for sig, (proc, _) in started.items():
+            proc.send_signal(sig)
+        for sig, (proc, run) in started.items():
+            try:
+                o, e = proc.communicate(timeout=max(0.1, 30 - (time.monotonic() - t0)))
+                took = time.monotonic() - t0
+            except subprocess.TimeoutExpired:
+                o, e, took = "", "", None
+            out[sig] = {"run": run, "proc": proc, "out": o, "err": e, "took": took, "left": _alive(pids[sig])}
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        launch.stop(run)
+        for proc, run in started.values():
+            if proc.poll() is None:
+                proc.kill()
+            launch.stop(run)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_signal_to_workbench_train_stops_the_run(signalled, sig):
+    """The signal stops the run like Ctrl-C: ``workbench train`` stops it through its own handle
+    (``launch.stop``), every process gone and the command ended within 5 s of the signal (the two
+    commands, one signal each, were signalled at once)."""
+    r = signalled[sig]
+    proc, err, took = r["proc"], r["err"], r["took"]
+    name = signal.Signals(sig).name
+    assert took is not None and took < 5.0 and not r["left"], f"workbench train ended {took}s after {name}, alive: {r['left']}"
     assert proc.returncode == 128 + sig, err
-    assert f"{signal.Signals(sig).name} received" in err and "stopped" in err.strip().splitlines()[-1]
-    assert run.status().state == "stopped"
+    assert f"{name} received" in err and "stopped" in err.strip().splitlines()[-1]
+    assert r["run"].status().state == "stopped"
 
 
+@pytest.mark.slow
 def test_killing_workbench_train_itself_stops_the_run(tmp_path):
     """SIGKILL cannot be caught: the supervisor notices its parent is gone and stops the run."""
     proc, run = _train_in_a_terminal(tmp_path, "k", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -248,102 +293,190 @@ def _flip_bytes(path: Path, n: int = 64) -> None:
     path.write_bytes(bytes(data))
 
 
+WORKER_STEPS = 10
+"""Steps of the run whose planning worker is killed: 2 before the kill; the rest leave time to open a
+panel on the live run."""
+
+
 @pytest.fixture(scope="module")
 def checkpointed(tmp_path_factory) -> dict:
-    """Three runs started at once, 3 steps with a checkpoint after each: ``ck0`` and ``twin`` (ZeRO-0,
-    whole files; the same seed and settings) and ``ck3`` (ZeRO-3, sharded folders). Returns, by name,
-    ``(run, final status, steps, losses)`` as they ended, before test_corrupt_and_empty_checkpoints
-    damages and resumes ``ck0`` and ``ck3``."""
+    """Two runs started at once, with a checkpoint after each step: ``ck0`` (ZeRO-0, whole files;
+    3 steps, planning inline) and ``ck3`` (ZeRO-3, sharded folders; WORKER_STEPS steps of at least
+    0.2 s, planning ahead, in a run root of its own). After ``ck3``'s second step its planning worker
+    is killed (SIGKILL); once the run says so, a Launch panel is opened on that root (a notebook
+    reattaching) and shows what it shows. Returns, by name, ``run``, ``final`` (its status as it
+    ended), ``steps`` and ``losses`` as they ended, before test_corrupt_and_empty_checkpoints
+    damages and resumes them; for ``ck3`` also ``worker`` (the pid killed), ``attached`` (whether
+    the panel reattached to the run), ``shown`` (its status text) and ``show`` (what ``workbench
+    runs show`` printed once it ended)."""
+    from widgets import LaunchPanel
+
     root = tmp_path_factory.mktemp("ck")
+    # a panel built once first, so that the one opened on the live run below does not pay its first
+    # imports (seconds under load, when the steps left could end the run before it attaches)
+    LaunchPanel(root=root / "w", follow=False, reattach=False).close()
+    out: dict[str, dict] = {}
     started = {}
     try:
-        for name, stage in (("ck0", 0), ("twin", 0), ("ck3", 3)):
-            run, _, _ = prepare_train({**SETTINGS, "steps": 3, "nproc": 2, "checkpoint_every": 1, "zero_stage": stage},
-                                      root=root, name=name)
-            started[name] = (run, launch.start(run, nproc=2))
-        final = {name: launch.wait(h, timeout=TIMEOUT) for name, (_, h) in started.items()}
+        for name, where, extra in (("ck0", root, dict(steps=3, zero_stage=0, plan_ahead=False, debug={})),
+                                   ("ck3", root / "w", dict(steps=WORKER_STEPS, zero_stage=3))):
+            run, h = _start(where, name, checkpoint_every=1, **extra)
+            started[name] = (run, h)
+            out[name] = {"run": run}
+        run, h = started["ck3"]
+        st = _wait_for_step(run, 2, h)
+        # the planning worker itself (the recorded workers also hold multiprocessing's resource tracker)
+        worker = [p for p in st.pids["workers"] if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+        assert len(worker) == 1, st.pids
+        os.kill(worker[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        while not run.status().warnings:
+            assert time.monotonic() - t0 < 60 and launch.poll(h) is None, run.log_tail(30)
+            time.sleep(0.1)
+        panel = LaunchPanel(root=root / "w", follow=False)
+        attached = panel.run == run
+        panel.refresh()
+        out["ck3"].update(worker=worker[0], attached=attached, shown=panel.status.value)
+        panel.close()
+        for name, (_, h) in started.items():
+            out[name]["final"] = launch.wait(h, timeout=TIMEOUT)
     finally:
         for run, _ in started.values():
             launch.stop(run)
-    return {name: (run, final[name], [s.step for s in run.steps()], run.losses()) for name, (run, _) in started.items()}
+    for name, (run, _) in started.items():
+        out[name].update(steps=[s.step for s in run.steps()], losses=run.losses())
+    # what `workbench runs show` prints of it, as it ended
+    out["ck3"]["show"] = subprocess.run(_workbench("runs", "show", "ck3", "--root", str(root / "w")), capture_output=True,
+                                        text=True, timeout=60).stdout
+    return out
 
 
-def test_two_runs_at_once(checkpointed):
-    (_, sa, steps_a, losses_a), (_, sb, steps_b, losses_b) = checkpointed["ck0"], checkpointed["twin"]
-    assert sa.state == sb.state == "done", (sa.to_dict(), sb.to_dict())
-    assert steps_a == steps_b == [1, 2, 3]
-    # same seed and settings: the same losses, though they ran side by side (with a third run)
-    assert losses_a == pytest.approx(losses_b, rel=1e-6)
+@pytest.mark.slow
+@pytest.mark.untimed
+def test_a_killed_plan_ahead_worker_costs_time_not_the_run(checkpointed):
+    from workbench.scenario import Scenario
+    from workbench.solve import plan_from_dict, run_planner
+    from workbench.solve.ahead import plan_lengths
+
+    ck = checkpointed["ck3"]
+    run, final, worker = ck["run"], ck["final"], ck["worker"]
+    # a Launch panel opened once the run said so (a notebook reattaching) shows the warning beside the progress
+    assert ck["attached"], "the panel reattached to the live run"
+    shown = ck["shown"]
+    assert "warning: the planning worker process died" in shown and "planning the remaining steps inline" in shown
+    assert final.state == "done" and final.step == WORKER_STEPS, final.to_dict()
+    assert ck["steps"] == list(range(1, WORKER_STEPS + 1))
+    # said once: in the status (what `workbench runs show` and the Launch panel print) and in the log
+    assert len(final.warnings) == 1, final.warnings
+    note = final.warnings[0]
+    assert f"pid {worker} killed by SIGKILL" in note and "planning the remaining steps inline" in note
+    assert run.file("log.txt").read_text().count(f"pid {worker} killed by SIGKILL") == 1
+    assert final.resolved["planning"].startswith("inline")
+    assert f"warning: {note}" in ck["show"]
+    # every step ran the planner's own plan of its batch, before the kill and after it (the first
+    # attempt's: test_corrupt_and_empty_checkpoints may have resumed the run since)
+    sc = Scenario.from_dict(final.resolved["scenario"])
+    rows = [r for r in map(json.loads, run.file("plans.jsonl").read_text().splitlines()) if r["attempt"] == 1]
+    assert [r["step"] for r in rows] == list(range(WORKER_STEPS))
+    for r in rows:
+        plan = plan_from_dict(r["plan"])
+        want = run_planner(sc.planner, plan_lengths(plan), sc.cost(), seed=sc.seed, effort=sc.effort, time_limit=sc.time_limit,
+                           max_len=sc.max_len, batch_id=r["batch_id"]).to_dict()
+        got = dict(r["plan"])
+        for d in (got, want):
+            d.pop("solve_seconds")
+        assert got == want, r["step"]
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_corrupt_and_empty_checkpoints(checkpointed, stage):
-    """Whole files (ZeRO-0) and sharded folders (ZeRO-3): a damaged and an empty checkpoint are
-    skipped, naming the file, and the run resumes from the newest good one; none good: one line."""
+def _resume(run: runs.Run, steps: int) -> subprocess.Popen:
+    """``workbench train --run-dir RUN --steps STEPS`` started (``communicate`` waits for it)."""
+    return subprocess.Popen(_workbench("train", "--run-dir", str(run.path), "--steps", str(steps)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def _ended(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def corrupted(checkpointed) -> dict:
+    """Both checkpoint runs, by ZeRO stage (0: whole files, 3: sharded folders), damaged and resumed
+    at once: the newest checkpoint (step n) gets 64 flipped bytes (a shard of the folder), the one
+    before an empty file (the folder's trainer.pt), and ``workbench train --run-dir RUN --steps n+1``
+    resumes each; then every checkpoint of both is junk and ``--steps n+3`` is tried on each.
+    Returns, by stage: ``run``, ``n``, ``damaged``, ``emptied``, ``good`` and ``good_after`` (step
+    n-2's weights before and after the resume), ``resumed`` (that command's result), ``status`` (the
+    run's after it), ``verified`` (``verify_checkpoint`` of step n after it), ``none`` (the result
+    with no usable checkpoint) and ``status_none`` (the run's after that)."""
     from workbench.runtime.checkpoint import full_model_state, verify_checkpoint
 
-    run, first_status, _, _ = checkpointed[f"ck{stage}"]
-    assert first_status.state == "done", first_status.to_dict()
-    good = full_model_state(run.path, 1)
+    out = {}
+    for stage in (0, 3):
+        ck = checkpointed[f"ck{stage}"]
+        run, n = ck["run"], ck["final"].step
+        assert ck["final"].state == "done" and n >= 3, ck["final"].to_dict()
+        folder = run.path / "checkpoints"
+        if stage == 3:
+            damaged, emptied = folder / f"step_{n}.dcp" / "__1_0.distcp", folder / f"step_{n - 1}.dcp" / "trainer.pt"
+        else:
+            damaged, emptied = folder / f"step_{n}.pt", folder / f"step_{n - 1}.pt"
+        out[stage] = {"run": run, "n": n, "damaged": damaged, "emptied": emptied, "good": full_model_state(run.path, n - 2)}
+        _flip_bytes(damaged)  # 64 flipped bytes
+        emptied.write_bytes(b"")  # an empty file
+    started = {stage: _resume(o["run"], o["n"] + 1) for stage, o in out.items()}
+    for stage, proc in started.items():
+        o = out[stage]
+        o.update(resumed=_ended(proc), status=o["run"].status())
+        newest = o["run"].path / "checkpoints" / (f"step_{o['n']}.dcp" if stage == 3 else f"step_{o['n']}.pt")
+        o.update(verified=verify_checkpoint(newest), good_after=full_model_state(o["run"].path, o["n"] - 2))
+    for o in out.values():
+        for _, path in o["run"].checkpoints():
+            (path / "trainer.pt" if path.is_dir() else path).write_bytes(b"junk")
+    started = {stage: _resume(o["run"], o["n"] + 3) for stage, o in out.items()}
+    for stage, proc in started.items():
+        out[stage].update(none=_ended(proc), status_none=out[stage]["run"].status())
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.untimed
+@pytest.mark.parametrize("stage", [0, 3])
+def test_corrupt_and_empty_checkpoints(checkpointed, corrupted, stage):
+    """Whole files (ZeRO-0) and sharded folders (ZeRO-3): a damaged and an empty checkpoint are
+    skipped, naming the file, and the run resumes from the newest good one; none good: one line.
+    The two runs were started at once and both ended ``done``, every step trained."""
+    first = checkpointed[f"ck{stage}"]
+    assert first["final"].state == "done", first["final"].to_dict()
+    c = corrupted[stage]
+    run, n, damaged, emptied = c["run"], c["n"], c["damaged"], c["emptied"]
+    # a checkpoint after each step, n of them: the newest damaged, the one before emptied
+    assert first["steps"] == list(range(1, n + 1)) and n >= 3
     ck = run.path / "checkpoints"
-    if stage == 3:
-        damaged, emptied = ck / "step_3.dcp" / "__1_0.distcp", ck / "step_2.dcp" / "trainer.pt"
-    else:
-        damaged, emptied = ck / "step_3.pt", ck / "step_2.pt"
-    _flip_bytes(damaged)  # 64 flipped bytes
-    emptied.write_bytes(b"")  # an empty file
-    p = subprocess.run(_workbench("train", "--run-dir", str(run.path), "--steps", "4"), capture_output=True, text=True,
-                       cwd=ROOT, timeout=TIMEOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    p = c["resumed"]
     assert p.returncode == 0, p.stderr
     assert f"{damaged.relative_to(ck)} does not match its checksum" in p.stderr
     assert f"{emptied.relative_to(ck)} is empty" in p.stderr
-    st = run.status()
-    assert st.resumed_from == 1 and st.step == 4 and st.state == "done"
-    # the resumed weights were step 1's, not the damaged step 3's: step 2 redone from them gives the
-    # first run's step-2 loss again
+    st = c["status"]
+    assert st.resumed_from == n - 2 and st.step == n + 1 and st.state == "done"
+    # the resumed weights were step n-2's, not the damaged step n's: step n-1 redone from them gives
+    # the first run's step n-1 loss again
     rows = [json.loads(x) for x in run.file("metrics.jsonl").read_text().splitlines()]
-    first = {r["step"]: r["loss"] for r in rows if r["rank"] == 0 and r["attempt"] == 1}
+    before = {r["step"]: r["loss"] for r in rows if r["rank"] == 0 and r["attempt"] == 1}
     again = {r["step"]: r["loss"] for r in rows if r["rank"] == 0 and r["attempt"] == 2}
-    assert again[1] == pytest.approx(first[1], rel=1e-6) and set(again) == {1, 2, 3}
-    assert full_model_state(run.path, 1).keys() == good.keys()
-    assert verify_checkpoint(ck / ("step_3.dcp" if stage == 3 else "step_3.pt")) is None  # rewritten, good again
+    assert again[n - 2] == pytest.approx(before[n - 2], rel=1e-6) and set(again) == {n - 2, n - 1, n}
+    assert c["good_after"].keys() == c["good"].keys()
+    assert c["verified"] is None  # step n rewritten by the resume, good again
     # no usable checkpoint at all: one line, nothing trained
-    for _, path in run.checkpoints():
-        (path / "trainer.pt" if path.is_dir() else path).write_bytes(b"junk")
-    p = subprocess.run(_workbench("train", "--run-dir", str(run.path), "--steps", "6"), capture_output=True, text=True,
-                       cwd=ROOT, timeout=TIMEOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    p = c["none"]
     assert p.returncode == 1
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("workbench train: error:") and "no usable checkpoint" in last, p.stderr
-    assert run.status().state == "failed"
-
-
-def test_a_restarted_kernel_finds_its_run_and_stops_it(tmp_path):
-    """A process starts a run and goes away (a notebook kernel restarted); a new process finds the
-    run in the store, attaches to it and stops it: every process gone."""
-    script = f"""
-from workbench import launch
-from workbench.training import prepare_train
-run, spec, _ = prepare_train({dict(SETTINGS, steps=400, nproc=2, checkpoint_every=0, debug={"step_sleep_s": 0.2})!r},
-                             root={str(tmp_path)!r}, name="orphan")
-launch.start(run, nproc=2)
-print(run.path)
-"""
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert p.returncode == 0, p.stderr
-    run = runs.load_run("orphan", root=tmp_path)
-    try:
-        pids = _all_pids(_wait_for_step(run, 2))
-        h = launch.attach(run)
-        assert h is not None and h.process is None and h.pid == run.status().pids["supervisor"]
-        assert launch.poll(h) is None  # still running, seen from a process that did not start it
-        final = launch.stop(h)
-        _gone_within(pids, 5.0)
-    finally:
-        launch.stop(run)
-    assert final.state == "stopped"
-    assert launch.attach(run) is None
+    assert c["status_none"].state == "failed"
 
 
 def test_a_rank_killed_by_a_signal_is_the_cause_over_its_peers_errors(tmp_path):
