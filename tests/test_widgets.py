@@ -359,11 +359,12 @@ def test_solver_a_newer_request_cancels_a_running_solve():
     assert panel.solves == 1
 
 
-def test_solver_threaded_shows_plans_first_then_the_pass_bound():
+def test_solver_threaded_shows_plans_first_then_the_pass_bound(solved):
     """A threaded lockstep solve draws its plans with the quick bounds, then the lockstep pass bound
-    when it is ready: the step bound the synchronous path reports, below the fastest plan."""
+    when it is ready: the step bound the synchronous path reports (``solved``: the same scenario
+    solved by ``solve()``, whose bound is ``step_bound_ms`` of its plans), below the fastest plan."""
     from widgets import SolverPanel
-    from workbench.solve.bound import packing_bound_ms, step_bound_ms
+    from workbench.solve.bound import packing_bound_ms
 
     panel = SolverPanel(Scenario(**QUICK), auto=False, debounce=0.0)
     panel.request_solve()
@@ -376,7 +377,11 @@ def test_solver_threaded_shows_plans_first_then_the_pass_bound():
     assert quick >= packing_bound_ms(res.batch.lengths, cost, upper_ms=fastest - cost.step_end_ms()) * (1 - 1e-9)
     assert panel.wait_idle(120, bound=True)
     assert res.pass_bound_pending is False and "on its way" not in panel.status.value
-    full = step_bound_ms(res.batch.lengths, cost, res.values())
+    _, sync = solved
+    # the same plans (the planners' effort is counted on a work clock, not wall time): the same bound's inputs
+    assert {k: p.makespan_ms for k, p in res.items()} == {k: p.makespan_ms for k, p in sync.items()}
+    assert list(res.batch.lengths) == list(sync.batch.lengths)
+    full = sync.packing_bound_ms
     assert res.packing_bound_ms == pytest.approx(full) and quick * (1 - 1e-9) <= full <= fastest * (1 + 1e-9)
     assert panel.planner_table()[0]["packing_gap"] == pytest.approx(res[panel.planner_table()[0]["planner"]].makespan_ms / full - 1)
 
