@@ -866,7 +866,9 @@ def two_runs(tmp_path_factory):
                            root=root)
     damaged.file(runs.PROFILE_FILE).write_text('{"name": "cut sho')
     runs.update_status(damaged.path, state="done")
-    panel = LaunchPanel(root=root, nproc=2, steps=3, follow=False, reattach=False, profile_options=SMALL_GRID)
+    # progress read every 0.2 s: the small grid measures for a few seconds on an idle machine
+    panel = LaunchPanel(root=root, nproc=2, steps=3, follow=False, reattach=False, profile_options=SMALL_GRID,
+                        poll_interval=0.2)
     panel.damaged, panel.profile_progress = damaged, []
     panel.progress.observe(lambda ch: panel.progress.max == 100 and panel.profile_progress.append(ch["new"]), names="value")
     done = []

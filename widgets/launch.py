@@ -47,6 +47,8 @@ class LaunchPanel(Panel):
                  profile_options: dict | None = None) -> None:
         self.root = root
         self.poll_interval = float(poll_interval)
+        """Seconds between the panel's reads of the run store: of the run it follows, and of a
+        measurement of this machine while it runs (its progress bar; at most every 0.5 s)."""
         self.follow = follow
         """Whether a background thread polls the run (False: call :meth:`refresh` yourself)."""
         self.measure_machine = measure_machine
@@ -288,7 +290,8 @@ class LaunchPanel(Panel):
             self.status.value = note_html(f"measuring this machine first (a quick profile of {nproc} process(es), "
                                           f"kept for later runs): {msg}", "busy")
 
-        mp = ensure_machine_profile(nproc, root=self.root, progress=show, **self.profile_options)
+        mp = ensure_machine_profile(nproc, root=self.root, progress=show, poll=min(self.poll_interval, 0.5),
+                                    **self.profile_options)
         self.profile_note.value = note_html(f"planned with {mp.describe()}: {mp.path}", "info")
         return mp
 
