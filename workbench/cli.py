@@ -852,7 +852,7 @@ def cmd_runs(args) -> int:
         if before.final and not process.run_alive(before):
             print(f"{run.id}: already {before.state}; nothing to stop")
             return 0
-        st = process.stop(run)
+        st = process.stop(run, grace=process.STOP_GRACE_S if args.grace is None else args.grace)
         left = [p for p, t in runs.status_pids(st) if runs.pid_alive(p, t)]
         left += [p for _, nst in process.records_here(run.path) for p, t in runs.status_pids(nst) if runs.pid_alive(p, t)]
         nodes = run.nodes()
@@ -1048,6 +1048,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trace: the step (1-based; default the run's median step, the first left out)")
     q.add_argument("--out", default=None, metavar="PATH",
                    help="trace: the trace-event JSON to write (default <run>/trace-step<N>.json)")
+    q.add_argument("--grace", type=positive_float, default=None, metavar="S",
+                   help="stop: seconds the run's processes get to end after SIGTERM before SIGKILL (default: the "
+                        "launcher's, 4 s; a run that saves a large checkpoint as it stops may need more)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_runs)
 

@@ -38,11 +38,13 @@ from workbench import runs
 
 __all__ = ["RunHandle", "start", "attach", "poll", "wait", "stop", "run_alive", "supervisor_command", "new_steps",
            "SUPERVISOR_MODULE", "TRAINER_MODULE", "RunBusy", "sweep", "describe_exit", "records_here", "worker_env",
-           "run_uses_cuda", "ALLOC_CONF", "EXPANDABLE_SEGMENTS"]
+           "run_uses_cuda", "ALLOC_CONF", "EXPANDABLE_SEGMENTS", "STOP_GRACE_S"]
 
 SUPERVISOR_MODULE = "workbench.launch.supervisor"
 TRAINER_MODULE = "workbench.runtime.train"
 SWEEP_GRACE_S = 2.0
+STOP_GRACE_S = 4.0
+"""Seconds :func:`stop` gives a run's processes after SIGTERM before SIGKILL (``workbench runs stop --grace``)."""
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 """The environment variable PyTorch's CUDA caching allocator reads its settings from (once, when it starts)."""
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
@@ -365,7 +367,7 @@ def _stop_one(run: runs.Run, node: int | None, handle: RunHandle | None, grace: 
         sweep(run.path, grace=grace, node=node)  # no supervisor: SIGTERM every recorded process, SIGKILL after grace
 
 
-def stop(target: RunHandle | runs.Run | str | Path, grace: float = 4.0, *, wait_nodes: float = 20.0) -> runs.RunStatus:
+def stop(target: RunHandle | runs.Run | str | Path, grace: float = STOP_GRACE_S, *, wait_nodes: float = 20.0) -> runs.RunStatus:
     """End a run: SIGTERM to its supervisor (which has torchrun stop the ranks and then sweeps),
     then, after ``grace`` seconds, SIGKILL to every process group the run recorded. Returns the
     final status (``stopped`` unless it had already ended). Works from any process on the run's host.
