@@ -212,3 +212,36 @@ def test_a_running_status_with_dead_processes_reads_as_failed(tmp_path):
     st = r.status()
     assert st.state == "failed" and "gone" in st.error
     assert runs.read_status(r.path).state == "running"  # the file itself is not changed by a reader
+
+
+@pytest.mark.serial  # a 0.5 s grace against a 3 s shutdown: the kill must come first
+def test_runs_stop_gives_the_grace_it_is_told(tmp_path, capsys):
+    """``workbench runs stop --grace S``: a supervisor that takes a while to end after SIGTERM (as one
+    saving a checkpoint) ends by itself within a long grace and is SIGKILLed past a short one."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import cli_main
+
+    slow_exit = ("import signal, sys, time\n"
+                 "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(float(sys.argv[1])), sys.exit(0)))\n"
+                 "print('ready', flush=True)\ntime.sleep(120)\n")
+    for name, shutdown_s, grace, want in (("long", 1.0, "30", 0), ("short", 3.0, "0.5", -signal.SIGKILL)):
+        proc = subprocess.Popen([sys.executable, "-c", slow_exit, str(shutdown_s)], stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            assert proc.stdout.readline().strip() == "ready"  # its handler is installed
+            r = runs.new_run("train", {}, root=tmp_path, run_id=name)
+            runs.update_status(r.path, state="running", pids={"supervisor": proc.pid, **runs.process_record(proc.pid)})
+            t0 = time.monotonic()
+            res = cli_main(capsys, "runs", "stop", name, "--root", str(tmp_path), "--grace", grace)
+            took = time.monotonic() - t0
+            assert proc.wait(timeout=10) == want, (name, took, res.stdout, res.stderr)
+            assert res.returncode == 0 and f"{name}: stopped; no process left here" in res.stdout, res.stdout + res.stderr
+            assert took < float(grace) + 3, took  # no longer than the grace (and the sweep's SIGKILL second)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
