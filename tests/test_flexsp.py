@@ -70,9 +70,8 @@ def brute_force_one_step(lengths, cost: CostModel) -> float:
             grp = sub | low
             for d, tt in options(grp):
                 other = best(mask ^ grp)
-                cand = np.full(N + 1, math.inf)
-                cand[d:] = np.maximum(tt, other[: N + 1 - d])
-                out = np.minimum(out, cand)
+                # with fewer than d GPUs left the group does not run: only out[d:] can improve
+                np.minimum(out[d:], np.maximum(tt, other[: N + 1 - d]), out=out[d:])
             if sub == 0:
                 break
             sub = (sub - 1) & rest
@@ -82,12 +81,23 @@ def brute_force_one_step(lengths, cost: CostModel) -> float:
     return float(best(full)[N])
 
 
+_COSTS: dict = {}
+
+
+def _config_cost(name, N, mem):
+    """``free_cost`` of one of the ten configurations, built once and shared by its instances (a cost
+    model's figures are a function of its settings; the planners never change it)."""
+    if (name, N, mem) not in _COSTS:
+        _COSTS[name, N, mem] = free_cost(name, N, mem=mem, per_node=8)
+    return _COSTS[name, N, mem]
+
+
 def _random_instance(rng):
     """A small random cluster (1-8 GPUs, tight or loose memory) and up to 10 mixed lengths."""
     configs = [("1b", 1, 40), ("1b", 2, 40), ("1b", 4, 40), ("1b", 8, 40), ("1b", 2, 24), ("1b", 4, 80),
                ("7b", 8, 40), ("7b", 4, 80), ("7b", 8, 80), ("1b", 8, 24)]
     name, N, mem = configs[rng.integers(len(configs))]
-    cost = free_cost(name, N, mem=mem, per_node=8)
+    cost = _config_cost(name, N, mem)
     tpg = cost.tokens_per_gpu()
     k = int(rng.integers(1, 11))
     hi = max(cost.degrees) * tpg
