@@ -378,6 +378,9 @@ def _tree_worker(out: str, plan_file: str) -> int:
                      timeout=datetime.timedelta(seconds=TREE_TIMEOUT))
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # rank 0 hosts each run's store (env://)
     codes: dict[int, int] = {}
+    # what the imports made lives to the end: kept out of the collections (each full one would walk
+    # it, ~0.1-0.3 s on each rank after every run), as is what outlives each run's collection below
+    gc.freeze()
     for k, item in enumerate(json.loads(Path(plan_file).read_text())):
         nproc, d = int(item["nproc"]), item["dir"]
         if rank == 0:
@@ -396,7 +399,8 @@ def _tree_worker(out: str, plan_file: str) -> int:
             codes[k] = Trainer(Path(d), DistEnv.from_env()).run()
             if dist.is_initialized():  # a run that failed in a step returns with its group up
                 dist.destroy_process_group()
-            gc.collect()
+            gc.collect()  # the run's objects, its process groups among them, go now, not in a later run
+            gc.freeze()
             if rank == 0:
                 shutil.copyfile(Path(d, "status.json"), Path(out, f"status{k}.json"))
         agent.add(f"done{k}", 1)
@@ -515,7 +519,8 @@ def launched(tree, tmp_path_factory) -> dict:
     not times): ``resume``, the README's resume of the tree's ``resume`` run (``workbench train
     --run-dir D --steps 4``: the steps only); ``zero-a``, the tree's ZeRO-3 run saved on 4 ranks
     resumed on 2 (``--steps 3 --nproc 2 --change``); ``missing-spec``, ``launch.start`` of a run
-    folder without spec.json (its final status from ``launch.wait``). Also what was there before:
+    folder without spec.json, one rank (its final status from ``launch.wait``; how the ranks of a
+    world agree on a set-up error: test_sequence_over_max_context_with_policy_error). Also what was there before:
     ``zero-a checkpoints``, the names in zero-a's checkpoint folder."""
     from workbench import launch, runs
 
@@ -527,7 +532,7 @@ def launched(tree, tmp_path_factory) -> dict:
         run = runs.new_run("train", {}, root=tmp_path_factory.mktemp("launched"), run_id="run")
         run.file("spec.json").unlink()
         try:
-            missing = launch.wait(launch.start(run, nproc=2), timeout=RUN_TIMEOUT)
+            missing = launch.wait(launch.start(run, nproc=1), timeout=RUN_TIMEOUT)
         finally:
             launch.stop(run)
     finally:
@@ -702,7 +707,7 @@ def test_sequence_over_max_context_with_policy_error(tree):
 def test_missing_spec_json_fails_cleanly(launched):
     from workbench import launch
 
-    st = launched["missing-spec"]  # launch.start on a run folder without spec.json, 2 ranks
+    st = launched["missing-spec"]  # launch.start on a run folder without spec.json
     assert st.state == "failed" and "spec.json is missing" in st.error, st
     assert not launch.run_alive(st)
 
