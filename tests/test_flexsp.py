@@ -49,12 +49,12 @@ def brute_force_one_step(lengths, cost: CostModel) -> float:
         for d in degrees:
             sub_t[d][mask] = sub_t[d][rest] + t[d][low]
             sub_m[d][mask] = sub_m[d][rest] + m[d][low]
+    over = {d: cost.group_overhead_ms(d) for d in degrees}
     group = {}  # mask -> list of (degree, time) that hold it
 
     def options(mask):
         if mask not in group:
-            group[mask] = [(d, cost.group_overhead_ms(d) + sub_t[d][mask]) for d in degrees
-                           if sub_m[d][mask] <= budget]
+            group[mask] = [(d, over[d] + sub_t[d][mask]) for d in degrees if sub_m[d][mask] <= budget]
         return group[mask]
 
     memo: dict[int, np.ndarray] = {0: np.zeros(N + 1)}  # mask -> best makespan with g GPUs left
@@ -69,7 +69,9 @@ def brute_force_one_step(lengths, cost: CostModel) -> float:
         while True:
             grp = sub | low
             for d, tt in options(grp):
-                other = best(mask ^ grp)
+                other = memo.get(mask ^ grp)
+                if other is None:
+                    other = best(mask ^ grp)
                 # with fewer than d GPUs left the group does not run: only out[d:] can improve
                 np.minimum(out[d:], np.maximum(tt, other[: N + 1 - d]), out=out[d:])
             if sub == 0:
