@@ -211,3 +211,46 @@ def exhaustive_lockstep_ms(s, cost, *, multi):
                         break
                 best = min(best, total)
     return best + cost.step_end_ms()
+
+
+def exhaustive_lockstep_pair_ms(s, cost):
+    """``exhaustive_lockstep_ms`` without and with ``multi`` in one enumeration, for tests that compare
+    against both (the groups' figures are the costly part, computed here once for both): returns
+    ``(single, stacked)``. A passes partition counts for the one-group-per-rank optimum only if no rank
+    serves two groups in any of its passes; the search leaves a partition once it can improve
+    neither."""
+    n = cost.cluster.num_gpus
+    C, comm, ovh = cost.call_overhead_ms(), cost.pass_comm_ms(), cost.pass_overhead_ms()
+    B = cost.memory_budget_gb * (1 + 1e-9)
+    places = [(d, cp, b) for d, cp in cost.shapes if d <= n for b in range(n // d)]
+    best_multi = best_single = math.inf
+    for groups in set_partitions(list(range(len(s)))):
+        for choice in itertools.product(places, repeat=len(groups)):
+            info = []
+            for members, (d, cp, b) in zip(groups, choice):
+                t = float(cost.time(s[members], d, cp).sum())
+                m = float(cost.memory(s[members], d, cp).sum())
+                info.append((d, b, cost.group_extra_ms(d, cp) + t, m))
+            if any(m > B for *_, m in info):
+                continue
+            for passes in set_partitions(list(range(len(info)))):
+                total, single = 0.0, True
+                for ks in passes:
+                    load, cnt, mem = np.zeros(n), np.zeros(n), np.zeros(n)
+                    for k in ks:
+                        d, b, t, m = info[k]
+                        load[b * d:(b + 1) * d] += t
+                        cnt[b * d:(b + 1) * d] += 1
+                        mem[b * d:(b + 1) * d] += m
+                    if (mem > B).any():
+                        total = math.inf
+                        break
+                    single = single and not (cnt > 1).any()
+                    total += max(float((load + C * (cnt > 0)).max()), comm) + ovh
+                    if total >= best_multi and (not single or total >= best_single):
+                        break
+                best_multi = min(best_multi, total)
+                if single:
+                    best_single = min(best_single, total)
+    end = cost.step_end_ms()
+    return best_single + end, best_multi + end

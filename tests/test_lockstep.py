@@ -16,7 +16,7 @@ from workbench.solve.options import PlanOptions
 from workbench.solve.plan import pass_loads
 from workbench.specs import ClusterSpec, load_profile
 from workbench.solve.effort import Effort
-from conftest import exhaustive_lockstep_ms
+from conftest import exhaustive_lockstep_pair_ms
 
 PROFILE = load_profile("a100-40g-flexsp")
 
@@ -102,8 +102,7 @@ def test_lower_bound_and_planner_against_every_lockstep_plan():
     checked = multi_gain = 0
     single_at_opt = 0
     for s, cost in _instances(10, seed=3):
-        single = exhaustive_lockstep_ms(s, cost, multi=False)
-        multi = exhaustive_lockstep_ms(s, cost, multi=True)
+        single, multi = exhaustive_lockstep_pair_ms(s, cost)
         assert multi <= single * (1 + 1e-12)
         lb = lower_bound_ms(s, cost)
         assert lb <= multi * (1 + 1e-9), (s.tolist(), lb, multi)
@@ -164,8 +163,7 @@ def test_packing_bound_holds_for_every_lockstep_plan():
 
     tighter = 0
     for s, cost in _instances(8, seed=7):
-        single = exhaustive_lockstep_ms(s, cost, multi=False)
-        multi = exhaustive_lockstep_ms(s, cost, multi=True)
+        single, multi = exhaustive_lockstep_pair_ms(s, cost)
         pb_single = lockstep_packing_bound_ms(s, cost, multi=False)
         pb_multi = lockstep_packing_bound_ms(s, cost, multi=True)
         assert pb_multi <= multi * (1 + 1e-9), (s.tolist(), pb_multi, multi)

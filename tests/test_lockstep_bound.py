@@ -14,7 +14,7 @@ from workbench.cost import CostModel
 from workbench.models import get_model
 from workbench.solve.bound import lockstep_lower_bound_ms, lockstep_packing_bound_ms, lockstep_pass_bound_ms
 from workbench.specs import ClusterSpec, load_profile
-from conftest import exhaustive_lockstep_ms
+from conftest import exhaustive_lockstep_ms, exhaustive_lockstep_pair_ms
 
 PROFILE = load_profile("a100-40g-flexsp")
 
@@ -65,8 +65,7 @@ def _check(cases):
     bound, whether it beats both older lockstep bounds, whether branching raised it)."""
     out = []
     for s, cost in cases:
-        stacked = exhaustive_lockstep_ms(s, cost, multi=True)
-        single = exhaustive_lockstep_ms(s, cost, multi=False)
+        single, stacked = exhaustive_lockstep_pair_ms(s, cost)
         assert stacked <= single * (1 + 1e-12)
         pb = lockstep_pass_bound_ms(s, cost)
         assert pb <= stacked * (1 + 1e-9), (s.tolist(), pb, stacked)
