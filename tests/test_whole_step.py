@@ -187,6 +187,7 @@ def _brute_force_two_gpus(s, cost):
     may run in any order; the best order never waits, so a plan takes its busiest rank's load."""
     t = {d: cost.time(s, d) for d in (1, 2)}
     m = {d: cost.memory(s, d) for d in (1, 2)}
+    over = {d: cost.group_overhead_ms(d) for d in (1, 2)}  # a function of the degree alone
     best = math.inf
     for part in set_partitions(list(range(len(s)))):
         for place in itertools.product((0, 1, 2), repeat=len(part)):
@@ -197,7 +198,7 @@ def _brute_force_two_gpus(s, cost):
                 if m[d][grp].sum() > cost.memory_budget_gb:
                     ok = False
                     break
-                g = cost.group_overhead_ms(d) + float(t[d][grp].sum())
+                g = over[d] + float(t[d][grp].sum())
                 for r in ((0, 1) if where == 2 else (where,)):
                     load[r] += g
             if ok:
