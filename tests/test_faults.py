@@ -77,14 +77,6 @@ def _start(root: Path, name: str, **extra) -> tuple[runs.Run, launch.RunHandle]:
     return run, launch.start(run, nproc=2)
 
 
-def _gone_within(pids, seconds: float) -> float:
-    t0 = time.monotonic()
-    while _alive(pids):
-        assert time.monotonic() - t0 < seconds, f"still alive after {seconds}s: {_alive(pids)}"
-        time.sleep(0.05)
-    return time.monotonic() - t0
-
-
 @pytest.mark.slow
 def test_a_run_its_kernel_left_listens_on_loopback_refuses_a_second_start_and_stops_within_5s(tmp_path):
     """A process starts a run and goes away (a notebook kernel restarted); this process, which did
@@ -220,37 +212,47 @@ def _train_in_a_terminal(tmp_path: Path, name: str, **streams) -> tuple[subproce
 
 
 SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""What a user's terminal sends ``workbench train`` to stop it (Ctrl-C's SIGINT takes the same path)."""
 
 
 @pytest.fixture(scope="module")
 def signalled(tmp_path_factory) -> dict:
-    """``workbench train`` started twice at once, as a user starts it in a terminal; once both runs
-    have trained 2 steps, SIGTERM to the first command and SIGHUP to the second at the same moment.
-    Returns, by signal: ``run``, ``proc`` (the command, ended), ``out`` and ``err`` (its output),
-    ``took`` (seconds from the signal until the command ended; None when it outlived 30 s) and
-    ``left`` (the run's processes alive when it ended)."""
+    """``workbench train`` started three times at once, as a user starts it in a terminal; once the
+    three runs have trained 2 steps, at the same moment: SIGTERM to the first command, SIGHUP to the
+    second, SIGKILL to the third. Returns, by signal: ``run``, ``proc`` (the command, ended),
+    ``err`` (its stderr), ``ended`` (seconds from the signal until the command ended, None past 30
+    s), ``left`` (the run's processes alive when it ended) and ``gone`` (seconds until none of
+    them was alive, None past 30 s)."""
     root = tmp_path_factory.mktemp("sig")
     started = {}
     out = {}
     try:
-        for sig in SIGNALS:
-            started[sig] = _train_in_a_terminal(root, signal.Signals(sig).name, stdout=subprocess.PIPE,
+        for sig in (*SIGNALS, signal.SIGKILL):
+            started[sig] = _train_in_a_terminal(root, signal.Signals(sig).name, stdout=subprocess.DEVNULL,
                                                 stderr=subprocess.PIPE)
         pids = {sig: _all_pids(_wait_for_step(run, 2)) for sig, (_, run) in started.items()}
         t0 = time.monotonic()
         for sig, (proc, _) in started.items():
             proc.send_signal(sig)
+        ended, gone, left = {}, {}, {}
+        while time.monotonic() - t0 < 30 and (len(ended) < len(started) or len(gone) < len(started)):
+            now = time.monotonic() - t0
+            for sig, (proc, _) in started.items():
+                if sig not in ended and proc.poll() is not None:
+                    ended[sig], left[sig] = now, _alive(pids[sig])
+                if sig not in gone and not _alive(pids[sig]):
+                    gone[sig] = now
+            time.sleep(0.05)
         for sig, (proc, run) in started.items():
-            try:
-                o, e = proc.communicate(timeout=max(0.1, 30 - (time.monotonic() - t0)))
-                took = time.monotonic() - t0
-            except subprocess.TimeoutExpired:
-                o, e, took = "", "", None
-            out[sig] = {"run": run, "proc": proc, "out": o, "err": e, "took": took, "left": _alive(pids[sig])}
+            err = proc.stderr.read() if sig in ended else ""
+            out[sig] = {"run": run, "proc": proc, "err": err, "ended": ended.get(sig), "left": left.get(sig),
+                        "gone": gone.get(sig)}
     finally:
         for proc, run in started.values():
             if proc.poll() is None:
                 proc.kill()
+            proc.wait()
+            proc.stderr.close()
             launch.stop(run)
     return out
 
@@ -259,10 +261,10 @@ def signalled(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("sig", SIGNALS)
 def test_signal_to_workbench_train_stops_the_run(signalled, sig):
     """The signal stops the run like Ctrl-C: ``workbench train`` stops it through its own handle
-    (``launch.stop``), every process gone and the command ended within 5 s of the signal (the two
+    (``launch.stop``), every process gone and the command ended within 5 s of the signal (three
     commands, one signal each, were signalled at once)."""
     r = signalled[sig]
-    proc, err, took = r["proc"], r["err"], r["took"]
+    proc, err, took = r["proc"], r["err"], r["ended"]
     name = signal.Signals(sig).name
     assert took is not None and took < 5.0 and not r["left"], f"workbench train ended {took}s after {name}, alive: {r['left']}"
     assert proc.returncode == 128 + sig, err
@@ -271,17 +273,13 @@ def test_signal_to_workbench_train_stops_the_run(signalled, sig):
 
 
 @pytest.mark.slow
-def test_killing_workbench_train_itself_stops_the_run(tmp_path):
-    """SIGKILL cannot be caught: the supervisor notices its parent is gone and stops the run."""
-    proc, run = _train_in_a_terminal(tmp_path, "k", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        pids = _all_pids(_wait_for_step(run, 2))
-        proc.kill()
-        proc.wait(10)
-        _gone_within(pids, 10.0)
-    finally:
-        launch.stop(run)
-    st = run.status()
+def test_killing_workbench_train_itself_stops_the_run(signalled):
+    """SIGKILL cannot be caught: the supervisor notices its parent is gone and stops the run, every
+    process of it gone within 10 s."""
+    r = signalled[signal.SIGKILL]
+    assert r["ended"] is not None and r["proc"].returncode == -signal.SIGKILL
+    assert r["gone"] is not None and r["gone"] < 10.0, f"alive 10 s after the kill: {r['left']}"
+    st = r["run"].status()
     assert st.state == "stopped" and "the process that started it" in (st.note or ""), st.to_dict()
 
 
@@ -312,9 +310,6 @@ def checkpointed(tmp_path_factory) -> dict:
     from widgets import LaunchPanel
 
     root = tmp_path_factory.mktemp("ck")
-    # a panel built once first, so that the one opened on the live run below does not pay its first
-    # imports (seconds under load, when the steps left could end the run before it attaches)
-    LaunchPanel(root=root / "w", follow=False, reattach=False).close()
     out: dict[str, dict] = {}
     started = {}
     try:
@@ -323,6 +318,10 @@ def checkpointed(tmp_path_factory) -> dict:
             run, h = _start(where, name, checkpoint_every=1, **extra)
             started[name] = (run, h)
             out[name] = {"run": run}
+        # a panel built once first (while the runs start), so that the one opened on the live run below
+        # does not pay its first imports (seconds under load, when the steps left could end the run
+        # before it attaches)
+        LaunchPanel(root=root / "w", follow=False, reattach=False).close()
         run, h = started["ck3"]
         st = _wait_for_step(run, 2, h)
         # the planning worker itself (the recorded workers also hold multiprocessing's resource tracker)
@@ -405,17 +404,32 @@ def _ended(proc: subprocess.Popen) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def corrupted(checkpointed) -> dict:
-    """Both checkpoint runs, by ZeRO stage (0: whole files, 3: sharded folders), damaged and resumed
-    at once: the newest checkpoint (step n) gets 64 flipped bytes (a shard of the folder), the one
-    before an empty file (the folder's trainer.pt), and ``workbench train --run-dir RUN --steps n+1``
-    resumes each; then every checkpoint of both is junk and ``--steps n+3`` is tried on each.
-    Returns, by stage: ``run``, ``n``, ``damaged``, ``emptied``, ``good`` and ``good_after`` (step
-    n-2's weights before and after the resume), ``resumed`` (that command's result), ``status`` (the
-    run's after it), ``verified`` (``verify_checkpoint`` of step n after it), ``none`` (the result
-    with no usable checkpoint) and ``status_none`` (the run's after that)."""
+    """Both checkpoint runs, by ZeRO stage (0: whole files, 3: sharded folders), damaged and resumed:
+    the newest checkpoint (step n) gets 64 flipped bytes (a shard of the folder), the one before an
+    empty file (the folder's trainer.pt), and ``workbench train --run-dir RUN --steps n+1`` resumes
+    it. And a run with no usable checkpoint in either layout: a copy of ``ck0`` made before (its
+    spec, files steps 1-3) given ``ck3``'s sharded folders of the later steps (as a run resumed from
+    ZeRO-0 onto ZeRO-3 holds), every checkpoint then junk, tried with ``--steps`` past its last. The
+    three commands run at once. Returns, by stage: ``run``, ``n``, ``damaged``, ``emptied``,
+    ``good`` and ``good_after`` (step n-2's weights before and after the resume), ``resumed`` (that
+    command's result), ``status`` (the run's after it), ``verified`` (``verify_checkpoint`` of step
+    n after it); and ``junk``: ``run``, ``files`` and ``folders`` (the checkpoints made junk, by
+    layout), ``result``, ``status`` (the run's after it)."""
+    import shutil
+
     from workbench.runtime.checkpoint import full_model_state, verify_checkpoint
 
-    out = {}
+    out: dict = {}
+    ck0, ck3 = checkpointed["ck0"]["run"], checkpointed["ck3"]["run"]
+    junk = runs.Run(shutil.copytree(ck0.path, ck0.path.with_name("ck0-junk")))
+    last = max(step for step, _ in junk.checkpoints())
+    for step, path in ck3.checkpoints():
+        if step > last:
+            shutil.copytree(path, junk.path / "checkpoints" / path.name)
+    for _, path in junk.checkpoints():
+        (path / "trainer.pt" if path.is_dir() else path).write_bytes(b"junk")
+    out["junk"] = {"run": junk, "files": [p.name for _, p in junk.checkpoints() if p.is_file()],
+                   "folders": [p.name for _, p in junk.checkpoints() if p.is_dir()]}
     for stage in (0, 3):
         ck = checkpointed[f"ck{stage}"]
         run, n = ck["run"], ck["final"].step
@@ -428,18 +442,16 @@ def corrupted(checkpointed) -> dict:
         out[stage] = {"run": run, "n": n, "damaged": damaged, "emptied": emptied, "good": full_model_state(run.path, n - 2)}
         _flip_bytes(damaged)  # 64 flipped bytes
         emptied.write_bytes(b"")  # an empty file
-    started = {stage: _resume(o["run"], o["n"] + 1) for stage, o in out.items()}
-    for stage, proc in started.items():
-        o = out[stage]
+    started = {stage: _resume(out[stage]["run"], out[stage]["n"] + 1) for stage in (0, 3)}
+    started["junk"] = _resume(junk, checkpointed["ck3"]["final"].step + 2)
+    for key, proc in started.items():
+        o = out[key]
+        if key == "junk":
+            o.update(result=_ended(proc), status=junk.status())
+            continue
         o.update(resumed=_ended(proc), status=o["run"].status())
-        newest = o["run"].path / "checkpoints" / (f"step_{o['n']}.dcp" if stage == 3 else f"step_{o['n']}.pt")
+        newest = o["run"].path / "checkpoints" / (f"step_{o['n']}.dcp" if key == 3 else f"step_{o['n']}.pt")
         o.update(verified=verify_checkpoint(newest), good_after=full_model_state(o["run"].path, o["n"] - 2))
-    for o in out.values():
-        for _, path in o["run"].checkpoints():
-            (path / "trainer.pt" if path.is_dir() else path).write_bytes(b"junk")
-    started = {stage: _resume(o["run"], o["n"] + 3) for stage, o in out.items()}
-    for stage, proc in started.items():
-        out[stage].update(none=_ended(proc), status_none=out[stage]["run"].status())
     return out
 
 
@@ -448,8 +460,9 @@ def corrupted(checkpointed) -> dict:
 @pytest.mark.parametrize("stage", [0, 3])
 def test_corrupt_and_empty_checkpoints(checkpointed, corrupted, stage):
     """Whole files (ZeRO-0) and sharded folders (ZeRO-3): a damaged and an empty checkpoint are
-    skipped, naming the file, and the run resumes from the newest good one; none good: one line.
-    The two runs were started at once and both ended ``done``, every step trained."""
+    skipped, naming the file, and the run resumes from the newest good one; none good: one line,
+    naming the unusable checkpoints of this layout (a run holding both layouts, all junk). The two
+    runs were started at once and both ended ``done``, every step trained."""
     first = checkpointed[f"ck{stage}"]
     assert first["final"].state == "done", first["final"].to_dict()
     c = corrupted[stage]
@@ -471,12 +484,16 @@ def test_corrupt_and_empty_checkpoints(checkpointed, corrupted, stage):
     assert again[n - 2] == pytest.approx(before[n - 2], rel=1e-6) and set(again) == {n - 2, n - 1, n}
     assert c["good_after"].keys() == c["good"].keys()
     assert c["verified"] is None  # step n rewritten by the resume, good again
-    # no usable checkpoint at all: one line, nothing trained
-    p = c["none"]
+    # no usable checkpoint at all: one line naming every junk checkpoint of this layout, nothing trained
+    junk = corrupted["junk"]
+    names = junk["folders"] if stage == 3 else junk["files"]
+    assert junk["files"] and junk["folders"], junk
+    p = junk["result"]
     assert p.returncode == 1
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("workbench train: error:") and "no usable checkpoint" in last, p.stderr
-    assert c["status_none"].state == "failed"
+    assert all(name in last for name in names), (names, last)
+    assert junk["status"].state == "failed"
 
 
 def test_a_rank_killed_by_a_signal_is_the_cause_over_its_peers_errors(tmp_path):
