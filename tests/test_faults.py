@@ -16,9 +16,12 @@ users cause, checked by pid.
 - every socket the run listens on is on the loopback interface.
 
 Runs that are checked for different things share a run where one does not end it: the killed-rank
-runs are the two runs at once, the killed planning worker's run is the ZeRO-3 checkpoint run. The
-checkpoint tests and the killed worker check results, not times (``untimed``); the rest check time
-bounds.
+runs are the two runs at once, the killed planning worker's run is the ZeRO-3 checkpoint run, the
+restarted kernel's run is the one checked for sockets, a second start and the stop. Runs that end
+alike start at once: the two killed-rank runs; the three ``workbench train`` commands sent SIGTERM,
+SIGHUP and SIGKILL; the two checkpoint runs, then their two resumes with the run that has no usable
+checkpoint in either layout. The checkpoint tests and the killed worker check results, not times
+(``untimed``); the rest check time bounds, measured from the fault.
 """
 
 from __future__ import annotations
