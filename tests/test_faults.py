@@ -1,5 +1,5 @@
-"""Training a user can trust: real torchrun runs (tiny model, gloo, 2 ranks) hit with the faults
-users cause, checked by pid.
+"""Training a user can trust: real torchrun runs (tiny model, gloo, 2 ranks; 1 where a command's
+signal is what is checked) hit with the faults users cause, checked by pid.
 
 - stop: every process of the run gone within 5 s, status ``stopped``, from the process that
   started it (``workbench train`` on SIGTERM or SIGHUP) and from one that did not (a restarted
@@ -68,9 +68,9 @@ def _wait_for_step(run: runs.Run, step: int, handle=None) -> runs.RunStatus:
         time.sleep(0.1)
 
 
-def _all_pids(st: runs.RunStatus) -> list[tuple[int, int | None]]:
+def _all_pids(st: runs.RunStatus, ranks: int = 2) -> list[tuple[int, int | None]]:
     pids = runs.status_pids(st)
-    assert (st.pids or {}).get("supervisor") and len(st.pids.get("ranks", {})) == 2, st.pids
+    assert (st.pids or {}).get("supervisor") and len(st.pids.get("ranks", {})) == ranks, st.pids
     assert len(st.pids.get("workers", [])) >= 1, "the plan-ahead worker is recorded"
     return pids
 
@@ -200,9 +200,9 @@ def test_two_runs_at_once(killed):
     assert [losses_a[s] for s in both] == pytest.approx([losses_b[s] for s in both], rel=1e-6)
 
 
-def _train_in_a_terminal(tmp_path: Path, name: str, **streams) -> tuple[subprocess.Popen, runs.Run]:
+def _train_in_a_terminal(tmp_path: Path, name: str, nproc: int = 2, **streams) -> tuple[subprocess.Popen, runs.Run]:
     """``workbench train`` as a user starts it in a terminal; returns once its run folder exists."""
-    cmd = _workbench("train", "--nproc", "2", "--steps", "400", "--model", "tiny", "--max-len", "256",
+    cmd = _workbench("train", "--nproc", str(nproc), "--steps", "400", "--model", "tiny", "--max-len", "256",
                      "--batch-tokens", "1024", "--checkpoint-every", "0", "--debug-step-sleep", "0.2",
                      "--run-root", str(tmp_path), "--name", name, "--device", "cpu")
     proc = subprocess.Popen(cmd, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), **streams)
@@ -216,12 +216,16 @@ def _train_in_a_terminal(tmp_path: Path, name: str, **streams) -> tuple[subproce
 
 SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 """What a user's terminal sends ``workbench train`` to stop it (Ctrl-C's SIGINT takes the same path)."""
+RANKS = {signal.SIGTERM: 2, signal.SIGHUP: 1, signal.SIGKILL: 1}
+"""Ranks of the run each signal's command starts: the stop they lead to is one (``launch.stop``, or
+the supervisor's own when its parent is gone) whatever the ranks, and the stop of several ranks,
+each in a session of its own, is checked on the SIGTERM run (and on the kernel's, the killed ranks')."""
 
 
 @pytest.fixture(scope="module")
 def signalled(tmp_path_factory) -> dict:
-    """``workbench train`` started three times at once, as a user starts it in a terminal; once the
-    three runs have trained 2 steps, at the same moment: SIGTERM to the first command, SIGHUP to the
+    """``workbench train`` started three times at once (``RANKS``), as a user starts it in a terminal;
+    once the three runs have trained 2 steps, at the same moment: SIGTERM to the first command, SIGHUP to the
     second, SIGKILL to the third. Returns, by signal: ``run``, ``proc`` (the command, ended),
     ``err`` (its stderr), ``ended`` (seconds from the signal until the command ended, None past 30
     s), ``left`` (the run's processes alive when it ended) and ``gone`` (seconds until none of
@@ -231,9 +235,9 @@ def signalled(tmp_path_factory) -> dict:
     out = {}
     try:
         for sig in (*SIGNALS, signal.SIGKILL):
-            started[sig] = _train_in_a_terminal(root, signal.Signals(sig).name, stdout=subprocess.DEVNULL,
+            started[sig] = _train_in_a_terminal(root, signal.Signals(sig).name, nproc=RANKS[sig], stdout=subprocess.DEVNULL,
                                                 stderr=subprocess.PIPE)
-        pids = {sig: _all_pids(_wait_for_step(run, 2)) for sig, (_, run) in started.items()}
+        pids = {sig: _all_pids(_wait_for_step(run, 2), RANKS[sig]) for sig, (_, run) in started.items()}
         t0 = time.monotonic()
         for sig, (proc, _) in started.items():
             proc.send_signal(sig)
