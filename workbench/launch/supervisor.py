@@ -33,6 +33,7 @@ Exit status: 0 done, 1 failed, 128 + signal number when stopped by a signal.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -267,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import parse_args, run
 
+        gc.freeze()  # what the imports made lives to the end: no collection walks it again
         targs = torchrun_args(run_dir, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                               rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, module=args.module,
                               module_args=extra, attempt=attempt, rdzv_timeout=args.rdzv_timeout)

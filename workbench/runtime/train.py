@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import math
 import os
@@ -728,6 +729,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     env = DistEnv.from_env()
     _parent_watchdog()
+    gc.freeze()  # what the imports made lives to the end: no collection walks it again (~0.1-0.3 s each)
     return Trainer(Path(args.run_dir), env).run()
 
 
