@@ -328,9 +328,10 @@ def _nccl_world_of_one(device: torch.device, backend: str = "nccl") -> dict:
             red = x.clone()
             dist.all_reduce(red)
             gathered = torch.empty_like(x)
-            dist.all_gather_into_tensor(gathered, x)
+            # torch 2.13's names (all_gather_single, reduce_scatter_single), the older ones before it
+            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, x)
             scattered = torch.empty_like(x)
-            dist.reduce_scatter_tensor(scattered, x)
+            (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(scattered, x)
             a2a = torch.empty_like(x)
             dist.all_to_all_single(a2a, x)
             if device.type == "cuda":
@@ -399,7 +400,7 @@ def _collective_checks(device: torch.device, rank: int, world: int, backend: str
     # all-gather: every rank's block, in rank order
     mine = torch.full((n,), float(rank + 1), device=device)
     gathered = torch.empty(world * n, device=device)
-    dist.all_gather_into_tensor(gathered, mine)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, mine)  # torch 2.13's name, or the older
     ag_ok = bool(torch.equal(gathered, torch.cat([torch.full((n,), float(r + 1), device=device) for r in range(world)])))
     # bandwidth of one large all-to-all, the first call left out
     big = torch.empty((16 if device.type == "cuda" else 1) << 20, device=device)
