@@ -179,43 +179,14 @@ def exhaustive_lockstep_ms(s, cost, *, multi):
     into passes; a pass lasts max(largest rank load, comm) + overhead, a rank's load being the packed
     call's constant once plus, per group it serves, the group's extra and its sequences' times, and
     its activations in a pass fit the budget. Without ``multi`` a rank serves at most one group per
-    pass. Plus the step's end."""
-    n = cost.cluster.num_gpus
-    C, comm, ovh = cost.call_overhead_ms(), cost.pass_comm_ms(), cost.pass_overhead_ms()
-    B = cost.memory_budget_gb * (1 + 1e-9)
-    places = [(d, cp, b) for d, cp in cost.shapes if d <= n for b in range(n // d)]
-    best = math.inf
-    for groups in set_partitions(list(range(len(s)))):
-        for choice in itertools.product(places, repeat=len(groups)):
-            info = []
-            for members, (d, cp, b) in zip(groups, choice):
-                t = float(cost.time(s[members], d, cp).sum())
-                m = float(cost.memory(s[members], d, cp).sum())
-                info.append((d, b, cost.group_extra_ms(d, cp) + t, m))
-            if any(m > B for *_, m in info):
-                continue
-            for passes in set_partitions(list(range(len(info)))):
-                total = 0.0
-                for ks in passes:
-                    load, cnt, mem = np.zeros(n), np.zeros(n), np.zeros(n)
-                    for k in ks:
-                        d, b, t, m = info[k]
-                        load[b * d:(b + 1) * d] += t
-                        cnt[b * d:(b + 1) * d] += 1
-                        mem[b * d:(b + 1) * d] += m
-                    if (mem > B).any() or (not multi and (cnt > 1).any()):
-                        total = math.inf
-                        break
-                    total += max(float((load + C * (cnt > 0)).max()), comm) + ovh
-                    if total >= best:
-                        break
-                best = min(best, total)
-    return best + cost.step_end_ms()
+    pass. Plus the step's end. (One of the two optima :func:`exhaustive_lockstep_pair_ms` finds.)"""
+    single, stacked = exhaustive_lockstep_pair_ms(s, cost)
+    return stacked if multi else single
 
 
 def exhaustive_lockstep_pair_ms(s, cost):
-    """``exhaustive_lockstep_ms`` without and with ``multi`` in one enumeration, for tests that compare
-    against both (the groups' figures are the costly part, computed here once for both): returns
+    """``exhaustive_lockstep_ms`` (its docstring says what is searched) without and with ``multi`` in
+    one enumeration (the groups' figures are the costly part, computed once for both): returns
     ``(single, stacked)``. A passes partition counts for the one-group-per-rank optimum only if no rank
     serves two groups in any of its passes; the search leaves a partition once it can improve
     neither."""
