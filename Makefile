@@ -51,13 +51,18 @@ lab: $(STAMP)
 # tests/_xdist_heavy.py runs the heavy (slow) tests at most two at once: the timed ones one at a time from
 # the start on one worker, each module's untimed ones on whichever worker is free, the fast tests filling
 # the end. The ten slowest are listed at the end.
+# The tests start about 400 Python processes (ranks, supervisors, kernels, commands): each compiles the
+# project's modules afresh where the environment says not to write bytecode (some container images set
+# PYTHONDONTWRITEBYTECODE), so the tests let Python cache it under the git-ignored __pycache__/ folders
+# (392 -> 356 s of make test on 2 cores; docs/benchmarks.md).
+TEST_ENV := PYTHONDONTWRITEBYTECODE=
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --durations=10 $(PYTEST_ARGS)
+	$(TEST_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) --durations=10 $(PYTEST_ARGS)
 
 # the edit-test loop: the tests that start no torchrun, kernel or browser and need no quiet cores
 # (not slow, not serial); make test stays the whole suite
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow and not serial" --durations=5 $(PYTEST_ARGS)
+	$(TEST_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow and not serial" --durations=5 $(PYTEST_ARGS)
 
 # no $(STAMP): the check runs with $(PY) as it is (numpy and a CUDA torch), from this folder
 gpu-check:
