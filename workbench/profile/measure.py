@@ -101,6 +101,7 @@ def _say(msg: str) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+from workbench.runtime.cp import all_gather_single, reduce_scatter_single  # noqa: E402 - torch 2.13's names or the older
 from workbench.runtime.timing import Clock  # noqa: E402 - CUDA events on a GPU; shared with the doctor
 
 
@@ -393,13 +394,10 @@ def _collective_call(kind: str, send: torch.Tensor, recv: torch.Tensor, group, n
     if kind == "allreduce":
         return lambda: dist.all_reduce(send)
     if kind in ("allgather", "cp_allgather"):
-        # what FSDP2 and the CP attention call (older torch: all_gather_into_tensor, the same collective);
-        # FSDP's over the world (group None), CP's over its sub-group
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return lambda: gather(recv, send, group=group)
+        # what FSDP2 and the CP attention call; FSDP's over the world (group None), CP's over its sub-group
+        return lambda: all_gather_single(recv, send, group)
     if kind in ("reduce_scatter", "cp_reduce_scatter"):
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return lambda: scatter(recv, send, group=group)
+        return lambda: reduce_scatter_single(recv, send, group)
 
     ops = [dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]
 

@@ -81,7 +81,8 @@ import torch.distributed as dist
 
 from workbench.runtime.ulysses import ShardLayout, gather_heads, scatter_heads, shard_layout
 
-__all__ = ["CPLayout", "cp_chunk", "cp_positions", "cp_layout", "group_layout", "gather_kv", "CPAttention"]
+__all__ = ["CPLayout", "cp_chunk", "cp_positions", "cp_layout", "group_layout", "gather_kv", "CPAttention",
+           "all_gather_single", "reduce_scatter_single"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -246,14 +247,16 @@ def group_layout(lengths: Sequence[int], degree: int, cp: int, rank: int) -> Sha
 # the collective
 # ------------------------------------------------------------------------------------------------
 
-def _all_gather(out: torch.Tensor, x: torch.Tensor, group) -> None:
-    # torch 2.13 renamed all_gather_into_tensor all_gather_single: one collective (NCCL's all-gather)
+def all_gather_single(out: torch.Tensor, x: torch.Tensor, group=None) -> None:
+    """Every rank's ``x`` of ``group`` into ``out``, in rank order: one collective (NCCL's all-gather),
+    under torch 2.13's name ``all_gather_single``, ``all_gather_into_tensor`` before it."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, x, group=group)
 
 
-def _reduce_scatter(out: torch.Tensor, x: torch.Tensor, group) -> None:
-    # and reduce_scatter_tensor reduce_scatter_single (NCCL's reduce-scatter; the op is a sum)
+def reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group=None) -> None:
+    """The sum over ``group`` of ``x``, this rank's block into ``out`` (NCCL's reduce-scatter), under
+    torch 2.13's name ``reduce_scatter_single``, ``reduce_scatter_tensor`` before it."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     fn(out, x, group=group)
 
@@ -264,14 +267,14 @@ class _GatherKV(torch.autograd.Function):
         ctx.group = group
         c = dist.get_world_size(group)
         out = x.new_empty((c * x.shape[0], *x.shape[1:]))  # (c*S, ...): CP rank r's rows at [r*S, (r+1)*S)
-        _all_gather(out, x.contiguous(), group)
+        all_gather_single(out, x.contiguous(), group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         c = dist.get_world_size(ctx.group)
         out = grad.new_empty((grad.shape[0] // c, *grad.shape[1:]))  # (S, ...)
-        _reduce_scatter(out, grad.contiguous(), ctx.group)  # sum over the CP ranks of my rows' gradients
+        reduce_scatter_single(out, grad.contiguous(), ctx.group)  # sum over the CP ranks of my rows' gradients
         return out, None
 
 

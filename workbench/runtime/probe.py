@@ -314,6 +314,8 @@ def _nccl_world_of_one(device: torch.device, backend: str = "nccl") -> dict:
     (``backend`` gloo on a CPU ``device``: the same steps, for the tests.)"""
     import torch.distributed as dist
 
+    from workbench.runtime.cp import all_gather_single, reduce_scatter_single
+
     name = f"{backend} (world 1)"
     if dist.is_initialized():
         return _check(name, "skip", "a process group exists in this process already")
@@ -328,10 +330,9 @@ def _nccl_world_of_one(device: torch.device, backend: str = "nccl") -> dict:
             red = x.clone()
             dist.all_reduce(red)
             gathered = torch.empty_like(x)
-            # torch 2.13's names (all_gather_single, reduce_scatter_single), the older ones before it
-            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, x)
+            all_gather_single(gathered, x)
             scattered = torch.empty_like(x)
-            (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(scattered, x)
+            reduce_scatter_single(scattered, x)
             a2a = torch.empty_like(x)
             dist.all_to_all_single(a2a, x)
             if device.type == "cuda":
@@ -384,6 +385,7 @@ def _collective_checks(device: torch.device, rank: int, world: int, backend: str
     events on GPUs, 64 MiB; 4 MiB with gloo on CPU), the first call left out."""
     import torch.distributed as dist
 
+    from workbench.runtime.cp import all_gather_single
     from workbench.runtime.timing import Clock
 
     def barrier() -> None:
@@ -400,7 +402,7 @@ def _collective_checks(device: torch.device, rank: int, world: int, backend: str
     # all-gather: every rank's block, in rank order
     mine = torch.full((n,), float(rank + 1), device=device)
     gathered = torch.empty(world * n, device=device)
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, mine)  # torch 2.13's name, or the older
+    all_gather_single(gathered, mine)
     ag_ok = bool(torch.equal(gathered, torch.cat([torch.full((n,), float(r + 1), device=device) for r in range(world)])))
     # bandwidth of one large all-to-all, the first call left out
     big = torch.empty((16 if device.type == "cuda" else 1) << 20, device=device)
