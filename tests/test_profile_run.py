@@ -16,7 +16,9 @@ from conftest import cli_main, run_cli
 
 pytestmark = pytest.mark.slow
 
-GRID = ["--max-len", "256", "--reps", "1", "--warmup", "1"]
+# a small grid, one timed sample a pack of one call, 3 timed repetitions of each collective: the checks
+# read which figures the profile holds and how they were fitted, not how close they are
+GRID = ["--max-len", "256", "--reps", "1", "--warmup", "1", "--min-sample-ms", "0", "--collective-reps", "3"]
 
 
 def _cli(capsys, *args):
@@ -91,6 +93,7 @@ def test_quick_profile_on_two_gloo_ranks(profiled):
         assert sorted(c["message_bytes"] for c in pts) == sizes and {(c["group_size"], c["stride"]) for c in pts} == {(2, 1)}
         assert all(c["ms"] > 0 and len(c["per_rank"]) == 2 for c in pts)
     resolved = run.spec()["resolved"]
+    assert resolved["min_sample_ms"] == 0.0 and resolved["collective_reps"] == 3  # --min-sample-ms, --collective-reps
     packs = resolved["group_packs"] + [[256]]  # and the longest length the curves are fitted to (--max-len 256)
     assert sorted(resolved["cp_packs"]) == sorted(packs)
     cp_rows = [g for g in meas["groups"] if g["cp"] == 2]

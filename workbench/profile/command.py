@@ -2,6 +2,7 @@
 
     workbench profile [--nproc N] [--model NAME] [--quick] [--out PATH] [--run-root DIR] [--name ID]
                       [--device auto|cpu|cuda] [--dtype float32|bfloat16] [--attention auto|varlen|flash|torch] [--max-len N]
+                      [--reps N] [--warmup N] [--min-sample-ms MS] [--collective-reps N]
                       [--group-sizes 2,4] [--oversubscribe] [--detach] [--quiet]
     workbench profile --check RUN [--profile NAME|PATH|RUN] [--skip K] [--json] [--html PATH]
 
@@ -62,6 +63,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest sequence timed (default 4096 on CPU, 32768 on CUDA, at most the model's)")
     g.add_argument("--reps", type=positive_int, default=None, help="timed samples per pack (default 5 quick, 9 full)")
     g.add_argument("--warmup", type=int, default=None, help="untimed runs per pack (default 1 quick, 2 full)")
+    g.add_argument("--min-sample-ms", type=float, default=None, metavar="MS",
+                   help="a timed sample repeats its pack until it lasts this long (default 50 on CPU, where a "
+                        "scheduler tick is milliseconds, 5 on CUDA); 0 times one call a sample: faster, noisier")
+    g.add_argument("--collective-reps", type=positive_int, default=None, metavar="N",
+                   help="timed repetitions of each collective at each size (default 9 quick, 15 full)")
     g.add_argument("--group-sizes", type=_int_list, default=None, metavar="D1,D2",
                    help="collective group sizes, any from 2 to --nproc (default: every size up to 8, then the ones "
                         "that tile the ranks; SP micro-steps at the powers of two dividing --nproc)")
@@ -286,6 +292,10 @@ def run(args) -> int:
             "command": "workbench " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["profile"] else "workbench profile"}
     if args.group_sizes:
         opts["group_sizes"] = tuple(args.group_sizes)
+    if args.min_sample_ms is not None:
+        opts["min_sample_ms"] = args.min_sample_ms
+    if args.collective_reps is not None:
+        opts["collective_reps"] = args.collective_reps
     run_ = prepare_profile(nproc=nproc, model=args.model, quick=args.quick,
                            root=args.run_root or runs.default_root(), name=args.name, **opts)
     print(run_.path, flush=True)
