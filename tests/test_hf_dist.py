@@ -165,12 +165,14 @@ def workbench(*args: str, cwd: Path, timeout: float = 400) -> subprocess.Complet
 
 
 @pytest.mark.slow
-def test_own_model_and_jsonl_train_from_init_on_2_ranks_and_export(tmp_path):
+def test_own_model_and_jsonl_train_from_init_on_2_ranks_and_export(tmp_path, capsys, monkeypatch):
     """A user's Qwen2-shaped model (made by transformers, saved) and JSONL corpus with a BPE
     tokenizer: ``workbench train --init`` on 2 ranks with the greedy planner; the first step's loss
     equals transformers' loss on the same batch (the sequences read back from the token cache); one
-    SGD step later ``workbench export`` loads into transformers and matches the run's own
-    checkpoint loaded into the runtime's model."""
+    SGD step later ``workbench export`` (the console script's entry in this process, in the user's
+    folder: an interpreter importing torch and transformers again cost ~2.8 s of CPU; test_hf.py
+    runs the console script) loads into transformers and matches the run's own checkpoint loaded
+    into the runtime's model."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from _hf_models import hf_batch_loss, hf_logits, make_hf_model, rel_err
@@ -217,7 +219,10 @@ def test_own_model_and_jsonl_train_from_init_on_2_ranks_and_export(tmp_path):
         want = hf_batch_loss(ref, seqs)
         assert row["loss"] == pytest.approx(want, rel=TOL)
         # export the step-1 checkpoint; transformers loads it; it equals our checkpoint in our model
-        p = workbench("export", "runs/own", "--out", "exported", cwd=tmp_path)
+        from conftest import cli_main
+
+        monkeypatch.chdir(tmp_path)  # the relative paths a user in that folder gives
+        p = cli_main(capsys, "export", "runs/own", "--out", "exported")
         assert p.returncode == 0, p.stderr
         assert (tmp_path / "exported" / "tokenizer.json").is_file()
         back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported")).eval()
