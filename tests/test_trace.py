@@ -5,7 +5,9 @@ A real 2-rank CPU run (the tiny model, 3 steps, gloo, step 2 recorded by torch.p
 back (nothing here depends on the number of ranks beyond one per process: 2 prove what 4 did, for
 ~7 s of CPU less): the trace JSON is checked against the trace-event format by rules written here, its parts per
 rank against ``metrics.jsonl`` read here, its planned track against ``plans.jsonl``; a hand-made run
-(free execution, rows written here) checks the layout and the waits by hand.
+(free execution, rows written here) checks the layout and the waits by hand. ``workbench runs trace``
+runs through the console script's entry in this process (``conftest.cli_main``: it starts nothing, and
+an interpreter per call cost more than the check); the run itself through the console script.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import cli_main
 from workbench import runs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,13 +150,13 @@ def test_rows_without_clocks_lay_parts_end_to_end(tmp_path):
     assert sum(x[2] for x in r1) == pytest.approx(79.5)
 
 
-def test_trace_errors_are_one_line(tmp_path):
+def test_trace_errors_are_one_line(tmp_path, capsys):
     run, _ = _hand_run(tmp_path)
-    p = _workbench("runs", "trace", "hand", "--root", str(tmp_path), "--step", "7")
+    p = cli_main(capsys, "runs", "trace", "hand", "--root", str(tmp_path), "--step", "7")
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0
     assert "run hand has no step 7 in metrics.jsonl (step 1 is recorded)" in p.stderr
     empty = runs.new_run("train", {}, root=tmp_path, run_id="empty")
-    p = _workbench("runs", "trace", str(empty.path))
+    p = cli_main(capsys, "runs", "trace", str(empty.path))
     assert p.returncode == 2 and "has measured no step yet" in p.stderr
 
 
@@ -187,10 +190,10 @@ def traced_run(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.untimed
-def test_trace_of_a_real_2_rank_step_is_valid_trace_event_json(traced_run, tmp_path):
+def test_trace_of_a_real_2_rank_step_is_valid_trace_event_json(traced_run, tmp_path, capsys):
     root, run_dir = traced_run
     out = tmp_path / "t.json"
-    p = _workbench("runs", "trace", "t", "--root", str(root), "--step", "3", "--out", str(out))
+    p = cli_main(capsys, "runs", "trace", "t", "--root", str(root), "--step", "3", "--out", str(out))
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == str(out) and "step 3 of t" in p.stderr
     trace = json.loads(out.read_text())
@@ -200,7 +203,7 @@ def test_trace_of_a_real_2_rank_step_is_valid_trace_event_json(traced_run, tmp_p
     assert {e["pid"] for e in xs} == set(range(WORLD)) and {e["tid"] for e in xs} == {1, 2}
     assert trace["otherData"]["step"] == 3 and trace["otherData"]["aligned_by_wall_clock"] is True
     # the default step: the median of steps 2-3 less the profiled step 2, i.e. step 3
-    p = _workbench("runs", "trace", "t", "--root", str(root))
+    p = cli_main(capsys, "runs", "trace", "t", "--root", str(root))
     assert p.returncode == 0 and p.stdout.strip() == str(run_dir / "trace-step3.json")
 
 
