@@ -7,17 +7,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from workbench.doctor import format_report, parse_topology, topology_check
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # `nvidia-smi topo -m` as an 8 x A100 SXM node prints it (NVSwitch: every pair NV12) and as a
 # 4-GPU PCIe box with two NVLink bridges prints it
@@ -99,9 +94,12 @@ def test_report_text_shows_fixes_and_the_summary():
 
 
 @pytest.mark.slow
-def test_doctor_on_this_machine(tmp_path):
-    p = subprocess.run([str(Path(sys.executable).with_name("workbench")), "doctor", "--json"], capture_output=True,
-                       text=True, cwd=ROOT, timeout=600)
+def test_doctor_on_this_machine(capsys):
+    """``workbench doctor --json`` through the console script's entry in this process (the doctor
+    starts its probe and its 2 ranks as processes of their own either way)."""
+    from conftest import cli_main
+
+    p = cli_main(capsys, "doctor", "--json")
     rep = json.loads(p.stdout)
     by = {c["name"]: c for c in rep["checks"]}
     assert p.returncode == (0 if rep["ok"] else 1)
