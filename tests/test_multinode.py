@@ -11,9 +11,10 @@ Slow (real torchrun "nodes" of 1-2 processes each on this machine, gloo, the tin
 groups span the node boundary gives the single-process update (computed here from the whole
 batch), under ZeRO-3 through the emitted torchrun commands, then resumed by both nodes, and under
 ZeRO-0 through the Slurm script under a stand-in ``srun``; node 1 (of two processes) killed mid-run
-fails both nodes' runs naming it and leaves no process; a stop from the run store ends both nodes;
-an endpoint that does not answer, a node 0 left alone, another --nproc and another spec on the
-second node each end in one line with nothing left running.
+fails both nodes' runs naming it and leaves no process; a stop from the run store ends both nodes
+(the resumed ZeRO-3 run); an endpoint that does not answer, a node 0 left alone, another --nproc and
+another spec on the second node each end in one line with nothing left running (the last two before
+any rank starts).
 """
 
 from __future__ import annotations
@@ -129,21 +130,31 @@ class Nodes:
         return self.roots[0] / self.name
 
     def wait(self, timeout: float = TIMEOUT) -> list[tuple[int, str, str]]:
-        out = []
-        for p in self.procs:
-            o, e = communicate_or_kill(p, timeout, "a node")
-            out.append((p.returncode, o, e))
-        return out
+        return _wait_all(self.procs, timeout)
 
     def kill(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        _kill_all(self.procs)
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float = TIMEOUT) -> list[tuple[int, str, str]]:
+    """Each node's (exit status, stdout, stderr) once it ended (killed, and the test failed, past ``timeout``)."""
+    out = []
+    for p in procs:
+        o, e = communicate_or_kill(p, timeout, "a node")
+        out.append((p.returncode, o, e))
+    return out
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to every node still running (its terminal's Ctrl-C), SIGKILL to one that outlives 20 s."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -229,11 +240,15 @@ def test_the_planner_avoids_spanning_groups_that_inter_node_links_make_slow():
 
 
 def test_several_nodes_use_the_static_rendezvous_with_their_node_rank(tmp_path):
-    from workbench.launch.supervisor import torchrun_args
+    from workbench.launch.supervisor import NODE_CHECKED_BACKEND, torchrun_args
 
     args = torchrun_args(tmp_path, nproc=2, nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.5:29400", rdzv_id="r",
                          module="m", module_args=[], attempt=3, rdzv_timeout=45)
     assert args[args.index("--rdzv-backend") + 1] == "static"
+    # a trainer's nodes: the static rendezvous followed by the nodes' comparison, same arguments otherwise
+    checked = torchrun_args(tmp_path, nproc=2, nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.5:29400", rdzv_id="r",
+                            module="m", module_args=[], attempt=3, rdzv_timeout=45, node_check=True)
+    assert checked == [NODE_CHECKED_BACKEND if a == "static" else a for a in args]
     assert args[args.index("--node-rank") + 1] == "1" and args[args.index("--rdzv-conf") + 1] == "rank=1,timeout=45"
     assert args[args.index("--log-dir") + 1].endswith("attempt_3/node1")
 
@@ -527,51 +542,114 @@ def _emitted_commands(run_root: Path, name: str, *args: str) -> list[list[str]]:
     return cmds
 
 
-@pytest.mark.slow
-@pytest.mark.untimed  # an exact update and files, whatever the load (tests/_xdist_heavy.py)
-def test_two_nodes_give_the_single_process_update(hetero_reference, tmp_path):
+def _left_after(run_dir: Path, within: float = 15.0) -> list[int]:
+    """The run's processes still alive ``within`` seconds from now at the latest (``[]`` as soon as none is)."""
+    t0 = time.monotonic()
+    while _procs_of(run_dir) and time.monotonic() - t0 < within:
+        time.sleep(0.2)
+    return _procs_of(run_dir)
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory) -> dict:
     """ZeRO-3 (the default) over two nodes of one process each, started by the commands ``--emit
-    torchrun`` prints, each node's line run by its own shell in another folder; then both nodes
-    resume it. (ZeRO-0's update over two nodes: the Slurm test below; node records of nodes of two
-    processes: the kill test.)"""
-    cmds = _emitted_commands(tmp_path / "s", "mn3", *EXACT)
+    torchrun`` prints, each node's line run by its own shell in another folder (one SGD step of the
+    heterogeneous batch, checkpointed); then both nodes resume it (``--steps 200 --change
+    --debug-step-sleep 0.3``: it trains on until stopped) and, once a resumed step is recorded,
+    ``workbench runs stop`` (with a 30 s grace that holds under any load; it ends as soon as both
+    nodes have) ends it. Returns ``dir``, ``first`` (each node's exit status and stderr tail),
+    ``status``, ``nodes``, ``metric_ranks``, ``show``, ``listed`` and ``left`` as the first attempt
+    ended; ``resumed`` (each resuming node's exit status and stderr tail), ``stop`` (the stop
+    command's exit status, stdout and stderr), ``after`` and ``after_nodes`` (the statuses once it
+    ended) and ``after_left``."""
+    tmp = tmp_path_factory.mktemp("two-nodes")
+    cmds = _emitted_commands(tmp / "s", "mn3", *EXACT)
+    d = tmp / "s" / "mn3"
     procs = []
     for k, c in enumerate(cmds):  # each node's shell runs its line
         procs.append(subprocess.Popen([*c, "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      cwd=tmp_path, env=_env(), start_new_session=True))
+                                      cwd=tmp, env=_env(), start_new_session=True))
         if k == 0:
             time.sleep(0.5)
-    d = tmp_path / "s" / "mn3"
+    out: dict = {"dir": d, "first": []}
     for k, pr in enumerate(procs):
         _, err = communicate_or_kill(pr, TIMEOUT, f"node {k}")
-        assert pr.returncode == 0, f"node {k}:\n{err[-3000:]}\n" + "\n".join(runs.tail_lines(d / 'log.txt', 40))
+        out["first"].append((pr.returncode, err[-3000:] + "\n" + "\n".join(runs.tail_lines(d / "log.txt", 40))))
+    if any(code != 0 for code, _ in out["first"]):
+        return out
+    run = runs.load_run(d)
+    out.update(status=run.status(), nodes=run.nodes(), metric_ranks=sorted({r["rank"] for r in run.metrics()}),
+               show=_cli("runs", "show", "mn3", "--root", str(d.parent))[1],
+               listed=_cli("runs", "list", "--json", "--root", str(d.parent))[1], left=_left_after(d))
+    # both nodes resume it from its (sharded) checkpoint, training on until the stop
+    port = _free_port()
+    resumed = [subprocess.Popen([*_exe(), "train", "--run-dir", str(d), "--steps", "200", "--change", "--debug-step-sleep",
+                                       "0.3", "--nnodes", "2", "--node-rank", str(k), "--rdzv-endpoint", f"127.0.0.1:{port}",
+                                       "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                      env=_env(), start_new_session=True) for k in (0, 1)]
+    try:
+        t0 = time.monotonic()
+        while not (run.status().attempt == 2 and run.status().step >= 2):  # a resumed step recorded
+            assert all(p.poll() is None for p in resumed), [p.communicate() for p in resumed]
+            assert time.monotonic() - t0 < TIMEOUT, "no resumed step"
+            time.sleep(0.2)
+        out["stop"] = _cli("runs", "stop", "mn3", "--root", str(d.parent), "--grace", "30")
+        out["resumed"] = [(code, err[-3000:]) for code, _, err in _wait_all(resumed, timeout=60)]
+    finally:
+        _kill_all(resumed)
+    out.update(after=run.status(), after_nodes=run.nodes(), after_left=_left_after(d))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.untimed  # an exact update and files, whatever the load (tests/_xdist_heavy.py)
+def test_two_nodes_give_the_single_process_update(hetero_reference, two_nodes):
+    """ZeRO-3 (the default) over two nodes of one process each, started by the commands ``--emit
+    torchrun`` prints (``two_nodes``). (ZeRO-0's update over two nodes: the Slurm test below; node
+    records of nodes of two processes: the kill test.)"""
+    for k, (code, err) in enumerate(two_nodes["first"]):
+        assert code == 0, f"node {k}:\n{err}"
+    d = two_nodes["dir"]
     plan = _assert_same_update(d, hetero_reference, nproc=1)
     assert plan["execution"] == "lockstep"  # ZeRO-3, the default
-    run = runs.load_run(d)
-    st = run.status()
+    st = two_nodes["status"]
     assert st.state == "done" and st.resolved["world_size"] == 2 and st.resolved["nnodes"] == 2
-    nodes_ = run.nodes()  # one run, two node records
+    nodes_ = two_nodes["nodes"]  # one run, two node records
     assert sorted(nodes_) == [0, 1] and all(n.state == "done" for n in nodes_.values())
     assert {tuple(sorted(n.pids["ranks"])) for n in nodes_.values()} == {("0",), ("1",)}
-    assert sorted({r["rank"] for r in run.metrics()}) == [0, 1]
-    _, show, _ = _cli("runs", "show", "mn3", "--root", str(d.parent))
+    assert two_nodes["metric_ranks"] == [0, 1]
+    show = two_nodes["show"]
     assert "node 0 (" in show and "node 1 (" in show and ": done, attempt 1" in show, show
-    _, listed, _ = _cli("runs", "list", "--json", "--root", str(d.parent))
-    assert [r["id"] for r in json.loads(listed)["runs"]] == ["mn3"]  # one run, not one per node
-    _none_left(d)
-    # both nodes resume it from its (sharded) checkpoint for one more step
-    port = _free_port()
-    procs = [subprocess.Popen([*_exe(), "train", "--run-dir", str(d), "--steps", "2", "--nnodes", "2", "--node-rank", str(k),
-                               "--rdzv-endpoint", f"127.0.0.1:{port}", "--quiet"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env(), start_new_session=True)
-             for k in (0, 1)]
-    for k, pr in enumerate(procs):
-        _, err = communicate_or_kill(pr, TIMEOUT, f"node {k}")
-        assert pr.returncode == 0, f"node {k}: {err[-3000:]}"
-    st = run.status()
-    assert st.state == "done" and st.step == 2 and st.resumed_from == 1 and st.attempt == 2
-    assert all(n.attempt == 2 and n.state == "done" for n in run.nodes().values())
-    _none_left(d)
+    assert [r["id"] for r in json.loads(two_nodes["listed"])["runs"]] == ["mn3"]  # one run, not one per node
+    assert two_nodes["left"] == [], f"left running: {two_nodes['left']}"
+
+
+@pytest.mark.slow
+@pytest.mark.untimed  # the resume's files and records, whatever the load
+def test_both_nodes_resume_it_from_its_sharded_checkpoint(two_nodes):
+    """Both nodes resume the two-node run of ``two_nodes`` from its (sharded) checkpoint: attempt 2
+    on the run and on each node's record, resumed from step 1, and a resumed step trained."""
+    assert "after" in two_nodes, f"the first attempt failed: {two_nodes['first']}"
+    st = two_nodes["after"]
+    assert st.resumed_from == 1 and st.attempt == 2 and st.step >= 2, st.to_dict()
+    assert all(n.attempt == 2 for n in two_nodes["after_nodes"].values())
+    rows = runs.Run(two_nodes["dir"]).metrics()
+    assert {r["rank"] for r in rows if r.get("attempt") == 2 and r["step"] == 1} == {0, 1}  # both nodes trained the 2nd step
+
+
+@pytest.mark.slow
+@pytest.mark.untimed  # a 30 s grace (the default's 4 s could SIGKILL a supervisor slowed by load: "failed")
+def test_a_stop_from_the_run_store_ends_both_nodes(two_nodes):
+    """``workbench runs stop`` on a run of two nodes (one process each) while it trains (the resumed
+    run of ``two_nodes``); a grace that holds under any load (it ends as soon as both nodes have)."""
+    assert "after" in two_nodes, f"the first attempt failed: {two_nodes['first']}"
+    code, out, err = two_nodes["stop"]
+    assert code == 0 and "no process left here" in out, out + err
+    assert all(code != 0 for code, _ in two_nodes["resumed"]), two_nodes["resumed"]
+    assert two_nodes["after"].state == "stopped"
+    assert {n.state for n in two_nodes["after_nodes"].values()} == {"stopped"}
+    assert sorted(two_nodes["after_nodes"]) == [0, 1]
+    assert two_nodes["after_left"] == [], f"left running: {two_nodes['after_left']}"
 
 
 FAKE_SRUN = r'''#!{python}
@@ -674,26 +752,6 @@ def test_node_1_killed_fails_both_nodes_naming_it(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.untimed  # a 30 s grace (the default's 4 s could SIGKILL a supervisor slowed by load: "failed")
-def test_a_stop_from_the_run_store_ends_both_nodes(tmp_path):
-    """``workbench runs stop`` on a run of two nodes (one process each) while it trains; a grace that
-    holds under any load (it ends as soon as both nodes have)."""
-    nodes = Nodes(tmp_path, "stopped", LONG, nproc=1)
-    d = nodes.run_dir
-    try:
-        _wait_for_steps(d, 1, nodes)
-        code, out, err = _cli("runs", "stop", "stopped", "--root", str(d.parent), "--grace", "30")
-        outs = nodes.wait(timeout=60)
-    finally:
-        nodes.kill()
-    assert code == 0 and "no process left here" in out, out + err
-    assert all(code != 0 for code, _, _ in outs)
-    assert runs.load_run(d).status().state == "stopped"
-    assert {runs.read_status(d, k).state for k in (0, 1)} == {"stopped"}
-    _none_left(d)
-
-
-@pytest.mark.slow
 def test_an_endpoint_that_does_not_answer_is_one_line(tmp_path):
     """Node 1 given an endpoint where nothing listens, and node 0 left alone (it waits for the
     others, then says how many came), both with a 2 s rendezvous timeout, side by side."""
@@ -723,8 +781,9 @@ def test_an_endpoint_that_does_not_answer_is_one_line(tmp_path):
 def test_another_nproc_or_spec_on_the_second_node_is_one_line(tmp_path):
     """Three pairs of nodes side by side. On a shared run store the second node is refused before it
     starts anything; node 0, left waiting for it, is stopped (its terminal's Ctrl-C) and leaves
-    nothing. With a run store each (no shared path) the nodes compare themselves at start: another
-    --nproc, and another spec (on one process a node: its process counts agree, its planners do not)."""
+    nothing. With a run store each (no shared path) the nodes compare themselves at the rendezvous,
+    before any rank starts (the supervisors, through the rendezvous store): another --nproc, and
+    another spec (on one process a node: its process counts agree, its planners do not)."""
     apart = [("apart-nproc", [["--nproc", "2"], ["--nproc", "1"]], "started 1 process(es) but the run has 2 per node"),
              ("apart-spec", [["--nproc", "1", "--planner", "greedy"], ["--nproc", "1", "--planner", "static:1"]],
               "runs another spec than node 0 (planner: 'greedy' on node 0, 'static:1' here)")]
@@ -749,5 +808,7 @@ def test_another_nproc_or_spec_on_the_second_node_is_one_line(tmp_path):
         for k, (code, _, err) in enumerate(out):
             last = err.strip().splitlines()[-1]
             assert code == 1 and "node 1 (" in last and words in last, f"{name}, node {k}: {err[-2000:]}"
+            rec = runs.read_status(tmp_path / "ab"[k] / name, k)  # node k's record, in its own run store
+            assert rec.state == "failed" and not (rec.pids or {}).get("ranks"), f"{name}, node {k}: {rec.to_dict()}"
         for r in (tmp_path / "a", tmp_path / "b"):
             _none_left(r / name)

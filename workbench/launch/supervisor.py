@@ -14,7 +14,9 @@ than as text. Around it:
   there, every node is the rank it was given (``--node-rank``: node k holds ranks
   ``k*nproc .. (k+1)*nproc - 1``, so the plan's node-aligned groups are the machines'), and a node
   that cannot reach the endpoint, or a node 0 that waits for the others, gives up after
-  ``--rdzv-timeout`` seconds with one line naming the endpoint. Each node writes its own record
+  ``--rdzv-timeout`` seconds with one line naming the endpoint. Once they meet, a trainer's nodes
+  compare their ``--nproc``, run and spec through the rendezvous store: a node that differs ends
+  every node with one line naming it, before any rank starts. Each node writes its own record
   (``nodes/node<k>.json``: host, pids, attempt, end) and watches the run store's ``stop.json``, so a
   stop from any host reaches it through a shared run store.
 - **Per-rank logs** under ``RUN/torchrun/attempt_<k>/`` (and every line also in ``log.txt``).
@@ -44,7 +46,7 @@ import time
 from pathlib import Path
 
 from workbench import runs
-from workbench.launch.process import sweep
+from workbench.launch.process import TRAINER_MODULE, sweep
 
 LOOPBACK_BACKEND = "workbench-loopback"
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -100,14 +102,97 @@ def _register_loopback() -> None:
         pass  # already registered in this process
 
 
+NODE_CHECKED_BACKEND = "workbench-static"
+"""The rendezvous of a trainer's run over several nodes: torchrun's static one (node k is group
+rank k, node 0 hosts the store at the endpoint), after which the nodes compare their ``--nproc``,
+run and spec through that store and, if they differ, end with one line before any rank starts."""
+
+
+class NodeMismatch(RuntimeError):
+    """The nodes of a run differ (another ``--nproc``, run or spec on some node): the message says
+    which node and what to change (``workbench.launch.cluster.node_problem``)."""
+
+
+_NODE_KEY = "workbench/node/"
+_NODES_READ_KEY = "workbench/nodes_read"
+
+
+def node_info(run_dir: Path, *, node: int, nproc: int) -> dict:
+    """What this node says about itself at the rendezvous, in the shape every rank says it at start
+    (``workbench.runtime.train``; ``cluster.node_problem`` compares either): its first rank, node,
+    host, processes, run id and spec (without ``steps``: a resume may raise them on one node first);
+    the spec is None when the run folder has none readable (the ranks then say what is wrong)."""
+    from workbench.training import read_train_spec
+
+    try:
+        spec = read_train_spec(run_dir).to_dict()
+        spec.pop("steps", None)
+    except Exception:  # noqa: BLE001 - the trainer reports a missing or bad spec itself
+        spec = None
+    return {"rank": node * nproc, "node": node, "host": socket.gethostname(), "local_world_size": nproc,
+            "run_id": run_dir.name, "spec": spec}
+
+
+def compare_nodes(store, mine: dict, nnodes: int, timeout_s: float) -> None:
+    """Every node's ``node_info`` through the rendezvous store (each node sets its own and reads the
+    others'); raises NodeMismatch with ``node_problem``'s line when they differ. Node 0 hosts the
+    store, so it leaves only once every node has read (or after ``timeout_s``)."""
+    import datetime
+
+    from workbench.launch.cluster import node_problem
+
+    store.set(f"{_NODE_KEY}{int(mine['node'])}", json.dumps(mine))
+    keys = [f"{_NODE_KEY}{k}" for k in range(nnodes)]
+    store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    infos = sorted((json.loads(store.get(k)) for k in keys), key=lambda i: int(i["node"]))
+    problem = node_problem(infos)
+    if problem is None:
+        return
+    read = int(store.add(_NODES_READ_KEY, 1))
+    deadline = time.monotonic() + timeout_s
+    while int(mine["node"]) == 0 and read < nnodes and time.monotonic() < deadline:
+        time.sleep(0.05)
+        read = int(store.add(_NODES_READ_KEY, 0))
+    raise NodeMismatch(problem[1])
+
+
+def _register_node_checked(run_dir: Path, nproc: int) -> None:
+    """Register ``NODE_CHECKED_BACKEND``: torchrun's static rendezvous followed by ``compare_nodes``."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous, create_rdzv_handler
+
+    class NodeCheckedRendezvous(StaticTCPRendezvous):
+        def get_backend(self) -> str:
+            return NODE_CHECKED_BACKEND
+
+        def next_rendezvous(self):
+            info = super().next_rendezvous()
+            store = getattr(info, "store", None) or info[0]  # a RendezvousInfo (a tuple in older torch)
+            compare_nodes(store, node_info(run_dir, node=int(self.rank), nproc=nproc), int(self.world_size),
+                          self.timeout.total_seconds())
+            return info
+
+    def create(params):
+        h = create_rdzv_handler(params)
+        return NodeCheckedRendezvous(h.master_addr, h.master_port, int(h.rank), h.world_size, h.run_id,
+                                     int(h.timeout.total_seconds()))
+
+    try:
+        rendezvous_handler_registry.register(NODE_CHECKED_BACKEND, create)
+    except ValueError:
+        pass  # already registered in this process
+
+
 DEFAULT_RDZV_TIMEOUT_S = 600
 """How long a node waits for the rendezvous (to reach the endpoint, or for every node to join)."""
 
 
 def torchrun_args(run_dir: Path, *, nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None,
                   rdzv_id: str | None, module: str, module_args: list[str], attempt: int,
-                  rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT_S) -> list[str]:
-    """torchrun's arguments for this node's share of the run."""
+                  rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT_S, node_check: bool = False) -> list[str]:
+    """torchrun's arguments for this node's share of the run. ``node_check`` (several nodes): the
+    rendezvous is ``NODE_CHECKED_BACKEND`` (the nodes compare themselves before any rank starts;
+    ``main`` registers it) instead of torchrun's plain ``static``."""
     log_dir = run_dir / runs.TORCHRUN_LOG_DIR / f"attempt_{attempt}"
     if nnodes == 1 and rdzv_endpoint is None:
         out = ["--nnodes", "1", "--node-rank", "0", "--rdzv-backend", LOOPBACK_BACKEND,
@@ -116,7 +201,8 @@ def torchrun_args(run_dir: Path, *, nproc: int, nnodes: int, node_rank: int, rdz
         if rdzv_endpoint is None:
             raise ValueError("a run over several nodes needs --rdzv-endpoint HOST:PORT (the same on every node)")
         # static: node k is group rank k (c10d would order nodes by host name and pid)
-        out = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "static",
+        out = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend",
+               NODE_CHECKED_BACKEND if node_check else "static",
                "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id or run_dir.name,
                "--rdzv-conf", f"rank={node_rank},timeout={max(1, int(round(rdzv_timeout)))}"]
         if nnodes > 1:
@@ -268,10 +354,16 @@ def main(argv: list[str] | None = None) -> int:
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import parse_args, run
 
+        # a trainer's nodes compare themselves at the rendezvous: another --nproc, run or spec on some
+        # node ends every node with one line before any rank starts (the ranks compare again at start)
+        node_check = args.nnodes > 1 and args.module == TRAINER_MODULE
+        if node_check:
+            _register_node_checked(run_dir, args.nproc)
         gc.freeze()  # what the imports made lives to the end: no collection walks it again
         targs = torchrun_args(run_dir, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                               rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, module=args.module,
-                              module_args=extra, attempt=attempt, rdzv_timeout=args.rdzv_timeout)
+                              module_args=extra, attempt=attempt, rdzv_timeout=args.rdzv_timeout,
+                              node_check=node_check)
         print(f"workbench supervisor: torchrun {' '.join(targs)}", flush=True)
         try:
             run(parse_args(targs))
@@ -284,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
             fields = {"note": f"stopped by {signal.Signals(sig).name}"}
     except _Stop as e:
         state, code, fields = "stopped", 128 + e.signum, {"note": f"stopped by {e}"}
+    except NodeMismatch as e:
+        state, code, fields = "failed", 1, {"error": str(e)}
     except Exception as e:  # noqa: BLE001 - recorded in the status, never a silent death
         state, code = "failed", 1
         rdzv = (_rendezvous_error(e, args.rdzv_endpoint, args.nnodes, args.node_rank, args.rdzv_timeout)
