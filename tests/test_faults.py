@@ -1,5 +1,5 @@
 """Training a user can trust: real torchrun runs (tiny model, gloo, 2 ranks; 1 where a command's
-signal is what is checked) hit with the faults users cause, checked by pid.
+signal or whole-file checkpoints are what is checked) hit with the faults users cause, checked by pid.
 
 - stop: every process of the run gone within 5 s, status ``stopped``, from the process that
   started it (``workbench train`` on SIGTERM or SIGHUP) and from one that did not (a restarted
@@ -77,7 +77,7 @@ def _all_pids(st: runs.RunStatus, ranks: int = 2) -> list[tuple[int, int | None]
 
 def _start(root: Path, name: str, **extra) -> tuple[runs.Run, launch.RunHandle]:
     run, spec, _ = prepare_train({**LIVE, **extra}, root=root, name=name)
-    return run, launch.start(run, nproc=2)
+    return run, launch.start(run, nproc=spec.nproc)
 
 
 @pytest.mark.slow
@@ -216,10 +216,11 @@ def _train_in_a_terminal(tmp_path: Path, name: str, nproc: int = 2, **streams) -
 
 SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 """What a user's terminal sends ``workbench train`` to stop it (Ctrl-C's SIGINT takes the same path)."""
-RANKS = {signal.SIGTERM: 2, signal.SIGHUP: 1, signal.SIGKILL: 1}
+RANKS = {signal.SIGTERM: 1, signal.SIGHUP: 1, signal.SIGKILL: 1}
 """Ranks of the run each signal's command starts: the stop they lead to is one (``launch.stop``, or
 the supervisor's own when its parent is gone) whatever the ranks, and the stop of several ranks,
-each in a session of its own, is checked on the SIGTERM run (and on the kernel's, the killed ranks')."""
+each in a session of its own, is checked on the kernel's run (and the end of several on the killed
+ranks')."""
 
 
 @pytest.fixture(scope="module")
@@ -306,21 +307,22 @@ panel on the live run."""
 @pytest.fixture(scope="module")
 def checkpointed(tmp_path_factory) -> dict:
     """Two runs started at once, with a checkpoint after each step: ``ck0`` (ZeRO-0, whole files;
-    3 steps, planning inline) and ``ck3`` (ZeRO-3, sharded folders; WORKER_STEPS steps of at least
-    0.2 s, planning ahead, in a run root of its own). After ``ck3``'s second step its planning worker
-    is killed (SIGKILL); once the run says so, a Launch panel is opened on that root (a notebook
-    reattaching) and shows what it shows. Returns, by name, ``run``, ``final`` (its status as it
-    ended), ``steps`` and ``losses`` as they ended, before test_corrupt_and_empty_checkpoints
-    damages and resumes them; for ``ck3`` also ``worker`` (the pid killed), ``attached`` (whether
-    the panel reattached to the run), ``shown`` (its status text) and ``show`` (what ``workbench
-    runs show`` printed once it ended)."""
+    one rank, 3 steps, planning inline: a whole file is laid out alike whatever the ranks, and a
+    resume on several ranks is test_train's) and ``ck3`` (ZeRO-3, sharded folders: 2 ranks, a
+    shard each; WORKER_STEPS steps of at least 0.2 s, planning ahead, in a run root of its own).
+    After ``ck3``'s second step its planning worker is killed (SIGKILL); once the run says so, a
+    Launch panel is opened on that root (a notebook reattaching) and shows what it shows. Returns,
+    by name, ``run``, ``final`` (its status as it ended), ``steps`` and ``losses`` as they ended,
+    before test_corrupt_and_empty_checkpoints damages and resumes them; for ``ck3`` also
+    ``worker`` (the pid killed), ``attached`` (whether the panel reattached to the run), ``shown``
+    (its status text) and ``show`` (what ``workbench runs show`` printed once it ended)."""
     from widgets import LaunchPanel
 
     root = tmp_path_factory.mktemp("ck")
     out: dict[str, dict] = {}
     started = {}
     try:
-        for name, where, extra in (("ck0", root, dict(steps=3, zero_stage=0, plan_ahead=False, debug={})),
+        for name, where, extra in (("ck0", root, dict(steps=3, nproc=1, zero_stage=0, plan_ahead=False, debug={})),
                                    ("ck3", root / "w", dict(steps=WORKER_STEPS, zero_stage=3))):
             run, h = _start(where, name, checkpoint_every=1, **extra)
             started[name] = (run, h)
