@@ -17,6 +17,15 @@ A file takes part in the shared world by defining, besides a module-scoped fixtu
   returns the ``args`` (strings) for ``world_checks``;
 - ``WORLD_SHAPES`` (optional): the ``(degree, cp)`` splits its checks need process groups for, and
   ``DIST_TIMEOUT_S`` (the collective timeout it asks for; the world takes the shortest).
+
+A file whose checks need a world of fewer ranks (a world of 3: FSDP over 3 ranks, a group of 3 that is
+the whole world) defines ``SUBWORLD_SIZE = n`` and ``subworld_checks(*args)`` (each ``check(rank) ->
+dict``, making its own registry) instead of ``world_checks``: once the 4-rank checks are done and
+their process group is destroyed, ranks ``0 .. n-1`` of the same launch form a new world of ``n``
+(a new default gloo process group on a file store, ``WORLD_SIZE`` set to ``n``) and run them, while
+the other ranks end. That world is as real as one launched with ``--nproc-per-node n`` (its own
+default group, its own communicators), without a second tree's start-up (a 3-rank launch: about 11 s
+of CPU). A session whose files all have sub-worlds launches ``n`` ranks only.
 """
 
 from __future__ import annotations
@@ -119,15 +128,24 @@ SHARED_RUN_TIMEOUT_S = 1200
 _SHARED_FIXTURE_CACHE: dict = {}
 
 
+def _takes_part(mod) -> bool:
+    return hasattr(mod, "world_checks") or hasattr(mod, "subworld_checks")
+
+
 def _shared_modules(session) -> list:
     """The collected test modules (in collection order) that take part in the shared world: those
-    with ``world_checks`` and a selected test."""
+    with ``world_checks`` (or ``subworld_checks``) and a selected test."""
     mods: list = []
     for item in session.items:
         mod = getattr(item, "module", None)
-        if mod is not None and hasattr(mod, "world_checks") and mod not in mods:
+        if mod is not None and _takes_part(mod) and mod not in mods:
             mods.append(mod)
     return mods
+
+
+def _ranks_of(mod) -> int:
+    """How many ranks run ``mod``'s checks: its sub-world's, else the shared world's."""
+    return int(getattr(mod, "SUBWORLD_SIZE", None) or SHARED_WORLD)
 
 
 def shared_world(request, tmp_path_factory, module_name: str) -> dict:
@@ -156,26 +174,70 @@ def shared_world(request, tmp_path_factory, module_name: str) -> dict:
                     sub.mkdir(exist_ok=True)
                     spec.append([mod.__name__, list(prep(sub)) if prep else []])
                 out = folder / "gathered.json"
-                per_rank = run_worker(__file__, str(out), json.dumps(spec), nproc=SHARED_WORLD,
+                # 4 ranks, or only as many as the sub-worlds need when no file has 4-rank checks
+                nproc = SHARED_WORLD if any(hasattr(m, "world_checks") for m in mods) else max(map(_ranks_of, mods))
+                per_rank = run_worker(__file__, str(out), json.dumps(spec), nproc=nproc,
                                       timeout=SHARED_RUN_TIMEOUT_S, out=out)
                 done.write_text(json.dumps(per_rank))
             _SHARED_FIXTURE_CACHE[key] = json.loads(done.read_text())
     per_rank = _SHARED_FIXTURE_CACHE[key]
-    assert all(module_name in res for res in per_rank.values()), \
-        f"the shared world ran without {module_name}'s checks (it ran {sorted(per_rank['0'])})"
-    return {r: res[module_name] for r, res in per_rank.items()}
+    mine = {r: res[module_name] for r, res in per_rank.items() if module_name in res}
+    want = _ranks_of(sys.modules[module_name])
+    assert sorted(mine, key=int) == [str(r) for r in range(want)], \
+        f"the shared world ran {module_name}'s checks on ranks {sorted(mine, key=int)}, not on ranks 0..{want - 1}"
+    return mine
 
 
 def _shared_worker(out_path: str, spec_json: str) -> int:
     """Rank side of the shared world: each taking-part module's checks, in order, on one process
     group and one registry (the union of the modules' splits; :func:`run_checks`), gathered as
-    ``{rank: {module: dict}}``."""
+    ``{rank: {module: dict}}``; then each sub-world (:func:`_run_subworld`), smallest first, its
+    results merged into the same file."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     mods = [(importlib.import_module(name), args) for name, args in json.loads(spec_json)]
-    shapes = sorted({tuple(s) for mod, _ in mods for s in getattr(mod, "WORLD_SHAPES", ())})
+    full = [(mod, args) for mod, args in mods if hasattr(mod, "world_checks")]
+    shapes = sorted({tuple(s) for mod, _ in full for s in getattr(mod, "WORLD_SHAPES", ())})
     timeout_s = min(getattr(mod, "DIST_TIMEOUT_S", 90) for mod, _ in mods)
-    return run_checks(out_path, [_module_checks(mod, args) for mod, args in mods], degrees=SHARED_DEGREES,
-                      shapes=shapes, timeout_s=timeout_s)
+    run_checks(out_path, [_module_checks(mod, args) for mod, args in full],
+               degrees=SHARED_DEGREES if full else (), shapes=shapes, timeout_s=timeout_s)
+    subs = [(mod, args) for mod, args in mods if hasattr(mod, "subworld_checks")]
+    for n in sorted({_ranks_of(mod) for mod, _ in subs}):
+        _run_subworld(out_path, n, [(mod, args) for mod, args in subs if _ranks_of(mod) == n],
+                      timeout_s=min(getattr(mod, "DIST_TIMEOUT_S", 90) for mod, _ in subs))
+    return 0
+
+
+def _run_subworld(out_path: str, n: int, mods: list, *, timeout_s: float) -> None:
+    """Rank side, once the launch's process group is destroyed: ranks ``0 .. n-1`` form a new world
+    of ``n`` (a new default gloo process group on a file store beside ``out_path``), run each of
+    ``mods``' ``subworld_checks`` in order, and rank 0 merges ``{rank: {module: dict}}`` into
+    ``out_path``; the other ranks of the launch take no part."""
+    import datetime
+
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])  # this process's rank in the launch
+    if rank >= n:
+        return
+    os.environ["WORLD_SIZE"] = str(n)  # what this process is a rank of from now on
+    store = dist.FileStore(str(Path(out_path).with_name(f"world-of-{n}.store")), n)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=n,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    results: dict = {}
+    for mod, args in mods:
+        mine: dict = {}
+        for check in mod.subworld_checks(*args):
+            mine.update(check(rank))
+        results[mod.__name__] = mine
+    gathered = [None] * n
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        merged = json.loads(Path(out_path).read_text())
+        for r, res in enumerate(gathered):
+            merged.setdefault(str(r), {}).update(res)
+        Path(out_path).write_text(json.dumps(merged, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _module_checks(mod, args: list[str]):

@@ -13,24 +13,27 @@ In one process (fast):
   held once, the keys of every local chunk its sequence's prefix, every target on one rank (the
   checks of ``tests/test_cp.py``, run for these splits).
 
-On 3 gloo ranks under ONE torchrun launch (slow), each case one SGD step in fp32 against the
-independent single-process update (``tests/test_runtime_zero.py``'s reference), within 1e-5:
+In a world of 3 gloo ranks (slow): a sub-world of the shared torchrun launch (``tests/_torchrun.py``:
+once the 4-rank files' checks are done, ranks 0-2 form a new default process group of 3, with its own
+communicators, as a ``--nproc-per-node 3`` launch would; alone, this file launches 3 ranks), each case
+one SGD step in fp32 against the independent single-process update (``tests/test_runtime_zero.py``'s
+reference), within 1e-5:
 
 - a 1x3 group (context parallelism over 3 ranks), under ZeRO-0 and ZeRO-3, lengths not multiples of 6;
 - ZeRO-3 lockstep: a pass with a group on ranks (0, 1) and one on rank (2,), then a pass of a 1x3 group;
 - ZeRO-0: a group on ranks (1, 2) (not aligned) beside rank 0 alone, split 2x1 then 1x2;
 - the registry on real ranks: made nothing at start, every rank made the same groups in the same
-  order (``plan_rank_sets`` of the plans), a plan run again made none;
+  order (``plan_rank_sets`` of the plans), a plan run again made none; the world is 3 ranks, so the
+  1x3 group is the default group (no ``new_group``);
 - a control: the same comparison finds an update that misses one sequence's share far off (> 1e-3).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import pytest
-from _torchrun import assert_all_ranks, by_check, gather_to_file, run_worker
+from _torchrun import assert_all_ranks, by_check, shared_world
 
 torch = pytest.importorskip("torch")
 
@@ -45,8 +48,9 @@ from workbench.runtime.step import check_plan  # noqa: E402
 from workbench.solve.plan import Group, MicroStep, Plan, PlanError  # noqa: E402
 
 WORLD = 3
+SUBWORLD_SIZE = WORLD
+"""This file's checks run in a world of 3 (``tests/_torchrun.py``'s sub-worlds)."""
 DIST_TIMEOUT_S = 60
-RUN_TIMEOUT_S = 300
 FP32_RTOL = 1e-5
 LENGTHS = [33, 7, 50, 1, 19, 23, 4]
 """Not multiples of 6 (one shorter than 2c = 6, one of a single token)."""
@@ -226,7 +230,7 @@ def test_make_shard_of_any_c_puts_every_target_on_one_rank(d, c):
 
 
 # ------------------------------------------------------------------------------------------------
-# worker side (runs under torchrun, 3 ranks)
+# worker side (a world of 3 ranks in the shared torchrun launch)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -246,6 +250,8 @@ def _cases():
 
 
 def _check_steps(registry, rank: int) -> dict:
+    import torch.distributed as dist
+
     from test_runtime_zero import _compare, _reference_update, _run_stage
     from workbench.models import get_model
     from workbench.runtime.model import Transformer
@@ -254,7 +260,9 @@ def _check_steps(registry, rank: int) -> dict:
     gen = torch.Generator().manual_seed(35)
     seqs = [torch.randint(0, spec.vocab, (n,), generator=gen) for n in LENGTHS]
     init = {n: p.detach().clone() for n, p in Transformer(spec, seed=3).named_parameters()}
-    refs, out = {}, {"made_at_start": {"ok": len(registry) == 0, "groups": len(registry)}}
+    world = dist.get_world_size()
+    refs, out = {}, {"made_at_start": {"ok": len(registry) == 0 and world == WORLD, "groups": len(registry),
+                                       "world_size": world}}
     expected: list = []
     for key, stage, plan in _cases():
         if stage not in refs:
@@ -280,17 +288,18 @@ def _check_steps(registry, rank: int) -> dict:
     return out
 
 
-def _worker(out_path: str) -> int:
-    """A gloo world of 3 whose registry makes no group at start (training's), then the checks."""
-    import datetime
-
+def _check_world_of_3(rank: int) -> dict:
+    """In the world of 3: a registry that makes no group at start (training's), then the checks."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
     registry = GroupRegistry(dist.get_world_size(), [1, 2, 3], shapes=SHAPES, eager=False)
-    gather_to_file(_check_steps(registry, dist.get_rank()), out_path)
-    return 0
+    return _check_steps(registry, rank)
+
+
+def subworld_checks() -> list:
+    """The checks this file runs in its world of 3 (``tests/_torchrun.py``)."""
+    return [_check_world_of_3]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -299,10 +308,9 @@ def _worker(out_path: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """Launch the worker once under torchrun (its own session, so a timeout ends every rank)."""
-    out = tmp_path_factory.mktemp("any_size") / "results.json"
-    return by_check(run_worker(__file__, str(out), nproc=WORLD, timeout=RUN_TIMEOUT_S, out=out))
+def results(request, tmp_path_factory):
+    """This file's checks in its world of 3 of the shared launch (once a session, ``tests/_torchrun.py``)."""
+    return by_check(shared_world(request, tmp_path_factory, __name__))
 
 
 @pytest.mark.slow
@@ -339,13 +347,10 @@ def test_the_comparison_sees_a_missing_sequence(results):
 @pytest.mark.untimed
 def test_every_rank_made_the_plans_groups_on_demand_in_one_order(results):
     assert_all_ranks(results, "made_at_start", WORLD)
+    assert {v["world_size"] for v in results["made_at_start"].values()} == {WORLD}
     assert_all_ranks(results, "made_in_plan_order", WORLD)
     made = {r: v["made"] for r, v in results["made_in_plan_order"].items()}
     assert len({str(m) for m in made.values()}) == 1, made
     # 1x3 on all ranks is the default group (no new_group); then (0, 1) and (1, 2): nothing else
     assert made["0"] == [[0, 1], [1, 2]]
     assert results["step_cp3_z0"]["0"]["made"] == [] and results["step_unaligned_z0"]["0"]["made"] == [[1, 2]]
-
-
-if __name__ == "__main__":
-    sys.exit(_worker(sys.argv[1]))
