@@ -672,18 +672,24 @@ class SolverPanel(ScenarioSource, Panel):
     def busy(self) -> bool:
         return self._worker.busy()
 
-    def solve(self, planners: Sequence[str] | None = None) -> SolveResult:
+    def solve(self, planners: Sequence[str] | None = None, *, pass_bound: bool = True) -> SolveResult:
         """Plan the batch now, on the calling thread, with the chosen planner and (when
         comparing) every other, draw the plans and return them (planner -> Plan; ``errors`` holds
         the planners that could not plan). Cancels a background solve first. Raises ValueError
-        when the controls do not describe a valid scenario."""
+        when the controls do not describe a valid scenario.
+
+        ``pass_bound=False`` leaves the lockstep pass bound out of a lockstep step's packing bound
+        (``packing_bound_ms`` is then the quick bound a click's solve shows first): for plans in a
+        hurry, as that bound takes seconds on a big batch (a free step's bound is the same either
+        way)."""
         self._worker.cancel()
         self._bounds.cancel()
         self._worker.wait_idle(120)
         sc = self._controls_scenario()
         sc.cost()
         names = list(planners) if planners is not None else self._planners_for(sc)
-        res = self._job(sc, names, self._worker.generation, cancel=threading.Event())
+        res = self._job(sc, names, self._worker.generation, bool(pass_bound), cancel=threading.Event())
+        res.pass_bound_pending = False  # computed above, or left out as asked: none comes later
         self._apply(res)
         return res
 
