@@ -275,14 +275,16 @@ def test_the_trainers_planner_goes_on_inline_with_the_same_plans(cost, sampler, 
 def test_the_worker_does_not_import_the_parents_main_module(tmp_path):
     """A rank's ``__main__`` is ``workbench.runtime.train`` (``python -m``), which imports torch; spawn
     would import it again in the planning worker (a second of CPU, a few hundred MB). Checked from the
-    worker process's own mapped libraries, with a main module of our own that imports torch."""
+    worker process's own mapped libraries, with a main module of our own that imports a library the
+    planner never loads (sqlite3's extension: cheap to import, unlike torch; a real rank's worker
+    and torch: tests/test_faults.py, test_a_ranks_planning_worker_does_not_load_torch)."""
     import subprocess
     import sys
     import textwrap
 
     (tmp_path / "rank_like_main.py").write_text(textwrap.dedent("""
         import sys
-        import torch  # noqa: F401  (as workbench.runtime.train does)
+        import sqlite3  # noqa: F401  (as workbench.runtime.train imports torch)
         from workbench.cost import CostModel
         from workbench.models import get_model
         from workbench.solve.ahead import PlanAhead
@@ -295,7 +297,8 @@ def test_the_worker_does_not_import_the_parents_main_module(tmp_path):
                 plan = ahead.get("b0", timeout=60)
                 pid = ahead.worker_pids()[0]
                 maps = open(f"/proc/{pid}/maps").read()
-                print(len(plan.micro_steps) > 0, "libtorch" in maps, "__spec__" in vars(sys.modules["__main__"]))
+                print(len(plan.micro_steps) > 0, "_sqlite3" in maps, "_sqlite3" in open("/proc/self/maps").read(),
+                      "__spec__" in vars(sys.modules["__main__"]))
     """))
     if not Path("/proc/self/maps").exists():
         pytest.skip("needs /proc to read the worker's mapped libraries")
@@ -303,5 +306,6 @@ def test_the_worker_does_not_import_the_parents_main_module(tmp_path):
     p = subprocess.run([sys.executable, "-m", "rank_like_main"], cwd=tmp_path, capture_output=True, text=True,
                        env=env, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
-    # planned; the worker never loaded torch's library; the parent's main module kept its spec
-    assert p.stdout.split() == ["True", "False", "True"]
+    # planned; the worker never loaded the main module's library (which the main process has, so the
+    # probe sees it); the parent's main module kept its spec
+    assert p.stdout.split() == ["True", "False", "True", "True"]

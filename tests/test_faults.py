@@ -12,6 +12,7 @@ signal or whole-file checkpoints are what is checked) hit with the faults users 
   planner's own plans;
 - corrupt and empty checkpoints (whole files under ZeRO-0, sharded folders under ZeRO-3): resume
   from the previous good one, saying which file was skipped; none usable: one line;
+- the plan-ahead worker of a rank does not load torch (the rank's ``__main__`` does);
 - two runs at once, and a second start on a running run refused without touching its spec;
 - every socket the run listens on is on the loopback interface.
 
@@ -144,8 +145,9 @@ def killed(tmp_path_factory) -> dict:
     """Two runs of the same seed and settings started at once, ``kill0`` and ``kill1``; once both
     have trained 3 steps side by side, SIGKILL to rank 0 of the first and to rank 1 of the second
     at the same moment. Returns, by the rank killed: ``run``, ``before`` (its status just before
-    the kills), ``pids`` (every process it recorded), ``gone`` (seconds from the kill until none of
-    them was alive; None when some outlived 10 s), ``final`` (``launch.wait``'s status)."""
+    the kills), ``pids`` (every process it recorded), ``worker_maps`` (the planning worker's
+    ``/proc/PID/maps`` then) and ``rank_maps`` (rank 0's), ``gone`` (seconds from the kill until none of them was alive; None
+    when some outlived 10 s), ``final`` (``launch.wait``'s status)."""
     root = tmp_path_factory.mktemp("kill")
     started = {}
     out = {}
@@ -157,6 +159,11 @@ def killed(tmp_path_factory) -> dict:
         for rank, (run, _) in started.items():
             st = run.status()
             out[rank] = {"run": run, "before": st, "pids": _all_pids(st)}
+            # the planning worker itself (the recorded workers also hold multiprocessing's resource tracker)
+            # and the libraries it mapped: a rank's __main__ (workbench.runtime.train) imports torch
+            workers = [p for p in st.pids["workers"] if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+            out[rank]["worker_maps"] = [Path(f"/proc/{p}/maps").read_text() for p in workers]
+            out[rank]["rank_maps"] = Path(f"/proc/{st.pids['ranks']['0']}/maps").read_text()
         for rank in started:
             os.kill(out[rank]["before"].pids["ranks"][str(rank)], signal.SIGKILL)
         t0 = time.monotonic()
@@ -198,6 +205,19 @@ def test_two_runs_at_once(killed):
     assert {1, 2, 3} <= set(losses_a) & set(losses_b), (losses_a, losses_b)
     both = sorted(set(losses_a) & set(losses_b))
     assert [losses_a[s] for s in both] == pytest.approx([losses_b[s] for s in both], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a_ranks_planning_worker_does_not_load_torch(killed):
+    """A rank's ``__main__`` is ``workbench.runtime.train`` (``python -m``), which imports torch; spawn
+    would import it again in the planning worker (a second of CPU, a few hundred MB). Checked on the
+    live planning workers of the two killed-rank runs, from the libraries each had mapped (beside
+    rank 0's, which has torch's)."""
+    for rank in (0, 1):
+        assert "libtorch" in killed[rank]["rank_maps"], "a rank maps torch's library (the probe sees it)"
+        maps = killed[rank]["worker_maps"]
+        assert len(maps) == 1, f"run kill{rank}: {len(maps)} planning worker(s)"
+        assert "libtorch" not in maps[0], f"run kill{rank}: the planning worker loaded torch"
 
 
 def _train_in_a_terminal(tmp_path: Path, name: str, nproc: int = 2, **streams) -> tuple[subprocess.Popen, runs.Run]:
