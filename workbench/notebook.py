@@ -195,15 +195,21 @@ def strip_notebook(path: str | Path) -> bool:
 
 
 def run_notebook(name: str | Path, parameters: Mapping[str, Any] | None = None, *, root: str | Path | None = None,
-                 run_id: str | None = None, timeout: float = 900.0, log=None) -> runs.Run:
+                 run_id: str | None = None, timeout: float = 900.0, log=None,
+                 widget_state: bool | None = None) -> runs.Run:
     """Execute notebook ``name`` with ``parameters`` through papermill as a new notebook run.
 
     Returns the Run (``done``). Raises ValueError for an unknown notebook or parameter (listing
-    the known ones) or a value of the wrong type, before anything runs; NotebookFailed (the run
-    is ``failed``, the message is the failing cell's error in one line) when a cell raises, a
-    cell runs longer than ``timeout`` seconds, or the kernel dies."""
-    import papermill as pm
+    the known ones) or a value of the wrong type, before anything runs (and before papermill is
+    imported: a mistyped name is answered at once); NotebookFailed (the run is ``failed``, the
+    message is the failing cell's error in one line) when a cell raises, a cell runs longer than
+    ``timeout`` seconds, or the kernel dies.
 
+    ``widget_state``: whether the executed notebook keeps the state of the widgets the kernel made
+    (in its metadata, so that widgets its outputs show render without a kernel). None (default):
+    only when the run is interactive; a headless run (``interactive`` False) shows no widget (the
+    panels are driven from code), and the state of the panels' plotly figures, each carrying
+    plotly.js, would make the executed notebook tens of MB."""
     say = log or (lambda msg: None)
     path = find_notebook(name)
     known = notebook_parameters(path)
@@ -213,6 +219,8 @@ def run_notebook(name: str | Path, parameters: Mapping[str, Any] | None = None, 
         listing = ", ".join(f"{k} ({v['type']}, default {v['default']!r})" for k, v in known.items())
         raise ValueError(f"notebook {path.stem} has no parameter(s) {', '.join(unknown)}; its parameters: {listing}")
     values = {k: coerce_value(k, v, known[k]["default"], known[k]["type"]) for k, v in given.items()}
+    import papermill as pm
+
     store = runs_root(root)
     run = runs.new_run("notebook", {"notebook": path.stem, "source": str(path), "parameters": values}, root=store,
                        run_id=run_id)
@@ -222,6 +230,8 @@ def run_notebook(name: str | Path, parameters: Mapping[str, Any] | None = None, 
         values["runs_root"] = str(store)
     if "interactive" in known and "interactive" not in values:
         values["interactive"] = False
+    if widget_state is None:
+        widget_state = bool(values.get("interactive", True))
     out = run.file(f"{path.stem}.ipynb")
     runs.update_status(run.path, state="running", started=runs.now(), progress=0.0,
                        message=f"executing {path.name} with papermill", resolved={"parameters": values})
@@ -236,7 +246,7 @@ def run_notebook(name: str | Path, parameters: Mapping[str, Any] | None = None, 
     try:
         pm.execute_notebook(str(path), str(out), parameters=values, kernel_name=KERNEL, progress_bar=False,
                             log_output=True, cwd=str(run.path), execution_timeout=timeout,
-                            request_save_on_cell_execute=True,
+                            request_save_on_cell_execute=True, store_widget_state=widget_state,
                             # the kernel's own start-up warnings (unencrypted local TCP) are noise here
                             extra_arguments=["--IPKernelApp.log_level=ERROR"])
     except Exception as e:  # noqa: BLE001 - every way a notebook fails ends the run as failed, in one line
