@@ -4,10 +4,11 @@ run on this machine, and one explained offline report.
 ``run_demo()`` makes a run of kind ``demo`` (``runs/<id>/``) and, through papermill
 (:mod:`workbench.notebook`), runs ``00_tour`` and ``03_solver`` on their embedded defaults (7B on
 64 A100-40G, the wikipedia length family, 1M-token batches: FlexSP's published constants) and
-``04_train`` (the tiny model, 2 CPU processes, a few steps): each is a notebook run of its own in
-the same store. It then writes ``report.html`` into the demo run: plotly embedded (opens offline),
-every chart explained, the terms defined, the clipped sequences counted, the gradient sync shown on
-the timeline. Nothing is downloaded; no GPU is needed.
+``04_train`` (the tiny model, 2 CPU processes, a few steps; its own-model section plans a model of
+your own but trains it only when asked, ``own_steps``: the report shows the tiny model's run): each
+is a notebook run of its own in the same store. It then writes ``report.html`` into the demo run:
+plotly embedded (opens offline), every chart explained, the terms defined, the clipped sequences
+counted, the gradient sync shown on the timeline. Nothing is downloaded; no GPU is needed.
 """
 
 from __future__ import annotations
@@ -68,17 +69,21 @@ def _table(run: runs.Run | None, name: str):
 
 
 def run_demo(*, root: Path | str | None = None, train_steps: int = 16, train: bool = True, samples: int = 100_000,
-             seed: int = 0, effort: float = 1.0, log: Callable[[str], None] | None = None) -> runs.Run:
+             seed: int = 0, effort: float = 1.0, log: Callable[[str], None] | None = None,
+             own_steps: int = 0) -> runs.Run:
     """Run the demo into a new run folder and return the Run (``report.html`` inside). ``log``
-    gets progress lines. Raises RuntimeError naming the notebooks that failed (the report is still
-    written, with what worked and a note on what did not)."""
+    gets progress lines. ``own_steps``: training steps of ``04_train``'s last section (a tokenizer,
+    a model config and a corpus of your own, trained and exported); 0 (default) plans it without
+    training: the report does not show that run, and it would add a second torchrun run and an
+    export (about 10 s of CPU). Raises RuntimeError naming the notebooks that failed (the report is
+    still written, with what worked and a note on what did not)."""
     from workbench.notebook import NotebookFailed, run_notebook, runs_root
 
     say = log or (lambda msg: None)
     t0 = time.perf_counter()
     store = runs_root(root)
     demo = runs.new_run("demo", {"samples": samples, "seed": seed, "effort": effort, "train_steps": train_steps,
-                                 "train": train}, root=store)
+                                 "train": train, "own_steps": own_steps}, root=store)
     runs.update_status(demo.path, state="running", started=runs.now(), message="running the notebooks")
     say(f"demo: writing {demo.path}")
     jobs = [("00_tour", {"samples": samples, "seed": seed, "effort": effort}),
@@ -88,7 +93,7 @@ def run_demo(*, root: Path | str | None = None, train_steps: int = 16, train: bo
     machine, machine_error = None, None
     if train:
         jobs.append(("04_train", {"steps": train_steps, "nproc": TRAIN_NPROC, "max_len": 512, "batch_tokens": 8192,
-                                  "seed": seed}))
+                                  "seed": seed, "own_steps": own_steps}))
         # the training run plans with a profile of this machine: measured now the first time (a quick
         # profile for its process count), reused from the run store after that
         runs.update_status(demo.path, progress=0.0, message="this machine's profile")
