@@ -4,7 +4,8 @@ Fast tests (no processes): spec.json validation, preparing and resuming rules, t
 argument list, token data, resource checks. Slow tests (``-m slow``): real torchrun runs of the
 tiny model on CPU with gloo, 1 to 4 ranks, through the ``workbench train`` CLI and the launcher
 API (three launches at once), and (the runs and resumes whose checks need neither) the trainer
-itself on each run of one shared torchrun tree, this file being its worker: the same parameters
+itself on each run of one tree of runs, a world of 4 ranks of the shared torchrun launch
+(tests/_torchrun.py's sub-worlds; this file's alone): the same parameters
 after one SGD step whatever the plan and world size, a falling loss, an exact resume that keeps
 the run's own settings, resumes onto another world and ZeRO stage, and clear errors (and no hang)
 on bad input.
@@ -299,14 +300,16 @@ def _ok(p: subprocess.CompletedProcess, run_dir: Path) -> None:
     assert st["state"] == "done" and st["exit_code"] == 0, st
 
 
-# Runs that no check needs through ``workbench train`` share one torchrun tree of 4 ranks: this file
-# is the worker (``__main__`` below), and the first ``nproc`` ranks run the real trainer
-# (``Trainer.run``) on each run folder in turn, as a world of ``nproc`` (the other ranks wait). A
-# resume in the tree is a later attempt of an earlier run's folder with the spec a resume with
-# ``--change`` writes (``prepare_train(..., allow_changes=True)``, as the CLI does). The launcher's
-# and supervisor's side (the CLI, a run's final ``done``, resumes with and without ``--change``, the
-# error lines) is checked by the runs still started through ``workbench train``: the resume the README
-# shows (test_resume_continues_exactly), a resume onto another world with ``--change``
+# Runs that no check needs through ``workbench train`` share one world of 4 ranks: a sub-world of the
+# shared torchrun launch (tests/_torchrun.py: ``SUBWORLD_SIZE``, ``subworld_checks``; this file's
+# alone), whose ranks have imported torch and FSDP for the other files' checks already. Its ranks
+# leave the sub-world's process group, and the first ``nproc`` run the real trainer (``Trainer.run``,
+# which starts and ends a process group of its own) on each run folder in turn, as a world of ``nproc``
+# (the other ranks wait). A resume in the tree is a later attempt of an earlier run's folder with the
+# spec a resume with ``--change`` writes (``prepare_train(..., allow_changes=True)``, as the CLI does).
+# The launcher's and supervisor's side (the CLI, a run's final ``done``, resumes with and without
+# ``--change``, the error lines) is checked by the runs still started through ``workbench train``: the
+# resume the README shows (test_resume_continues_exactly), a resume onto another world with ``--change``
 # (test_checkpoints_resume_on_another_world_and_stage, each ending ``done`` with exit code 0), and
 # the missing spec.json (the launcher API); the CLI's error line for a run its ranks failed is in
 # test_faults.py (no usable checkpoint), and a new run started by ``workbench train`` that ends
@@ -314,12 +317,13 @@ def _ok(p: subprocess.CompletedProcess, run_dir: Path) -> None:
 
 TREE_TIMEOUT = 480  # s: a tree of several runs that takes longer than this has hung
 TREE_RANKS = 4
+SUBWORLD_SIZE = TREE_RANKS  # tests/_torchrun.py: the tree is a sub-world of 4 of the shared launch
 
 SMALL_SETTINGS = {"model": "tiny", "max_len": 512, "batch_tokens": 4096, "time_limit": 0.5}  # SMALL, for prepare_train
 
 
 class Tree:
-    """The runs of one torchrun tree: ``dirs[name]`` is each run's folder, ``codes[name]`` the exit
+    """The runs of one tree: ``dirs[name]`` is each run's folder, ``codes[name]`` the exit
     status of ``Trainer.run`` on each of its ranks (0 done, 1 failed), ``statuses[name]`` its
     ``status.json`` as that run (or resume) left it, ``steps[name]`` the steps its spec asked for."""
 
@@ -336,16 +340,24 @@ class Tree:
         return d
 
 
-def _tree_worker(out: str, plan_file: str) -> int:
-    """Rank side of a tree: for each ``{"nproc", "dir", "resume"}`` of the JSON list ``plan_file`` in
-    turn, the first ``nproc`` ranks run ``Trainer.run`` on ``dir`` as a world of ``nproc``; then each
-    rank writes its exit statuses to ``out/rank<k>.json``, and rank 0 each run's status as it ended
-    to ``out/status<i>.json``. A resume (``resume``: the spec a resume with ``--change`` writes) is
-    set up by rank 0 once every rank is done with the run before it, as ``workbench train --run-dir``
-    does: the new spec, then a new attempt in the status. Each run's process group meets on a store
-    of its own (rank 0 picks a free loopback port and passes it through torchrun's store): torch names
-    a default group's keys by a count that restarts after ``destroy_process_group``, so a second group
-    on torchrun's store would read the first one's gloo addresses and hang."""
+def subworld_checks(folder: str) -> list:
+    """Rank side (tests/_torchrun.py's sub-world of 4): the tree prepared in ``folder`` (``world_prepare``)."""
+    return [lambda rank: {"codes": _tree_worker(Path(folder), rank), "folder": folder}]
+
+
+def _tree_worker(folder: Path, rank: int) -> dict[int, int]:
+    """Rank side of the tree: the sub-world's process group ended, for each ``{"nproc", "dir",
+    "resume"}`` of ``folder/plan.json`` in turn, the first ``nproc`` ranks run ``Trainer.run`` on
+    ``dir`` as a world of ``nproc``; rank 0 copies each run's status as it ended to
+    ``folder/status<i>.json``; then a new default group of the 4 ranks (on a file store in ``folder``)
+    for the sub-world's gathering, and the exit statuses by run. A resume (``resume``: the spec a
+    resume with ``--change`` writes) is set up by rank 0 once every rank is done with the run before
+    it, as ``workbench train --run-dir`` does: the new spec, then a new attempt in the status. The
+    ranks keep in step on torchrun's store (their launch's), under keys of their own; each run's
+    process group meets on a store of its own (rank 0 picks a free loopback port and passes it through
+    torchrun's store): torch names a default group's keys by a count that restarts after
+    ``destroy_process_group``, so a second group on torchrun's store would read the first one's gloo
+    addresses and hang."""
     import datetime
     import gc
     import shutil
@@ -358,52 +370,64 @@ def _tree_worker(out: str, plan_file: str) -> int:
     from workbench.runtime.train import DistEnv, Trainer
     from workbench.util import write_json_atomic
 
-    rank = int(os.environ["RANK"])
-    agent = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                     timeout=datetime.timedelta(seconds=TREE_TIMEOUT))
+    timeout = datetime.timedelta(seconds=TREE_TIMEOUT)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    agent = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    keys = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE")
+    saved = {k: os.environ.get(k) for k in keys}
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # rank 0 hosts each run's store (env://)
     codes: dict[int, int] = {}
     # what the imports made lives to the end: kept out of the collections (each full one would walk
     # it, ~0.1-0.3 s on each rank after every run), as is what outlives each run's collection below
     gc.freeze()
-    for k, item in enumerate(json.loads(Path(plan_file).read_text())):
-        nproc, d = int(item["nproc"]), item["dir"]
-        if rank == 0:
-            if item["resume"] is not None:
-                while int(agent.add(f"done{k - 1}", 0)) < TREE_RANKS:  # the run before, over on every rank
-                    time.sleep(0.01)
-                write_json_atomic(Path(d, "spec.json"), item["resume"])
-                runs.update_status(d, reopen=True, attempt=runs.read_status(d).attempt + 1, state="starting",
-                                   started=runs.now(), finished=None, error=None, exit_code=None, pids=None)
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                agent.set(f"run{k}_port", str(s.getsockname()[1]))
-        port = agent.get(f"run{k}_port").decode()  # also keeps the ranks in step, run by run
-        if rank < nproc:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
-            codes[k] = Trainer(Path(d), DistEnv.from_env()).run()
-            if dist.is_initialized():  # a run that failed in a step returns with its group up
-                dist.destroy_process_group()
-            gc.collect()  # the run's objects, its process groups among them, go now, not in a later run
-            gc.freeze()
+    try:
+        for k, item in enumerate(json.loads((folder / "plan.json").read_text())):
+            nproc, d = int(item["nproc"]), item["dir"]
             if rank == 0:
-                shutil.copyfile(Path(d, "status.json"), Path(out, f"status{k}.json"))
-        agent.add(f"done{k}", 1)
-    Path(out, f"rank{rank}.json").write_text(json.dumps(codes))
-    return 0
+                if item["resume"] is not None:
+                    while int(agent.add(f"test_train/done{k - 1}", 0)) < TREE_RANKS:  # the run before, over on every rank
+                        time.sleep(0.01)
+                    write_json_atomic(Path(d, "spec.json"), item["resume"])
+                    runs.update_status(d, reopen=True, attempt=runs.read_status(d).attempt + 1, state="starting",
+                                       started=runs.now(), finished=None, error=None, exit_code=None, pids=None)
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    agent.set(f"test_train/run{k}_port", str(s.getsockname()[1]))
+            port = agent.get(f"test_train/run{k}_port").decode()  # also keeps the ranks in step, run by run
+            if rank < nproc:
+                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(nproc),
+                                  LOCAL_WORLD_SIZE=str(nproc))
+                codes[k] = Trainer(Path(d), DistEnv.from_env()).run()
+                if dist.is_initialized():  # a run that failed in a step returns with its group up
+                    dist.destroy_process_group()
+                gc.collect()  # the run's objects, its process groups among them, go now, not in a later run
+                gc.freeze()
+                if rank == 0:
+                    shutil.copyfile(Path(d, "status.json"), folder / f"status{k}.json")
+            agent.add(f"test_train/done{k}", 1)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    dist.init_process_group("gloo", store=dist.FileStore(str(folder / "after.store"), TREE_RANKS), rank=rank,
+                            world_size=TREE_RANKS, timeout=timeout)
+    return codes
 
 
-def _tree(root: Path, settings: dict[str, dict]) -> Tree:
-    """Prepare each run (``prepare_train``, as ``workbench train`` does: ``settings[name]``, with its
-    ``nproc``, over SMALL_SETTINGS on the CPU) in ``root/name``, then train them all, in order, in
-    one torchrun tree. ``settings[name]`` with ``"resume": base`` is a resume of the earlier run
-    ``base`` with the rest of its settings given as changes (``--change``)."""
-    from _torchrun import communicate_or_kill
-
+def world_prepare(folder: Path) -> list[str]:
+    """Pytest side (tests/_torchrun.py, before the shared launch): every run of the tree prepared in
+    ``folder`` (``prepare_train``, as ``workbench train`` does: ``TREE_SETTINGS[name]``, with its
+    ``nproc``, over SMALL_SETTINGS on the CPU, in ``folder/name``; ``"resume": base`` is a resume of
+    the earlier run ``base`` with the rest of its settings given as changes, ``--change``), the order
+    the ranks run them in (``plan.json``) and what the checks read back (``tree.json``)."""
     from workbench import runs
 
+    folder = Path(folder)
     dirs, nprocs, steps, plan = {}, {}, {}, []
-    for name, s in settings.items():
+    for name, s in TREE_SETTINGS.items():
         if "resume" in s:
             base = s["resume"]
             _, spec, changes = prepare_train({k: v for k, v in s.items() if k != "resume"}, run_dir=dirs[base],
@@ -411,27 +435,14 @@ def _tree(root: Path, settings: dict[str, dict]) -> Tree:
             assert changes, f"{name}: a resume that changes nothing"
             dirs[name], resume = dirs[base], spec.to_dict()
         else:
-            run, spec, _ = prepare_train({**SMALL_SETTINGS, "device": "cpu", **s}, root=root, name=name)
+            run, spec, _ = prepare_train({**SMALL_SETTINGS, "device": "cpu", **s}, root=folder, name=name)
             runs.update_status(run.path, attempt=1)  # the first attempt, as the launcher records it
-            dirs[name], resume = run.path, None
+            dirs[name], resume = str(run.path), None
         nprocs[name], steps[name] = spec.nproc, spec.steps
-        plan.append({"nproc": spec.nproc, "dir": str(dirs[name]), "resume": resume})
-    out = root / "tree"
-    out.mkdir()
-    (out / "plan.json").write_text(json.dumps(plan))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={TREE_RANKS}", __file__,
-           str(out), str(out / "plan.json")]
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
-    stdout, stderr = communicate_or_kill(proc, TREE_TIMEOUT, "torchrun")
-    print(f"{len(dirs)} runs in one tree: {time.monotonic() - t0:.1f}s, exit {proc.returncode}")
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}"
-    per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(TREE_RANKS)]
-    names = list(dirs)
-    return Tree(dirs, {name: [per_rank[r][str(k)] for r in range(nprocs[name])] for k, name in enumerate(names)},
-                {name: json.loads((out / f"status{k}.json").read_text()) for k, name in enumerate(names)}, steps,
-                stdout + stderr)
+        plan.append({"nproc": spec.nproc, "dir": dirs[name], "resume": resume})
+    (folder / "plan.json").write_text(json.dumps(plan))
+    (folder / "tree.json").write_text(json.dumps({"names": list(dirs), "dirs": dirs, "nprocs": nprocs, "steps": steps}))
+    return [str(folder)]
 
 
 # the exactness runs and the refused plans plan inline (plan_ahead false: no planning worker process per
@@ -461,9 +472,30 @@ def _sgd_name(planner: str, stage: int) -> str:
     return f"sgd-{planner.replace(':', '')}-zero{stage}"
 
 
+TREE_SETTINGS = {
+    **{_sgd_name(pl, st): {**SGD, "nproc": 4, "planner": pl, "zero_stage": st} for pl, st in SGD_CASES},
+    "sgd-reference": {**SGD, "nproc": 1, "planner": "static:1", "zero_stage": 0},
+    "zero-ref": {**ZSET, "nproc": 4, "steps": 4, "checkpoint_every": 1},
+    "zero-a": {**ZSET, "nproc": 4, "steps": 2, "checkpoint_every": 2},
+    "zero-b": {**ZSET, "nproc": 2, "zero_stage": 1, "steps": 2, "checkpoint_every": 2},
+    "zero-b@3": {"resume": "zero-b", "steps": 3, "nproc": 4, "zero_stage": 3},
+    "zero-b@4": {"resume": "zero-b", "steps": 4, "nproc": 2, "zero_stage": 2},
+    "loss": {**LOSS_SETTINGS, "nproc": 2, "steps": LOSS_STEPS, "checkpoint_every": 0},
+    "resume": {**LOSS_SETTINGS, "nproc": 2, "steps": 3, "checkpoint_every": 3},
+    "states": {"nproc": 2, "zero_stage": 2, "optimizer": "adamw", "steps": 1, "checkpoint_every": 0, "plan_ahead": False},
+    "plan-world": {"nproc": 2, "planner": "greedy", "steps": 2, "debug": {"plan_num_gpus": 1}, "timeout_s": 60,
+                   "plan_ahead": False},
+    "plan-stage": {"nproc": 2, "planner": "greedy", "steps": 2, "debug": {"plan_zero_stage": 0}, "timeout_s": 60,
+                   "plan_ahead": False},
+    "policy-error": {"nproc": 2, "source": "100,5000", "max_len": 4096, "policy": "error", "batch_tokens": 16384,
+                     "steps": 1, "timeout_s": 60},
+}
+"""The runs of the tree, in the order it runs them (``tree``)."""
+
+
 @pytest.fixture(scope="module")
-def tree(tmp_path_factory) -> Tree:
-    """Every run here that no check needs through ``workbench train``, in one tree:
+def tree(request, tmp_path_factory) -> Tree:
+    """Every run here that no check needs through ``workbench train``, in one tree (``TREE_SETTINGS``):
 
     - one SGD step on 4 ranks for each planner and stage of ``SGD_CASES``, and ``sgd-reference``: one
       SGD step on one rank with static:1 under ZeRO-0 (a plain model on one process: the
@@ -480,24 +512,16 @@ def tree(tmp_path_factory) -> Tree:
       ``plan-world`` (plans made for 1 rank), ``plan-stage`` (plans made for ZeRO-0 in a ZeRO-3
       run) and ``policy-error`` (a sequence of 5,000 tokens, max context 4,096, policy error: the
       settings of ``workbench train --lengths 100,5000 --max-len 4096 --policy error``)."""
-    return _tree(tmp_path_factory.mktemp("tree"), {
-        **{_sgd_name(pl, st): {**SGD, "nproc": 4, "planner": pl, "zero_stage": st} for pl, st in SGD_CASES},
-        "sgd-reference": {**SGD, "nproc": 1, "planner": "static:1", "zero_stage": 0},
-        "zero-ref": {**ZSET, "nproc": 4, "steps": 4, "checkpoint_every": 1},
-        "zero-a": {**ZSET, "nproc": 4, "steps": 2, "checkpoint_every": 2},
-        "zero-b": {**ZSET, "nproc": 2, "zero_stage": 1, "steps": 2, "checkpoint_every": 2},
-        "zero-b@3": {"resume": "zero-b", "steps": 3, "nproc": 4, "zero_stage": 3},
-        "zero-b@4": {"resume": "zero-b", "steps": 4, "nproc": 2, "zero_stage": 2},
-        "loss": {**LOSS_SETTINGS, "nproc": 2, "steps": LOSS_STEPS, "checkpoint_every": 0},
-        "resume": {**LOSS_SETTINGS, "nproc": 2, "steps": 3, "checkpoint_every": 3},
-        "states": {"nproc": 2, "zero_stage": 2, "optimizer": "adamw", "steps": 1, "checkpoint_every": 0, "plan_ahead": False},
-        "plan-world": {"nproc": 2, "planner": "greedy", "steps": 2, "debug": {"plan_num_gpus": 1}, "timeout_s": 60,
-                       "plan_ahead": False},
-        "plan-stage": {"nproc": 2, "planner": "greedy", "steps": 2, "debug": {"plan_zero_stage": 0}, "timeout_s": 60,
-                       "plan_ahead": False},
-        "policy-error": {"nproc": 2, "source": "100,5000", "max_len": 4096, "policy": "error", "batch_tokens": 16384,
-                         "steps": 1, "timeout_s": 60},
-    })
+    from _torchrun import shared_world
+
+    per_rank = shared_world(request, tmp_path_factory, __name__)
+    folder = Path(per_rank["0"]["folder"])
+    meta = json.loads((folder / "tree.json").read_text())
+    names = meta["names"]
+    return Tree({name: Path(meta["dirs"][name]) for name in names},
+                {name: [per_rank[str(r)]["codes"][str(k)] for r in range(meta["nprocs"][name])] for k, name in enumerate(names)},
+                {name: json.loads((folder / f"status{k}.json").read_text()) for k, name in enumerate(names)}, meta["steps"],
+                "(the shared launch's output: tests/_torchrun.py)")
 
 
 @pytest.fixture(scope="module")
@@ -717,9 +741,3 @@ def test_a_max_context_no_group_holds_is_refused_before_the_run_exists(tmp_path)
     assert 4 < d <= 8 and all(c > 1 for c in cost.splits(d)) and cost.memory([4096], 4, cost.splits(4)[0])[0] > \
         cost.memory_budget_gb
     assert not any(tmp_path.iterdir())
-
-
-if __name__ == "__main__":  # a rank of a tree of runs (_tree)
-    from workbench.util import exit_process
-
-    exit_process(_tree_worker(sys.argv[1], sys.argv[2]))
