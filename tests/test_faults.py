@@ -319,9 +319,11 @@ def _flip_bytes(path: Path, n: int = 64) -> None:
     path.write_bytes(bytes(data))
 
 
-WORKER_STEPS = 10
-"""Steps of the run whose planning worker is killed: 2 before the kill; the rest leave time to open a
+WORKER_STEPS = 6
+"""Steps of the run whose planning worker is killed: 2 before the kill; the rest (4 of
+WORKER_STEP_SLEEP_S at least: 2 s, fewer steps for more time than 8 of 0.2 s) leave time to open a
 panel on the live run."""
+WORKER_STEP_SLEEP_S = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -329,7 +331,7 @@ def checkpointed(tmp_path_factory) -> dict:
     """Two runs started at once, with a checkpoint after each step: ``ck0`` (ZeRO-0, whole files;
     one rank, 3 steps, planning inline: a whole file is laid out alike whatever the ranks, and a
     resume on several ranks is test_train's) and ``ck3`` (ZeRO-3, sharded folders: 2 ranks, a
-    shard each; WORKER_STEPS steps of at least 0.2 s, planning ahead, in a run root of its own).
+    shard each; WORKER_STEPS steps of WORKER_STEP_SLEEP_S at least, planning ahead, in a run root of its own).
     After ``ck3``'s second step its planning worker is killed (SIGKILL); once the run says so, a
     Launch panel is opened on that root (a notebook reattaching) and shows what it shows. Returns,
     by name, ``run``, ``final`` (its status as it ended), ``steps`` and ``losses`` as they ended,
@@ -342,8 +344,9 @@ def checkpointed(tmp_path_factory) -> dict:
     out: dict[str, dict] = {}
     started = {}
     try:
+        ck3 = dict(steps=WORKER_STEPS, zero_stage=3, debug={"step_sleep_s": WORKER_STEP_SLEEP_S})
         for name, where, extra in (("ck0", root, dict(steps=3, nproc=1, zero_stage=0, plan_ahead=False, debug={})),
-                                   ("ck3", root / "w", dict(steps=WORKER_STEPS, zero_stage=3))):
+                                   ("ck3", root / "w", ck3)):
             run, h = _start(where, name, checkpoint_every=1, **extra)
             started[name] = (run, h)
             out[name] = {"run": run}
