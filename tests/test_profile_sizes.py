@@ -2,7 +2,8 @@
 collectives at (every size up to 8, 3 and 6 included, then the ones that tile the ranks), and how
 the cost model says where a size's link figure comes from (measured, interpolated between two
 measured sizes, or extrapolated beyond them: ``CostModel.link_source``), checked against figures
-computed here by hand; and one real 3-rank profile on CPU whose tables hold size 3.
+computed here by hand; and one real 3-rank profile on CPU whose tables hold size 3 (its ranks a
+sub-world of the shared torchrun launch, tests/_torchrun.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -163,21 +165,83 @@ def test_workbench_cost_prints_the_line_and_json_lists_them(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.untimed
-def test_a_three_rank_profile_measures_sizes_2_and_3(tmp_path):
-    """3 ranks: size 2 on the block {0, 1} while rank 2 waits, size 3 on all of them; CP at 2 on
-    {0, 1}, at 3 the world. A small grid (no real steps, no micro-steps at these sizes), one timed
-    sample a pack of one call (no minimum sample length): the test reads which sizes were measured."""
-    from workbench.launch import process
-    from workbench.profile import load_result, prepare_profile, start_profile
+# The 3-rank profile's ranks are a sub-world of 3 of the shared torchrun launch (tests/_torchrun.py's
+# SUBWORLD_SIZE and subworld_checks; this file's alone), whose ranks have imported torch already: they
+# leave the sub-world's process group, run the profiler's rank (``Profiler.run``, which starts and ends a
+# process group of its own on a store rank 0 hosts, as under torchrun) on the prepared run, then make a
+# new group for the gathering. The launcher's side of a profile run (torchrun under the supervisor, the
+# run's final state) is test_profile_run.py's.
 
-    run = prepare_profile(nproc=3, model="tiny", quick=True, root=tmp_path, name="p3", device="cpu", oversubscribe=True,
+SUBWORLD_SIZE = 3
+
+
+def world_prepare(folder: Path) -> list[str]:
+    """Pytest side (before the shared launch): the 3-rank profile run prepared in ``folder``. A small
+    grid (no real steps, no micro-steps at these sizes), one timed sample a pack of one call (no
+    minimum sample length)."""
+    from workbench.profile import prepare_profile
+
+    run = prepare_profile(nproc=3, model="tiny", quick=True, root=folder, name="p3", device="cpu", oversubscribe=True,
                           max_len=256, reps=1, warmup=1, steps=False, fit_packs=[[64], [128], [256], [32] * 4],
                           heldout_packs=[[96]], group_packs=[[128]], message_bytes=[8192, 65536], collective_reps=3,
                           collective_inner=2, min_sample_ms=0.0)
-    st = process.wait(start_profile(run), timeout=300)
-    assert st.state == "done", run.log_tail(30)
+    return [str(run.path)]
+
+
+def subworld_checks(run_dir: str) -> list:
+    """Rank side: each rank's exit status from the profiler on ``run_dir``."""
+    return [lambda rank: {"exit": _profile_rank(Path(run_dir), rank), "run": run_dir}]
+
+
+def _profile_rank(run_dir: Path, rank: int) -> int:
+    import datetime
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    from workbench.profile.measure import Profiler
+
+    port = [None]
+    if rank == 0:  # the profile's own process group meets on a store rank 0 hosts, on a free loopback port
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port[0] = sock.getsockname()[1]
+    dist.broadcast_object_list(port, src=0)
+    world = dist.get_world_size()
+    dist.destroy_process_group()
+    keys = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port[0]), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), LOCAL_RANK=str(rank), TORCHELASTIC_USE_AGENT_STORE="False")
+    try:
+        code = Profiler(run_dir).run()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    dist.init_process_group("gloo", store=dist.FileStore(str(run_dir.parent / "after.store"), world), rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=300))
+    return code
+
+
+@pytest.mark.slow
+@pytest.mark.untimed
+def test_a_three_rank_profile_measures_sizes_2_and_3(request, tmp_path_factory):
+    """3 ranks: size 2 on the block {0, 1} while rank 2 waits, size 3 on all of them; CP at 2 on
+    {0, 1}, at 3 the world (the run ``world_prepare`` made): the test reads which sizes were measured."""
+    from _torchrun import shared_world
+
+    from workbench import runs
+    from workbench.profile import load_result
+
+    per_rank = shared_world(request, tmp_path_factory, __name__)
+    run = runs.load_run(per_rank["0"]["run"])
+    st = runs.read_status(run.path)  # as rank 0 left it (no supervisor marks it done: its ranks are the launch's)
+    assert [per_rank[str(r)]["exit"] for r in range(3)] == [0, 0, 0] and st.progress == 1.0, (st, run.log_tail(30))
+    assert st.error is None and st.message.startswith("done in"), st
     meas = json.loads((run.path / "measurements.json").read_text())
     a2a = {c["group_size"]: c for c in meas["collectives"] if c["kind"] == "all_to_all"}
     assert set(a2a) == {2, 3}
