@@ -320,9 +320,12 @@ def test_solver_shows_a_broken_constraint_beside_its_control():
 
 
 def test_solver_threaded_requests_are_debounced_and_the_latest_wins():
+    """Requests that come while one is pending replace it: one solve, for the last. (The panel
+    compares one planner besides the chosen one: which planners a request runs is not what is
+    checked here.)"""
     from widgets import SolverPanel
 
-    panel = SolverPanel(Scenario(**QUICK), auto=True, debounce=0.4)
+    panel = SolverPanel(Scenario(**QUICK), auto=True, debounce=0.4, planners=["greedy"])
     assert panel.wait_idle(120)
     first = panel.solves
     assert first == 1 and panel.result.scenario.num_gpus == 8
@@ -336,6 +339,7 @@ def test_solver_threaded_requests_are_debounced_and_the_latest_wins():
     assert panel.result.scenario.num_gpus == 32 and panel.result.scenario.planner == "greedy"
     assert panel._worker.superseded >= 2
     assert list(panel.fig_timeline.layout.yaxis.tickvals) == list(range(32))
+    panel.cancel()  # the lockstep pass bound of the plans shown, not checked here
 
 
 @pytest.mark.serial  # a cancellation within 4 s: beside a heavy test on 2 cores it took 7.6 s (2026-11-28)
@@ -358,6 +362,10 @@ def test_solver_a_newer_request_cancels_a_running_solve():
     assert panel.result.scenario.planner == "static-max" and list(panel.result) == ["static-max"]
     assert took < 4.0, f"the superseded flexsp solve was not cancelled ({took:.1f}s)"
     assert panel.solves == 1
+    # the static-max plan's lockstep pass bound has started on the panel's other thread: ~8 s of CPU on this
+    # 4M-token batch, not checked here, that would go on beside the tests after this one
+    panel.cancel()
+    assert panel._bounds.wait_idle(30)
 
 
 def test_solver_threaded_shows_plans_first_then_the_pass_bound(solved):
