@@ -319,16 +319,30 @@ def test_solver_shows_a_broken_constraint_beside_its_control():
     assert "GB per GPU of parameters" in panel.n_memory.value
 
 
-def test_solver_threaded_requests_are_debounced_and_the_latest_wins():
-    """Requests that come while one is pending replace it: one solve, for the last. (The panel
-    compares one planner besides the chosen one: which planners a request runs is not what is
-    checked here.)"""
+@pytest.fixture(scope="module")
+def threaded():
+    """QUICK solved on the panel's thread, as a notebook's first solve is (``auto``): the result as
+    its plans came (its packing bound then, with the quick bounds), and what the panel showed once
+    the lockstep pass bound was in. The debounce test goes on with this panel afterwards."""
     from widgets import SolverPanel
 
-    panel = SolverPanel(Scenario(**QUICK), auto=True, debounce=0.4, planners=["greedy"])
+    panel = SolverPanel(Scenario(**QUICK), auto=True, debounce=0.4)
     assert panel.wait_idle(120)
-    first = panel.solves
-    assert first == 1 and panel.result.scenario.num_gpus == 8
+    res = panel.result
+    quick = res.packing_bound_ms
+    assert panel.wait_idle(120, bound=True)
+    shown = {"status": panel.status.value, "table": panel.planner_table(), "solves": panel.solves}
+    return panel, res, quick, shown
+
+
+def test_solver_threaded_requests_are_debounced_and_the_latest_wins(threaded):
+    """Requests that come while one is pending replace it: one solve, for the last (on ``threaded``'s
+    panel, after its first solve; from here it compares no other planner: which planners a request
+    runs is not what is checked)."""
+    panel, res, _, shown = threaded
+    first = shown["solves"]
+    assert first == 1 and res.scenario.num_gpus == 8
+    panel.planners = ["greedy"]
     # three changes in quick succession: one solve, for the last
     panel.set(num_gpus=16)
     panel.set(num_gpus=32)
@@ -368,31 +382,27 @@ def test_solver_a_newer_request_cancels_a_running_solve():
     assert panel._bounds.wait_idle(30)
 
 
-def test_solver_threaded_shows_plans_first_then_the_pass_bound(solved):
-    """A threaded lockstep solve draws its plans with the quick bounds, then the lockstep pass bound
-    when it is ready: the step bound the synchronous path reports (``solved``: the same scenario
-    solved by ``solve()``, whose bound is ``step_bound_ms`` of its plans), below the fastest plan."""
-    from widgets import SolverPanel
+def test_solver_threaded_shows_plans_first_then_the_pass_bound(solved, threaded):
+    """A threaded lockstep solve (``threaded``) draws its plans with the quick bounds, then the
+    lockstep pass bound when it is ready: the step bound the synchronous path reports (``solved``:
+    the same scenario solved by ``solve()``, whose bound is ``step_bound_ms`` of its plans), below
+    the fastest plan."""
     from workbench.solve.bound import packing_bound_ms
 
-    panel = SolverPanel(Scenario(**QUICK), auto=False, debounce=0.0)
-    panel.request_solve()
-    assert panel.wait_idle(120)
-    res = panel.result
+    _, res, quick, shown = threaded
     cost = res.scenario.cost()
     assert cost.execution == "lockstep"
     fastest = min(p.makespan_ms for p in res.values())
-    quick = res.packing_bound_ms
     assert quick >= packing_bound_ms(res.batch.lengths, cost, upper_ms=fastest - cost.step_end_ms()) * (1 - 1e-9)
-    assert panel.wait_idle(120, bound=True)
-    assert res.pass_bound_pending is False and "on its way" not in panel.status.value
+    assert res.pass_bound_pending is False and "on its way" not in shown["status"]
     _, sync = solved
     # the same plans (the planners' effort is counted on a work clock, not wall time): the same bound's inputs
     assert {k: p.makespan_ms for k, p in res.items()} == {k: p.makespan_ms for k, p in sync.items()}
     assert list(res.batch.lengths) == list(sync.batch.lengths)
     full = sync.packing_bound_ms
     assert res.packing_bound_ms == pytest.approx(full) and quick * (1 - 1e-9) <= full <= fastest * (1 + 1e-9)
-    assert panel.planner_table()[0]["packing_gap"] == pytest.approx(res[panel.planner_table()[0]["planner"]].makespan_ms / full - 1)
+    top = shown["table"][0]
+    assert top["packing_gap"] == pytest.approx(res[top["planner"]].makespan_ms / full - 1)
 
 
 # ------------------------------------------------------------------------------------------------
