@@ -369,11 +369,14 @@ def test_solver_a_newer_request_cancels_a_running_solve():
     while not panel._worker._running and time.monotonic() - t0 < 30:
         time.sleep(0.02)
     time.sleep(0.8)  # the solver is inside flexsp now
-    panel.set(planner="static-max")  # the older request is cancelled, not waited for
+    # the older request is cancelled, not waited for; the newer one plans a 64K-token batch (static-max planned
+    # and drew the 4M-token one in 1.3 s of CPU), so what `took` measures is the cancellation
+    panel.set(planner="static-max", batch_tokens=65_536)
     panel.request_solve()
     assert panel.wait_idle(60)
     took = time.monotonic() - t0
     assert panel.result.scenario.planner == "static-max" and list(panel.result) == ["static-max"]
+    assert panel.result.scenario.batch_tokens == 65_536
     assert took < 4.0, f"the superseded flexsp solve was not cancelled ({took:.1f}s)"
     assert panel.solves == 1
     # the static-max plan's lockstep pass bound has started on the panel's other thread: ~8 s of CPU on this
