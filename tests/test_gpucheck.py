@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -82,7 +81,9 @@ def test_budget_shares_and_bad_input(tmp_path):
         gpucheck.GpuCheck(tmp_path / "f")
 
 
-def test_a_crashing_part_and_a_spent_budget_are_reported_and_the_check_goes_on(tmp_path):
+def test_a_crashing_part_and_a_spent_budget_are_reported_and_the_check_goes_on(tmp_path, monkeypatch):
+    clock = [1000.0]  # the check's clock, moved by the stand-in parts: the budget is spent without waiting
+    monkeypatch.setattr(gpucheck.time, "monotonic", lambda: clock[0])
     check = gpucheck.GpuCheck(tmp_path / "gc", parts=["doctor", "peak", "attention", "train-1b"], budget_s=3,
                               say=lambda m: None)
     check._env_probe = lambda: {"cuda_available": True, "torch": "x", "gpu": {"name": "NVIDIA H100 80GB HBM3"}}
@@ -98,7 +99,7 @@ def test_a_crashing_part_and_a_spent_budget_are_reported_and_the_check_goes_on(t
 
     def attention(part):
         ran.append("attention")
-        time.sleep(max(0.0, check.left() - 0.1))  # spend the budget: train-1b is left out
+        clock[0] += max(0.0, check.left() - 0.1)  # spend the budget: train-1b is left out
         part.status, part.summary = "warn", "slow"
 
     check.part_doctor, check.part_peak, check.part_attention = doctor, peak, attention
@@ -211,13 +212,27 @@ def test_nccl_world_of_one_steps_with_gloo():
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
     """One ``--cpu-rehearsal`` of every part, the offload part included (``--parts`` naming them all: each
-    part's share is its own, as when it runs alone), read by the two rehearsal tests below. (Its torch
-    parts run in the check's own process; the subprocess they run in on a GPU is the dry run's, whose
-    environment probe is one.)"""
+    part's share is its own, as when it runs alone), read by the two rehearsal tests below: the command's
+    own ``main`` run in this process, its stderr captured and the environment put back afterwards (a
+    ``python -m workbench.gpucheck`` of its own would import torch again; the command line itself is the
+    dry run's, above). Its torch parts run in the check's process, as the rehearsal runs them; the
+    subprocess they run in on a GPU is the dry run's, whose environment probe is one; the doctor's probe
+    and the profile and training runs are processes of their own, as on a GPU."""
+    import contextlib
+    import io
+    import os
+    from types import SimpleNamespace
+
     out = tmp_path_factory.mktemp("rehearsal") / "gc"
-    p = subprocess.run([sys.executable, "-m", "workbench.gpucheck", "--cpu-rehearsal", "--parts", ",".join(gpucheck.PARTS),
-                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900, env=_env())
-    return out, p
+    err, env = io.StringIO(), dict(os.environ)
+    os.environ.update(_env())
+    try:
+        with contextlib.redirect_stderr(err), contextlib.chdir(ROOT):
+            code = gpucheck.main(["--cpu-rehearsal", "--parts", ",".join(gpucheck.PARTS), "--out", str(out)])
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    return out, SimpleNamespace(returncode=code, stderr=err.getvalue())
 
 
 @pytest.mark.slow
