@@ -2,13 +2,15 @@
 
 One quick profile through the console script, then: the profile loads and drives plan, simulate
 and a short training run by path, and ``--check`` compares it with that run. A profile whose ranks
-fail says why in its status; a profile run stops on ``workbench runs stop``.
+fail says why in its status; a profile run stops on ``workbench runs stop``. And a 4-rank profile's
+sub-groups and splits, its ranks a sub-world of the shared torchrun launch (tests/_torchrun.py).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -157,24 +159,54 @@ def test_profile_drives_plan_simulate_train_and_check(profiled, capsys):
                for s in free["steps"])
 
 
-def test_four_ranks_measure_cp_sub_groups_of_every_size_and_a_2x2_split(tmp_path):
+# The 4-rank profile's ranks are a sub-world of 4 of the shared torchrun launch (tests/_torchrun.py's
+# SUBWORLD_SIZE and subworld_checks; this file's alone), whose ranks have imported torch already: they
+# run the profiler's rank on the prepared run (conftest.profile_rank_in_subworld). The launcher's side
+# of a profile run (torchrun under the supervisor, its final state, a stop, a failure) is the other
+# tests' here.
+
+SUBWORLD_SIZE = 4
+
+
+def world_prepare(folder: Path) -> list[str]:
+    """Pytest side (before the shared launch): the 4-rank profile run prepared in ``folder``. A small
+    grid, few collective samples, one timed sample a pack of one call (no minimum sample length), no
+    real steps (what they add is the 2-rank test's)."""
+    from workbench.profile import prepare_profile
+
+    run = prepare_profile(nproc=4, model="tiny", quick=True, root=folder, name="p4", device="cpu", oversubscribe=True,
+                          max_len=512, reps=1, warmup=1, steps=False, fit_packs=[[64], [128], [256], [512], [32] * 8],
+                          heldout_packs=[[96]], group_packs=[[256], [32] * 8], message_bytes=[8192, 131072],
+                          collective_reps=3, collective_inner=2, min_sample_ms=0.0)
+    return [str(run.path)]
+
+
+def subworld_checks(run_dir: str) -> list:
+    """Rank side: each rank's exit status from the profiler on ``run_dir``."""
+    from conftest import profile_rank_in_subworld
+
+    return [lambda rank: {"exit": profile_rank_in_subworld(run_dir, rank), "run": run_dir}]
+
+
+# its checks read which figures were measured and fitted, not times: the untimed lane (tests/_xdist_heavy.py)
+@pytest.mark.untimed
+def test_four_ranks_measure_cp_sub_groups_of_every_size_and_a_2x2_split(request, tmp_path_factory):
     """4 gloo ranks (on however many cores): CP's collectives on the strided sub-groups of 2 (ranks
     {0,2} and {1,3}), on the block {0,1,2} for 3 (rank 3 idle) and of 4, real micro-steps of 1 x 2,
     1 x 4 and 2 x 2 (none at 3: micro-steps stay at the power-of-two sizes), all three on the CP packs
     (the SP packs and the longest fitted length); the profile's all-gather at 2 and 3 is CP's, at 4
-    FSDP's; the extras at 2 and 4, and 2 x 2's residual beyond them. A small grid, few collective
-    samples, one timed sample a pack of one call (no minimum sample length), no real steps (what they
-    add is the 2-rank test's)."""
-    from workbench.launch import process
-    from workbench.profile import load_result, prepare_profile, start_profile
+    FSDP's; the extras at 2 and 4, and 2 x 2's residual beyond them (the run ``world_prepare`` made)."""
+    from _torchrun import shared_world
+
+    from workbench import runs
+    from workbench.profile import load_result
     from workbench.profile.result import PROFILER_VERSION
 
-    run = prepare_profile(nproc=4, model="tiny", quick=True, root=tmp_path, name="p4", device="cpu", oversubscribe=True,
-                          max_len=512, reps=1, warmup=1, steps=False, fit_packs=[[64], [128], [256], [512], [32] * 8],
-                          heldout_packs=[[96]], group_packs=[[256], [32] * 8], message_bytes=[8192, 131072],
-                          collective_reps=3, collective_inner=2, min_sample_ms=0.0)
-    st = process.wait(start_profile(run), timeout=600)
-    assert st.state == "done", run.log_tail(30)
+    per_rank = shared_world(request, tmp_path_factory, __name__)
+    run = runs.load_run(per_rank["0"]["run"])
+    st = runs.read_status(run.path)  # as rank 0 left it (no supervisor marks it done: its ranks are the launch's)
+    assert [per_rank[str(r)]["exit"] for r in range(4)] == [0] * 4 and st.progress == 1.0, (st, run.log_tail(30))
+    assert st.error is None and st.message.startswith("done in"), st
     meas = json.loads((run.path / "measurements.json").read_text())
     cp = {(c["kind"], c["group_size"], c["stride"]) for c in meas["collectives"] if c["kind"].startswith("cp_")}
     assert cp == {(k, c, s) for k in ("cp_allgather", "cp_reduce_scatter") for c, s in ((2, 2), (3, 1), (4, 1))}

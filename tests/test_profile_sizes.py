@@ -167,10 +167,8 @@ def test_workbench_cost_prints_the_line_and_json_lists_them(tmp_path, capsys):
 
 # The 3-rank profile's ranks are a sub-world of 3 of the shared torchrun launch (tests/_torchrun.py's
 # SUBWORLD_SIZE and subworld_checks; this file's alone), whose ranks have imported torch already: they
-# leave the sub-world's process group, run the profiler's rank (``Profiler.run``, which starts and ends a
-# process group of its own on a store rank 0 hosts, as under torchrun) on the prepared run, then make a
-# new group for the gathering. The launcher's side of a profile run (torchrun under the supervisor, the
-# run's final state) is test_profile_run.py's.
+# run the profiler's rank on the prepared run (conftest.profile_rank_in_subworld). The launcher's side
+# of a profile run (torchrun under the supervisor, the run's final state) is test_profile_run.py's.
 
 SUBWORLD_SIZE = 3
 
@@ -190,41 +188,9 @@ def world_prepare(folder: Path) -> list[str]:
 
 def subworld_checks(run_dir: str) -> list:
     """Rank side: each rank's exit status from the profiler on ``run_dir``."""
-    return [lambda rank: {"exit": _profile_rank(Path(run_dir), rank), "run": run_dir}]
+    from conftest import profile_rank_in_subworld
 
-
-def _profile_rank(run_dir: Path, rank: int) -> int:
-    import datetime
-    import os
-    import socket
-
-    import torch.distributed as dist
-
-    from workbench.profile.measure import Profiler
-
-    port = [None]
-    if rank == 0:  # the profile's own process group meets on a store rank 0 hosts, on a free loopback port
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port[0] = sock.getsockname()[1]
-    dist.broadcast_object_list(port, src=0)
-    world = dist.get_world_size()
-    dist.destroy_process_group()
-    keys = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE")
-    saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port[0]), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), LOCAL_RANK=str(rank), TORCHELASTIC_USE_AGENT_STORE="False")
-    try:
-        code = Profiler(run_dir).run()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    dist.init_process_group("gloo", store=dist.FileStore(str(run_dir.parent / "after.store"), world), rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=300))
-    return code
+    return [lambda rank: {"exit": profile_rank_in_subworld(run_dir, rank), "run": run_dir}]
 
 
 @pytest.mark.slow
