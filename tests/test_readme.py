@@ -97,13 +97,51 @@ def _subparser(command: str) -> argparse.ArgumentParser:
     raise AssertionError("the CLI has no subcommands")
 
 
+HELPS = """
+import contextlib, io, json, os, runpy, sys
+out = {}
+for script in json.loads(sys.argv[1]):
+    stdout, stderr = io.StringIO(), io.StringIO()
+    sys.argv, path = [script, "--help"], list(sys.path)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python bench/X.py` has it
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            runpy.run_path(script, run_name="__main__")
+            rc = 0
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException as e:  # noqa: BLE001 - reported as the script's failure
+            rc = 1
+            print(repr(e), file=stderr)
+    sys.path[:] = path
+    out[script] = [rc, stdout.getvalue(), stderr.getvalue()[-500:]]
+print("HELPS " + json.dumps(out))
+"""
+"""Runs each script given as JSON with ``--help`` as ``python bench/X.py --help`` would (``__main__``,
+its folder first on ``sys.path``), one after another in one interpreter (an interpreter each cost
+more than most of them), and prints each exit status, its help and the end of its stderr."""
+
+
 @functools.cache
+def _bench_helps() -> dict:
+    """``{script: [exit status, stdout, stderr's end]}`` of ``--help`` of every ``bench/*.py`` script the
+    docs name, in one interpreter (``HELPS``)."""
+    import json
+
+    named = sorted({m for doc in DOCS for m in re.findall(r"python (bench/[\w.-]+\.py)", doc.read_text())
+                    if (ROOT / m).is_file()})
+    p = subprocess.run([sys.executable, "-c", HELPS, json.dumps(named)], capture_output=True, text=True, cwd=ROOT,
+                       timeout=300)
+    assert p.returncode == 0 and "HELPS " in p.stdout, p.stderr[-4000:]
+    return json.loads(p.stdout.rsplit("HELPS ", 1)[1])
+
+
 def _bench_options(script: str) -> str:
     path = ROOT / script
     assert path.is_file(), f"{script} does not exist"
-    p = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert p.returncode == 0, f"{script} --help failed: {p.stderr[-500:]}"
-    return p.stdout
+    rc, out, err = _bench_helps()[script]
+    assert rc == 0, f"{script} --help failed: {err}"
+    return out
 
 
 def _options(args: list[str]) -> list[str]:
