@@ -191,8 +191,10 @@ def shared_world(request, tmp_path_factory, module_name: str) -> dict:
 def _shared_worker(out_path: str, spec_json: str) -> int:
     """Rank side of the shared world: each taking-part module's checks, in order, on one process
     group and one registry (the union of the modules' splits; :func:`run_checks`), gathered as
-    ``{rank: {module: dict}}``; then each sub-world (:func:`_run_subworld`), smallest first, its
-    results merged into the same file."""
+    ``{rank: {module: dict}}``; then each sub-world (:func:`_run_subworld`), its results merged into
+    the same file: largest first, so that every rank of a sub-world comes from the one before, which
+    all its ranks left together (a rank waiting out a smaller world's checks for a larger one could
+    pass the process group's timeout at its rendezvous)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     mods = [(importlib.import_module(name), args) for name, args in json.loads(spec_json)]
     full = [(mod, args) for mod, args in mods if hasattr(mod, "world_checks")]
@@ -201,7 +203,7 @@ def _shared_worker(out_path: str, spec_json: str) -> int:
     run_checks(out_path, [_module_checks(mod, args) for mod, args in full],
                degrees=SHARED_DEGREES if full else (), shapes=shapes, timeout_s=timeout_s)
     subs = [(mod, args) for mod, args in mods if hasattr(mod, "subworld_checks")]
-    for n in sorted({_ranks_of(mod) for mod, _ in subs}):
+    for n in sorted({_ranks_of(mod) for mod, _ in subs}, reverse=True):
         _run_subworld(out_path, n, [(mod, args) for mod, args in subs if _ranks_of(mod) == n],
                       timeout_s=min(getattr(mod, "DIST_TIMEOUT_S", 90) for mod, _ in subs))
     return 0
