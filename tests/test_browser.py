@@ -10,7 +10,7 @@ Stop, ``stopped`` in the panel and in the run store, no process left. Screenshot
 The copies plan and run no more than these checks need (``_BROWSER_COPIES``): the solver plans
 20,000 sampled lengths with flexsp alone at effort 0.3 (the headless runs of ``test_notebooks.py``
 plan the defaults with every planner), and ``04_train`` stops before its own-model section (whose
-training ``test_hf_dist.py`` and the demo's 04_train run check).
+planning the demo's 04_train run checks, and whose training ``test_hf_dist.py`` checks through the CLI).
 
 Skips with a line saying how to enable it when Playwright or Chromium is missing, unless
 ``WORKBENCH_REQUIRE_BROWSER=1`` (CI sets it), which turns a missing browser into a failure.
@@ -65,7 +65,9 @@ def _free_port() -> int:
 
 
 _BROWSER_COPIES = {
-    # the Solver panel renders and replans the same with one planner, fewer lengths and less search
+    # the Solver panel renders and replans the same with one planner, fewer lengths and less search (not
+    # less than this: at effort 0.1 the first plan came before the page had loaded the timeline's plotly
+    # FigureWidget, and the timeline stayed empty in 3 of 6 runs on a loaded machine)
     "03_solver.ipynb": ({"samples": 20000, "effort": 0.3, "compare": False}, None),
     # the Launch panel's cells only (the own-model section trains a tokenizer, plans and makes a second
     # panel, on the cores the run being started needs), and the demo's shorter steps: the first one
