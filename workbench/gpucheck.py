@@ -770,12 +770,15 @@ class GpuCheck:
 
     def _wait(self, process, handle, deadline: float, share: float | None):
         """Wait for a run (profile or training) until ``deadline`` (or ``share`` seconds); stop it
-        past that. Returns its final RunStatus, or None when it was stopped."""
+        past that. Returns its final RunStatus, or None when it was stopped. Whether it has ended is
+        asked every 0.1 s (whether its supervisor still runs: one system call), so the next run starts
+        as soon as this one has ended: the rehearsal's runs take seconds, and the launcher's default
+        of 0.5 s left 0.25 s on average between runs."""
         limit = deadline - time.monotonic()
         if share is not None:
             limit = min(limit, share + GRACE_S)
         try:
-            return process.wait(handle, timeout=max(1.0, limit))
+            return process.wait(handle, timeout=max(1.0, limit), interval=0.1)
         except TimeoutError:
             process.stop(handle)
             return None
