@@ -99,7 +99,7 @@ def test_parameters_are_parsed_typed_and_checked(tmp_path):
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """``workbench demo`` once, short (2 training steps, 20,000 sampled lengths, a 0.1 effort planner
-    limit), in a store already holding this machine's profile (``seed_machine_profile``), which the
+    limit, the train notebook's own-model section trained one step), in a store already holding this machine's profile (``seed_machine_profile``), which the
     demo reuses instead of measuring this machine for 30 s (its measuring branch is checked by
     ``test_the_demo_says_when_it_measured_this_machine``, the measurement itself by test_widgets.py's
     ``two_runs`` and test_profile_run.py): ``(store, report, demo run, the store's (kind, id) right
@@ -110,7 +110,7 @@ def demo(tmp_path_factory):
     root = tmp_path_factory.mktemp("demo")
     seed_machine_profile(root)
     r = workbench("demo", "--run-root", str(root), "--steps", "2", "--samples", "20000", "--effort", "0.1",
-                  timeout=900)
+                  "--own-steps", "1", timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     report = Path(r.stdout.strip().splitlines()[-1])
     run = runs.load_run(report.parent)
@@ -317,11 +317,14 @@ def test_demo_writes_the_explained_offline_report(demo):
                    "Where the predictions come from.", "How well it predicted.", "The machine's load during the run"):
         assert phrase in html, phrase
     # the demo's run, its three notebooks, this machine's profile (seeded by the fixture: reused) and the
-    # training run 04_train says it made: the tiny model's, which the report shows; its own-model section
-    # plans without training (own_steps 0: run_demo's default; that training is test_hf_dist.py's, through the CLI)
+    # training runs 04_train says it made: the tiny model's, which the report shows, and its own-model
+    # section's (--own-steps 1; the demo's default plans it without training): its Launch panel with a
+    # config, a tokenizer and a corpus, one step, exported (the notebook checks the export's tensors)
     tables = made["04_train"].path / "tables"
-    assert made["04_train"].spec()["parameters"]["own_steps"] == 0 and not (tables / "own_model_run.json").exists()
-    trained = [json.loads((tables / "train_run.json").read_text())["run"]]
+    own = json.loads((tables / "own_model_run.json").read_text())
+    assert made["04_train"].spec()["parameters"]["own_steps"] == 1 and len(own["losses"]) == 1
+    assert (Path(own["exported"]) / "config.json").is_file()
+    trained = [json.loads((tables / "train_run.json").read_text())["run"], own["run"]]
     assert [k for k, _ in kinds] == sorted(["demo", "notebook", "notebook", "notebook", "profile"]
                                            + ["train"] * len(trained))
     assert sorted(i for k, i in kinds if k == "train") == sorted(trained)

@@ -413,9 +413,12 @@ def cmd_demo(args) -> int:
 
     if args.steps < 1:
         raise CliError(f"--steps must be at least 1, got {args.steps}")
+    if args.own_steps < 0 or (args.own_steps and args.no_train):
+        raise CliError(f"--own-steps must be 0 or more, and 0 with --no-train; got {args.own_steps}"
+                       + (" with --no-train" if args.no_train else ""))
     try:
         run = run_demo(root=args.run_root or runs.default_root(), train_steps=args.steps, train=not args.no_train,
-                       effort=args.effort, seed=args.seed, samples=args.samples, log=_say)
+                       effort=args.effort, seed=args.seed, samples=args.samples, log=_say, own_steps=args.own_steps)
     except RuntimeError as e:
         _say(f"workbench demo: error: {e}")
         return 1
@@ -989,6 +992,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--run-root", default=None, metavar="DIR", help="the run store (default runs, or $WORKBENCH_RUNS)")
     q.add_argument("--steps", type=int, default=16, metavar="K", help="steps of the training run (default 16)")
     q.add_argument("--no-train", action="store_true", help="leave out the training run")
+    q.add_argument("--own-steps", type=int, default=0, metavar="K",
+                   help="also train the train notebook's own-model section (a tokenizer, a Llama-shaped config and a "
+                        "corpus it makes) K steps and export it (default 0: planned, not trained)")
     q.add_argument("--effort", type=positive_float, default=DEFAULT_EFFORT, metavar="E",
                    help=f"flexsp's search per step in reference seconds (default {DEFAULT_EFFORT:g})")
     q.add_argument("--samples", type=positive_int, default=100_000, help="sequences drawn from the length family")
