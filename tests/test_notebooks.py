@@ -98,13 +98,13 @@ def test_parameters_are_parsed_typed_and_checked(tmp_path):
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    """``workbench demo`` once, short (2 training steps, 20,000 sampled lengths, a 0.1 effort planner
-    limit, the train notebook's own-model section trained one step), in a store already holding this
-    machine's profile (``seed_machine_profile``), which the demo reuses instead of measuring this machine for 30 s (its measuring branch is checked by
-    ``test_the_demo_says_when_it_measured_this_machine``, the measurement itself by test_widgets.py's
-    ``two_runs`` and test_profile_run.py): ``(store, report, demo run, the store's (kind, id) right
-    after it, {notebook: its run})``. Its ``00_tour``, ``03_solver`` and ``04_train`` runs are
-    what the tour, solver and train tests check, so each of them runs once in this file."""
+    """``workbench demo`` once, short (2 training steps, 20,000 sampled lengths, a 0.1 effort planner limit,
+    the train notebook's own-model section trained one step), in a store already holding this machine's
+    profile (``seed_machine_profile``), which the demo reuses instead of measuring this machine for 30 s (its
+    measuring branch is checked by ``test_the_demo_says_when_it_measured_this_machine``, the measurement
+    itself by test_widgets.py's ``two_runs`` and test_profile_run.py): ``(store, report, demo run, the store's
+    (kind, id) right after it, {notebook: its run})``. Its ``00_tour``, ``03_solver`` and ``04_train`` runs
+    are what the tour, solver and train tests check, so each of them runs once in this file."""
     from conftest import seed_machine_profile
 
     root = tmp_path_factory.mktemp("demo")
