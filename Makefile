@@ -31,6 +31,10 @@ $(STAMP): pyproject.toml Makefile workbench/installer.py
 	@# find-links here); where nvidia-smi lists a GPU the index's CUDA build (checked after install)
 	$(BIN)/python workbench/installer.py torch $(TORCH_PIP_ARGS)
 	$(BIN)/pip install -e '.[dev]'
+	@# jsonschema's optional IRI format checker (rfc3987-syntax, pulled in by jupyter-events' jsonschema[format-nongpl])
+	@# builds an Earley grammar whenever jsonschema is imported: 1.3 s of CPU in every kernel, papermill run and
+	@# Jupyter server; nothing here checks IRIs (jsonschema skips the two formats without it; docs/benchmarks.md)
+	-$(BIN)/pip uninstall -y -q rfc3987-syntax
 	@# flash-attn on CUDA machines only: its prebuilt wheel for this torch/CUDA/Python when the release
 	@# has one, else one line saying the PyTorch attention path is used (FLASH_ATTN_BUILD=1: build it)
 	-$(BIN)/python workbench/installer.py flash-attn
