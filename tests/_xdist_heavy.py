@@ -9,7 +9,8 @@ run in lanes:
 - the *timed* lane: heavy tests whose checks depend on time (a stop within 5 s, a killed rank
   noticed within 10 s, a rendezvous timeout, the browser's waits) and the ``serial`` ones (first of
   all). It is one work unit, handed to the first worker at once: its tests run one at a time.
-- the *untimed* units, one per module: heavy tests also marked ``untimed``, whose checks hold however
+- the *untimed* units, one per module (one for all the files of the shared torchrun world, first of
+  them: ``SHARED_WORLD_UNIT``): heavy tests also marked ``untimed``, whose checks hold however
   loaded the machine is (exact results, files written, refusals; their only clocks are generous
   timeouts). While the timed lane runs, a worker takes one only once the ``serial`` tests are done
   and no fast module is left, and only when no third worker runs one: so a timed check shares the
@@ -71,6 +72,25 @@ def lane(item) -> str | None:
     return UNTIMED if untimed else HEAVY
 
 
+SHARED_WORLD_UNIT = f"{UNTIMED}::shared-world"
+"""The one work unit of the untimed tests of every file that takes part in the shared torchrun world
+(``tests/_torchrun.py``: it defines ``world_checks`` or ``subworld_checks``)."""
+
+
+def in_shared_world(item) -> bool:
+    """Whether the test's file lends checks to the shared torchrun world."""
+    mod = getattr(item, "module", None)
+    return hasattr(mod, "world_checks") or hasattr(mod, "subworld_checks")
+
+
+def untimed_unit(item) -> str:
+    """The work unit of an untimed test: its module's, or ``SHARED_WORLD_UNIT`` for every file of the
+    shared world. The first of those files' tests to run launches the world (a lock shares it between
+    workers); with the files in one unit, one worker runs them all, and no other worker waits on that
+    lock for the length of the launch, idle."""
+    return SHARED_WORLD_UNIT if in_shared_world(item) else f"{UNTIMED}::{item.nodeid.split('::', 1)[0]}"
+
+
 def _distributing(config) -> bool:
     """In the controlling process of ``pytest -n N`` with load distribution."""
     return (not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None))
@@ -106,12 +126,12 @@ def pytest_collection_modifyitems(config, items):
         return
     order = {HEAVY: 0, None: 2, UNTIMED: 3}
     # the serial tests first of all, while only fast tests run beside them; stable: files and tests
-    # keep their order
+    # keep their order; the untimed tests of the shared torchrun world's files first of the untimed
+    # (the longest unit: on a worker of its own from the start, not left to the end)
     items.sort(key=lambda item: 1 if lane(item) == HEAVY and item.get_closest_marker("serial") is None
-               else order[lane(item)])
+               else order[lane(item)] - (0.5 if lane(item) == UNTIMED and in_shared_world(item) else 0))
     tmp = f"{path}.{os.getpid()}"
-    units = {item.nodeid: lane(item) if lane(item) == HEAVY else f"{UNTIMED}::{item.nodeid.split('::', 1)[0]}"
-             for item in items if is_heavy(item)}
+    units = {item.nodeid: lane(item) if lane(item) == HEAVY else untimed_unit(item) for item in items if is_heavy(item)}
     serial = [item.nodeid for item in items if item.get_closest_marker("serial") is not None]
     Path(tmp).write_text(json.dumps({"units": units, "serial": serial}))
     os.replace(tmp, path)
