@@ -3,7 +3,8 @@
 #               training run, and write the explained report runs/<id>/report.html
 #   make test   create .venv, install, run the tests in parallel (one pytest worker per core; the
 #               multi-process, notebook and browser tests in lanes: see tests/_xdist_heavy.py)
-#               (make test-fast: only the tests that start no torchrun, kernel or browser)
+#               (make test-fast: only the tests that start no torchrun, kernel or browser and take
+#               under about 2 s each)
 # And, once installed:
 #   make lab    JupyterLab on the notebooks (token on, bound to 127.0.0.1; LAB_PORT=8888)
 # On a GPU machine, without any set-up (the machine's own python3 and its CUDA torch; no .venv):
@@ -63,10 +64,10 @@ TEST_ENV := PYTHONDONTWRITEBYTECODE=
 test: $(STAMP)
 	$(TEST_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) --durations=10 $(PYTEST_ARGS)
 
-# the edit-test loop: the tests that start no torchrun, kernel or browser and need no quiet cores
-# (not slow, not serial); make test stays the whole suite
+# the edit-test loop: the tests that start no torchrun, kernel or browser, need no quiet cores and take
+# under about 2 s each (not slow, not serial, not long); make test stays the whole suite
 test-fast: $(STAMP)
-	$(TEST_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow and not serial" --durations=5 $(PYTEST_ARGS)
+	$(TEST_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow and not serial and not long" --durations=5 $(PYTEST_ARGS)
 
 # no $(STAMP): the check runs with $(PY) as it is (numpy and a CUDA torch), from this folder
 gpu-check:

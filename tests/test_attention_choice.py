@@ -190,6 +190,7 @@ def _agrees_with_the_torch_path(fn, lens_q, lens_k, H, KV, hd):
         assert float((a.float() - b).abs().max()) <= 2e-2 * float(b.abs().max()), lens_q
 
 
+@pytest.mark.long
 def test_auto_on_cuda_chooses_per_call(fake_varlen):
     """``auto`` on CUDA in bf16 resolves to the per-call kernel with the measured crossover; a pack of
     short documents reaches torch's ``varlen_attn`` (forward and backward), one sequence past the

@@ -9,8 +9,8 @@ Stop, ``stopped`` in the panel and in the run store, no process left. Screenshot
 
 The copies plan and run no more than these checks need (``_BROWSER_COPIES``): the solver plans
 20,000 sampled lengths with flexsp alone at effort 0.3 (the headless runs of ``test_notebooks.py``
-plan the defaults with every planner), and ``04_train`` stops before its own-model section (whose
-planning the demo's 04_train run checks, and whose training ``test_hf_dist.py`` checks through the CLI).
+plan the defaults with every planner), and ``04_train`` stops before its own-model section (which
+the demo's 04_train run in ``test_notebooks.py`` plans and trains one step).
 
 Skips with a line saying how to enable it when Playwright or Chromium is missing, unless
 ``WORKBENCH_REQUIRE_BROWSER=1`` (CI sets it), which turns a missing browser into a failure.

@@ -33,6 +33,7 @@ def _plans(cases, effort=0.3):
             for cost, s in cases for p in ("flexsp", "two-stage")]
 
 
+@pytest.mark.long
 def test_same_plans_on_a_busy_machine_as_on_an_idle_one():
     cases = _cases()
     idle = _plans(cases)
@@ -90,6 +91,7 @@ def _instances(count: int, seed: int):
         yield cost, s
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("seed", [0, 1])
 def test_flexsp_is_never_behind_another_planner(seed):
     """Random small and medium steps (4-64 GPUs, 6-384 sequences, free and lockstep, Ulysses and

@@ -138,6 +138,7 @@ def _case_optimum(k: int) -> float:
     return _OPT[k]
 
 
+@pytest.mark.long
 def test_exact_model_matches_brute_force_on_200_instances():
     """Without bucketing the one-micro-step solver's makespan is the exhaustive optimum (1e-6)."""
     fits = 0
@@ -171,6 +172,7 @@ def test_bucketed_model_close_to_brute_force():
         assert r.makespan_ms >= opt * (1 - 1e-9)
 
 
+@pytest.mark.long
 def test_plan_flexsp_never_behind_the_one_step_optimum():
     for k, (s, cost) in enumerate(CASES[:60]):
         opt = _case_optimum(k)

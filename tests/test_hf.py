@@ -379,6 +379,7 @@ def _run_with_checkpoint(root: Path, folder: Path, name: str, step: int = 2):
     return run
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("kind", KINDS)
 def test_export_loads_back_into_transformers_with_the_same_logits(hf_dirs, tmp_path, kind, capsys):
     from transformers import AutoModelForCausalLM

@@ -118,6 +118,7 @@ def test_lower_bound_and_planner_against_every_lockstep_plan():
     assert single_at_opt >= 8  # the single-group planner finds the optimum on most small instances
 
 
+@pytest.mark.long
 def test_passes_bookkeeping_after_local_search():
     rng = np.random.default_rng(5)
     cost = _cost(8, 30.0)
@@ -139,6 +140,7 @@ def test_passes_bookkeeping_after_local_search():
             assert ps.step_ms() <= before * (1 + 1e-12)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("family", ["wikipedia", "github"])
 def test_flexsp_lockstep_beats_the_lockstep_baselines(family):
     from workbench.scenario import Scenario
@@ -204,6 +206,7 @@ def _slower_splits_that_fit(p, s, cost) -> list[str]:
     return found
 
 
+@pytest.mark.long
 def test_auto_groups_run_their_fastest_split_that_fits(monkeypatch):
     """Under ``--strategy auto`` every group of a lockstep plan runs the fastest split of its degree
     that holds its sequences in its ranks' memory, off the step's critical path too (the local search
@@ -365,6 +368,7 @@ def test_a_step_that_fits_one_pass_fills_each_floor_once():
     assert a is not None and b is not None and a.assignment() == b.assignment()
 
 
+@pytest.mark.long
 def test_the_search_also_takes_the_other_kind_of_start_where_the_effort_allows(monkeypatch):
     """A start's length says little of where its search ends: where the effort leaves every start at
     least IMPROVE_OTHER_MIN, the local search also starts from the best filled start at the count the

@@ -100,6 +100,7 @@ def test_below_every_lockstep_plan_and_tighter_than_the_older_bounds(seed):
     assert sum(b for _, _, b in res) >= 2, res  # a long sequence's shape decided: higher on some
 
 
+@pytest.mark.long
 def test_splits_extras_and_fsdp_collectives():
     """Context-parallel splits (several shapes per degree), per-group extras, FSDP's collectives
     longer than the packed call and shorter, a pass overhead of zero (FlexSP's own model)."""
@@ -131,6 +132,7 @@ def test_one_sequence_per_pass_by_hand():
     assert lockstep_lower_bound_ms(s, cost) < hand * 0.9
 
 
+@pytest.mark.long
 def test_pass_bound_stays_below_a_real_plan_where_glop_restarts_badly():
     """A batch where GLOP, restarted from the last node's basis, called a feasible node of the
     one-pass programme infeasible, and the pass bound came out 15% above a valid plan (6,124 against

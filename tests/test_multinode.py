@@ -306,6 +306,7 @@ def _two_nodes(store):
     return {r: PeerWatch(store, r, members, interval=0.05).start() for r in members}
 
 
+@pytest.mark.long
 def test_heartbeats_name_the_node_that_went_away():
     store = FakeStore()
     watches = _two_nodes(store)
@@ -325,6 +326,7 @@ def test_heartbeats_name_the_node_that_went_away():
         w.stop()
 
 
+@pytest.mark.long
 def test_a_node_whose_ranks_die_one_after_another_is_named_whole():
     """Node 1's agent killed: rank 2 dies at once, rank 3 seconds later (as in a loaded CI run). The
     diagnosis watches on while part of a node is still, so the line names the whole node; a rank that
@@ -349,6 +351,7 @@ def test_a_node_whose_ranks_die_one_after_another_is_named_whole():
         w.stop()
 
 
+@pytest.mark.long
 def test_a_silent_peer_ends_the_rank_instead_of_a_collective_timeout():
     from workbench.runtime.peers import PeerWatch
 

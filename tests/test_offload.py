@@ -321,6 +321,7 @@ def _peak(model, sh, *, tile=None, offload=False, autocast=False, mlp_fn=None) -
     return live.peak
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
 def test_what_a_step_keeps_falls_by_the_offloaded_inputs_and_the_mlp_intermediates(autocast):
     """6 layers of the tiny model's width, 2,048 tokens (16 sequences of 128), recomputation, the MLP

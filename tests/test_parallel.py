@@ -89,6 +89,7 @@ def _overlap(a: dict, b: dict) -> bool:
     return a["t0"] < b["t1"] and b["t0"] < a["t1"]
 
 
+@pytest.mark.long
 def test_heavy_tests_run_in_lanes_beside_at_most_one_other(tmp_path):
     pytest.importorskip("xdist")
     _suite(tmp_path)

@@ -221,6 +221,7 @@ def _key(args: list[str]) -> str:
     return repr(sorted((k, repr(v)) for k, v in ns.items() if k != "func"))
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("doc", DOCS, ids=_doc_id)
 def test_every_command_in_the_doc_parses_and_the_quick_ones_run(doc, tmp_path):
     """The bash blocks: every command parses (or exists, for scripts and make targets); the quick

@@ -103,6 +103,7 @@ def _bench_batches():
                   for f in ("wikipedia", "commoncrawl", "github", "byted")]
 
 
+@pytest.mark.long
 def test_cpsat_reports_the_whole_step_hint_complete_and_feasible_on_benchmark_batches():
     cost, batches = _bench_batches()
     for s in batches:

@@ -335,6 +335,7 @@ def threaded():
     return panel, res, quick, shown
 
 
+@pytest.mark.long
 def test_solver_threaded_requests_are_debounced_and_the_latest_wins(threaded):
     """Requests that come while one is pending replace it: one solve, for the last (on ``threaded``'s
     panel, after its first solve; from here it compares no other planner: which planners a request
@@ -476,6 +477,7 @@ def _check_panel_shows(panel, res, ref) -> None:
     assert idle_rows <= ({int(y) for t in waits for y in t.y})
 
 
+@pytest.mark.long
 def test_solver_panel_plans_48_gpus_in_nodes_of_8_with_groups_of_any_size():
     """48 GPUs (6 nodes of 8): the panel offers 48 and the cluster's candidate degrees (divisors of the
     node, whole nodes in twos and threes, the cluster), and shows the plan run_planner makes for the
@@ -1167,6 +1169,7 @@ def test_launch_panel_stop_ends_every_process_and_reattach(two_runs):
     assert obs["first_after"] == "stopped", obs
 
 
+@pytest.mark.long
 def test_background_threads_never_print(capsys):
     """Worker threads set widget values; nothing they do reaches stdout/stderr (output from a thread
     lands in whichever cell ran last)."""
@@ -1224,6 +1227,7 @@ def test_hardware_panel_profiles_this_machine(tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.long
 def test_hardware_panel_doctor_section_shows_what_this_machine_can_do(tmp_path):
     """The Doctor section runs ``workbench doctor`` as a process and shows its lines; checked against
     this machine's facts read here (Python's and torch's versions, no NVIDIA GPU on the test VM)."""
