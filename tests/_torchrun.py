@@ -30,6 +30,7 @@ of CPU). A session whose files all have sub-worlds launches ``n`` ranks only.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -212,7 +213,8 @@ def _shared_worker(out_path: str, spec_json: str) -> int:
 def _run_subworld(out_path: str, n: int, mods: list, *, timeout_s: float) -> None:
     """Rank side, once the launch's process group is destroyed: ranks ``0 .. n-1`` form a new world
     of ``n`` (a new default gloo process group on a file store beside ``out_path``), run each of
-    ``mods``' ``subworld_checks`` in order, and rank 0 merges ``{rank: {module: dict}}`` into
+    ``mods``' ``subworld_checks`` in order (a check may end the group to run a world of its own: the
+    ranks then meet again on a new file store), and rank 0 merges ``{rank: {module: dict}}`` into
     ``out_path``; the other ranks of the launch take no part."""
     import datetime
 
@@ -226,10 +228,18 @@ def _run_subworld(out_path: str, n: int, mods: list, *, timeout_s: float) -> Non
     dist.init_process_group("gloo", store=store, rank=rank, world_size=n,
                             timeout=datetime.timedelta(seconds=timeout_s))
     results: dict = {}
+    joined = 0
     for mod, args in mods:
         mine: dict = {}
         for check in mod.subworld_checks(*args):
             mine.update(check(rank))
+            if not dist.is_initialized():
+                # the check ended the sub-world's group to run a world of its own (a trainer's, a
+                # profiler's): the same ranks meet again on a new file store
+                joined += 1
+                store = dist.FileStore(str(Path(out_path).with_name(f"world-of-{n}.{joined}.store")), n)
+                dist.init_process_group("gloo", store=store, rank=rank, world_size=n,
+                                        timeout=datetime.timedelta(seconds=timeout_s))
         results[mod.__name__] = mine
     gathered = [None] * n
     dist.all_gather_object(gathered, results)
@@ -240,6 +250,22 @@ def _run_subworld(out_path: str, n: int, mods: list, *, timeout_s: float) -> Non
         Path(out_path).write_text(json.dumps(merged, indent=1))
     dist.barrier()
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def environ_kept(*keys: str):
+    """Rank side: the environment variables ``keys`` as they were once the block ends (unset where they
+    were), however it changed them (a sub-world check running a trainer or a profiler as a world of
+    its own sets ``MASTER_ADDR``, ``WORLD_SIZE`` ...)."""
+    saved = {k: os.environ.get(k) for k in keys}
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _module_checks(mod, args: list[str]):

@@ -230,14 +230,14 @@ def exhaustive_lockstep_pair_ms(s, cost):
 def profile_rank_in_subworld(run_dir, rank: int) -> int:
     """Rank side, in a sub-world of the shared torchrun launch (``tests/_torchrun.py``): this rank of the
     profile run prepared in ``run_dir`` (``Profiler.run``, which starts and ends a process group of its
-    own, on a store rank 0 hosts on a free loopback port, as under torchrun), between leaving the
-    sub-world's process group and making a new one of its ranks (on a file store beside the run) for
-    the sub-world's gathering. Returns the rank's exit status (0 done, 1 failed). No supervisor marks
-    the run done: its status is as rank 0 left it (progress 1.0, ``done in ...``)."""
-    import datetime
+    own, on a store rank 0 hosts on a free loopback port, as under torchrun), once it has left the
+    sub-world's process group (``_run_subworld`` has the ranks meet again after it). Returns the rank's
+    exit status (0 done, 1 failed). No supervisor marks the run done: its status is as rank 0 left it
+    (progress 1.0, ``done in ...``)."""
     import socket
 
     import torch.distributed as dist
+    from _torchrun import environ_kept
 
     from workbench.profile.measure import Profiler
 
@@ -249,19 +249,9 @@ def profile_rank_in_subworld(run_dir, rank: int) -> int:
             port[0] = sock.getsockname()[1]
     dist.broadcast_object_list(port, src=0)
     world = dist.get_world_size()
-    dist.destroy_process_group()
-    keys = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE")
-    saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port[0]), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), LOCAL_RANK=str(rank), TORCHELASTIC_USE_AGENT_STORE="False")
-    try:
-        code = Profiler(run_dir).run()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    dist.init_process_group("gloo", store=dist.FileStore(str(run_dir.parent / f"after-{run_dir.name}.store"), world),
-                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-    return code
+    dist.destroy_process_group()  # the sub-world's ranks meet again after this check (_run_subworld)
+    with environ_kept("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK",
+                      "TORCHELASTIC_USE_AGENT_STORE"):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port[0]), WORLD_SIZE=str(world),
+                          LOCAL_WORLD_SIZE=str(world), LOCAL_RANK=str(rank), TORCHELASTIC_USE_AGENT_STORE="False")
+        return Profiler(run_dir).run()

@@ -349,8 +349,8 @@ def _tree_worker(folder: Path, rank: int) -> dict[int, int]:
     """Rank side of the tree: the sub-world's process group ended, for each ``{"nproc", "dir",
     "resume"}`` of ``folder/plan.json`` in turn, the first ``nproc`` ranks run ``Trainer.run`` on
     ``dir`` as a world of ``nproc``; rank 0 copies each run's status as it ended to
-    ``folder/status<i>.json``; then a new default group of the 4 ranks (on a file store in ``folder``)
-    for the sub-world's gathering, and the exit statuses by run. A resume (``resume``: the spec a
+    ``folder/status<i>.json``; returns the exit statuses by run (the sub-world's ranks meet again
+    after it: ``_run_subworld``). A resume (``resume``: the spec a
     resume with ``--change`` writes) is set up by rank 0 once every rank is done with the run before
     it, as ``workbench train --run-dir`` does: the new spec, then a new attempt in the status. The
     ranks keep in step on torchrun's store (their launch's), under keys of their own; each run's
@@ -364,6 +364,7 @@ def _tree_worker(folder: Path, rank: int) -> dict[int, int]:
     import socket
 
     import torch.distributed as dist
+    from _torchrun import environ_kept
     from torch.distributed import TCPStore
 
     from workbench import runs
@@ -374,14 +375,12 @@ def _tree_worker(folder: Path, rank: int) -> dict[int, int]:
     if dist.is_initialized():
         dist.destroy_process_group()
     agent = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    keys = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE")
-    saved = {k: os.environ.get(k) for k in keys}
-    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # rank 0 hosts each run's store (env://)
     codes: dict[int, int] = {}
     # what the imports made lives to the end: kept out of the collections (each full one would walk
     # it, ~0.1-0.3 s on each rank after every run), as is what outlives each run's collection below
     gc.freeze()
-    try:
+    with environ_kept("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE"):
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # rank 0 hosts each run's store (env://)
         for k, item in enumerate(json.loads((folder / "plan.json").read_text())):
             nproc, d = int(item["nproc"]), item["dir"]
             if rank == 0:
@@ -406,15 +405,7 @@ def _tree_worker(folder: Path, rank: int) -> dict[int, int]:
                 if rank == 0:
                     shutil.copyfile(Path(d, "status.json"), folder / f"status{k}.json")
             agent.add(f"test_train/done{k}", 1)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    dist.init_process_group("gloo", store=dist.FileStore(str(folder / "after.store"), TREE_RANKS), rank=rank,
-                            world_size=TREE_RANKS, timeout=timeout)
-    return codes
+    return codes  # the sub-world's ranks meet again after this check (_run_subworld)
 
 
 def world_prepare(folder: Path) -> list[str]:
