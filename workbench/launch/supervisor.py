@@ -73,8 +73,7 @@ def _register_loopback() -> None:
     """Register a static rendezvous whose TCPStore listens on 127.0.0.1 only (a socket bound here
     and handed to the store), not on every interface as TCPStore binds by itself."""
     from torch.distributed import TCPStore
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous, create_rdzv_handler
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
     class LoopbackRendezvous(StaticTCPRendezvous):
         def get_backend(self) -> str:
@@ -91,13 +90,22 @@ def _register_loopback() -> None:
                                        multi_tenant=True, master_listen_fd=sock.detach())
             return super().next_rendezvous()
 
+    _register_static(LOOPBACK_BACKEND, LoopbackRendezvous)
+
+
+def _register_static(backend: str, rendezvous_class) -> None:
+    """Register ``backend`` for torchrun: its static rendezvous's parameters, as a
+    ``rendezvous_class`` (a ``StaticTCPRendezvous`` of ours). Once per process."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import create_rdzv_handler
+
     def create(params):
         h = create_rdzv_handler(params)
-        return LoopbackRendezvous(h.master_addr, h.master_port, int(h.rank), h.world_size, h.run_id,
-                                  int(h.timeout.total_seconds()))
+        return rendezvous_class(h.master_addr, h.master_port, int(h.rank), h.world_size, h.run_id,
+                                int(h.timeout.total_seconds()))
 
     try:
-        rendezvous_handler_registry.register(LOOPBACK_BACKEND, create)
+        rendezvous_handler_registry.register(backend, create)
     except ValueError:
         pass  # already registered in this process
 
@@ -158,8 +166,7 @@ def compare_nodes(store, mine: dict, nnodes: int, timeout_s: float) -> None:
 
 def _register_node_checked(run_dir: Path, nproc: int) -> None:
     """Register ``NODE_CHECKED_BACKEND``: torchrun's static rendezvous followed by ``compare_nodes``."""
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous, create_rdzv_handler
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
     class NodeCheckedRendezvous(StaticTCPRendezvous):
         def get_backend(self) -> str:
@@ -172,15 +179,7 @@ def _register_node_checked(run_dir: Path, nproc: int) -> None:
                           self.timeout.total_seconds())
             return info
 
-    def create(params):
-        h = create_rdzv_handler(params)
-        return NodeCheckedRendezvous(h.master_addr, h.master_port, int(h.rank), h.world_size, h.run_id,
-                                     int(h.timeout.total_seconds()))
-
-    try:
-        rendezvous_handler_registry.register(NODE_CHECKED_BACKEND, create)
-    except ValueError:
-        pass  # already registered in this process
+    _register_static(NODE_CHECKED_BACKEND, NodeCheckedRendezvous)
 
 
 DEFAULT_RDZV_TIMEOUT_S = 600
