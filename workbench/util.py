@@ -95,6 +95,12 @@ def positive_float(text: str) -> float:
     return v
 
 
+EXIT_BY_RAISING = False
+"""True in a rank forked by the supervisor (``workbench.launch.forked``): there ``exit_process``
+raises ``SystemExit(code)`` once it has flushed, so torchrun's agent receives the rank's result, and
+multiprocessing ends the process with ``os._exit`` itself (no finalization either)."""
+
+
 def exit_process(code: int | None) -> None:
     """End a distributed rank's process with ``code`` once its work is done and its process group
     destroyed: output flushed and garbage collected while the interpreter is whole, then
@@ -115,4 +121,6 @@ def exit_process(code: int | None) -> None:
             except (OSError, ValueError):
                 pass
     finally:
-        os._exit(0 if code is None else int(code))
+        if not EXIT_BY_RAISING:
+            os._exit(0 if code is None else int(code))
+    raise SystemExit(0 if code is None else int(code))

@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 from workbench import runs
+from workbench.launch.forked import START_METHODS, preload, rank_main, start_method
 from workbench.launch.process import TRAINER_MODULE, sweep
 
 LOOPBACK_BACKEND = "workbench-loopback"
@@ -212,6 +213,46 @@ def torchrun_args(run_dir: Path, *, nproc: int, nnodes: int, node_rank: int, rdz
     return out
 
 
+def _torchrun(targs, method: str, run_dir: Path) -> None:
+    """torchrun's ``run`` on its parsed arguments ``targs`` (``torchrun_args``: our own rendezvous,
+    ``-m module``), its ranks started as ``method`` says: ``exec``, new interpreters as torchrun's
+    CLI starts them; ``fork``, forks of this process running ``forked.rank_main`` (torch imported once)."""
+    from torch.distributed.run import config_from_args, run
+
+    if method == "exec":
+        run(targs)
+        return
+    import torch.multiprocessing as tmp
+    from torch.distributed.launcher.api import elastic_launch
+
+    tmp._set_thread_name("pt_elastic")
+    if targs.master_port is None:  # as run() sets it (our rendezvous passes its own address and port)
+        targs.master_port = 29500
+    config, _cmd, cmd_args = config_from_args(targs)
+    # cmd_args: ["-u", "-m", module, *its arguments] (-u: rank_main makes its output unbuffered)
+    if cmd_args[:2] != ["-u", "-m"]:
+        raise RuntimeError(f"unexpected rank command for a forked start: {cmd_args[:3]}")
+    config.start_method = "fork"
+    preload(_rank_imports(cmd_args[2], run_dir))
+    elastic_launch(config=config, entrypoint=rank_main)(*cmd_args[2:])
+
+
+def _rank_imports(module: str, run_dir: Path) -> list[str]:
+    """What every rank of ``module`` imports, to import once here before they fork: the module itself
+    (with its dependencies; each rank runs it afresh as ``__main__``) and, for a trainer, the torch
+    modules of the run's ZeRO stage (``zero.STAGE_IMPORTS``: FSDP is 0.8 s of CPU a rank)."""
+    out = [module]
+    if module == TRAINER_MODULE:
+        from workbench.runtime.zero import STAGE_IMPORTS
+
+        try:
+            stage = (runs.Run(run_dir).spec().get("scenario") or {}).get("zero_stage")
+        except (OSError, ValueError, AttributeError):  # the ranks say what is wrong with the spec
+            stage = None
+        out += STAGE_IMPORTS.get(stage, ())
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # reporting
 # ------------------------------------------------------------------------------------------------
@@ -322,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rdzv-timeout", type=float, default=DEFAULT_RDZV_TIMEOUT_S)
     ap.add_argument("--parent-pid", type=int, default=None)
     ap.add_argument("--module", default="workbench.runtime.train")
+    ap.add_argument("--start-method", choices=START_METHODS, default=None,
+                    help="fork: ranks start as forks of this process, torch already imported (workbench.launch.forked); "
+                         "exec: as new interpreters, as torchrun's CLI starts them (default: $WORKBENCH_RANK_START, "
+                         "else fork on Linux)")
     ap.add_argument("module_args", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     extra = args.module_args[1:] if args.module_args[:1] == ["--"] else args.module_args
@@ -351,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.run import parse_args, run
+        from torch.distributed.run import parse_args
 
         # a trainer's nodes compare themselves at the rendezvous: another --nproc, run or spec on some
         # node ends every node with one line before any rank starts (the ranks compare again at start)
@@ -363,9 +408,10 @@ def main(argv: list[str] | None = None) -> int:
                               rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, module=args.module,
                               module_args=extra, attempt=attempt, rdzv_timeout=args.rdzv_timeout,
                               node_check=node_check)
-        print(f"workbench supervisor: torchrun {' '.join(targs)}", flush=True)
+        method = args.start_method or start_method()
+        print(f"workbench supervisor: torchrun {' '.join(targs)} (ranks start by {method})", flush=True)
         try:
-            run(parse_args(targs))
+            _torchrun(parse_args(targs), method, run_dir)
             state, code = "done", 0
         except ChildFailedError as e:
             state, code, fields = "failed", 1, _failure_fields(run_dir, attempt, e)

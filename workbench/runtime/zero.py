@@ -52,6 +52,11 @@ __all__ = ["PRECISIONS", "ZERO_STAGES", "default_precision", "compute_dtype", "a
 
 PRECISIONS = ("fp32", "bf16")
 ZERO_STAGES = (0, 1, 2, 3)
+STAGE_IMPORTS = {0: (), 1: ("torch.distributed.optim",), 2: ("torch.distributed.optim",),
+                 3: ("torch.distributed.fsdp", "torch.distributed.checkpoint")}
+"""The torch modules a rank imports for its ZeRO stage (lazily, in ``parallelize`` and its checkpoints):
+FSDP alone is 0.8 s of CPU. A supervisor that forks its ranks imports them once for all of them
+(``workbench.launch.supervisor``)."""
 
 
 def default_precision(device: torch.device | str) -> str:
