@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 
 from workbench import launch, runs
-
-pytestmark = [pytest.mark.slow, pytest.mark.untimed]
+from workbench.launch import forked
 
 TESTS = Path(__file__).resolve().parent
 TIMEOUT = 120
@@ -52,6 +51,8 @@ def ended(tmp_path_factory):
     return {key: (h.run_dir, launch.wait(h, timeout=TIMEOUT)) for key, h in handles.items()}
 
 
+@pytest.mark.slow
+@pytest.mark.untimed
 def test_a_forked_rank_sees_what_an_exec_started_one_sees(ended):
     (exec_dir, _), (fork_dir, _) = ended["exec", "exit3"], ended["fork", "exit3"]
     exec_probe, fork_probe = _probes(exec_dir), _probes(fork_dir)
@@ -72,6 +73,8 @@ def test_a_forked_rank_sees_what_an_exec_started_one_sees(ended):
         assert got["env"]["WORLD_SIZE"] == got["env"]["LOCAL_WORLD_SIZE"] == "2"
 
 
+@pytest.mark.slow
+@pytest.mark.untimed
 def test_a_forked_ranks_exit_status_and_the_runs_end_are_an_exec_started_ones(ended):
     (_, exec_st), (fork_dir, fork_st) = ended["exec", "exit3"], ended["fork", "exit3"]
     assert exec_st.state == fork_st.state == "failed"
@@ -84,6 +87,8 @@ def test_a_forked_ranks_exit_status_and_the_runs_end_are_an_exec_started_ones(en
         assert "RuntimeWarning" not in _rank_log(fork_dir, r, "stderr")
 
 
+@pytest.mark.slow
+@pytest.mark.untimed
 def test_a_forked_ranks_uncaught_exception_is_in_its_log_and_fails_the_run(ended):
     run_dir, st = ended["fork", "raise"]
     assert st.state == "failed" and st.failing_rank == 1 and st.exit_codes["1"] == 1
@@ -92,3 +97,25 @@ def test_a_forked_ranks_uncaught_exception_is_in_its_log_and_fails_the_run(ended
     assert "Traceback (most recent call last):" in err
     assert err.rstrip().endswith("ValueError: the probe's rank 1 fails here")
     assert any("ValueError: the probe's rank 1 fails here" in line for line in st.log_tail)
+
+
+def test_the_start_method_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(forked.START_METHOD_ENV, raising=False)
+    assert forked.start_method() == "fork"  # Linux, where the tests run
+    monkeypatch.setenv(forked.START_METHOD_ENV, "exec")
+    assert forked.start_method() == "exec"
+    monkeypatch.setenv(forked.START_METHOD_ENV, "spawn")
+    with pytest.raises(ValueError, match="WORKBENCH_RANK_START must be one of fork, exec, got 'spawn'"):
+        forked.start_method()
+
+
+def test_a_supervisor_that_initialised_cuda_does_not_fork(monkeypatch):
+    """A forked process cannot use its parent's CUDA context: the supervisor refuses, naming the way out
+    (torch's own flag, stood in for on this machine without a GPU)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    forked.refuse_cuda()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="WORKBENCH_RANK_START=exec"):
+        forked.refuse_cuda()

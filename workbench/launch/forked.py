@@ -20,7 +20,8 @@ what makes a rank a rank kept as an exec-started one has it:
   torchrun receives the rank's result and multiprocessing ends the process without finalization.
 
 A CUDA context must never exist in the supervisor (a forked child cannot use it): the supervisor
-never touches the GPU, and a rank refuses to start if torch says it was forked from one that did.
+never touches the GPU, and refuses to fork its ranks if torch says CUDA was initialised
+(``refuse_cuda``).
 ``--start-method exec`` starts ranks as new interpreters, exactly as torchrun's CLI does.
 """
 
@@ -81,13 +82,15 @@ def _unbuffered() -> None:
 
 
 def _no_parent_death_signal() -> None:
-    """Undo ``torch.multiprocessing``'s request for SIGINT when the supervisor dies: a rank notices
-    that itself and ends as an exec-started one does (``runtime.train``'s parent watchdog)."""
+    """Undo ``torch.multiprocessing``'s request for SIGINT when the supervisor dies (prctl
+    PR_SET_PDEATHSIG): a rank notices that itself and ends as an exec-started one does
+    (``runtime.train``'s parent watchdog)."""
+    import ctypes
+
     try:
-        from torch.multiprocessing import _prctl_pr_set_pdeathsig
-    except ImportError:  # pragma: no cover - another torch
-        return
-    _prctl_pr_set_pdeathsig(0)
+        ctypes.CDLL(None, use_errno=True).prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG, no signal
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        pass
 
 
 def _close_inherited_sockets() -> None:
@@ -126,6 +129,16 @@ def _flush() -> None:
             pass
 
 
+def refuse_cuda() -> None:
+    """Raise RuntimeError, in the supervisor before its ranks fork, if this process has initialised
+    CUDA: a forked process cannot use its parent's CUDA context."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError(f"the supervisor has initialised CUDA, which forked ranks cannot use: start the run "
+                           f"with {START_METHOD_ENV}=exec")
+
+
 def rank_main(module: str, *argv: str) -> None:
     """One rank, in a process forked by torchrun's agent (the supervisor): run ``module`` as
     ``__main__`` with ``argv``. Returns when the rank ended with status 0; otherwise the process ends
@@ -142,9 +155,6 @@ def rank_main(module: str, *argv: str) -> None:
             signal.signal(s, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     _unbuffered()
-    if torch.cuda._is_in_bad_fork():
-        raise RuntimeError("this rank was forked from a supervisor that had started CUDA, which a forked "
-                           f"process cannot use: start the run with {START_METHOD_ENV}=exec")
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))

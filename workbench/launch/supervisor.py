@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 from workbench import runs
-from workbench.launch.forked import START_METHODS, preload, rank_main, start_method
+from workbench.launch.forked import START_METHODS, preload, rank_main, refuse_cuda, start_method
 from workbench.launch.process import TRAINER_MODULE, sweep
 
 LOOPBACK_BACKEND = "workbench-loopback"
@@ -222,10 +222,9 @@ def _torchrun(targs, method: str, run_dir: Path) -> None:
     if method == "exec":
         run(targs)
         return
-    import torch.multiprocessing as tmp
     from torch.distributed.launcher.api import elastic_launch
 
-    tmp._set_thread_name("pt_elastic")
+    refuse_cuda()
     if targs.master_port is None:  # as run() sets it (our rendezvous passes its own address and port)
         targs.master_port = 29500
     config, _cmd, cmd_args = config_from_args(targs)
