@@ -100,8 +100,14 @@ def test_a_forked_ranks_uncaught_exception_is_in_its_log_and_fails_the_run(ended
 
 
 def test_the_start_method_comes_from_the_environment(monkeypatch):
+    import torch
+
     monkeypatch.delenv(forked.START_METHOD_ENV, raising=False)
-    assert forked.start_method() == "fork"  # Linux, where the tests run
+    assert forked.start_method() == "fork"  # Linux and a CPU build of torch, where the tests run
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    assert forked.start_method() == "exec"  # a CUDA build keeps new interpreters unless asked
+    monkeypatch.setenv(forked.START_METHOD_ENV, "fork")
+    assert forked.start_method() == "fork"
     monkeypatch.setenv(forked.START_METHOD_ENV, "exec")
     assert forked.start_method() == "exec"
     monkeypatch.setenv(forked.START_METHOD_ENV, "spawn")
@@ -119,3 +125,35 @@ def test_a_supervisor_that_initialised_cuda_does_not_fork(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(RuntimeError, match="WORKBENCH_RANK_START=exec"):
         forked.refuse_cuda()
+
+
+def test_torchruns_launch_configuration_asks_about_cuda_without_initialising_it(monkeypatch, tmp_path):
+    """torchrun's LaunchConfig, built in the supervisor before its ranks fork, asks
+    ``torch.cuda.is_available()`` and the device count (to choose NUMA bindings). torch's default
+    check calls ``cudaGetDeviceCount``, which initialises CUDA in the supervisor and leaves no forked
+    rank able to use the GPU; under ``cuda_checks_without_init`` it asks NVML instead. Stand-ins on
+    this machine without a GPU: a CUDA build of torch, NVML counting 2 GPUs, and a recorder in place
+    of ``cudaGetDeviceCount``."""
+    import torch
+    from torch.distributed.run import config_from_args, parse_args
+
+    from workbench.launch.supervisor import torchrun_args
+
+    calls: list = []
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 2)
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: calls.append("cudaGetDeviceCount") or 2, raising=False)
+    monkeypatch.delenv(forked.NVML_CHECK_ENV, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+    def config() -> None:
+        config_from_args(parse_args(torchrun_args(tmp_path, nproc=2, nnodes=1, node_rank=0, rdzv_endpoint=None,
+                                                  rdzv_id=None, module="m", module_args=[], attempt=1)))
+
+    config()
+    assert calls == ["cudaGetDeviceCount"]  # torchrun's own check initialises CUDA: what the guard is for
+    calls.clear()
+    with forked.cuda_checks_without_init():
+        config()
+    assert calls == []
+    assert forked.NVML_CHECK_ENV not in os.environ  # the supervisor's environment as it was

@@ -3,7 +3,8 @@
 The supervisor is torchrun, so it has imported torch before any rank starts. torchrun starts a
 ``-m module`` rank as a new interpreter that imports torch again: 1.2-1.8 s of CPU per rank, every
 run, every restart (a 2-rank tiny run on 2 cores spends more on that than on its steps). With
-``--start-method fork`` (the supervisor's default on Linux; ``$WORKBENCH_RANK_START`` chooses too) torchrun's elastic agent starts each
+``--start-method fork`` (the supervisor's default on Linux with a CPU build of torch;
+``$WORKBENCH_RANK_START`` chooses too) torchrun's elastic agent starts each
 rank as a function, by fork, and the rank runs its module as ``python -u -m module`` would, with
 what makes a rank a rank kept as an exec-started one has it:
 
@@ -19,14 +20,17 @@ what makes a rank a rank kept as an exec-started one has it:
   status 1), a signal. ``workbench.util.exit_process`` raises instead of ``os._exit`` here, so
   torchrun receives the rank's result and multiprocessing ends the process without finalization.
 
-A CUDA context must never exist in the supervisor (a forked child cannot use it): the supervisor
-never touches the GPU, and refuses to fork its ranks if torch says CUDA was initialised
-(``refuse_cuda``).
+CUDA must never be initialised in the supervisor (a forked child cannot use it): the supervisor
+never touches the GPU, torchrun's own CUDA checks go through NVML (``cuda_checks_without_init``),
+and it refuses to fork its ranks if torch says CUDA was initialised (``refuse_cuda``). With a CUDA
+build of torch ranks start by ``exec`` unless ``WORKBENCH_RANK_START=fork``: forked ranks have not
+run on a GPU yet.
 ``--start-method exec`` starts ranks as new interpreters, exactly as torchrun's CLI does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import runpy
@@ -44,14 +48,40 @@ supervisor's ``--start-method`` is not given: ``WORKBENCH_RANK_START=exec workbe
 
 
 def start_method() -> str:
-    """How ranks start: ``$WORKBENCH_RANK_START`` if set, else ``fork`` on Linux and ``exec`` elsewhere
-    (macOS forks a process that has loaded torch unreliably). Raises ValueError for another value."""
+    """How ranks start: ``$WORKBENCH_RANK_START`` if set; else ``fork`` on Linux with a CPU build of
+    torch (CPU machines, CI), ``exec`` with a CUDA build (forked ranks have not run on a GPU yet: a
+    GPU machine keeps the start its checks measured) and off Linux (macOS forks a process that has
+    loaded torch unreliably). Raises ValueError for another value."""
     chosen = os.environ.get(START_METHOD_ENV, "").strip()
     if not chosen:
-        return "fork" if sys.platform.startswith("linux") else "exec"
+        import torch
+
+        return "fork" if sys.platform.startswith("linux") and not torch.backends.cuda.is_built() else "exec"
     if chosen not in START_METHODS:
         raise ValueError(f"{START_METHOD_ENV} must be one of {', '.join(START_METHODS)}, got {chosen!r}")
     return chosen
+
+
+@contextlib.contextmanager
+def cuda_checks_without_init():
+    """While torchrun builds its launch configuration in the supervisor: its CUDA checks
+    (``LaunchConfig`` asks ``torch.cuda.is_available()`` and the device count, to choose NUMA
+    bindings) go through NVML, which does not initialise CUDA, instead of ``cudaGetDeviceCount``,
+    which does, and would leave every forked rank unable to use the GPU
+    (``PYTORCH_NVML_BASED_CUDA_CHECK``; torch falls back to the CUDA runtime where NVML cannot
+    answer)."""
+    before = os.environ.get(NVML_CHECK_ENV)
+    os.environ[NVML_CHECK_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(NVML_CHECK_ENV, None)
+        else:
+            os.environ[NVML_CHECK_ENV] = before
+
+
+NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 def preload(modules) -> None:

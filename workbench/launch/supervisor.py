@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 from workbench import runs
-from workbench.launch.forked import START_METHODS, preload, rank_main, refuse_cuda, start_method
+from workbench.launch.forked import START_METHODS, cuda_checks_without_init, preload, rank_main, refuse_cuda, start_method
 from workbench.launch.process import TRAINER_MODULE, sweep
 
 LOOPBACK_BACKEND = "workbench-loopback"
@@ -224,10 +224,11 @@ def _torchrun(targs, method: str, run_dir: Path) -> None:
         return
     from torch.distributed.launcher.api import elastic_launch
 
-    refuse_cuda()
     if targs.master_port is None:  # as run() sets it (our rendezvous passes its own address and port)
         targs.master_port = 29500
-    config, _cmd, cmd_args = config_from_args(targs)
+    with cuda_checks_without_init():  # LaunchConfig asks whether CUDA is there (NUMA bindings)
+        config, _cmd, cmd_args = config_from_args(targs)
+    refuse_cuda()
     # cmd_args: ["-u", "-m", module, *its arguments] (-u: rank_main makes its output unbuffered)
     if cmd_args[:2] != ["-u", "-m"]:
         raise RuntimeError(f"unexpected rank command for a forked start: {cmd_args[:3]}")
@@ -365,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start-method", choices=START_METHODS, default=None,
                     help="fork: ranks start as forks of this process, torch already imported (workbench.launch.forked); "
                          "exec: as new interpreters, as torchrun's CLI starts them (default: $WORKBENCH_RANK_START, "
-                         "else fork on Linux)")
+                         "else fork on Linux with a CPU build of torch)")
     ap.add_argument("module_args", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     extra = args.module_args[1:] if args.module_args[:1] == ["--"] else args.module_args
