@@ -95,6 +95,17 @@ def positive_float(text: str) -> float:
     return v
 
 
+def flush_std_streams() -> None:
+    """Flush ``sys.stdout`` and ``sys.stderr``, ignoring a stream already closed or gone."""
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
 EXIT_BY_RAISING = False
 """True in a rank forked by the supervisor (``workbench.launch.forked``): there ``exit_process``
 raises ``SystemExit(code)`` once it has flushed, so torchrun's agent receives the rank's result, and
@@ -110,16 +121,11 @@ def exit_process(code: int | None) -> None:
     active exception``, SIGABRT) after a run that finished: seen once in CI on a ZeRO-1 rank."""
     import gc
     import logging
-    import sys
 
     try:
         gc.collect()
         logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+        flush_std_streams()
     finally:
         if not EXIT_BY_RAISING:
             os._exit(0 if code is None else int(code))

@@ -39,6 +39,8 @@ import stat
 import sys
 import traceback
 
+from workbench.util import flush_std_streams
+
 START_METHODS = ("fork", "exec")
 
 
@@ -62,6 +64,10 @@ def start_method() -> str:
     return chosen
 
 
+NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
+"""torch's switch for CUDA checks through NVML, which do not initialise CUDA (``cuda_checks_without_init``)."""
+
+
 @contextlib.contextmanager
 def cuda_checks_without_init():
     """While torchrun builds its launch configuration in the supervisor: its CUDA checks
@@ -81,9 +87,6 @@ def cuda_checks_without_init():
             os.environ[NVML_CHECK_ENV] = before
 
 
-NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
-
-
 def preload(modules) -> None:
     """Import ``modules`` in this process (the supervisor) before its ranks fork, so that every rank
     finds them imported. A rank's own module may be among them: ``rank_main`` runs it afresh as
@@ -100,12 +103,9 @@ def preload(modules) -> None:
 def _unbuffered() -> None:
     """Unbuffered stdout and stderr on whatever files fd 1 and 2 are now (the rank's log files),
     as ``python -u`` gives; children started afresh (the plan-ahead worker) inherit the setting."""
+    flush_std_streams()
     for name, fd in (("stdout", 1), ("stderr", 2)):
         old = getattr(sys, name)
-        try:
-            old.flush()
-        except (OSError, ValueError):
-            pass
         setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=old.encoding,
                                             errors=old.errors, line_buffering=True, write_through=True))
     os.environ["PYTHONUNBUFFERED"] = "1"
@@ -151,14 +151,6 @@ def _forget(module: str) -> None:
             delattr(sys.modules[parent], child)
 
 
-def _flush() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-
-
 def refuse_cuda() -> None:
     """Raise RuntimeError, in the supervisor before its ranks fork, if this process has initialised
     CUDA: a forked process cannot use its parent's CUDA context."""
@@ -194,18 +186,18 @@ def rank_main(module: str, *argv: str) -> None:
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as e:
-        _flush()
+        flush_std_streams()
         if e.code is None or e.code == 0:
             return
         raise
     except KeyboardInterrupt:
         # as the interpreter does: the traceback, then death by SIGINT
         traceback.print_exc()
-        _flush()
+        flush_std_streams()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     except BaseException:
         traceback.print_exc()  # the interpreter would print it to the rank's log; multiprocessing does not
-        _flush()
+        flush_std_streams()
         raise
-    _flush()
+    flush_std_streams()
